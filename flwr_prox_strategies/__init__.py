@@ -1,0 +1,28 @@
+"""flwr-prox-strategies: the proximal family of federated optimisation for Flower.
+
+The public API: strategies (server side), their clients (a ``NumPyClient`` each,
+taking your ``torch.nn.Module`` and data loaders), and the adapter that mounts a
+``NumPyClient`` on a Message-API ``ClientApp``.
+
+>>> from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
+"""
+
+from .algorithms.fedavg import FedAvg, FedAvgClient
+from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient
+from .core.adapter import to_client_app
+from .core.client import ProtocolError, TorchClient
+from .core.strategy import ValidatedFedAvg
+
+__all__ = [
+    "PROXIMAL_MU_KEY",
+    "FedAvg",
+    "FedAvgClient",
+    "FedProx",
+    "FedProxClient",
+    "ProtocolError",
+    "TorchClient",
+    "ValidatedFedAvg",
+    "to_client_app",
+]
+
+__version__ = "0.1.0"

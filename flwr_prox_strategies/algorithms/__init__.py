@@ -1,0 +1,1 @@
+"""One module per algorithm: its Strategy, its client, its wire keys."""

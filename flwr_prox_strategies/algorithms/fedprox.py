@@ -1,0 +1,172 @@
+r"""FedProx (Li et al., MLSys 2020), as seed 000 specifies it.
+
+Client :math:`k` finds a :math:`\gamma`-inexact minimiser of
+
+.. math::
+    h_k(\theta; \theta_t) = f_k(\theta) + \frac{\mu}{2} \lVert \theta - \theta_t \rVert^2
+    \qquad \text{(seed 000, Eq. (1))}
+
+by local SGD: each step follows :math:`\nabla f_k(\theta) + \mu(\theta - \theta_t)`.
+The penalty is **squared** (its gradient vanishes at :math:`\theta_t`), and is
+added with a plus sign.
+
+:math:`\gamma`-inexactness (the seed's pseudo-code garbles it; this is the
+paper's Definition 1): :math:`\lVert \nabla h_k(\theta; \theta_t) \rVert \le
+\gamma \lVert \nabla h_k(\theta_t; \theta_t) \rVert`. With ``gamma`` set, the
+client checks it on its full local gradient after every epoch and stops early;
+``local_epochs`` caps the solve.
+
+Server: the seed's pseudo-code averages uniformly over :math:`S_t`
+(``weighting="uniform"``); the official code (litian96/FedProx) weights by
+sample counts, which is the default here (``weighting="num-examples"``).
+
+Systems heterogeneity (the paper's Section 5.2): with ``drop_percent`` a
+fraction of the sampled clients become stragglers running a random
+``1 .. E-1`` epochs (``np.random.randint(1, E)`` in the official code). FedProx
+keeps their partial work; :class:`~flwr_prox_strategies.algorithms.fedavg.FedAvg`
+drops them, with the same seeded draws.
+
+The dissimilarity :math:`B(\theta)` of Eq. (6) is logged per round with
+``monitor_dissimilarity=True``.
+
+With ``mu = 0`` and no stragglers, FedProx equals FedAvg bit for bit.
+
+Wire keys: the strategy sends ``proximal-mu`` (``PROXIMAL_MU_KEY``, the same key
+as Flower's own ``FedProx``) in every train ``ConfigRecord``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from logging import INFO
+from typing import Any
+
+from flwr.common.logger import log
+
+from ..core.client import TorchClient, require
+from ..core.strategy import ValidatedFedAvg, check_non_negative
+from ..core.training import GradientTerm, full_gradient, grad_norm, trainable
+from ..ops.proximal import ProximalTerm
+
+PROXIMAL_MU_KEY = "proximal-mu"
+
+
+class FedProx(ValidatedFedAvg):
+    r"""FedProx strategy: FedAvg's server plus ``proximal-mu`` for the clients.
+
+    Parameters
+    ----------
+    mu : float (default: 0.01)
+        Proximal penalty constant :math:`\mu \ge 0`. 0 gives FedAvg.
+    **kwargs
+        Keyword arguments of
+        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`
+        (``fraction_train``, ``weighting``, ``local_epochs``, ``drop_percent``,
+        ``seed``, ``monitor_dissimilarity``, ...).
+
+    Notes
+    -----
+    The client side of the contract (:class:`FedProxClient` implements it)::
+
+        mu = config["proximal-mu"]
+        loss.backward()
+        for p, p_global in zip(params, global_params):
+            p.grad += mu * (p - p_global)     # gradient of (mu/2)||w - w_t||^2
+        optimizer.step()
+    """
+
+    straggler_policy = "keep-partial"
+
+    def __init__(self, *, mu: float = 0.01, **kwargs: Any) -> None:
+        check_non_negative("mu", mu)
+        super().__init__(**kwargs)
+        self.mu = float(mu)
+
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return f"FedProx(mu={self.mu}, weighting={self.weighting!r}, seed={self.seed})"
+
+    def summary(self) -> None:
+        """Log the FedProx settings, then the base's."""
+        log(INFO, "\t├──> FedProx settings:")
+        log(INFO, "\t│\t└── Proximal mu: %s (squared penalty)", self.mu)
+        super().summary()
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Send ``proximal-mu`` every round."""
+        return {PROXIMAL_MU_KEY: self.mu}
+
+
+class FedProxClient(TorchClient):
+    r"""Local solver of :math:`\min_\theta f_k(\theta) + \frac{\mu}{2}\lVert\theta - \theta_t\rVert^2`.
+
+    Parameters
+    ----------
+    model, train_loader, test_loader
+        As :class:`~flwr_prox_strategies.core.client.TorchClient`.
+    gamma : float | None (default: None)
+        Inexactness :math:`\gamma \in [0, 1]`. When set, the solve stops after the
+        first epoch whose full local gradient satisfies
+        :math:`\lVert\nabla h_k(\theta)\rVert \le \gamma \lVert\nabla f_k(\theta_t)\rVert`
+        (one extra pass over the local data per epoch). None: run every epoch.
+    **kwargs
+        ``local_epochs`` (the cap), ``learning_rate``, ``momentum``,
+        ``weight_decay``, ``loss_fn``, ``seed``, ``device``.
+    """
+
+    def __init__(self, *args: Any, gamma: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if gamma is not None and not (
+            isinstance(gamma, (int, float)) and 0.0 <= gamma <= 1.0
+        ):
+            raise ValueError(f"gamma must be None or a number in [0, 1], got {gamma!r}")
+        self.gamma = None if gamma is None else float(gamma)
+        self.last_inexactness = math.nan
+
+    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
+        """The proximal term, anchored at the model just received."""
+        mu = float(require(config, PROXIMAL_MU_KEY, "FedProxClient", "FedProx"))
+        if not math.isfinite(mu) or mu < 0:
+            raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
+        anchor = [p.detach().clone() for p in trainable(self.model)]
+        return ProximalTerm(mu, anchor)
+
+    def stop_rule(
+        self, config: dict[str, Any], term: GradientTerm | None
+    ) -> Callable[[int], bool] | None:
+        """The gamma-inexact stopping test, or None when ``gamma`` is unset."""
+        self.last_inexactness = math.nan
+        if self.gamma is None:
+            return None
+        # At theta_t the proximal gradient is zero: grad h_k(theta_t) = grad f_k(theta_t).
+        initial = grad_norm(
+            full_gradient(
+                self.model, self.train_loader, self.loss_fn, device=self.device
+            )
+        )
+        gamma = self.gamma
+
+        def stop_after_epoch(epoch: int) -> bool:
+            current = grad_norm(
+                full_gradient(
+                    self.model,
+                    self.train_loader,
+                    self.loss_fn,
+                    term=term,
+                    device=self.device,
+                )
+            )
+            self.last_inexactness = current / initial if initial > 0 else 0.0
+            return current <= gamma * initial
+
+        return stop_after_epoch
+
+    def after_training(self, config: dict[str, Any], report: Any) -> dict[str, Any]:
+        """Report the achieved inexactness when it was measured."""
+        if math.isfinite(self.last_inexactness):
+            return {"inexactness": self.last_inexactness}
+        return {}
+
+
+__all__ = ["FedProx", "FedProxClient", "PROXIMAL_MU_KEY"]

@@ -1,0 +1,1 @@
+"""Machinery that knows Flower: validated strategy base, adapter, training loop."""

@@ -1,0 +1,181 @@
+"""Mount a ``NumPyClient`` on a Message-API ``ClientApp``.
+
+Flower 1.42's ``NumPyClient`` (``flwr.compat``) does not work with Message-API
+strategies as is. :func:`to_client_app` translates between the two worlds:
+
+* ``ArrayRecord`` -> list of ndarrays, in the record's key order, and back with
+  the same keys (so the server's key and order checks hold);
+* ``ConfigRecord`` -> ``dict``;
+* the node's ``Context`` is given to the client (``client.context``), so
+  ``context.state`` can hold per-client state across rounds;
+* the reply carries one ``ArrayRecord`` (``"arrays"``), any extra ArrayRecords
+  the client put in ``client.reply_arrays``, and one ``MetricRecord``
+  (``"metrics"``) holding ``num-examples``;
+* an exception in client code becomes an error reply carrying its message
+  (``CLIENT_APP_RAISED_EXCEPTION``; a :class:`ProtocolError` gives
+  ``MOD_FAILED_PRECONDITION``), never a dead node.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from logging import DEBUG, ERROR
+from typing import Any
+
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
+from flwr.client import NumPyClient
+
+from .client import ProtocolError
+from .records import to_ndarrays, to_record
+from .keys import NUM_EXAMPLES_KEY
+
+ClientFn = Callable[[Context], NumPyClient]
+
+
+def _first(records: dict[str, Any], kind: str, preferred: str) -> Any:
+    if preferred in records:
+        return records[preferred]
+    if len(records) == 1:
+        return next(iter(records.values()))
+    raise ProtocolError(
+        f"message carries {len(records)} {kind}s, none named '{preferred}'"
+    )
+
+
+def _metric_record(metrics: dict[str, Any], num_examples: int) -> MetricRecord:
+    record = MetricRecord()
+    for key, value in metrics.items():
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)):
+            record[key] = value
+        else:
+            # MetricRecord holds numbers only; strings and bytes stay local.
+            log(DEBUG, "to_client_app: dropping non-numeric metric %r", key)
+    if isinstance(num_examples, bool) or not isinstance(num_examples, (int, float)):
+        raise TypeError(f"the client returned num_examples={num_examples!r}")
+    if isinstance(num_examples, float) and not math.isfinite(num_examples):
+        raise ValueError(f"the client returned num_examples={num_examples!r}")
+    record[NUM_EXAMPLES_KEY] = num_examples
+    return record
+
+
+def _error_reply(message: Message, err: Exception) -> Message:
+    code = (
+        ErrorCode.MOD_FAILED_PRECONDITION
+        if isinstance(err, ProtocolError)
+        else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    )
+    reason = f"{type(err).__name__}: {err}"
+    log(ERROR, "ClientApp: %s\n%s", reason, traceback.format_exc())
+    return Message(Error(code=code, reason=reason), reply_to=message)
+
+
+def _build(client_fn: ClientFn, context: Context) -> NumPyClient:
+    client = client_fn(context)
+    if not isinstance(client, NumPyClient):
+        raise TypeError(
+            f"client_fn must return a NumPyClient, got {type(client).__name__}"
+        )
+    # Flower's NumPyClient has no context in 1.42: give it the node's own.
+    client.context = context  # type: ignore[attr-defined]
+    return client
+
+
+def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Message:
+    """Run ``fit`` for one train message and build the reply (or error reply)."""
+    try:
+        content = message.content
+        arrays: ArrayRecord = _first(
+            dict(content.array_records), "ArrayRecord", "arrays"
+        )
+        config: ConfigRecord = (
+            _first(dict(content.config_records), "ConfigRecord", "config")
+            if content.config_records
+            else ConfigRecord()
+        )
+        keys = list(arrays.keys())
+        client = _build(client_fn, context)
+        new_arrays, num_examples, metrics = client.fit(
+            to_ndarrays(arrays), dict(config)
+        )
+        reply = RecordDict(
+            {
+                "arrays": to_record(
+                    new_arrays, keys if len(keys) == len(new_arrays) else None
+                )
+            }
+        )
+        for name, extra in getattr(client, "reply_arrays", {}).items():
+            reply[name] = to_record(extra, keys if len(keys) == len(extra) else None)
+        reply["metrics"] = _metric_record(metrics, num_examples)
+        return Message(reply, reply_to=message)
+    except Exception as err:  # noqa: BLE001 - any client failure becomes an error reply
+        return _error_reply(message, err)
+
+
+def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> Message:
+    """Run ``evaluate`` for one evaluate message and build the reply."""
+    try:
+        content = message.content
+        arrays: ArrayRecord = _first(
+            dict(content.array_records), "ArrayRecord", "arrays"
+        )
+        config = (
+            _first(dict(content.config_records), "ConfigRecord", "config")
+            if content.config_records
+            else ConfigRecord()
+        )
+        client = _build(client_fn, context)
+        loss, num_examples, metrics = client.evaluate(to_ndarrays(arrays), dict(config))
+        record = _metric_record({"loss": float(loss), **metrics}, num_examples)
+        return Message(RecordDict({"metrics": record}), reply_to=message)
+    except Exception as err:  # noqa: BLE001 - any client failure becomes an error reply
+        return _error_reply(message, err)
+
+
+def to_client_app(client_fn: ClientFn) -> ClientApp:
+    """Mount a ``NumPyClient`` factory on a Message-API ``ClientApp``.
+
+    Parameters
+    ----------
+    client_fn : Callable[[Context], NumPyClient]
+        Builds the node's client from its ``Context`` (``context.node_config``
+        says which partition it holds; ``context.state`` persists across rounds).
+
+    Returns
+    -------
+    ClientApp
+        With ``@app.train()`` and ``@app.evaluate()`` registered.
+
+    Examples
+    --------
+    >>> def client_fn(context):
+    ...     pid = int(context.node_config["partition-id"])
+    ...     return FedProxClient(Net(), load_train(pid), load_test(pid))
+    >>> app = to_client_app(client_fn)
+    """
+    app = ClientApp()
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        return handle_train(client_fn, message, context)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return handle_evaluate(client_fn, message, context)
+
+    return app

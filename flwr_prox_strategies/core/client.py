@@ -1,0 +1,264 @@
+"""The base ``NumPyClient`` of the pack: a torch model, its data, local SGD.
+
+An algorithm's client subclasses :class:`TorchClient` and overrides
+:meth:`TorchClient.gradient_term` (the extra gradient its local objective adds)
+and, if it keeps state across rounds, :meth:`TorchClient.after_training`. The
+training loop itself lives once, in :mod:`.training`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Context
+from flwr.client import NumPyClient
+from numpy.typing import NDArray
+from torch import nn
+
+from .keys import (
+    GRADIENT_RECORD,
+    LOCAL_EPOCHS_KEY,
+    REPORT_GRADIENT_KEY,
+    SERVER_ROUND_KEY,
+)
+from .training import (
+    GradientTerm,
+    LossFn,
+    TrainReport,
+    evaluate_model,
+    full_gradient,
+    train_local,
+    trainable,
+)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ProtocolError(Exception):
+    """The server sent something this client cannot work with.
+
+    The adapter turns it into an error reply with code
+    ``MOD_FAILED_PRECONDITION``, so the server logs a failed node with the
+    reason instead of averaging in a meaningless model.
+    """
+
+
+def require(config: dict[str, Any], key: str, client: str, strategy: str) -> Any:
+    """Return ``config[key]`` or raise a ProtocolError naming the strategy needed."""
+    if key not in config:
+        raise ProtocolError(
+            f"{client} needs '{key}' in the train config, which {strategy} sends; "
+            f"is the ServerApp running {strategy}? Received keys: {sorted(config)}"
+        )
+    return config[key]
+
+
+class TorchClient(NumPyClient):
+    """Local SGD on a user's torch model and data: the FedAvg client.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model; its ``state_dict`` order is the wire order of the arrays.
+    train_loader : Iterable[tuple[Tensor, Tensor]]
+        Local training data (e.g. a ``torch.utils.data.DataLoader``).
+    test_loader : Iterable[tuple[Tensor, Tensor]] | None (default: None)
+        Local held-out data for ``evaluate``; the training data when None.
+    local_epochs : int (default: 1)
+        Epochs per round unless the server sends ``local-epochs``.
+    learning_rate : float (default: 0.01)
+        SGD step size.
+    momentum : float (default: 0.0)
+        SGD momentum (reset each round: the optimiser is rebuilt per fit).
+    weight_decay : float (default: 0.0)
+        L2 penalty coefficient added by the optimiser.
+    loss_fn : callable | None (default: None)
+        ``loss_fn(outputs, targets)`` returning the mean loss of a batch;
+        cross-entropy when None.
+    seed : int | None (default: None)
+        When set, torch's generator is seeded with ``(seed, server-round)`` at
+        the start of each fit, so shuffling and dropout are reproducible and a
+        resumed run repeats an uninterrupted one.
+    device : str (default: "cpu")
+        Torch device.
+    """
+
+    def __init__(  # noqa: PLR0913
+        self,
+        model: nn.Module,
+        train_loader: Iterable[Batch],
+        test_loader: Iterable[Batch] | None = None,
+        *,
+        local_epochs: int = 1,
+        learning_rate: float = 0.01,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        loss_fn: LossFn | None = None,
+        seed: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if (
+            isinstance(local_epochs, bool)
+            or not isinstance(local_epochs, int)
+            or local_epochs < 0
+        ):
+            raise ValueError(
+                f"local_epochs must be an integer >= 0, got {local_epochs!r}"
+            )
+        for name, value in (
+            ("learning_rate", learning_rate),
+            ("momentum", momentum),
+            ("weight_decay", weight_decay),
+        ):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if learning_rate == 0:
+            raise ValueError("learning_rate must be > 0")
+        self.model = model.to(device)
+        self.train_loader = train_loader
+        self.test_loader = test_loader
+        self.local_epochs = local_epochs
+        self.learning_rate = float(learning_rate)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.loss_fn: LossFn = loss_fn or nn.functional.cross_entropy
+        self.seed = seed
+        self.device = device
+        self.context: Context | None = None
+        # Extra ArrayRecords for the reply (name -> arrays in model order),
+        # filled by fit and read by the adapter.
+        self.reply_arrays: dict[str, list[NDArray]] = {}
+
+    # ------------------------------------------------------------ parameters
+    def get_parameters(self, config: dict[str, Any]) -> list[NDArray]:
+        """Return the model's state as numpy arrays, in ``state_dict`` order."""
+        return [
+            t.detach().cpu().numpy().copy() for t in self.model.state_dict().values()
+        ]
+
+    def set_parameters(self, parameters: Sequence[NDArray]) -> None:
+        """Load numpy arrays (``state_dict`` order) into the model."""
+        state = self.model.state_dict()
+        if len(parameters) != len(state):
+            raise ProtocolError(
+                f"received {len(parameters)} arrays, the model has {len(state)} tensors"
+            )
+        new_state = {}
+        for (key, current), value in zip(state.items(), parameters, strict=True):
+            if tuple(current.shape) != tuple(np.shape(value)):
+                raise ProtocolError(
+                    f"array for '{key}' has shape {np.shape(value)}, "
+                    f"model expects {tuple(current.shape)}"
+                )
+            new_state[key] = torch.as_tensor(np.asarray(value), dtype=current.dtype)
+        self.model.load_state_dict(new_state, strict=True)
+
+    # ---------------------------------------------------------------- hooks
+    def gradient_term(self, config: dict[str, Any]) -> GradientTerm | None:
+        """Return the extra gradient term of this round's local objective."""
+        return None
+
+    def stop_rule(self, config: dict[str, Any], term: GradientTerm | None):  # noqa: ANN201
+        """Return a ``stop_after_epoch(epoch) -> bool`` callable, or None."""
+        return None
+
+    def after_training(
+        self, config: dict[str, Any], report: TrainReport
+    ) -> dict[str, Any]:
+        """Update client state after the local solve; return extra metrics."""
+        return {}
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """Build this round's optimiser (plain SGD)."""
+        return torch.optim.SGD(
+            trainable(self.model),
+            lr=self.learning_rate,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+        )
+
+    # ------------------------------------------------------------------ fit
+    def fit(
+        self, parameters: list[NDArray], config: dict[str, Any]
+    ) -> tuple[list[NDArray], int, dict[str, Any]]:
+        """Train from the global model; return the local model and metrics."""
+        self.reply_arrays = {}
+        server_round = int(config.get(SERVER_ROUND_KEY, 0))
+        if self.seed is not None:
+            torch.manual_seed(self.seed * 1_000_003 + server_round)
+        self.set_parameters(parameters)
+        epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
+        metrics: dict[str, Any] = {}
+        if config.get(REPORT_GRADIENT_KEY, False):
+            grads = full_gradient(
+                self.model, self.train_loader, self.loss_fn, device=self.device
+            )
+            self.reply_arrays[GRADIENT_RECORD] = self._in_state_order(grads)
+            metrics["grad-sq-norm"] = float(
+                sum(float((g.double() ** 2).sum()) for g in grads)
+            )
+        term = self.gradient_term(config)
+        report = train_local(
+            self.model,
+            self.train_loader,
+            epochs=epochs,
+            optimizer=self.make_optimizer(),
+            loss_fn=self.loss_fn,
+            term=term,
+            stop_after_epoch=self.stop_rule(config, term),
+            device=self.device,
+        )
+        if report.examples_seen == 0 and epochs > 0:
+            raise ValueError("the training loader yielded no examples")
+        metrics.update(
+            {
+                "train-loss": report.mean_loss,
+                "local-epochs-run": report.epochs,
+                "local-steps": report.steps,
+            }
+        )
+        metrics.update(self.after_training(config, report))
+        return self.get_parameters({}), self.num_train_examples(), metrics
+
+    def num_train_examples(self) -> int:
+        """Number of local training examples (the aggregation weight)."""
+        dataset = getattr(self.train_loader, "dataset", None)
+        if dataset is not None:
+            return len(dataset)
+        return sum(len(targets) for _, targets in self.train_loader)
+
+    def _in_state_order(self, grads: Sequence[torch.Tensor]) -> list[NDArray]:
+        """Lay out per-parameter tensors like ``state_dict`` (zeros for buffers)."""
+        by_id = {id(p): g for p, g in zip(trainable(self.model), grads, strict=True)}
+        named = dict(self.model.named_parameters())
+        out = []
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            param = named.get(key)
+            grad = by_id.get(id(param)) if param is not None else None
+            out.append(
+                grad.detach().cpu().numpy().astype(value.detach().cpu().numpy().dtype)
+                if grad is not None
+                else np.zeros(
+                    tuple(value.shape), dtype=value.detach().cpu().numpy().dtype
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------- evaluate
+    def evaluate(
+        self, parameters: list[NDArray], config: dict[str, Any]
+    ) -> tuple[float, int, dict[str, Any]]:
+        """Evaluate the received model on the local held-out data."""
+        self.set_parameters(parameters)
+        loader = self.test_loader if self.test_loader is not None else self.train_loader
+        loss, accuracy, count = evaluate_model(
+            self.model, loader, self.loss_fn, device=self.device
+        )
+        metrics: dict[str, Any] = {"loss": loss}
+        if math.isfinite(accuracy):
+            metrics["accuracy"] = accuracy
+        return loss, count, metrics

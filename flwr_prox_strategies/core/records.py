@@ -1,0 +1,106 @@
+"""Conversions between Flower records and numpy, and array specs for validation."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+from numpy.typing import NDArray
+
+NUMPY_STYPE = "numpy.ndarray"
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Expected dtype and shape of one named array."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# Ordered mapping key -> spec; the order is the NumPyClient list order.
+RecordSpec = dict[str, ArraySpec]
+
+
+def spec_of(record: ArrayRecord) -> RecordSpec:
+    """Return the spec (key order, dtype, shape) of an ``ArrayRecord``."""
+    return {
+        key: ArraySpec(str(arr.dtype), tuple(arr.shape)) for key, arr in record.items()
+    }
+
+
+def array_view(array: Array) -> NDArray:
+    """Return a read-only numpy view of an ``Array``'s payload, without a copy.
+
+    ``Array.numpy()`` goes through ``np.load`` on a ``BytesIO`` and copies the
+    payload; aggregation only reads it, so a view over the bytes is enough. The
+    ``.npy`` header is parsed and checked against the ``Array``'s declared dtype
+    and shape, so a payload that lies about its metadata is refused.
+
+    Raises
+    ------
+    ValueError
+        If the payload is not a well-formed ``.npy`` buffer matching the metadata.
+    """
+    if array.stype != NUMPY_STYPE:
+        raise ValueError(f"unsupported serialisation type {array.stype!r}")
+    data = array.data
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    except ValueError as err:
+        raise ValueError(f"malformed .npy payload: {err}") from err
+    if dtype.hasobject:
+        raise ValueError("object arrays are not accepted")
+    if str(dtype) != array.dtype or tuple(shape) != tuple(array.shape):
+        raise ValueError(
+            f"payload holds {dtype}{list(shape)} but the Array declares "
+            f"{array.dtype}{list(array.shape)}"
+        )
+    offset = stream.tell()
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(data) - offset != count * dtype.itemsize:
+        raise ValueError(
+            f"payload has {len(data) - offset} bytes, expected {count * dtype.itemsize}"
+        )
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape, order="F" if fortran else "C")
+
+
+def to_ndarrays(record: ArrayRecord) -> list[NDArray]:
+    """Return the record's arrays as writable numpy arrays, in key order."""
+    return [arr.numpy() for arr in record.values()]
+
+
+def to_record(
+    arrays: Sequence[NDArray], keys: Sequence[str] | None = None
+) -> ArrayRecord:
+    """Build an ``ArrayRecord`` from a list of arrays, with the given key order.
+
+    Parameters
+    ----------
+    arrays : Sequence[NDArray]
+        The arrays.
+    keys : Sequence[str] | None
+        Their names; ``"0", "1", ...`` when None (Flower's own convention).
+    """
+    if keys is None:
+        keys = [str(i) for i in range(len(arrays))]
+    if len(keys) != len(arrays):
+        raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
+    record = ArrayRecord()
+    for key, value in zip(keys, arrays, strict=True):
+        record[key] = Array(np.ascontiguousarray(value))
+    return record
+
+
+def dict_to_record(arrays: Mapping[str, NDArray]) -> ArrayRecord:
+    """Build an ``ArrayRecord`` from a name -> array mapping, keeping its order."""
+    return to_record(list(arrays.values()), list(arrays.keys()))

@@ -1,0 +1,611 @@
+"""The validated strategy base every strategy of the pack inherits.
+
+It keeps Flower's ``FedAvg`` interface (so ``strategy.start(...)`` and Flower's DP
+wrappers work unchanged) but replaces the parts a research user cannot trust:
+
+* replies are validated one by one (:mod:`.validation`) against the spec of the
+  model that was sent; a bad reply is logged with its node and reason, counted,
+  and otherwise ignored, exactly as if it had never arrived;
+* a round without a valid reply keeps the previous model and says so;
+* averaging streams every reply into one accumulator (:mod:`..ops.aggregate`),
+  with no ``ZeroDivisionError`` and no silent broadcasting;
+* sampling is seeded per round (no global ``random`` state), so two strategies
+  built with the same seed sample the same nodes and the same stragglers;
+* each node gets its own ``RecordDict`` and ``ConfigRecord`` (no aliasing);
+* ``min_available_nodes`` is awaited for ``node_wait_timeout`` seconds at most,
+  then the run fails with the fix in the message, instead of waiting forever.
+
+Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`,
+:meth:`expected_train_arrays`, :meth:`aggregate_arrays`, :meth:`on_valid_replies`,
+:meth:`state_dict` / :meth:`load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
+from .records import RecordSpec, dict_to_record, spec_of
+from ..ops.dissimilarity import dissimilarity, sq_norm
+from .keys import (
+    GRADIENT_RECORD,
+    LOCAL_EPOCHS_KEY,
+    NUM_EXAMPLES_KEY,
+    REPORT_GRADIENT_KEY,
+    SERVER_ROUND_KEY,
+)
+from .validation import ReplyRejected, ValidReply, validate_reply
+
+WEIGHTINGS = ("num-examples", "uniform")
+STRAGGLER_POLICIES = ("drop", "keep-partial")
+
+
+def check_fraction(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_non_negative(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: int, minimum: int) -> int:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class ValidatedFedAvg(FedAvg):
+    """Federated averaging with validated replies, seeded sampling and stragglers.
+
+    This is the pack's FedAvg baseline and the base of every pack strategy.
+
+    Parameters
+    ----------
+    fraction_train : float (default: 1.0)
+        Fraction of connected nodes sampled for training each round.
+    fraction_evaluate : float (default: 1.0)
+        Fraction of connected nodes sampled for federated evaluation.
+    min_train_nodes : int (default: 2)
+        Minimum number of nodes sampled for training.
+    min_evaluate_nodes : int (default: 2)
+        Minimum number of nodes sampled for evaluation.
+    min_available_nodes : int (default: 2)
+        Nodes that must be connected before sampling.
+    weighting : str (default: "num-examples")
+        ``"num-examples"``: average weighted by each reply's sample count;
+        ``"uniform"``: plain mean over the valid replies.
+    local_epochs : int | None (default: None)
+        Sent as ``local-epochs`` each round when set; otherwise clients use their
+        own setting. Required when ``drop_percent > 0``.
+    drop_percent : float (default: 0.0)
+        Fraction of the sampled nodes made stragglers each round (the FedProx
+        paper's systems heterogeneity). A straggler runs a random number of epochs
+        in ``1 .. local_epochs - 1`` (as ``np.random.randint(1, E)`` in the
+        official FedProx code). What happens to them is the class's
+        ``straggler_policy``: this baseline drops them (never sends them work).
+    seed : int (default: 0)
+        Seeds node sampling and straggler draws, per round.
+    monitor_dissimilarity : bool (default: False)
+        Ask clients for their full local gradient at the global model and log
+        the FedProx paper's dissimilarity ``B = E_k||grad f_k||^2 / ||grad f||^2``
+        (weights as the average), estimated over the round's valid replies.
+        Costs one extra pass over the local data and one model-sized upload.
+    accept_failures : bool (default: True)
+        When False, a round in which any reply failed or was rejected is not
+        aggregated (the model is kept), as in Flower's legacy strategies.
+    node_wait_timeout : float (default: 120.0)
+        Seconds to wait for ``min_available_nodes`` before failing with an
+        explanation (Flower's own ``FedAvg`` waits forever).
+    arrayrecord_key, configrecord_key : str
+        Record names in the messages (Flower's defaults).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable | None
+        Flower-style ``(list[RecordDict], str) -> MetricRecord``; called on the
+        valid replies only. Default: weighted mean of every numeric metric.
+    """
+
+    straggler_policy: ClassVar[str] = "drop"
+
+    def __init__(  # noqa: PLR0913
+        self,
+        *,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighting: str = "num-examples",
+        local_epochs: int | None = None,
+        drop_percent: float = 0.0,
+        seed: int = 0,
+        monitor_dissimilarity: bool = False,
+        accept_failures: bool = True,
+        node_wait_timeout: float = 120.0,
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+        | None = None,
+    ) -> None:
+        check_fraction("fraction_train", fraction_train)
+        check_fraction("fraction_evaluate", fraction_evaluate)
+        check_int("min_train_nodes", min_train_nodes, 0)
+        check_int("min_evaluate_nodes", min_evaluate_nodes, 0)
+        check_int("min_available_nodes", min_available_nodes, 0)
+        if weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"weighting must be one of {WEIGHTINGS}, got {weighting!r}"
+            )
+        if local_epochs is not None:
+            check_int("local_epochs", local_epochs, 1)
+        check_fraction("drop_percent", drop_percent)
+        if drop_percent > 0 and (local_epochs is None or local_epochs < 2):
+            raise ValueError(
+                "drop_percent > 0 needs local_epochs >= 2 (stragglers run 1 .. "
+                f"local_epochs - 1 epochs), got local_epochs={local_epochs!r}"
+            )
+        check_int("seed", seed, 0)
+        check_non_negative("node_wait_timeout", node_wait_timeout)
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=NUM_EXAMPLES_KEY,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+        )
+        self._custom_train_metrics = train_metrics_aggr_fn
+        self._custom_evaluate_metrics = evaluate_metrics_aggr_fn
+        self.weighting = weighting
+        self.local_epochs = local_epochs
+        self.drop_percent = float(drop_percent)
+        self.seed = seed
+        self.monitor_dissimilarity = bool(monitor_dissimilarity)
+        self.accept_failures = accept_failures
+        self.node_wait_timeout = float(node_wait_timeout)
+        # Diagnostics, not algorithm state: never part of state_dict().
+        self.rejections: Counter[str] = Counter()
+        self.last_round_report: dict[str, Any] = {}
+        # Set by configure_train, read by aggregate_train.
+        self._global_arrays: ArrayRecord | None = None
+        self._global_spec: RecordSpec | None = None
+        self._train_nodes: set[int] | None = None
+        self._evaluate_nodes: set[int] | None = None
+
+    # ------------------------------------------------------------------ info
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return (
+            f"{type(self).__name__}(fraction_train={self.fraction_train}, "
+            f"weighting={self.weighting!r}, seed={self.seed})"
+        )
+
+    def summary(self) -> None:
+        """Log the configuration of the strategy."""
+        log(INFO, "\t├──> Validation and sampling (flwr-prox-strategies):")
+        log(INFO, "\t│\t├── Weighting: %s", self.weighting)
+        log(INFO, "\t│\t├── Seed: %d", self.seed)
+        log(INFO, "\t│\t├── Local epochs: %s", self.local_epochs or "client's own")
+        log(
+            INFO,
+            "\t│\t└── Stragglers: %.0f%% (%s)",
+            100 * self.drop_percent,
+            self.straggler_policy,
+        )
+        super().summary()
+
+    # -------------------------------------------------------------- sampling
+    def _connected_nodes(self, grid: Grid, needed: int) -> list[int]:
+        deadline = time.monotonic() + self.node_wait_timeout
+        while len(nodes := sorted(grid.get_node_ids())) < needed:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{type(self).__name__}: only {len(nodes)} node(s) connected after "
+                    f"{self.node_wait_timeout:.0f} s, but {needed} are required "
+                    "(min_available_nodes / min_*_nodes). Start more SuperNodes, run "
+                    "the simulation with --federation-config 'num-supernodes=N', or "
+                    "lower the minimum."
+                )
+            log(
+                INFO, "Waiting for nodes: %d connected, %d required", len(nodes), needed
+            )
+            time.sleep(1.0)
+        return nodes
+
+    def sample_nodes(
+        self,
+        grid: Grid,
+        server_round: int,
+        *,
+        fraction: float,
+        minimum: int,
+        stream: int,
+    ) -> tuple[list[int], int]:
+        """Sample nodes reproducibly for ``server_round``.
+
+        The generator is seeded by ``(seed, server_round, stream)``: the sample
+        depends on nothing else, so a resumed run samples exactly as an
+        uninterrupted one.
+
+        Returns
+        -------
+        tuple[list[int], int]
+            The sampled node ids (sorted) and the number of connected nodes.
+        """
+        probe = sorted(grid.get_node_ids())
+        size = max(int(len(probe) * fraction), minimum)
+        nodes = self._connected_nodes(grid, max(self.min_available_nodes, size))
+        size = max(int(len(nodes) * fraction), minimum)
+        rng = np.random.default_rng([self.seed, server_round, stream])
+        chosen = rng.choice(len(nodes), size=size, replace=False)
+        return sorted(nodes[i] for i in chosen), len(nodes)
+
+    def draw_stragglers(self, node_ids: list[int], server_round: int) -> dict[int, int]:
+        """Return ``{node: epochs}`` for this round's stragglers (seeded per round)."""
+        if self.drop_percent == 0.0 or not node_ids:
+            return {}
+        assert self.local_epochs is not None  # checked in __init__
+        rng = np.random.default_rng([self.seed, server_round, 1])
+        num_active = round(len(node_ids) * (1.0 - self.drop_percent))
+        order = rng.permutation(len(node_ids))
+        stragglers = sorted(node_ids[i] for i in order[num_active:])
+        epochs = rng.integers(1, self.local_epochs, size=len(stragglers))
+        return {node: int(e) for node, e in zip(stragglers, epochs, strict=True)}
+
+    # ----------------------------------------------------------------- hooks
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Return the algorithm's values for this round's train ConfigRecord."""
+        return {}
+
+    def node_train_config(self, node_id: int, server_round: int) -> dict[str, Any]:
+        """Return per-node additions to the train ConfigRecord."""
+        return {}
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """Return the ArrayRecords (name -> spec) a train reply must carry."""
+        assert self._global_spec is not None
+        expected = {self.arrayrecord_key: self._global_spec}
+        if self.monitor_dissimilarity:
+            expected[GRADIENT_RECORD] = self._global_spec
+        return expected
+
+    def reply_weight(self, reply: ValidReply) -> float:
+        """Return the weight of a valid reply in the average."""
+        return reply.num_examples if self.weighting == "num-examples" else 1.0
+
+    def aggregate_arrays(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> ArrayRecord:
+        """Return the new global model from the valid replies (weighted mean)."""
+        mean = WeightedMean()
+        for reply in replies:
+            mean.add(reply.arrays[self.arrayrecord_key], self.reply_weight(reply))
+        return dict_to_record(mean.result())
+
+    def on_valid_replies(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> dict[str, Any]:
+        """Update algorithm state from the valid replies; return extra metrics.
+
+        Called after :meth:`aggregate_arrays` succeeded, and only then, so a
+        round that is not aggregated never touches the state.
+        """
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the server state needed to resume a run exactly.
+
+        Sampling is seeded per round, so the base holds no RNG state; subclasses
+        add their algorithm state (numpy arrays and scalars).
+        """
+        return {"strategy": type(self).__name__, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state.get("strategy") != type(self).__name__:
+            raise ValueError(
+                f"checkpoint is for {state.get('strategy')!r}, not {type(self).__name__}"
+            )
+        if state.get("seed") != self.seed:
+            raise ValueError(
+                f"checkpoint was made with seed={state.get('seed')}, strategy has "
+                f"seed={self.seed}: sampling would not resume identically"
+            )
+
+    # -------------------------------------------------------------- training
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes and build one fresh message per node."""
+        self._global_arrays = arrays
+        self._global_spec = spec_of(arrays)
+        if self.fraction_train == 0.0:
+            self._train_nodes = set()
+            return []
+        node_ids, num_connected = self.sample_nodes(
+            grid,
+            server_round,
+            fraction=self.fraction_train,
+            minimum=self.min_train_nodes,
+            stream=0,
+        )
+        stragglers = self.draw_stragglers(node_ids, server_round)
+        if stragglers and self.straggler_policy == "drop":
+            node_ids = [n for n in node_ids if n not in stragglers]
+            log(INFO, "configure_train: dropping %d straggler(s)", len(stragglers))
+        log(
+            INFO,
+            "configure_train: sampled %d nodes (out of %d)%s",
+            len(node_ids),
+            num_connected,
+            f", {len(stragglers)} straggler(s) keep partial work"
+            if stragglers and self.straggler_policy == "keep-partial"
+            else "",
+        )
+        self._train_nodes = set(node_ids)
+        shared = dict(config)
+        shared[SERVER_ROUND_KEY] = server_round
+        if self.local_epochs is not None:
+            shared[LOCAL_EPOCHS_KEY] = self.local_epochs
+        if self.monitor_dissimilarity:
+            shared[REPORT_GRADIENT_KEY] = True
+        shared.update(self.train_config(server_round))
+        messages = []
+        for node_id in node_ids:
+            node_config = dict(shared)
+            if node_id in stragglers:
+                node_config[LOCAL_EPOCHS_KEY] = stragglers[node_id]
+            node_config.update(self.node_train_config(node_id, server_round))
+            content = RecordDict(
+                {
+                    self.arrayrecord_key: self.node_train_arrays(node_id, arrays),
+                    self.configrecord_key: ConfigRecord(node_config),
+                }
+            )
+            messages.append(
+                Message(
+                    content=content, message_type=MessageType.TRAIN, dst_node_id=node_id
+                )
+            )
+        return messages
+
+    def node_train_arrays(self, node_id: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Return the model sent to ``node_id`` (the global model by default)."""
+        return arrays
+
+    def collect_replies(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        *,
+        expected_arrays: Mapping[str, RecordSpec],
+        sampled: set[int] | None,
+        phase: str,
+    ) -> tuple[list[ValidReply], int, int]:
+        """Validate replies; return the valid ones, #failed and #rejected.
+
+        Error replies count as failures; replies that arrive but fail a check
+        count as rejected. Both are logged with the node and the reason.
+        """
+        valid: list[ValidReply] = []
+        seen: set[int] = set()
+        failed = rejected = 0
+        for message in replies:
+            node_id = message.metadata.src_node_id
+            try:
+                if sampled is not None and node_id not in sampled:
+                    raise ReplyRejected("unsampled", "node was not sampled this round")
+                if node_id in seen:
+                    raise ReplyRejected("duplicate", "second reply from this node")
+                reply = validate_reply(message, expected_arrays=expected_arrays)
+            except ReplyRejected as err:
+                if err.kind == "error-reply":
+                    failed += 1
+                else:
+                    rejected += 1
+                self.rejections[f"{phase}:{err.kind}"] += 1
+                log(
+                    WARNING,
+                    "%s: round %d: reply from node %d not used (%s): %s",
+                    phase,
+                    server_round,
+                    node_id,
+                    err.kind,
+                    err.reason,
+                )
+                continue
+            seen.add(node_id)
+            valid.append(reply)
+        log(
+            INFO,
+            "%s: round %d: %d valid, %d failed, %d rejected",
+            phase,
+            server_round,
+            len(valid),
+            failed,
+            rejected,
+        )
+        return valid, failed, rejected
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate the replies, average the valid ones, update state."""
+        if self._global_spec is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.aggregate_train called before configure_train"
+            )
+        valid, failed, rejected = self.collect_replies(
+            server_round,
+            replies,
+            expected_arrays=self.expected_train_arrays(server_round),
+            sampled=self._train_nodes,
+            phase="aggregate_train",
+        )
+        counts = {
+            "replies-valid": len(valid),
+            "replies-failed": failed,
+            "replies-rejected": rejected,
+        }
+        self.last_round_report = dict(counts)
+        keep = None
+        if not valid:
+            keep = "no valid reply"
+        elif (failed or rejected) and not self.accept_failures:
+            keep = "accept_failures=False and some replies failed or were rejected"
+        arrays: ArrayRecord | None = None
+        if keep is None:
+            try:
+                arrays = self.aggregate_arrays(server_round, valid)
+            except ZeroTotalWeightError as err:
+                keep = f"zero total weight ({err})"
+        if keep is not None or arrays is None:
+            log(
+                WARNING,
+                "aggregate_train: round %d: %s; keeping the previous model",
+                server_round,
+                keep,
+            )
+            return None, MetricRecord(counts)
+        extra = self.on_valid_replies(server_round, valid)
+        if self.monitor_dissimilarity:
+            extra.update(self.dissimilarity_metrics(valid))
+        metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
+        for key, value in {**counts, **extra}.items():
+            metrics[key] = value
+        self.last_round_report.update(extra)
+        return arrays, metrics
+
+    def dissimilarity_metrics(self, replies: list[ValidReply]) -> dict[str, float]:
+        """Estimate B(theta_t) from the gradients the valid replies carry."""
+        mean = WeightedMean()
+        mean_sq = 0.0
+        total = 0.0
+        for reply in replies:
+            weight = self.reply_weight(reply)
+            grads = list(reply.arrays[GRADIENT_RECORD].values())
+            mean.add(grads, weight)
+            mean_sq += weight * sq_norm(grads)
+            total += weight
+        mean_sq /= total
+        norm_of_mean = sq_norm(list(mean.result().values()))
+        value = dissimilarity(mean_sq, norm_of_mean)
+        log(INFO, "aggregate_train: dissimilarity B(theta) = %.4g", value)
+        return {"dissimilarity-b": value, "grad-sq-norm-global": norm_of_mean}
+
+    # ------------------------------------------------------------ evaluation
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes for federated evaluation, one fresh message per node."""
+        if self.fraction_evaluate == 0.0:
+            self._evaluate_nodes = set()
+            return []
+        node_ids, num_connected = self.sample_nodes(
+            grid,
+            server_round,
+            fraction=self.fraction_evaluate,
+            minimum=self.min_evaluate_nodes,
+            stream=2,
+        )
+        log(
+            INFO,
+            "configure_evaluate: sampled %d nodes (out of %d)",
+            len(node_ids),
+            num_connected,
+        )
+        self._evaluate_nodes = set(node_ids)
+        shared = dict(config)
+        shared[SERVER_ROUND_KEY] = server_round
+        return [
+            Message(
+                content=RecordDict(
+                    {
+                        self.arrayrecord_key: arrays,
+                        self.configrecord_key: ConfigRecord(dict(shared)),
+                    }
+                ),
+                message_type=MessageType.EVALUATE,
+                dst_node_id=node_id,
+            )
+            for node_id in node_ids
+        ]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Validate evaluation replies and average their metrics."""
+        valid, failed, rejected = self.collect_replies(
+            server_round,
+            replies,
+            expected_arrays={},
+            sampled=self._evaluate_nodes,
+            phase="aggregate_evaluate",
+        )
+        if not valid:
+            return None
+        metrics = self._aggregate_metrics(valid, self._custom_evaluate_metrics)
+        metrics["replies-valid"] = len(valid)
+        return metrics
+
+    def _aggregate_metrics(
+        self,
+        replies: list[ValidReply],
+        custom: Callable[[list[RecordDict], str], MetricRecord] | None,
+    ) -> MetricRecord:
+        if custom is not None:
+            contents = [r.message.content for r in replies if r.message is not None]
+            return custom(contents, NUM_EXAMPLES_KEY)
+        return weighted_metric_mean(replies)
+
+
+def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
+    """Sample-weighted mean of each numeric metric over the replies carrying it.
+
+    ``num-examples`` is summed instead. Non-finite values and lists are skipped
+    (a NaN loss from one client must not hide the others' values).
+    """
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    total = 0.0
+    for reply in replies:
+        total += reply.num_examples
+        for key, value in reply.metrics.items():
+            if key == NUM_EXAMPLES_KEY or isinstance(value, (list, bool)):
+                continue
+            if not math.isfinite(value):
+                continue
+            sums[key] = sums.get(key, 0.0) + reply.num_examples * float(value)
+            weights[key] = weights.get(key, 0.0) + reply.num_examples
+    record = MetricRecord({key: sums[key] / weights[key] for key in sums})
+    record[NUM_EXAMPLES_KEY] = total
+    return record

@@ -1,0 +1,172 @@
+"""The one local training loop every client of the pack uses.
+
+Algorithms differ in the gradient they follow, not in the loop: each passes a
+:class:`GradientTerm` whose ``add_`` adds its extra gradient (proximal,
+dynamic-regulariser, drift correction, ...) to ``p.grad`` after the data
+gradient is computed and before the optimiser step. Adding the term's gradient
+directly (rather than a penalty to the loss) is exact, cheaper than autograd
+through the penalty, and keeps the term outside any per-sample privatisation of
+the data gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class GradientTerm(Protocol):
+    """An extra term of the local objective, known through its gradient."""
+
+    def add_(self, params: Sequence[torch.Tensor]) -> None:
+        """Add the term's gradient at ``params`` to each ``p.grad`` in place."""
+
+
+@dataclass
+class TrainReport:
+    """What one local solve did."""
+
+    epochs: int
+    steps: int
+    examples_seen: int
+    mean_loss: float
+    stopped_early: bool = False
+
+
+def trainable(model: nn.Module) -> list[torch.Tensor]:
+    """Return the model's trainable parameters in ``state_dict`` order."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def full_gradient(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    *,
+    term: GradientTerm | None = None,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """Gradient of the mean loss over all of ``loader`` (plus ``term``).
+
+    Batches are weighted by their size, so the result is the gradient of the
+    mean over samples whatever the batch sizes. Leaves ``p.grad`` cleared.
+    """
+    params = trainable(model)
+    total = [torch.zeros_like(p) for p in params]
+    count = 0
+    model.train()
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        grads = torch.autograd.grad(loss, params)
+        batch = len(targets)
+        for acc, g in zip(total, grads, strict=True):
+            acc.add_(g, alpha=batch)
+        count += batch
+    if count == 0:
+        raise ValueError("full_gradient: the data loader is empty")
+    for acc in total:
+        acc.div_(count)
+    if term is not None:
+        for p, acc in zip(params, total, strict=True):
+            p.grad = acc
+        term.add_(params)
+        total = [p.grad.detach().clone() for p in params]  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+    return total
+
+
+def grad_norm(grads: Sequence[torch.Tensor]) -> float:
+    """Euclidean norm of a list of tensors seen as one vector."""
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))  # type: ignore[arg-type]
+
+
+def train_local(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    epochs: int,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    term: GradientTerm | None = None,
+    stop_after_epoch: Callable[[int], bool] | None = None,
+    device: torch.device | str = "cpu",
+) -> TrainReport:
+    """Run up to ``epochs`` epochs of mini-batch training.
+
+    Each step: data gradient by backprop, then ``term.add_`` (if any), then the
+    optimiser step. ``stop_after_epoch(epoch)`` is asked after each epoch
+    (1-based) and ends the solve early when it returns True (the FedProx
+    gamma-inexact rule uses it).
+    """
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    params = trainable(model)
+    model.train()
+    steps = seen = 0
+    loss_sum = 0.0
+    epochs_run = 0
+    stopped = False
+    for epoch in range(1, epochs + 1):
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            if term is not None:
+                term.add_(params)
+            optimizer.step()
+            steps += 1
+            seen += len(targets)
+            loss_sum += float(loss.detach()) * len(targets)
+        epochs_run = epoch
+        if stop_after_epoch is not None and epoch < epochs and stop_after_epoch(epoch):
+            stopped = True
+            break
+    return TrainReport(
+        epochs=epochs_run,
+        steps=steps,
+        examples_seen=seen,
+        mean_loss=loss_sum / seen if seen else float("nan"),
+        stopped_early=stopped,
+    )
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn,
+    *,
+    device: torch.device | str = "cpu",
+) -> tuple[float, float, int]:
+    """Return (mean loss, accuracy, number of examples) over ``loader``.
+
+    Accuracy is computed for classifiers (outputs with a class dimension) and
+    reported as NaN for other models.
+    """
+    model.eval()
+    loss_sum = 0.0
+    correct = 0
+    count = 0
+    classifier = True
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
+        outputs = model(inputs)
+        loss_sum += float(loss_fn(outputs, targets)) * len(targets)
+        if outputs.dim() == 2 and outputs.shape[1] > 1 and targets.dim() == 1:
+            correct += int((outputs.argmax(dim=1) == targets).sum())
+        else:
+            classifier = False
+        count += len(targets)
+    if count == 0:
+        raise ValueError("evaluate_model: the data loader is empty")
+    accuracy = correct / count if classifier else float("nan")
+    return loss_sum / count, accuracy, count

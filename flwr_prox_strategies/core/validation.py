@@ -1,0 +1,165 @@
+"""Checks that decide whether a client's reply may be aggregated.
+
+Every check either returns the parsed reply or raises :class:`ReplyRejected`
+with a reason a user can act on. Nothing here mutates strategy state, so a
+rejected reply leaves a round exactly as if it had never arrived.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
+from numpy.typing import NDArray
+
+from .keys import NUM_EXAMPLES_KEY
+from .records import RecordSpec, array_view
+
+
+class ReplyRejected(Exception):
+    """A reply failed validation; ``kind`` is a short machine-readable label."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass
+class ValidReply:
+    """A reply that passed validation, with zero-copy views of its arrays.
+
+    Attributes
+    ----------
+    node_id : int
+        The node that sent it.
+    arrays : dict[str, dict[str, NDArray]]
+        Record name -> array key -> read-only view, keys in the spec's order.
+    metrics : MetricRecord
+        The reply's only ``MetricRecord``.
+    num_examples : float
+        The validated ``num-examples`` value (finite, > 0).
+    """
+
+    node_id: int
+    arrays: dict[str, dict[str, NDArray]]
+    metrics: MetricRecord
+    num_examples: float
+    message: Message | None = field(default=None, repr=False)
+
+
+def _check_num_examples(metrics: MetricRecord, key: str) -> float:
+    if key not in metrics:
+        raise ReplyRejected("num-examples", f"MetricRecord has no '{key}'")
+    value = metrics[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReplyRejected("num-examples", f"'{key}' is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise ReplyRejected("num-examples", f"'{key}' is not finite ({value!r})")
+    if value <= 0:
+        raise ReplyRejected("num-examples", f"'{key}' is {value!r}; it must be > 0")
+    return float(value)
+
+
+def _check_array_record(
+    name: str, record: ArrayRecord, spec: RecordSpec
+) -> dict[str, NDArray]:
+    got, want = set(record.keys()), set(spec)
+    if got != want:
+        missing, extra = sorted(want - got), sorted(got - want)
+        raise ReplyRejected(
+            "array-keys",
+            f"ArrayRecord '{name}' keys differ: missing {missing}, unexpected {extra}",
+        )
+    views: dict[str, NDArray] = {}
+    for key, expected in spec.items():
+        array = record[key]
+        if str(array.dtype) != expected.dtype:
+            raise ReplyRejected(
+                "dtype",
+                f"'{name}/{key}' has dtype {array.dtype}, expected {expected.dtype}",
+            )
+        if tuple(array.shape) != expected.shape:
+            raise ReplyRejected(
+                "shape",
+                f"'{name}/{key}' has shape {tuple(array.shape)}, "
+                f"expected {expected.shape}",
+            )
+        try:
+            view = array_view(array)
+        except ValueError as err:
+            raise ReplyRejected("payload", f"'{name}/{key}': {err}") from err
+        if np.issubdtype(view.dtype, np.inexact) and not _all_finite(view):
+            raise ReplyRejected("non-finite", f"'{name}/{key}' holds NaN or inf")
+        views[key] = view
+    return views
+
+
+def _all_finite(x: NDArray) -> bool:
+    # A sum is one fast streaming pass; only when it is not finite do we pay for
+    # the exact element-wise test (a finite array can overflow its sum).
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(x)):
+            return True
+    return bool(np.isfinite(x).all())
+
+
+def validate_reply(
+    message: Message,
+    *,
+    expected_arrays: Mapping[str, RecordSpec],
+    weight_key: str = NUM_EXAMPLES_KEY,
+) -> ValidReply:
+    """Validate one reply and return its parsed content.
+
+    Parameters
+    ----------
+    message : Message
+        The reply.
+    expected_arrays : Mapping[str, RecordSpec]
+        Exactly the ArrayRecords the reply must carry, each with its spec. Empty
+        for evaluation replies.
+    weight_key : str
+        Key of the sample count in the ``MetricRecord``.
+
+    Raises
+    ------
+    ReplyRejected
+        With a reason naming what is wrong.
+    """
+    node_id = message.metadata.src_node_id
+    if message.has_error():
+        raise ReplyRejected("error-reply", f"error reply: {message.error.reason}")
+    content = message.content
+    array_names = set(content.array_records.keys())
+    if array_names != set(expected_arrays):
+        raise ReplyRejected(
+            "records",
+            f"ArrayRecords {sorted(array_names)}, expected {sorted(expected_arrays)}",
+        )
+    if len(content.metric_records) != 1:
+        raise ReplyRejected(
+            "records",
+            f"{len(content.metric_records)} MetricRecords, expected exactly one",
+        )
+    if len(content.config_records) != 0:
+        raise ReplyRejected(
+            "records",
+            f"unexpected ConfigRecords {sorted(content.config_records.keys())}",
+        )
+    metrics = next(iter(content.metric_records.values()))
+    num_examples = _check_num_examples(metrics, weight_key)
+    arrays = {
+        name: _check_array_record(name, content.array_records[name], spec)
+        for name, spec in expected_arrays.items()
+    }
+    return ValidReply(
+        node_id=node_id,
+        arrays=arrays,
+        metrics=metrics,
+        num_examples=num_examples,
+        message=message,
+    )

@@ -1,0 +1,1 @@
+"""Pure math on numpy/torch (no flwr import): aggregation, proximal terms, metrics."""

@@ -1,0 +1,158 @@
+"""Small classifiers used by the experiments (PyTorch).
+
+Every model is built from keyword arguments only, so that a Hydra config can
+instantiate it with ``_target_``, and returns raw logits (no softmax) so that it
+pairs with :class:`torch.nn.CrossEntropyLoss`. Parameters are float32 whatever
+the torch default dtype, and initialisation draws only from torch's global
+generator, so ``torch.manual_seed`` before construction makes it reproducible.
+No model uses batch normalisation, which keeps them usable with per-sample
+gradient tools such as Opacus.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["CNN", "MLP", "LogisticRegression"]
+
+_DTYPE = torch.float32
+
+
+def _check_positive(name: str, value: int) -> int:
+    """Return ``value`` as an int, raising ``ValueError`` if it is not >= 1."""
+    # bool is an int subclass; ``hidden=True`` is always a config mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: one linear layer producing logits.
+
+    Parameters
+    ----------
+    in_features : int, default 64
+        Number of input features (64 for the 8x8 digits images).
+    num_classes : int, default 10
+        Number of output logits.
+    """
+
+    def __init__(self, *, in_features: int = 64, num_classes: int = 10) -> None:
+        super().__init__()
+        self.in_features = _check_positive("in_features", in_features)
+        self.num_classes = _check_positive("num_classes", num_classes)
+        self.linear = nn.Linear(self.in_features, self.num_classes, dtype=_DTYPE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(N, num_classes)`` for any ``(N, ...)`` input."""
+        return self.linear(x.flatten(1))
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network.
+
+    The default is the 784-200-200-10 network of the FedAvg and FedProx papers;
+    with ``in_features=64`` it is the same architecture for the digits data.
+
+    Parameters
+    ----------
+    in_features : int, default 784
+        Number of input features.
+    hidden : Sequence[int], default (200, 200)
+        Width of each hidden layer; an empty sequence gives a linear model.
+    num_classes : int, default 10
+        Number of output logits.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_features: int = 784,
+        hidden: Sequence[int] = (200, 200),
+        num_classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.in_features = _check_positive("in_features", in_features)
+        self.num_classes = _check_positive("num_classes", num_classes)
+        if isinstance(hidden, str | bytes) or not isinstance(hidden, Sequence):
+            # The pack reports every bad argument as ValueError naming it.
+            msg = f"hidden must be a sequence of ints, got {hidden!r}"
+            raise ValueError(msg)  # noqa: TRY004
+        # Hydra hands over a ListConfig; a plain tuple keeps the module picklable.
+        self.hidden = tuple(_check_positive("hidden", h) for h in hidden)
+        layers: list[nn.Module] = []
+        width = self.in_features
+        for size in self.hidden:
+            layers += [nn.Linear(width, size, dtype=_DTYPE), nn.ReLU()]
+            width = size
+        layers.append(nn.Linear(width, self.num_classes, dtype=_DTYPE))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(N, num_classes)`` for any ``(N, ...)`` input."""
+        return self.net(x.flatten(1))
+
+
+class CNN(nn.Module):
+    """The FedAvg paper's CNN: two 5x5 conv + ReLU + 2x2 max-pool blocks.
+
+    The blocks have 32 and 64 channels and "same" padding, followed by a
+    512-unit ReLU layer and a linear layer to the logits (1,663,370 parameters
+    for 28x28 grey images).
+
+    Parameters
+    ----------
+    in_channels : int, default 1
+        Number of image channels.
+    num_classes : int, default 10
+        Number of output logits.
+    image_size : int, default 28
+        Height and width of the (square) input images; at least 4 so that
+        both poolings keep a non-empty feature map.
+    """
+
+    def __init__(
+        self, *, in_channels: int = 1, num_classes: int = 10, image_size: int = 28
+    ) -> None:
+        super().__init__()
+        self.in_channels = _check_positive("in_channels", in_channels)
+        self.num_classes = _check_positive("num_classes", num_classes)
+        self.image_size = _check_positive("image_size", image_size)
+        if self.image_size < 4:
+            raise ValueError(f"image_size must be at least 4, got {image_size!r}")
+        self.features = nn.Sequential(
+            nn.Conv2d(self.in_channels, 32, kernel_size=5, padding=2, dtype=_DTYPE),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, kernel_size=5, padding=2, dtype=_DTYPE),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        side = self.image_size // 2 // 2
+        self.classifier = nn.Sequential(
+            nn.Linear(64 * side * side, 512, dtype=_DTYPE),
+            nn.ReLU(),
+            nn.Linear(512, self.num_classes, dtype=_DTYPE),
+        )
+
+    def _as_images(self, x: torch.Tensor) -> torch.Tensor:
+        """Reshape flat ``(N, C*H*W)`` or channel-less ``(N, H, W)`` input."""
+        size = self.image_size
+        if x.dim() == 4:
+            return x
+        if x.dim() == 3 and self.in_channels == 1:
+            return x.unsqueeze(1)
+        if x.dim() == 2 and x.shape[1] == self.in_channels * size * size:
+            return x.reshape(x.shape[0], self.in_channels, size, size)
+        raise ValueError(
+            f"x must have shape (N, {self.in_channels}, {size}, {size}) or "
+            f"(N, {self.in_channels * size * size}), got {tuple(x.shape)}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(N, num_classes)``."""
+        return self.classifier(self.features(self._as_images(x)).flatten(1))
