@@ -108,14 +108,17 @@ def _label_table(labels: np.ndarray, rows: np.ndarray) -> Any:
     # Imported lazily: ``datasets`` takes seconds to import and only this needs it.
     import datasets
 
-    return datasets.Dataset.from_dict({"label": labels, "idx": rows})
+    table = datasets.Dataset.from_dict({"label": labels, "idx": rows})
+    # Arrow format: the partitioners' column reads then convert to numpy in one
+    # go, where the default format iterates row by row (seconds for 60k rows).
+    return table.with_format("arrow")
 
 
 def _collect(partitioner: Any, table: Any, num_partitions: int) -> list[np.ndarray]:
     """Attach ``table`` to ``partitioner`` and return each partition's row indices."""
     partitioner.dataset = table
     return [
-        np.asarray(partitioner.load_partition(pid).with_format("numpy")["idx"])
+        np.asarray(partitioner.load_partition(pid)[:]["idx"], dtype=np.int64)
         for pid in range(num_partitions)
     ]
 

@@ -1,0 +1,1 @@
+"""The ServerApp and ClientApp that `flwr run .` starts."""

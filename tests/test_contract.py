@@ -1,0 +1,265 @@
+"""One contract suite, run over every strategy the pack exports.
+
+Each kind of bad reply must leave the aggregated model, the round's metrics and
+every piece of strategy state bit-identical to the same round without that
+reply. Later algorithms join by adding one line to STRATEGIES.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from flwr_prox_strategies import FedAvg, FedProx
+from flwr_prox_strategies.core.strategy import ValidatedFedAvg
+
+from .helpers import error_reply, model_arrays, record, reply, sampling_grid
+
+NUM_NODES = 5
+
+STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
+    "fedavg": lambda: FedAvg(min_available_nodes=NUM_NODES),
+    "fedavg-uniform": lambda: FedAvg(min_available_nodes=NUM_NODES, weighting="uniform"),
+    "fedprox": lambda: FedProx(mu=0.1, min_available_nodes=NUM_NODES),
+    "fedprox-monitor": lambda: FedProx(
+        mu=0.1, min_available_nodes=NUM_NODES, monitor_dissimilarity=True
+    ),
+}
+
+
+def good_content(strategy: ValidatedFedAvg, i: int) -> dict[str, dict[str, np.ndarray]]:
+    """Arrays for every record the strategy expects, distinct per node."""
+    return {
+        name: {
+            key: np.full(spec.shape, i + 1 + 10 * k, dtype=spec.dtype)
+            + np.arange(int(np.prod(spec.shape)), dtype=spec.dtype).reshape(spec.shape)
+            for k, (key, spec) in enumerate(specs.items())
+        }
+        for name, specs in strategy.expected_train_arrays(1).items()
+    }
+
+
+def build_reply(to: Message, content: dict[str, dict[str, np.ndarray]], n=10, metrics=None):
+    records = dict(content)
+    arrays = records.pop("arrays", None)
+    return reply(
+        to,
+        arrays,
+        n,
+        extra_records={name: record(a) for name, a in records.items()},
+        metrics=metrics,
+    )
+
+
+def setup_round(name: str):
+    strategy = STRATEGIES[name]()
+    grid = sampling_grid(NUM_NODES)
+    arrays = model_arrays()
+    messages = list(strategy.configure_train(1, record(arrays), ConfigRecord(), grid))
+    assert len(messages) == NUM_NODES
+    good = [
+        build_reply(m, good_content(strategy, i), n=10 + i) for i, m in enumerate(messages)
+    ]
+    return strategy, messages, good
+
+
+def npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def with_arrays(strategy, to, mutate, n=10):
+    content = good_content(strategy, 7)
+    mutate(content["arrays"])
+    return build_reply(to, content, n=n)
+
+
+BAD_REPLIES: dict[str, Callable] = {
+    "error-reply": lambda s, m, good: error_reply(m),
+    "no-arrays": lambda s, m, good: reply(m, None, 10),
+    "extra-record": lambda s, m, good: build_reply(
+        m, {**good_content(s, 7), "junk": {"x": np.zeros(2, np.float32)}}
+    ),
+    "two-metric-records": lambda s, m, good: _two_metric_records(s, m),
+    "config-record": lambda s, m, good: _with_config(s, m),
+    "missing-key": lambda s, m, good: with_arrays(s, m, lambda a: a.pop("b")),
+    "extra-key": lambda s, m, good: with_arrays(
+        s, m, lambda a: a.update(c=np.zeros(2, np.float32))
+    ),
+    "wrong-shape": lambda s, m, good: with_arrays(
+        s, m, lambda a: a.update(w=np.zeros((3, 4), np.float32))
+    ),
+    "wrong-dtype": lambda s, m, good: with_arrays(
+        s, m, lambda a: a.update(w=a["w"].astype(np.float64))
+    ),
+    "broadcastable-shape": lambda s, m, good: with_arrays(
+        s, m, lambda a: a.update(b=np.zeros((1,), np.float32))
+    ),
+    "nan": lambda s, m, good: with_arrays(s, m, lambda a: a["w"].__setitem__((0, 0), np.nan)),
+    "inf": lambda s, m, good: with_arrays(s, m, lambda a: a["b"].__setitem__(1, -np.inf)),
+    "num-examples-missing": lambda s, m, good: build_reply(m, good_content(s, 7), n=None),
+    "num-examples-zero": lambda s, m, good: build_reply(m, good_content(s, 7), n=0),
+    "num-examples-negative": lambda s, m, good: build_reply(m, good_content(s, 7), n=-5),
+    "num-examples-nan": lambda s, m, good: build_reply(m, good_content(s, 7), n=float("nan")),
+    "num-examples-inf": lambda s, m, good: build_reply(m, good_content(s, 7), n=float("inf")),
+    "num-examples-list": lambda s, m, good: build_reply(m, good_content(s, 7), n=[1, 2]),
+    "payload-lies": lambda s, m, good: _lying_payload(s, m),
+    "payload-truncated": lambda s, m, good: _truncated_payload(s, m),
+    "duplicate": lambda s, m, good: build_reply(m, good_content(s, 9), n=50),
+    "unsampled-node": lambda s, m, good: build_reply(_foreign(m), good_content(s, 7)),
+}
+
+
+def _two_metric_records(s, m):
+    msg = build_reply(m, good_content(s, 7))
+    msg.content["more"] = MetricRecord({"num-examples": 3})
+    return msg
+
+
+def _with_config(s, m):
+    msg = build_reply(m, good_content(s, 7))
+    msg.content["cfg"] = ConfigRecord({"a": 1})
+    return msg
+
+
+def _lying_payload(s, m):
+    msg = build_reply(m, good_content(s, 7))
+    wrong = np.zeros((3, 4), np.float32)  # same size, other shape than declared
+    msg.content["arrays"]["w"] = Array("float32", (4, 3), "numpy.ndarray", npy_bytes(wrong))
+    return msg
+
+
+def _truncated_payload(s, m):
+    msg = build_reply(m, good_content(s, 7))
+    data = npy_bytes(np.zeros((4, 3), np.float32))[:-8]
+    msg.content["arrays"]["w"] = Array("float32", (4, 3), "numpy.ndarray", data)
+    return msg
+
+
+def _foreign(m: Message) -> Message:
+    """A message as if it had been sent to a node that was not sampled."""
+    return Message(RecordDict(), dst_node_id=424242, message_type=m.metadata.message_type)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], np.ndarray) or isinstance(b[key], np.ndarray):
+            np.testing.assert_array_equal(a[key], b[key])
+        elif isinstance(a[key], dict):
+            assert_same_state(a[key], b[key])
+        else:
+            assert a[key] == b[key], key
+
+
+def to_np(rec: ArrayRecord | None) -> dict[str, np.ndarray]:
+    assert rec is not None
+    return {k: v.numpy() for k, v in rec.items()}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("kind", sorted(BAD_REPLIES))
+def test_bad_reply_is_as_if_absent(name: str, kind: str) -> None:
+    with_bad, messages, good = setup_round(name)
+    without_bad, messages_b, good_b = setup_round(name)
+    bad = BAD_REPLIES[kind](with_bad, messages[0], good)
+    if kind == "duplicate":
+        # A second, different reply from node 0, after its first one.
+        replies_a = [good[0], bad, *good[1:]]
+    else:
+        # The bad reply replaces node 0's reply; the reference has none from node 0.
+        replies_a = [bad, *good[1:]]
+    replies_b = list(good_b if kind == "duplicate" else good_b[1:])
+
+    arrays_a, metrics_a = with_bad.aggregate_train(1, (r for r in replies_a))
+    arrays_b, metrics_b = without_bad.aggregate_train(1, replies_b)
+
+    a, b = to_np(arrays_a), to_np(arrays_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype
+        assert a[key].tobytes() == b[key].tobytes(), key
+    assert_same_state(with_bad.state_dict(), without_bad.state_dict())
+    ignore = {"replies-failed", "replies-rejected"}
+    assert {k: v for k, v in metrics_a.items() if k not in ignore} == {
+        k: v for k, v in metrics_b.items() if k not in ignore
+    }
+    assert metrics_a["replies-failed"] + metrics_a["replies-rejected"] == 1
+    assert sum(with_bad.rejections.values()) == 1
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_round_of_only_bad_replies_keeps_the_model(name: str) -> None:
+    strategy, messages, good = setup_round(name)
+    before = strategy.state_dict()
+    bad = [
+        BAD_REPLIES[kind](strategy, m, good)
+        for kind, m in zip(["nan", "error-reply", "wrong-shape", "num-examples-zero", "no-arrays"], messages, strict=True)
+    ]
+    arrays, metrics = strategy.aggregate_train(1, iter(bad))
+    assert arrays is None  # Strategy.start keeps the previous model
+    assert metrics is not None and metrics["replies-valid"] == 0
+    assert_same_state(before, strategy.state_dict())
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_empty_round_keeps_the_model(name: str) -> None:
+    strategy, _, _ = setup_round(name)
+    arrays, _ = strategy.aggregate_train(1, [])
+    assert arrays is None
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_fresh_payload_per_node(name: str) -> None:
+    strategy, messages, _ = setup_round(name)
+    configs = [m.content["config"] for m in messages]
+    assert len({id(c) for c in configs}) == len(configs)
+    assert len({id(m.content) for m in messages}) == len(messages)
+    configs[0]["poison"] = 1
+    assert "poison" not in configs[1]
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_accept_failures_false_keeps_the_model(name: str) -> None:
+    strategy = STRATEGIES[name]()
+    strategy.accept_failures = False
+    grid = sampling_grid(NUM_NODES)
+    messages = list(strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid))
+    replies = [error_reply(messages[0])] + [
+        build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages[1:])
+    ]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is None
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_state_dict_round_trip(name: str) -> None:
+    strategy, _, good = setup_round(name)
+    strategy.aggregate_train(1, good)
+    other = STRATEGIES[name]()
+    other.load_state_dict(strategy.state_dict())
+    assert_same_state(other.state_dict(), strategy.state_dict())
+
+
+def test_zero_total_weight_is_logged_not_raised() -> None:
+    class ZeroWeight(FedAvg):
+        def reply_weight(self, reply):  # noqa: ANN001, ANN201
+            return 0.0
+
+    strategy = ZeroWeight(min_available_nodes=NUM_NODES)
+    grid = sampling_grid(NUM_NODES)
+    messages = list(strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid))
+    replies = [build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is None and metrics is not None
+
+
+def test_not_enough_nodes_fails_fast_with_the_fix() -> None:
+    strategy = FedAvg(min_available_nodes=20, node_wait_timeout=0.0)
+    with pytest.raises(RuntimeError, match="num-supernodes"):
+        strategy.configure_train(1, record(model_arrays()), ConfigRecord(), sampling_grid(3))
