@@ -108,7 +108,9 @@ def test_model_num_classes_and_dtype():
     ):
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
-    assert LogisticRegression(num_classes=2, in_features=14)(torch.rand(3, 14)).shape == (
+    assert LogisticRegression(num_classes=2, in_features=14)(
+        torch.rand(3, 14)
+    ).shape == (
         3,
         2,
     )
@@ -259,7 +261,7 @@ def test_fashion_mnist_full(fashion):
     assert fashion.train.x.dtype == np.float32
     assert np.array_equal(np.bincount(fashion.train.y), np.full(10, 6000))
     assert np.array_equal(np.bincount(fashion.test.y), np.full(10, 1000))
-    assert 0.0 <= fashion.train.x.min() and fashion.train.x.max() == 1.0
+    assert fashion.train.x.min() >= 0.0 and fashion.train.x.max() == 1.0
     assert (fashion.num_features, fashion.num_classes) == (784, 10)
 
 
@@ -401,7 +403,9 @@ def test_load_adult_normalized_and_shuffled(adult):
     assert np.allclose(norms, 1.0, atol=1e-5)
     raw = load_adult(normalize=False)
     assert not np.array_equal(raw.train.x, x.astype(np.float32))
-    assert np.array_equal(np.sort(raw.train.x[:, 2]), np.sort(x[:, 2]).astype(np.float32))
+    assert np.array_equal(
+        np.sort(raw.train.x[:, 2]), np.sort(x[:, 2]).astype(np.float32)
+    )
     again = load_adult()
     other = load_adult(seed=1)
     assert np.array_equal(again.train.x, data.train.x)
@@ -450,7 +454,9 @@ def test_partitions_disjoint_cover_and_reproducible(labels, scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_partitions_ignore_label_values(labels, scheme):
     dense = partition_indices(labels, num_partitions=10, scheme=scheme, seed=2)
-    shifted = partition_indices(labels * 3 + 7, num_partitions=10, scheme=scheme, seed=2)
+    shifted = partition_indices(
+        labels * 3 + 7, num_partitions=10, scheme=scheme, seed=2
+    )
     assert all(np.array_equal(a, b) for a, b in zip(dense, shifted, strict=True))
 
 
@@ -546,7 +552,11 @@ def test_partition_dataset_and_histogram(digits):
         ({"num_partitions": 5, "seed": -1}, "seed"),
         ({"num_partitions": 5, "classes_per_partition": 0}, "classes_per_partition"),
         (
-            {"num_partitions": 5, "scheme": "pathological", "classes_per_partition": 11},
+            {
+                "num_partitions": 5,
+                "scheme": "pathological",
+                "classes_per_partition": 11,
+            },
             "classes_per_partition",
         ),
         ({"num_partitions": 5, "min_partition_size": -1}, "min_partition_size"),

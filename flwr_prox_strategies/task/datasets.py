@@ -13,6 +13,7 @@ from the Hugging Face hub.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import logging
 import os
@@ -532,9 +533,20 @@ def adult_matrix(
                 "UCI Adult files", tried, "adult.data and adult.test", _ADULT_SOURCE
             )
         )
-    rows = _read_adult_file(folder / "adult.test") + _read_adult_file(
-        folder / "adult.data"
-    )
+    files = (folder / "adult.test", folder / "adult.data")
+    x, y = _parse_adult(*((p.resolve(), p.stat().st_mtime_ns) for p in files))
+    # Copies, so that callers cannot corrupt the cached parse.
+    return x.copy(), y.copy()
+
+
+# Parsing takes ~0.5 s and experiments reload the same files many times; the
+# modification times in the key make an edited file be read again.
+@functools.lru_cache(maxsize=2)
+def _parse_adult(
+    test_file: tuple[Path, int], data_file: tuple[Path, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Parse adult.test then adult.data into the encoded matrix and labels."""
+    rows = _read_adult_file(test_file[0]) + _read_adult_file(data_file[0])
     table = np.array(rows, dtype=str)
     table = table[(table != "?").all(axis=1)]
     x = np.empty((len(table), len(ADULT_COLUMNS)), dtype=np.float64)

@@ -81,7 +81,7 @@ class MLP(nn.Module):
         if isinstance(hidden, str | bytes) or not isinstance(hidden, Sequence):
             # The pack reports every bad argument as ValueError naming it.
             msg = f"hidden must be a sequence of ints, got {hidden!r}"
-            raise ValueError(msg)  # noqa: TRY004
+            raise ValueError(msg)
         # Hydra hands over a ListConfig; a plain tuple keeps the module picklable.
         self.hidden = tuple(_check_positive("hidden", h) for h in hidden)
         layers: list[nn.Module] = []
