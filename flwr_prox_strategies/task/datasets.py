@@ -181,13 +181,13 @@ def _find_dir(
     return None, tried
 
 
-def _not_found_message(what: str, tried: list[Path], files: str, source: str) -> str:
-    """Explain where ``what`` was searched for and how to provide it."""
+def _not_found_message(name: str, files: str, tried: list[Path], source: str) -> str:
+    """Explain where data set ``name`` was searched for and how to provide it."""
     listing = "\n".join(f"  - {p}" for p in tried)
     return (
-        f"{what} not found. Searched:\n{listing}\n"
-        f"Put {files} in one of these folders, pass data_dir=..., or set "
-        f"{DATA_DIR_ENV} to a folder holding a '{tried[-1].name}' sub-folder. "
+        f"{name} data not found: {files} missing. Searched:\n{listing}\n"
+        f"Put the files in one of these folders, pass data_dir=..., or set "
+        f"{DATA_DIR_ENV} to a folder holding a '{name}' sub-folder. "
         f"Source: {source}"
     )
 
@@ -425,9 +425,10 @@ def _fashion_fallback(
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """Download Fashion-MNIST, or raise ``FileNotFoundError`` saying where to put it."""
     message = _not_found_message(
-        "Fashion-MNIST idx files",
+        "fashion-mnist",
+        "the idx files train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], "
+        "t10k-images-idx3-ubyte[.gz] and t10k-labels-idx1-ubyte[.gz]",
         tried,
-        "the four idx files (train-images-idx3-ubyte[.gz], ...)",
         "https://github.com/zalandoresearch/fashion-mnist or the Hugging Face "
         f"data set {_HUB_FASHION_MNIST}",
     )
@@ -530,7 +531,7 @@ def adult_matrix(
     if folder is None:
         raise FileNotFoundError(
             _not_found_message(
-                "UCI Adult files", tried, "adult.data and adult.test", _ADULT_SOURCE
+                "adult", "adult.data and adult.test", tried, _ADULT_SOURCE
             )
         )
     files = (folder / "adult.test", folder / "adult.data")

@@ -80,8 +80,7 @@ class MLP(nn.Module):
         self.num_classes = _check_positive("num_classes", num_classes)
         if isinstance(hidden, str | bytes) or not isinstance(hidden, Sequence):
             # The pack reports every bad argument as ValueError naming it.
-            msg = f"hidden must be a sequence of ints, got {hidden!r}"
-            raise ValueError(msg)
+            raise ValueError(f"hidden must be a sequence of ints, got {hidden!r}")
         # Hydra hands over a ListConfig; a plain tuple keeps the module picklable.
         self.hidden = tuple(_check_positive("hidden", h) for h in hidden)
         layers: list[nn.Module] = []

@@ -1,0 +1,121 @@
+"""Compose the ``conf/`` tree and build strategies, clients, models and data from it.
+
+Every Flower app of the pack (and the sweep launcher) goes through these
+functions, so an experiment means the same thing however it is started.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# Keys of [tool.flwr.app.config] that `flwr run --run-config` may set.
+RUN_OVERRIDES = "overrides"
+RUN_NUM_ROUNDS = "num-rounds"
+RUN_SEED = "seed"
+RUN_OUTPUT_DIR = "output-dir"
+RUN_OUTPUT_ROOT = "output-root"
+
+# Keys only Hydra's own machinery or the sweep use; stripped before building.
+_UNUSED = "_unused_"
+
+
+def split_overrides(overrides: str | Sequence[str]) -> list[str]:
+    """Split a run-config override string (shell-like quoting) into a list."""
+    if isinstance(overrides, str):
+        return shlex.split(overrides)
+    return [str(o) for o in overrides]
+
+
+def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
+    """Turn Flower's run config into Hydra overrides.
+
+    ``num-rounds`` and ``seed`` apply only when set (> 0 and >= 0); the
+    ``overrides`` string is applied last, so it wins.
+    """
+    result = []
+    rounds = int(run_config.get(RUN_NUM_ROUNDS, 0) or 0)
+    if rounds > 0:
+        result.append(f"num-rounds={rounds}")
+    seed = int(run_config.get(RUN_SEED, -1) if run_config.get(RUN_SEED) != "" else -1)
+    if seed >= 0:
+        result.append(f"seed={seed}")
+    result.extend(split_overrides(str(run_config.get(RUN_OVERRIDES, "") or "")))
+    return result
+
+
+@functools.lru_cache(maxsize=32)
+def _compose_cached(overrides: tuple[str, ...]) -> DictConfig:
+    if GlobalHydra.instance().is_initialized():
+        # Inside a @hydra.main job: compose with a private Hydra, then restore.
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    OmegaConf.resolve(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides (read-only result).
+
+    Parameters
+    ----------
+    overrides : str | Sequence[str]
+        E.g. ``"strategy=fedavg partition=iid num-rounds=30"`` or a list.
+
+    Raises
+    ------
+    ValueError
+        With Hydra's message when an override names an unknown group or key.
+    """
+    try:
+        return _compose_cached(tuple(split_overrides(overrides)))
+    except Exception as err:  # Hydra raises several unrelated exception types
+        raise ValueError(f"cannot compose conf/ with overrides {overrides!r}: {err}") from err
+
+
+def _kwargs(node: DictConfig) -> dict[str, Any]:
+    data = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(data, dict)
+    for key in data.pop(_UNUSED, []) or []:
+        data.pop(key, None)
+    return data
+
+
+def build_strategy(cfg: DictConfig, **runtime: Any) -> Any:
+    """Instantiate ``cfg.strategy`` (keys listed in ``_unused_`` are dropped)."""
+    return hydra.utils.instantiate(_kwargs(cfg.strategy), **runtime)
+
+
+def build_model(cfg: DictConfig) -> Any:
+    """Instantiate ``cfg.model``."""
+    return hydra.utils.instantiate(cfg.model)
+
+
+def build_client(cfg: DictConfig, **runtime: Any) -> Any:
+    """Instantiate ``cfg.client`` with the shared ``train`` settings and runtime objects."""
+    train = cfg.train
+    return hydra.utils.instantiate(
+        _kwargs(cfg.client),
+        local_epochs=int(train["local-epochs"]),
+        learning_rate=float(train["learning-rate"]),
+        momentum=float(train["momentum"]),
+        weight_decay=float(train["weight-decay"]),
+        **runtime,
+    )
+
+
+def config_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (for results files and logs)."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,132 @@
+"""Results files and plots: what a user looks at before reading anything."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never open a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+RESULTS_FILE = "results.json"
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: NaN/inf become None, records become dicts."""
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if hasattr(value, "item"):
+        return _clean(value.item())
+    return value
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write JSON atomically (a reader never sees a half-written file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=2))
+    os.replace(tmp, path)
+
+
+def summarise(rounds: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Final/best central accuracy and the first round reaching ``target``."""
+    accs = [
+        (r["round"], r["central"]["accuracy"])
+        for r in rounds
+        if r.get("central") and r["central"].get("accuracy") is not None
+    ]
+    if not accs:
+        return {"final-accuracy": None, "best-accuracy": None, "rounds-to-target": None}
+    reached = [rnd for rnd, acc in accs if acc >= target]
+    return {
+        "final-accuracy": accs[-1][1],
+        "best-accuracy": max(acc for _, acc in accs),
+        "rounds-to-target": reached[0] if reached else None,
+        "target-accuracy": target,
+    }
+
+
+class RunRecorder:
+    """Collects per-round metrics and keeps ``results.json`` current.
+
+    The file is rewritten after every round, so a long or interrupted run can
+    be inspected while it goes.
+    """
+
+    def __init__(self, output_dir: Path, *, meta: Mapping[str, Any], target: float) -> None:
+        self.output_dir = output_dir
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.meta = dict(meta)
+        self.target = target
+        self.start = time.monotonic()
+        self.rounds: dict[int, dict[str, Any]] = {}
+
+    def record(self, server_round: int, section: str, metrics: Mapping[str, Any]) -> None:
+        """Store ``metrics`` of ``section`` (central, train, evaluate) for a round."""
+        entry = self.rounds.setdefault(server_round, {"round": server_round})
+        entry[section] = dict(metrics)
+        entry["elapsed-s"] = time.monotonic() - self.start
+        self.flush()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The whole results document."""
+        rounds = [self.rounds[r] for r in sorted(self.rounds)]
+        return {
+            **self.meta,
+            "rounds": rounds,
+            "summary": {
+                **summarise(rounds, self.target),
+                "wall-time-s": time.monotonic() - self.start,
+            },
+        }
+
+    def flush(self) -> Path:
+        """Rewrite ``results.json``; return its path."""
+        path = self.output_dir / RESULTS_FILE
+        write_json(path, self.as_dict())
+        return path
+
+
+def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
+    """Accuracy and loss per round (central evaluation, clients' train loss)."""
+    rounds = results["rounds"]
+    paths = []
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    series = {
+        "central accuracy": ("central", "accuracy", ax_acc),
+        "federated accuracy": ("evaluate", "accuracy", ax_acc),
+        "central loss": ("central", "loss", ax_loss),
+        "clients' train loss": ("train", "train-loss", ax_loss),
+    }
+    for label, (section, key, ax) in series.items():
+        points = [
+            (r["round"], r[section][key])
+            for r in rounds
+            if section in r and r[section].get(key) is not None
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker=".", label=label)
+    title = f"{results.get('strategy', '')} on {results.get('dataset', '')}"
+    ax_acc.set(xlabel="round", ylabel="accuracy", title=title)
+    ax_loss.set(xlabel="round", ylabel="loss", title="loss")
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend()
+    fig.tight_layout()
+    path = output_dir / "metrics.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+    return paths

@@ -1,0 +1,196 @@
+"""Run one experiment on a Grid (server side) and build clients (client side).
+
+``apps/server_app.py`` and ``apps/client_app.py`` are thin wrappers around
+:func:`run_experiment` and :func:`make_client`; the sweep launcher and the tests
+call the same functions, so there is one code path.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections.abc import Mapping
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from omegaconf import DictConfig, OmegaConf
+
+from ..core.client import ProtocolError
+from ..core.training import evaluate_model
+from .config import (
+    RUN_OUTPUT_DIR,
+    RUN_OUTPUT_ROOT,
+    build_client,
+    build_model,
+    build_strategy,
+    compose_config,
+    overrides_from_run_config,
+)
+from .data import client_partition, load_data, partition_sizes, to_loader
+from .results import RunRecorder, plot_run
+
+OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
+
+
+def config_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
+    """Compose ``conf/`` from Flower's run config (``overrides``, ``num-rounds``, ``seed``)."""
+    return compose_config(overrides_from_run_config(run_config))
+
+
+def output_dir_for(cfg: DictConfig, run_config: Mapping[str, Any]) -> Path:
+    """The run's output folder: ``output-dir``, else a new one under the root."""
+    explicit = str(run_config.get(RUN_OUTPUT_DIR, "") or "")
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    root = str(run_config.get(RUN_OUTPUT_ROOT, "") or os.environ.get(OUTPUT_ROOT_ENV, ""))
+    base = Path(root).expanduser() if root else Path.cwd() / "outputs"
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    name = f"{stamp}-{cfg.strategy._target_.rsplit('.', 1)[-1].lower()}-{cfg.dataset.name}"
+    return (base / name).resolve()
+
+
+def wait_for_clients(grid: Grid, expected: int, timeout: float) -> None:
+    """Fail fast, with the fix, when the federation does not match ``num-clients``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        count = len(list(grid.get_node_ids()))
+        if count == expected:
+            return
+        if count > expected or time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"the configuration says num-clients={expected}, but {count} SuperNode(s) "
+                f"are connected. Size the simulation with `flwr run . "
+                f"--federation-config \"num-supernodes={expected}\"` (or start {expected} "
+                f"SuperNodes), or set num-clients={count} in the overrides."
+            )
+        log(INFO, "Waiting for SuperNodes: %d of %d connected", count, expected)
+        time.sleep(1.0)
+
+
+def make_evaluate_fn(cfg: DictConfig, recorder: RunRecorder, num_rounds: int):  # noqa: ANN201
+    """Central evaluation of the global model on the test set, with progress logs."""
+    data = load_data(cfg)
+    loader = to_loader(data.test, batch_size=1024, shuffle=False)
+    model = build_model(cfg)
+    start = time.monotonic()
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy, count = evaluate_model(model, loader, torch.nn.functional.cross_entropy)
+        metrics = {"loss": loss, "accuracy": accuracy, "num-examples": count}
+        recorder.record(server_round, "central", metrics)
+        log(
+            INFO,
+            "[progress] round %d/%d: central accuracy %.4f, loss %.4f (%.1f s)",
+            server_round,
+            num_rounds,
+            accuracy,
+            loss,
+            time.monotonic() - start,
+        )
+        return MetricRecord(metrics)
+
+    return evaluate
+
+
+def run_experiment(
+    grid: Grid, run_config: Mapping[str, Any], *, cfg: DictConfig | None = None
+) -> tuple[Result, Path]:
+    """Run the composed experiment on ``grid``; write results and plots.
+
+    Returns
+    -------
+    tuple[Result, Path]
+        Flower's ``Result`` and the output folder.
+    """
+    cfg = cfg if cfg is not None else config_from_run_config(run_config)
+    num_clients = int(cfg["num-clients"])
+    num_rounds = int(cfg["num-rounds"])
+    wait_for_clients(grid, num_clients, float(cfg["node-wait-timeout"]))
+    output_dir = output_dir_for(cfg, run_config)
+    strategy = build_strategy(cfg)
+    torch.manual_seed(int(cfg.seed))
+    model = build_model(cfg)
+    sizes = partition_sizes(cfg, num_clients)
+    recorder = RunRecorder(
+        output_dir,
+        meta={
+            "strategy": type(strategy).__name__,
+            "dataset": cfg.dataset.name,
+            "num-clients": num_clients,
+            "num-rounds": num_rounds,
+            "partition-sizes": sizes,
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        },
+        target=float(cfg["target-accuracy"]),
+    )
+    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    log(INFO, "Experiment: %r on %s, %d clients, %d rounds", strategy, cfg.dataset.name, num_clients, num_rounds)
+    log(INFO, "Partition sizes: min %d, max %d", min(sizes), max(sizes))
+    log(INFO, "Output folder: %s", output_dir)
+    evaluate_fn = make_evaluate_fn(cfg, recorder, num_rounds) if cfg.evaluate.central else None
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=num_rounds,
+        evaluate_fn=evaluate_fn,
+    )
+    for rnd, metrics in result.train_metrics_clientapp.items():
+        recorder.record(rnd, "train", dict(metrics))
+    for rnd, metrics in result.evaluate_metrics_clientapp.items():
+        recorder.record(rnd, "evaluate", dict(metrics))
+    recorder.flush()
+    results = recorder.as_dict()
+    plots = plot_run(results, output_dir)
+    summary = results["summary"]
+    log(
+        INFO,
+        "Finished: final accuracy %s, best %s, rounds to %.2f: %s, %.1f s",
+        summary["final-accuracy"],
+        summary["best-accuracy"],
+        float(cfg["target-accuracy"]),
+        summary["rounds-to-target"],
+        summary["wall-time-s"],
+    )
+    log(INFO, "Results: %s", output_dir / "results.json")
+    log(INFO, "Plots: %s", ", ".join(str(p) for p in plots))
+    log(INFO, "Output folder: %s", output_dir)
+    return result, output_dir
+
+
+def make_client(context: Context) -> Any:
+    """Build this node's client from the composed config and its partition."""
+    cfg = config_from_run_config(context.run_config)
+    try:
+        partition_id = int(context.node_config["partition-id"])
+        num_partitions = int(context.node_config["num-partitions"])
+    except KeyError as err:
+        raise ProtocolError(
+            f"node_config lacks {err}; start SuperNodes with --node-config "
+            "\"partition-id=<i> num-partitions=<n>\""
+        ) from err
+    if num_partitions != int(cfg["num-clients"]):
+        raise ProtocolError(
+            f"this node says num-partitions={num_partitions}, the configuration says "
+            f"num-clients={cfg['num-clients']}"
+        )
+    data = client_partition(cfg, partition_id, num_partitions)
+    seed = int(cfg.seed) * 10_007 + partition_id
+    generator = torch.Generator().manual_seed(seed)
+    train_loader = to_loader(
+        data, batch_size=int(cfg.train["batch-size"]), shuffle=True, generator=generator
+    )
+    return build_client(
+        cfg,
+        model=build_model(cfg),
+        train_loader=train_loader,
+        test_loader=None,
+        seed=seed,
+    )
