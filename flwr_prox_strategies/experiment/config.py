@@ -15,6 +15,7 @@ from typing import Any
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -56,11 +57,15 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
 
 @functools.lru_cache(maxsize=32)
 def _compose_cached(overrides: tuple[str, ...]) -> DictConfig:
-    if GlobalHydra.instance().is_initialized():
-        # Inside a @hydra.main job: compose with a private Hydra, then restore.
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    # Inside a @hydra.main job (a sweep) Hydra is already initialised: compose
+    # with a private instance and give the job's own back afterwards.
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    finally:
+        restore_gh_from_backup(backup)
     OmegaConf.resolve(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

@@ -70,6 +70,7 @@ class RunRecorder:
         self.target = target
         self.start = time.monotonic()
         self.rounds: dict[int, dict[str, Any]] = {}
+        self.complete = False  # set when the last round's results are in
 
     def record(self, server_round: int, section: str, metrics: Mapping[str, Any]) -> None:
         """Store ``metrics`` of ``section`` (central, train, evaluate) for a round."""
@@ -87,6 +88,7 @@ class RunRecorder:
             "summary": {
                 **summarise(rounds, self.target),
                 "wall-time-s": time.monotonic() - self.start,
+                "complete": self.complete,
             },
         }
 

@@ -146,6 +146,7 @@ def run_experiment(
         recorder.record(rnd, "train", dict(metrics))
     for rnd, metrics in result.evaluate_metrics_clientapp.items():
         recorder.record(rnd, "evaluate", dict(metrics))
+    recorder.complete = True
     recorder.flush()
     results = recorder.as_dict()
     plots = plot_run(results, output_dir)

@@ -1,0 +1,189 @@
+"""Hydra (multi)run jobs and the sweep summary.
+
+Each job runs the same ServerApp/ClientApp code as ``flwr run .``:
+
+* ``engine=flwr`` (default) starts ``flwr run <app> --stream`` with the job's
+  overrides: Flower's own engine (managed SuperLink, Ray simulation);
+* ``engine=inprocess`` runs :func:`~.server.run_experiment` on an
+  :class:`~flwr_prox_strategies.core.inprocess.InProcessGrid` with the same
+  ClientApp, with no engine start-up cost (quick sweeps, tests).
+
+After a multirun, :class:`SweepSummary` writes ``summary.csv`` (one row per job)
+and ``comparison.png`` beside the job folders.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.common.logger import log
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
+from .results import RESULTS_FILE, plt
+
+JOB_SUMMARY = "job.json"
+APP_DIR_ENV = "FLWR_PROX_APP_DIR"
+ENGINES = ("flwr", "inprocess")
+
+
+def app_dir() -> Path:
+    """The Flower app folder (with ``pyproject.toml``) that ``flwr run`` is given."""
+    candidates = [os.environ.get(APP_DIR_ENV, ""), str(Path(__file__).resolve().parents[2]), "."]
+    for candidate in filter(None, candidates):
+        pyproject = Path(candidate) / "pyproject.toml"
+        if pyproject.is_file() and "[tool.flwr.app]" in pyproject.read_text():
+            return Path(candidate).resolve()
+    raise FileNotFoundError(
+        "engine=flwr needs the Flower app folder (pyproject.toml with [tool.flwr.app]); "
+        f"run from a checkout of flwr-prox-strategies or set {APP_DIR_ENV}"
+    )
+
+
+def flwr_run(
+    overrides: Sequence[str],
+    output_dir: Path,
+    *,
+    num_supernodes: int,
+    cpus_per_client: float = 1,
+    log_file: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> Path:
+    """Run one experiment with ``flwr run . --stream``; return its ``results.json``.
+
+    ``flwr run --stream`` exits 0 even when the ServerApp fails, so success is
+    judged by the results file the ServerApp writes last.
+    """
+    override_str = shlex.join(overrides)
+    if "'" in override_str:
+        raise ValueError(f"overrides cannot contain single quotes: {override_str}")
+    command = [
+        "flwr",
+        "run",
+        str(app_dir()),
+        "--stream",
+        "--federation-config",
+        f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}",
+        "--run-config",
+        f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
+    ]
+    run_env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", **(env or {})}
+    log_file = log_file or output_dir / "flwr.log"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log(INFO, "Running: %s", shlex.join(command))
+    with open(log_file, "w") as sink:
+        proc = subprocess.run(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=run_env, timeout=timeout, check=False
+        )
+    results = output_dir / RESULTS_FILE
+    done = results.is_file() and json.loads(results.read_text()).get("summary", {}).get("complete")
+    if proc.returncode != 0 or not done:
+        tail = "".join(log_file.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(
+            f"flwr run failed (exit {proc.returncode}, results complete: {bool(done)}); "
+            f"log {log_file}:\n{tail}"
+        )
+    return results
+
+
+def run_inprocess(overrides: Sequence[str], output_dir: Path, num_clients: int) -> Path:
+    """Run one experiment on an in-process grid with the app's ClientApp."""
+    from apps.client_app import app as client_app
+
+    from ..core.inprocess import InProcessGrid
+    from .server import run_experiment
+
+    run_config = {RUN_OVERRIDES: shlex.join(overrides), RUN_OUTPUT_DIR: str(output_dir)}
+    grid = InProcessGrid(client_app, num_nodes=num_clients, run_config=run_config)
+    run_experiment(grid, run_config)
+    return output_dir / RESULTS_FILE
+
+
+def run_job(cfg: DictConfig) -> float:
+    """Run the current Hydra job; return its final accuracy (for optimisers)."""
+    hydra_cfg = HydraConfig.get()
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("engine=")]
+    engine = str(cfg.engine)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    start = time.monotonic()
+    if engine == "flwr":
+        results_path = flwr_run(
+            overrides,
+            job_dir,
+            num_supernodes=int(cfg["num-clients"]),
+            cpus_per_client=float(cfg["num-cpus-per-client"]),
+        )
+    else:
+        results_path = run_inprocess(overrides, job_dir, int(cfg["num-clients"]))
+    results = json.loads(results_path.read_text())
+    summary = {
+        "overrides": " ".join(overrides),
+        **{k: results["summary"].get(k) for k in ("final-accuracy", "best-accuracy", "rounds-to-target")},
+        "wall-time-s": round(time.monotonic() - start, 2),
+        "strategy": results.get("strategy"),
+        "engine": engine,
+    }
+    (job_dir / JOB_SUMMARY).write_text(json.dumps(summary, indent=2))
+    final = summary["final-accuracy"]
+    return float(final) if final is not None else float("nan")
+
+
+def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
+    """Write ``summary.csv`` and ``comparison.png`` for the jobs under ``sweep_dir``."""
+    jobs = sorted(
+        (p.parent for p in sweep_dir.glob(f"*/{JOB_SUMMARY}")),
+        key=lambda p: int(p.name) if p.name.isdigit() else p.name,
+    )
+    if not jobs:
+        log(INFO, "Sweep summary: no finished job under %s", sweep_dir)
+        return None
+    rows = [{"job": job.name, **json.loads((job / JOB_SUMMARY).read_text())} for job in jobs]
+    csv_path = sweep_dir / "summary.csv"
+    fields = ["job", "overrides", "final-accuracy", "best-accuracy", "rounds-to-target", "wall-time-s", "strategy", "engine"]
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for job, row in zip(jobs, rows, strict=True):
+        results = json.loads((job / RESULTS_FILE).read_text())
+        points = [
+            (r["round"], r["central"]["accuracy"])
+            for r in results["rounds"]
+            if r.get("central", {}).get("accuracy") is not None
+        ]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, label=row["overrides"] or "(defaults)", linewidth=1.2)
+    ax.set(xlabel="round", ylabel="central test accuracy", title=f"sweep {sweep_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    png_path = sweep_dir / "comparison.png"
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    log(INFO, "Sweep summary: %s and %s", csv_path, png_path)
+    print(f"Sweep summary: {csv_path}\nComparison plot: {png_path}", file=sys.stderr)
+    return csv_path, png_path
+
+
+class SweepSummary(Callback):
+    """Hydra callback: summarise a multirun when it ends."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        summarise_sweep(Path(config.hydra.sweep.dir))
