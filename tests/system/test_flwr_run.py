@@ -1,0 +1,83 @@
+"""System tests: the real Flower engine, `flwr run .`, SuperLink and SuperNodes.
+
+Slow (each starts the engine) but run in CI. Every process started is killed
+by process group at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .engine import REPO, loopback_deployment, managed_engine, run_log, run_status
+
+pytestmark = pytest.mark.slow
+
+SMALL = "num-clients=4 num-rounds=3 model=logreg train.local-epochs=1"
+
+
+def flwr_run(env, *args: str, timeout: float = 300) -> dict:
+    out = subprocess.run(
+        ["flwr", "run", ".", *args, "--stream", "--format", "json"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def check_results(output: Path, rounds: int, strategy: str) -> dict:
+    results = json.loads((output / "results.json").read_text())
+    assert results["summary"]["complete"] is True
+    assert results["strategy"] == strategy
+    assert [r["round"] for r in results["rounds"]] == list(range(rounds + 1))
+    assert results["rounds"][-1]["train"]["replies-valid"] == results["num-clients"]
+    assert results["summary"]["final-accuracy"] > 0.5  # logreg on digits, 3 rounds
+    assert (output / "metrics.png").stat().st_size > 10_000
+    return results
+
+
+def test_flwr_run_simulation(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    with managed_engine(tmp_path / "home") as env:
+        reply = flwr_run(
+            env,
+            "--federation-config", "num-supernodes=4 client-resources-num-cpus=1",
+            "--run-config", f"overrides='strategy=fedprox strategy.mu=0.1 {SMALL}' output-dir='{output}'",
+        )
+        status = run_status(reply["run-id"], env)
+        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[-3000:]
+    results = check_results(output, 3, "FedProx")
+    assert results["config"]["strategy"]["mu"] == 0.1
+
+
+def test_node_count_mismatch_fails_fast_with_the_fix(tmp_path: Path) -> None:
+    with managed_engine(tmp_path / "home") as env:
+        reply = flwr_run(
+            env,
+            "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
+            "--run-config", f"overrides='{SMALL} node-wait-timeout=0' output-dir='{tmp_path}/o'",
+            timeout=180,
+        )
+        status = run_status(reply["run-id"], env)
+        assert status["status"] == "finished:failed", status
+        log = run_log(reply["run-id"], env)
+    assert "num-supernodes=4" in log and "num-clients=4" in log
+
+
+def test_loopback_deployment(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    with loopback_deployment(tmp_path / "home", num_nodes=3) as (env, connection):
+        reply = flwr_run(
+            env,
+            connection,
+            "--run-config",
+            f"overrides='strategy=fedavg num-clients=3 num-rounds=2 model=logreg' output-dir='{output}'",
+            timeout=400,
+        )
+        status = run_status(reply["run-id"], env, connection)
+        log = run_log(reply["run-id"], env, connection)
+        assert status["status"] == "finished:completed", log[-3000:]
+    check_results(output, 2, "FedAvg")
