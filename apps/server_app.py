@@ -1,4 +1,4 @@
-"""The ServerApp `flwr run .` starts: compose conf/, run the experiment, write results."""
+"""The ServerApp `flwr run .` starts: compose conf/, run, write results."""
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp

@@ -74,4 +74,6 @@ def honest_replies(
 
 
 def configure(strategy, arrays: dict[str, np.ndarray], grid, server_round: int = 1):
-    return list(strategy.configure_train(server_round, record(arrays), ConfigRecord(), grid))
+    return list(
+        strategy.configure_train(server_round, record(arrays), ConfigRecord(), grid)
+    )

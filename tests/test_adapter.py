@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    RecordDict,
+)
 from flwr.client import NumPyClient
 from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
@@ -31,7 +38,11 @@ class DocsClient(NumPyClient):
         w = parameters[0]
         for _ in range(5):
             w = w - 0.1 * self.x.T @ (self.x @ w - self.y) / len(self.y)
-        return [w], len(self.y), {"train-loss": float(np.mean((self.x @ w - self.y) ** 2))}
+        return (
+            [w],
+            len(self.y),
+            {"train-loss": float(np.mean((self.x @ w - self.y) ** 2))},
+        )
 
     def evaluate(self, parameters, config):
         loss = float(np.mean((self.x @ parameters[0] - self.y) ** 2))
@@ -56,9 +67,14 @@ def test_docs_numpy_client_runs_unchanged(strategy_cls) -> None:
 
 def test_pack_and_flower_fedavg_agree() -> None:
     finals = []
-    for strategy in (FedAvg(min_available_nodes=3), FlowerFedAvg(min_available_nodes=3)):
+    for strategy in (
+        FedAvg(min_available_nodes=3),
+        FlowerFedAvg(min_available_nodes=3),
+    ):
         grid = InProcessGrid(to_client_app(docs_client_fn), num_nodes=3)
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord([np.zeros(3)]), num_rounds=3)
+        result = strategy.start(
+            grid=grid, initial_arrays=ArrayRecord([np.zeros(3)]), num_rounds=3
+        )
         finals.append(result.arrays.to_numpy_ndarrays()[0])
     np.testing.assert_allclose(finals[0], finals[1], rtol=1e-12)
 
@@ -88,7 +104,11 @@ class EchoClient(NumPyClient):
         state = self.context.state  # the adapter hands over the node's Context
         count = state["counter"]["n"] + 1 if "counter" in state else 1
         state["counter"] = ConfigRecord({"n": count})
-        return [p * 2 for p in parameters], 7, {"seen": count, "note": "strings stay local"}
+        return (
+            [p * 2 for p in parameters],
+            7,
+            {"seen": count, "note": "strings stay local"},
+        )
 
 
 def test_keys_order_context_and_metrics() -> None:
@@ -110,7 +130,9 @@ class Crashing(NumPyClient):
 
 
 def test_client_exception_becomes_an_error_reply() -> None:
-    out = handle_train(lambda c: Crashing(), train_message(record(model_arrays()), {}), context())
+    out = handle_train(
+        lambda c: Crashing(), train_message(record(model_arrays()), {}), context()
+    )
     assert out.has_error()
     assert out.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     assert "disk on fire" in out.error.reason

@@ -23,7 +23,9 @@ NUM_NODES = 5
 
 STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
     "fedavg": lambda: FedAvg(min_available_nodes=NUM_NODES),
-    "fedavg-uniform": lambda: FedAvg(min_available_nodes=NUM_NODES, weighting="uniform"),
+    "fedavg-uniform": lambda: FedAvg(
+        min_available_nodes=NUM_NODES, weighting="uniform"
+    ),
     "fedprox": lambda: FedProx(mu=0.1, min_available_nodes=NUM_NODES),
     "fedprox-monitor": lambda: FedProx(
         mu=0.1, min_available_nodes=NUM_NODES, monitor_dissimilarity=True
@@ -43,7 +45,9 @@ def good_content(strategy: ValidatedFedAvg, i: int) -> dict[str, dict[str, np.nd
     }
 
 
-def build_reply(to: Message, content: dict[str, dict[str, np.ndarray]], n=10, metrics=None):
+def build_reply(
+    to: Message, content: dict[str, dict[str, np.ndarray]], n=10, metrics=None
+):
     records = dict(content)
     arrays = records.pop("arrays", None)
     return reply(
@@ -62,7 +66,8 @@ def setup_round(name: str):
     messages = list(strategy.configure_train(1, record(arrays), ConfigRecord(), grid))
     assert len(messages) == NUM_NODES
     good = [
-        build_reply(m, good_content(strategy, i), n=10 + i) for i, m in enumerate(messages)
+        build_reply(m, good_content(strategy, i), n=10 + i)
+        for i, m in enumerate(messages)
     ]
     return strategy, messages, good
 
@@ -100,14 +105,28 @@ BAD_REPLIES: dict[str, Callable] = {
     "broadcastable-shape": lambda s, m, good: with_arrays(
         s, m, lambda a: a.update(b=np.zeros((1,), np.float32))
     ),
-    "nan": lambda s, m, good: with_arrays(s, m, lambda a: a["w"].__setitem__((0, 0), np.nan)),
-    "inf": lambda s, m, good: with_arrays(s, m, lambda a: a["b"].__setitem__(1, -np.inf)),
-    "num-examples-missing": lambda s, m, good: build_reply(m, good_content(s, 7), n=None),
+    "nan": lambda s, m, good: with_arrays(
+        s, m, lambda a: a["w"].__setitem__((0, 0), np.nan)
+    ),
+    "inf": lambda s, m, good: with_arrays(
+        s, m, lambda a: a["b"].__setitem__(1, -np.inf)
+    ),
+    "num-examples-missing": lambda s, m, good: build_reply(
+        m, good_content(s, 7), n=None
+    ),
     "num-examples-zero": lambda s, m, good: build_reply(m, good_content(s, 7), n=0),
-    "num-examples-negative": lambda s, m, good: build_reply(m, good_content(s, 7), n=-5),
-    "num-examples-nan": lambda s, m, good: build_reply(m, good_content(s, 7), n=float("nan")),
-    "num-examples-inf": lambda s, m, good: build_reply(m, good_content(s, 7), n=float("inf")),
-    "num-examples-list": lambda s, m, good: build_reply(m, good_content(s, 7), n=[1, 2]),
+    "num-examples-negative": lambda s, m, good: build_reply(
+        m, good_content(s, 7), n=-5
+    ),
+    "num-examples-nan": lambda s, m, good: build_reply(
+        m, good_content(s, 7), n=float("nan")
+    ),
+    "num-examples-inf": lambda s, m, good: build_reply(
+        m, good_content(s, 7), n=float("inf")
+    ),
+    "num-examples-list": lambda s, m, good: build_reply(
+        m, good_content(s, 7), n=[1, 2]
+    ),
     "payload-lies": lambda s, m, good: _lying_payload(s, m),
     "payload-truncated": lambda s, m, good: _truncated_payload(s, m),
     "duplicate": lambda s, m, good: build_reply(m, good_content(s, 9), n=50),
@@ -130,7 +149,9 @@ def _with_config(s, m):
 def _lying_payload(s, m):
     msg = build_reply(m, good_content(s, 7))
     wrong = np.zeros((3, 4), np.float32)  # same size, other shape than declared
-    msg.content["arrays"]["w"] = Array("float32", (4, 3), "numpy.ndarray", npy_bytes(wrong))
+    msg.content["arrays"]["w"] = Array(
+        "float32", (4, 3), "numpy.ndarray", npy_bytes(wrong)
+    )
     return msg
 
 
@@ -143,7 +164,9 @@ def _truncated_payload(s, m):
 
 def _foreign(m: Message) -> Message:
     """A message as if it had been sent to a node that was not sampled."""
-    return Message(RecordDict(), dst_node_id=424242, message_type=m.metadata.message_type)
+    return Message(
+        RecordDict(), dst_node_id=424242, message_type=m.metadata.message_type
+    )
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -166,7 +189,7 @@ def to_np(rec: ArrayRecord | None) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("kind", sorted(BAD_REPLIES))
 def test_bad_reply_is_as_if_absent(name: str, kind: str) -> None:
     with_bad, messages, good = setup_round(name)
-    without_bad, messages_b, good_b = setup_round(name)
+    without_bad, _, good_b = setup_round(name)
     bad = BAD_REPLIES[kind](with_bad, messages[0], good)
     if kind == "duplicate":
         # A second, different reply from node 0, after its first one.
@@ -199,7 +222,11 @@ def test_round_of_only_bad_replies_keeps_the_model(name: str) -> None:
     before = strategy.state_dict()
     bad = [
         BAD_REPLIES[kind](strategy, m, good)
-        for kind, m in zip(["nan", "error-reply", "wrong-shape", "num-examples-zero", "no-arrays"], messages, strict=True)
+        for kind, m in zip(
+            ["nan", "error-reply", "wrong-shape", "num-examples-zero", "no-arrays"],
+            messages,
+            strict=True,
+        )
     ]
     arrays, metrics = strategy.aggregate_train(1, iter(bad))
     assert arrays is None  # Strategy.start keeps the previous model
@@ -216,7 +243,7 @@ def test_empty_round_keeps_the_model(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_fresh_payload_per_node(name: str) -> None:
-    strategy, messages, _ = setup_round(name)
+    _, messages, _ = setup_round(name)
     configs = [m.content["config"] for m in messages]
     assert len({id(c) for c in configs}) == len(configs)
     assert len({id(m.content) for m in messages}) == len(messages)
@@ -229,7 +256,9 @@ def test_accept_failures_false_keeps_the_model(name: str) -> None:
     strategy = STRATEGIES[name]()
     strategy.accept_failures = False
     grid = sampling_grid(NUM_NODES)
-    messages = list(strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid))
+    messages = list(
+        strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid)
+    )
     replies = [error_reply(messages[0])] + [
         build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages[1:])
     ]
@@ -248,13 +277,17 @@ def test_state_dict_round_trip(name: str) -> None:
 
 def test_zero_total_weight_is_logged_not_raised() -> None:
     class ZeroWeight(FedAvg):
-        def reply_weight(self, reply):  # noqa: ANN001, ANN201
+        def reply_weight(self, reply):
             return 0.0
 
     strategy = ZeroWeight(min_available_nodes=NUM_NODES)
     grid = sampling_grid(NUM_NODES)
-    messages = list(strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid))
-    replies = [build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages)]
+    messages = list(
+        strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid)
+    )
+    replies = [
+        build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages)
+    ]
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics is not None
 
@@ -262,4 +295,6 @@ def test_zero_total_weight_is_logged_not_raised() -> None:
 def test_not_enough_nodes_fails_fast_with_the_fix() -> None:
     strategy = FedAvg(min_available_nodes=20, node_wait_timeout=0.0)
     with pytest.raises(RuntimeError, match="num-supernodes"):
-        strategy.configure_train(1, record(model_arrays()), ConfigRecord(), sampling_grid(3))
+        strategy.configure_train(
+            1, record(model_arrays()), ConfigRecord(), sampling_grid(3)
+        )

@@ -8,7 +8,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from torch.utils.data import DataLoader, TensorDataset
 
-from flwr_prox_strategies import FedAvg, FedAvgClient, FedProx, FedProxClient, to_client_app
+from flwr_prox_strategies import (
+    FedAvg,
+    FedAvgClient,
+    FedProx,
+    FedProxClient,
+    to_client_app,
+)
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.ops.proximal import ProximalTerm
 
@@ -31,7 +37,12 @@ def quad_client(x, y, w0, *, epochs, lr, gamma=None) -> FedProxClient:
     data = TensorDataset(torch.tensor(x), torch.tensor(y))
     loader = DataLoader(data, batch_size=len(y), shuffle=False)  # full batch: exact GD
     return FedProxClient(
-        model, loader, local_epochs=epochs, learning_rate=lr, loss_fn=half_mse, gamma=gamma
+        model,
+        loader,
+        local_epochs=epochs,
+        learning_rate=lr,
+        loss_fn=half_mse,
+        gamma=gamma,
     )
 
 
@@ -115,16 +126,24 @@ def classification_client_fn(client_cls, **kwargs):
         pid = int(context.node_config["partition-id"])
         n = int(context.node_config["num-partitions"])
         idx = torch.arange(pid, len(labels), n)
-        loader = DataLoader(TensorDataset(features[idx], labels[idx]), batch_size=8, shuffle=True)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-        return client_cls(model, loader, local_epochs=2, learning_rate=0.1, seed=pid, **kwargs)
+        loader = DataLoader(
+            TensorDataset(features[idx], labels[idx]), batch_size=8, shuffle=True
+        )
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+        )
+        return client_cls(
+            model, loader, local_epochs=2, learning_rate=0.1, seed=pid, **kwargs
+        )
 
     return client_fn
 
 
 def run(strategy, client_fn, rounds=3, nodes=4) -> dict[str, np.ndarray]:
     torch.manual_seed(123)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
     grid = InProcessGrid(to_client_app(client_fn), num_nodes=nodes)
     result = strategy.start(
         grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=rounds
@@ -145,19 +164,26 @@ def test_mu_zero_equals_fedavg_bit_for_bit() -> None:
     for key in prox:
         assert prox[key].tobytes() == avg[key].tobytes()
     # And mu > 0 really changes the result.
-    other = run(FedProx(mu=1.0, min_available_nodes=4), classification_client_fn(FedProxClient))
+    other = run(
+        FedProx(mu=1.0, min_available_nodes=4), classification_client_fn(FedProxClient)
+    )
     assert any(not np.array_equal(other[k], avg[k]) for k in avg)
 
 
 def test_stragglers_same_draws_fedavg_drops_fedprox_keeps_partial_work() -> None:
     arrays = record(model_arrays())
     avg = FedAvg(min_available_nodes=10, local_epochs=5, drop_percent=0.3, seed=4)
-    prox = FedProx(mu=0.1, min_available_nodes=10, local_epochs=5, drop_percent=0.3, seed=4)
+    prox = FedProx(
+        mu=0.1, min_available_nodes=10, local_epochs=5, drop_percent=0.3, seed=4
+    )
     grid = sampling_grid(10)
     for rnd in (1, 2, 3):
         sent_avg = list(avg.configure_train(rnd, arrays, ConfigRecord(), grid))
         sent_prox = list(prox.configure_train(rnd, arrays, ConfigRecord(), grid))
-        epochs = {m.metadata.dst_node_id: m.content["config"]["local-epochs"] for m in sent_prox}
+        epochs = {
+            m.metadata.dst_node_id: m.content["config"]["local-epochs"]
+            for m in sent_prox
+        }
         stragglers = {node for node, e in epochs.items() if e < 5}
         assert len(sent_prox) == 10 and len(stragglers) == 3
         assert all(1 <= e <= 4 for e in epochs.values() if e < 5)
@@ -167,11 +193,16 @@ def test_stragglers_same_draws_fedavg_drops_fedprox_keeps_partial_work() -> None
 def test_uniform_weighting_is_the_plain_mean() -> None:
     strategy = FedProx(mu=0.1, min_available_nodes=3, weighting="uniform")
     grid = sampling_grid(3)
-    messages = list(strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid))
+    messages = list(
+        strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid)
+    )
     from .helpers import reply
 
     values = [model_arrays(seed=s) for s in (1, 2, 3)]
-    replies = [reply(m, v, num_examples=n) for m, v, n in zip(messages, values, (1, 50, 1000), strict=True)]
+    replies = [
+        reply(m, v, num_examples=n)
+        for m, v, n in zip(messages, values, (1, 50, 1000), strict=True)
+    ]
     arrays, _ = strategy.aggregate_train(1, replies)
     expected = np.mean([v["w"] for v in values], axis=0)
     np.testing.assert_allclose(arrays["w"].numpy(), expected, rtol=1e-6)
@@ -180,11 +211,16 @@ def test_uniform_weighting_is_the_plain_mean() -> None:
 def test_dissimilarity_is_one_for_identical_clients() -> None:
     strategy = FedProx(mu=0.1, min_available_nodes=3, monitor_dissimilarity=True)
     grid = sampling_grid(3)
-    messages = list(strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid))
+    messages = list(
+        strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid)
+    )
     from .helpers import reply
 
     g = model_arrays(seed=5)
-    replies = [reply(m, model_arrays(), extra_records={"gradient": record(g)}) for m in messages]
+    replies = [
+        reply(m, model_arrays(), extra_records={"gradient": record(g)})
+        for m in messages
+    ]
     _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["dissimilarity-b"] == pytest.approx(1.0, rel=1e-6)
 

@@ -20,8 +20,9 @@ from ..core.strategy import ValidatedFedAvg
 class FedAvg(ValidatedFedAvg):
     """Federated averaging with the pack's validation, seeded sampling and stragglers.
 
-    All parameters are those of :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`
-    (keyword-only). Stragglers are dropped.
+    All parameters are those of
+    :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (keyword-only).
+    Stragglers are dropped.
     """
 
     straggler_policy = "drop"

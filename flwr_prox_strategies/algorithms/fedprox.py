@@ -3,7 +3,8 @@ r"""FedProx (Li et al., MLSys 2020), as seed 000 specifies it.
 Client :math:`k` finds a :math:`\gamma`-inexact minimiser of
 
 .. math::
-    h_k(\theta; \theta_t) = f_k(\theta) + \frac{\mu}{2} \lVert \theta - \theta_t \rVert^2
+    h_k(\theta; \theta_t) = f_k(\theta)
+    + \frac{\mu}{2} \lVert \theta - \theta_t \rVert^2
     \qquad \text{(seed 000, Eq. (1))}
 
 by local SGD: each step follows :math:`\nabla f_k(\theta) + \mu(\theta - \theta_t)`.
@@ -99,7 +100,7 @@ class FedProx(ValidatedFedAvg):
 
 
 class FedProxClient(TorchClient):
-    r"""Local solver of :math:`\min_\theta f_k(\theta) + \frac{\mu}{2}\lVert\theta - \theta_t\rVert^2`.
+    r"""FedProx client: local SGD on :math:`h_k(	heta; 	heta_t)` (module docstring).
 
     Parameters
     ----------
@@ -108,7 +109,8 @@ class FedProxClient(TorchClient):
     gamma : float | None (default: None)
         Inexactness :math:`\gamma \in [0, 1]`. When set, the solve stops after the
         first epoch whose full local gradient satisfies
-        :math:`\lVert\nabla h_k(\theta)\rVert \le \gamma \lVert\nabla f_k(\theta_t)\rVert`
+        :math:`\lVert\nabla h_k(\theta)\rVert
+        \le \gamma \lVert\nabla f_k(\theta_t)\rVert`
         (one extra pass over the local data per epoch). None: run every epoch.
     **kwargs
         ``local_epochs`` (the cap), ``learning_rate``, ``momentum``,
@@ -125,7 +127,7 @@ class FedProxClient(TorchClient):
         self.last_inexactness = math.nan
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        """The proximal term, anchored at the model just received."""
+        """Return the proximal term, anchored at the model just received."""
         mu = float(require(config, PROXIMAL_MU_KEY, "FedProxClient", "FedProx"))
         if not math.isfinite(mu) or mu < 0:
             raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
@@ -135,11 +137,11 @@ class FedProxClient(TorchClient):
     def stop_rule(
         self, config: dict[str, Any], term: GradientTerm | None
     ) -> Callable[[int], bool] | None:
-        """The gamma-inexact stopping test, or None when ``gamma`` is unset."""
+        """Return the gamma-inexact stopping test (None when ``gamma`` is unset)."""
         self.last_inexactness = math.nan
         if self.gamma is None:
             return None
-        # At theta_t the proximal gradient is zero: grad h_k(theta_t) = grad f_k(theta_t).
+        # The proximal gradient is zero at theta_t: grad h_k = grad f_k there.
         initial = grad_norm(
             full_gradient(
                 self.model, self.train_loader, self.loss_fn, device=self.device
@@ -169,4 +171,4 @@ class FedProxClient(TorchClient):
         return {}
 
 
-__all__ = ["FedProx", "FedProxClient", "PROXIMAL_MU_KEY"]
+__all__ = ["PROXIMAL_MU_KEY", "FedProx", "FedProxClient"]

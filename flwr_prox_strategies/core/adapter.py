@@ -33,14 +33,14 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.client import NumPyClient
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
-from flwr.client import NumPyClient
 
 from .client import ProtocolError
-from .records import to_ndarrays, to_record
 from .keys import NUM_EXAMPLES_KEY
+from .records import to_ndarrays, to_record
 
 ClientFn = Callable[[Context], NumPyClient]
 
@@ -71,6 +71,11 @@ def _metric_record(metrics: dict[str, Any], num_examples: int) -> MetricRecord:
         raise ValueError(f"the client returned num_examples={num_examples!r}")
     record[NUM_EXAMPLES_KEY] = num_examples
     return record
+
+
+def _plain(config: ConfigRecord) -> dict[str, Any]:
+    # NumPyClient's config is a plain dict (its type says scalars; lists pass through).
+    return {str(key): value for key, value in config.items()}
 
 
 def _error_reply(message: Message, err: Exception) -> Message:
@@ -110,7 +115,7 @@ def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Mes
         keys = list(arrays.keys())
         client = _build(client_fn, context)
         new_arrays, num_examples, metrics = client.fit(
-            to_ndarrays(arrays), dict(config)
+            to_ndarrays(arrays), _plain(config)
         )
         reply = RecordDict(
             {
@@ -123,7 +128,7 @@ def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Mes
             reply[name] = to_record(extra, keys if len(keys) == len(extra) else None)
         reply["metrics"] = _metric_record(metrics, num_examples)
         return Message(reply, reply_to=message)
-    except Exception as err:  # noqa: BLE001 - any client failure becomes an error reply
+    except Exception as err:
         return _error_reply(message, err)
 
 
@@ -140,10 +145,12 @@ def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> 
             else ConfigRecord()
         )
         client = _build(client_fn, context)
-        loss, num_examples, metrics = client.evaluate(to_ndarrays(arrays), dict(config))
+        loss, num_examples, metrics = client.evaluate(
+            to_ndarrays(arrays), _plain(config)
+        )
         record = _metric_record({"loss": float(loss), **metrics}, num_examples)
         return Message(RecordDict({"metrics": record}), reply_to=message)
-    except Exception as err:  # noqa: BLE001 - any client failure becomes an error reply
+    except Exception as err:
         return _error_reply(message, err)
 
 

@@ -87,7 +87,7 @@ class TorchClient(NumPyClient):
         Torch device.
     """
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         model: nn.Module,
         train_loader: Iterable[Batch],
@@ -162,7 +162,7 @@ class TorchClient(NumPyClient):
         """Return the extra gradient term of this round's local objective."""
         return None
 
-    def stop_rule(self, config: dict[str, Any], term: GradientTerm | None):  # noqa: ANN201
+    def stop_rule(self, config: dict[str, Any], term: GradientTerm | None):
         """Return a ``stop_after_epoch(epoch) -> bool`` callable, or None."""
         return None
 
@@ -225,7 +225,7 @@ class TorchClient(NumPyClient):
         return self.get_parameters({}), self.num_train_examples(), metrics
 
     def num_train_examples(self) -> int:
-        """Number of local training examples (the aggregation weight)."""
+        """Return the number of local training examples (the weight)."""
         dataset = getattr(self.train_loader, "dataset", None)
         if dataset is not None:
             return len(dataset)

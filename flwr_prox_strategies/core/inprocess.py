@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.supercore.run import Run
 from flwr.serverapp import Grid
+from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 NodeConfigFn = Callable[[int], dict[str, int | float | str | bool]]

@@ -43,7 +43,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
-from .records import RecordSpec, dict_to_record, spec_of
 from ..ops.dissimilarity import dissimilarity, sq_norm
 from .keys import (
     GRADIENT_RECORD,
@@ -52,6 +51,7 @@ from .keys import (
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
 )
+from .records import RecordSpec, dict_to_record, spec_of
 from .validation import ReplyRejected, ValidReply, validate_reply
 
 WEIGHTINGS = ("num-examples", "uniform")
@@ -130,7 +130,7 @@ class ValidatedFedAvg(FedAvg):
 
     straggler_policy: ClassVar[str] = "drop"
 
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         *,
         fraction_train: float = 1.0,
@@ -333,7 +333,8 @@ class ValidatedFedAvg(FedAvg):
         """Restore what :meth:`state_dict` returned."""
         if state.get("strategy") != type(self).__name__:
             raise ValueError(
-                f"checkpoint is for {state.get('strategy')!r}, not {type(self).__name__}"
+                f"checkpoint is for {state.get('strategy')!r}, "
+                f"not {type(self).__name__}"
             )
         if state.get("seed") != self.seed:
             raise ValueError(
@@ -471,7 +472,7 @@ class ValidatedFedAvg(FedAvg):
             sampled=self._train_nodes,
             phase="aggregate_train",
         )
-        counts = {
+        counts: dict[str, int | float] = {
             "replies-valid": len(valid),
             "replies-failed": failed,
             "replies-rejected": rejected,
@@ -495,7 +496,7 @@ class ValidatedFedAvg(FedAvg):
                 server_round,
                 keep,
             )
-            return None, MetricRecord(counts)
+            return None, MetricRecord(dict(counts.items()))
         extra = self.on_valid_replies(server_round, valid)
         if self.monitor_dissimilarity:
             extra.update(self.dissimilarity_metrics(valid))
@@ -564,7 +565,7 @@ class ValidatedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Validate evaluation replies and average their metrics."""
-        valid, failed, rejected = self.collect_replies(
+        valid, _, _ = self.collect_replies(
             server_round,
             replies,
             expected_arrays={},

@@ -87,12 +87,15 @@ def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
     try:
         return _compose_cached(tuple(split_overrides(overrides)))
     except Exception as err:  # Hydra raises several unrelated exception types
-        raise ValueError(f"cannot compose conf/ with overrides {overrides!r}: {err}") from err
+        raise ValueError(
+            f"cannot compose conf/ with overrides {overrides!r}: {err}"
+        ) from err
 
 
 def _kwargs(node: DictConfig) -> dict[str, Any]:
-    data = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(data, dict)
+    container = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(container, dict)
+    data: dict[str, Any] = {str(k): v for k, v in container.items()}
     for key in data.pop(_UNUSED, []) or []:
         data.pop(key, None)
     return data
@@ -109,7 +112,7 @@ def build_model(cfg: DictConfig) -> Any:
 
 
 def build_client(cfg: DictConfig, **runtime: Any) -> Any:
-    """Instantiate ``cfg.client`` with the shared ``train`` settings and runtime objects."""
+    """Instantiate ``cfg.client`` with the ``train`` settings and runtime objects."""
     train = cfg.train
     return hydra.utils.instantiate(
         _kwargs(cfg.client),
@@ -122,5 +125,5 @@ def build_client(cfg: DictConfig, **runtime: Any) -> Any:
 
 
 def config_yaml(cfg: DictConfig) -> str:
-    """The resolved config as YAML (for results files and logs)."""
+    """Return the resolved config as YAML (for results files and logs)."""
     return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,4 +1,4 @@
-"""Data for the pack's own experiments: load once per process, partition, wrap in loaders."""
+"""Data for the pack's experiments: load once per process, partition, wrap."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def _partitions(
     return tuple(split(data.train.y, num_partitions=num_partitions, seed=seed))
 
 
-def client_partition(cfg: DictConfig, partition_id: int, num_partitions: int) -> ArrayDataset:
+def client_partition(
+    cfg: DictConfig, partition_id: int, num_partitions: int
+) -> ArrayDataset:
     """Return the training data of one client (seeded, identical on every node)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
@@ -57,7 +59,9 @@ def partition_sizes(cfg: DictConfig, num_partitions: int) -> list[int]:
     return [len(p) for p in parts]
 
 
-def to_loader(data: ArrayDataset, *, batch_size: int, shuffle: bool, **kwargs: Any) -> DataLoader:
+def to_loader(
+    data: ArrayDataset, *, batch_size: int, shuffle: bool, **kwargs: Any
+) -> DataLoader:
     """Wrap arrays in a ``DataLoader`` (float32 inputs, int64 labels)."""
     dataset = TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y))
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)

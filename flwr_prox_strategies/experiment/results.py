@@ -13,7 +13,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never open a window
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 RESULTS_FILE = "results.json"
 
@@ -63,7 +63,9 @@ class RunRecorder:
     be inspected while it goes.
     """
 
-    def __init__(self, output_dir: Path, *, meta: Mapping[str, Any], target: float) -> None:
+    def __init__(
+        self, output_dir: Path, *, meta: Mapping[str, Any], target: float
+    ) -> None:
         self.output_dir = output_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.meta = dict(meta)
@@ -72,7 +74,9 @@ class RunRecorder:
         self.rounds: dict[int, dict[str, Any]] = {}
         self.complete = False  # set when the last round's results are in
 
-    def record(self, server_round: int, section: str, metrics: Mapping[str, Any]) -> None:
+    def record(
+        self, server_round: int, section: str, metrics: Mapping[str, Any]
+    ) -> None:
         """Store ``metrics`` of ``section`` (central, train, evaluate) for a round."""
         entry = self.rounds.setdefault(server_round, {"round": server_round})
         entry[section] = dict(metrics)
@@ -80,7 +84,7 @@ class RunRecorder:
         self.flush()
 
     def as_dict(self) -> dict[str, Any]:
-        """The whole results document."""
+        """Return the whole results document."""
         rounds = [self.rounds[r] for r in sorted(self.rounds)]
         return {
             **self.meta,

@@ -40,19 +40,23 @@ OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
 
 
 def config_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
-    """Compose ``conf/`` from Flower's run config (``overrides``, ``num-rounds``, ``seed``)."""
+    """Compose ``conf/`` from Flower's run config (overrides, num-rounds, seed)."""
     return compose_config(overrides_from_run_config(run_config))
 
 
 def output_dir_for(cfg: DictConfig, run_config: Mapping[str, Any]) -> Path:
-    """The run's output folder: ``output-dir``, else a new one under the root."""
+    """Return the output folder: ``output-dir``, else a new one under the root."""
     explicit = str(run_config.get(RUN_OUTPUT_DIR, "") or "")
     if explicit:
         return Path(explicit).expanduser().resolve()
-    root = str(run_config.get(RUN_OUTPUT_ROOT, "") or os.environ.get(OUTPUT_ROOT_ENV, ""))
+    root = str(
+        run_config.get(RUN_OUTPUT_ROOT, "") or os.environ.get(OUTPUT_ROOT_ENV, "")
+    )
     base = Path(root).expanduser() if root else Path.cwd() / "outputs"
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    name = f"{stamp}-{cfg.strategy._target_.rsplit('.', 1)[-1].lower()}-{cfg.dataset.name}"
+    name = (
+        f"{stamp}-{cfg.strategy._target_.rsplit('.', 1)[-1].lower()}-{cfg.dataset.name}"
+    )
     return (base / name).resolve()
 
 
@@ -65,16 +69,16 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float) -> None:
             return
         if count > expected or time.monotonic() >= deadline:
             raise RuntimeError(
-                f"the configuration says num-clients={expected}, but {count} SuperNode(s) "
-                f"are connected. Size the simulation with `flwr run . "
-                f"--federation-config \"num-supernodes={expected}\"` (or start {expected} "
-                f"SuperNodes), or set num-clients={count} in the overrides."
+                f"the configuration says num-clients={expected}, but {count} "
+                "SuperNode(s) are connected. Size the simulation with `flwr run . "
+                f'--federation-config "num-supernodes={expected}"` (or start '
+                f"{expected} SuperNodes), or set num-clients={count} in the overrides."
             )
         log(INFO, "Waiting for SuperNodes: %d of %d connected", count, expected)
         time.sleep(1.0)
 
 
-def make_evaluate_fn(cfg: DictConfig, recorder: RunRecorder, num_rounds: int):  # noqa: ANN201
+def make_evaluate_fn(cfg: DictConfig, recorder: RunRecorder, num_rounds: int):
     """Central evaluation of the global model on the test set, with progress logs."""
     data = load_data(cfg)
     loader = to_loader(data.test, batch_size=1024, shuffle=False)
@@ -83,8 +87,14 @@ def make_evaluate_fn(cfg: DictConfig, recorder: RunRecorder, num_rounds: int):  
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy, count = evaluate_model(model, loader, torch.nn.functional.cross_entropy)
-        metrics = {"loss": loss, "accuracy": accuracy, "num-examples": count}
+        loss, accuracy, count = evaluate_model(
+            model, loader, torch.nn.functional.cross_entropy
+        )
+        metrics: dict[str, int | float | list[int] | list[float]] = {
+            "loss": loss,
+            "accuracy": accuracy,
+            "num-examples": count,
+        }
         recorder.record(server_round, "central", metrics)
         log(
             INFO,
@@ -132,10 +142,19 @@ def run_experiment(
         target=float(cfg["target-accuracy"]),
     )
     (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    log(INFO, "Experiment: %r on %s, %d clients, %d rounds", strategy, cfg.dataset.name, num_clients, num_rounds)
+    log(
+        INFO,
+        "Experiment: %r on %s, %d clients, %d rounds",
+        strategy,
+        cfg.dataset.name,
+        num_clients,
+        num_rounds,
+    )
     log(INFO, "Partition sizes: min %d, max %d", min(sizes), max(sizes))
     log(INFO, "Output folder: %s", output_dir)
-    evaluate_fn = make_evaluate_fn(cfg, recorder, num_rounds) if cfg.evaluate.central else None
+    evaluate_fn = (
+        make_evaluate_fn(cfg, recorder, num_rounds) if cfg.evaluate.central else None
+    )
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
@@ -175,7 +194,7 @@ def make_client(context: Context) -> Any:
     except KeyError as err:
         raise ProtocolError(
             f"node_config lacks {err}; start SuperNodes with --node-config "
-            "\"partition-id=<i> num-partitions=<n>\""
+            '"partition-id=<i> num-partitions=<n>"'
         ) from err
     if num_partitions != int(cfg["num-clients"]):
         raise ProtocolError(

@@ -40,14 +40,19 @@ ENGINES = ("flwr", "inprocess")
 
 
 def app_dir() -> Path:
-    """The Flower app folder (with ``pyproject.toml``) that ``flwr run`` is given."""
-    candidates = [os.environ.get(APP_DIR_ENV, ""), str(Path(__file__).resolve().parents[2]), "."]
+    """Return the Flower app folder (``pyproject.toml``) given to ``flwr run``."""
+    candidates = [
+        os.environ.get(APP_DIR_ENV, ""),
+        str(Path(__file__).resolve().parents[2]),
+        ".",
+    ]
     for candidate in filter(None, candidates):
         pyproject = Path(candidate) / "pyproject.toml"
         if pyproject.is_file() and "[tool.flwr.app]" in pyproject.read_text():
             return Path(candidate).resolve()
     raise FileNotFoundError(
-        "engine=flwr needs the Flower app folder (pyproject.toml with [tool.flwr.app]); "
+        "engine=flwr needs the Flower app folder (pyproject.toml with "
+        "[tool.flwr.app]); "
         f"run from a checkout of flwr-prox-strategies or set {APP_DIR_ENV}"
     )
 
@@ -80,20 +85,32 @@ def flwr_run(
         "--run-config",
         f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
     ]
-    run_env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", **(env or {})}
+    run_env = {
+        **os.environ,
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        **(env or {}),
+    }
     log_file = log_file or output_dir / "flwr.log"
     output_dir.mkdir(parents=True, exist_ok=True)
     log(INFO, "Running: %s", shlex.join(command))
     with open(log_file, "w") as sink:
         proc = subprocess.run(
-            command, stdout=sink, stderr=subprocess.STDOUT, env=run_env, timeout=timeout, check=False
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=run_env,
+            timeout=timeout,
+            check=False,
         )
     results = output_dir / RESULTS_FILE
-    done = results.is_file() and json.loads(results.read_text()).get("summary", {}).get("complete")
+    done = results.is_file() and json.loads(results.read_text()).get("summary", {}).get(
+        "complete"
+    )
     if proc.returncode != 0 or not done:
         tail = "".join(log_file.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(
-            f"flwr run failed (exit {proc.returncode}, results complete: {bool(done)}); "
+            f"flwr run failed (exit {proc.returncode}, "
+            f"results complete: {bool(done)}); "
             f"log {log_file}:\n{tail}"
         )
     return results
@@ -106,7 +123,10 @@ def run_inprocess(overrides: Sequence[str], output_dir: Path, num_clients: int) 
     from ..core.inprocess import InProcessGrid
     from .server import run_experiment
 
-    run_config = {RUN_OVERRIDES: shlex.join(overrides), RUN_OUTPUT_DIR: str(output_dir)}
+    run_config: dict[str, int | float | str | bool] = {
+        RUN_OVERRIDES: shlex.join(overrides),
+        RUN_OUTPUT_DIR: str(output_dir),
+    }
     grid = InProcessGrid(client_app, num_nodes=num_clients, run_config=run_config)
     run_experiment(grid, run_config)
     return output_dir / RESULTS_FILE
@@ -133,7 +153,10 @@ def run_job(cfg: DictConfig) -> float:
     results = json.loads(results_path.read_text())
     summary = {
         "overrides": " ".join(overrides),
-        **{k: results["summary"].get(k) for k in ("final-accuracy", "best-accuracy", "rounds-to-target")},
+        **{
+            k: results["summary"].get(k)
+            for k in ("final-accuracy", "best-accuracy", "rounds-to-target")
+        },
         "wall-time-s": round(time.monotonic() - start, 2),
         "strategy": results.get("strategy"),
         "engine": engine,
@@ -152,9 +175,20 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
     if not jobs:
         log(INFO, "Sweep summary: no finished job under %s", sweep_dir)
         return None
-    rows = [{"job": job.name, **json.loads((job / JOB_SUMMARY).read_text())} for job in jobs]
+    rows = [
+        {"job": job.name, **json.loads((job / JOB_SUMMARY).read_text())} for job in jobs
+    ]
     csv_path = sweep_dir / "summary.csv"
-    fields = ["job", "overrides", "final-accuracy", "best-accuracy", "rounds-to-target", "wall-time-s", "strategy", "engine"]
+    fields = [
+        "job",
+        "overrides",
+        "final-accuracy",
+        "best-accuracy",
+        "rounds-to-target",
+        "wall-time-s",
+        "strategy",
+        "engine",
+    ]
     with open(csv_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -170,7 +204,9 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, label=row["overrides"] or "(defaults)", linewidth=1.2)
-    ax.set(xlabel="round", ylabel="central test accuracy", title=f"sweep {sweep_dir.name}")
+    ax.set(
+        xlabel="round", ylabel="central test accuracy", title=f"sweep {sweep_dir.name}"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="lower right")
     fig.tight_layout()

@@ -84,9 +84,8 @@ class WeightedMean:
         if self._acc is None:
             self._acc = {}
             for key, x in items:
-                acc_dtype = (
-                    x.dtype if np.issubdtype(x.dtype, np.floating) else np.float64
-                )
+                floating = np.issubdtype(x.dtype, np.floating)
+                acc_dtype = x.dtype if floating else np.dtype(np.float64)
                 self._dtypes[key] = x.dtype
                 acc = np.empty(x.shape, dtype=acc_dtype)
                 np.multiply(x, acc_dtype.type(weight), out=acc, casting="unsafe")

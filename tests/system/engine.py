@@ -35,7 +35,9 @@ def _cmdlines() -> dict[int, str]:
             with contextlib.suppress(OSError):
                 raw = (entry / "cmdline").read_bytes()
                 if raw:
-                    out[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
+                    out[int(entry.name)] = raw.replace(b"\0", b" ").decode(
+                        errors="replace"
+                    )
     return out
 
 
@@ -90,20 +92,32 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
 
 
 def run_status(run_id: str, env: dict[str, str], connection: str | None = None) -> dict:
-    command = ["flwr", "ls", *([connection] if connection else []), "--run-id", run_id, "--format", "json"]
-    out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=True)
+    command = [
+        "flwr",
+        "ls",
+        *([connection] if connection else []),
+        "--run-id",
+        run_id,
+        "--format",
+        "json",
+    ]
+    out = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=REPO, check=True
+    )
     return json.loads(out.stdout)["runs"][0]
 
 
 def run_log(run_id: str, env: dict[str, str], connection: str | None = None) -> str:
     command = ["flwr", "log", run_id, *([connection] if connection else []), "--show"]
-    out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    out = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=REPO, timeout=60
+    )
     return out.stdout + out.stderr
 
 
 @contextlib.contextmanager
 def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
-    """Environment for `flwr run` with a private managed SuperLink, killed afterwards."""
+    """Environment for `flwr run` with a private managed SuperLink, killed after."""
     env = flwr_env(flwr_home)
     try:
         yield env
@@ -113,8 +127,10 @@ def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def loopback_deployment(flwr_home: Path, num_nodes: int) -> Iterator[tuple[dict[str, str], str]]:
-    """A real SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; yields (env, connection)."""
+def loopback_deployment(
+    flwr_home: Path, num_nodes: int
+) -> Iterator[tuple[dict[str, str], str]]:
+    """Run a SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; yield env, name."""
     env = flwr_env(flwr_home)
     link_port = free_port()
     link_dir = flwr_home / "superlink"
@@ -127,10 +143,22 @@ def loopback_deployment(flwr_home: Path, num_nodes: int) -> Iterator[tuple[dict[
     try:
         procs.append(
             subprocess.Popen(
-                ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(link_port),
-                 "--database", str(link_dir / "state.db"), "--disable-runtime-dependency-installation"],
-                cwd=link_dir, env={**env, "FLWR_HOME": str(link_dir)}, start_new_session=True,
-                stdout=open(link_dir / "superlink.out", "w"), stderr=subprocess.STDOUT,
+                [
+                    "flower-superlink",
+                    "--insecure",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(link_port),
+                    "--database",
+                    str(link_dir / "state.db"),
+                    "--disable-runtime-dependency-installation",
+                ],
+                cwd=link_dir,
+                env={**env, "FLWR_HOME": str(link_dir)},
+                start_new_session=True,
+                stdout=open(link_dir / "superlink.out", "w"),
+                stderr=subprocess.STDOUT,
             )
         )
         for i in range(num_nodes):
@@ -138,11 +166,23 @@ def loopback_deployment(flwr_home: Path, num_nodes: int) -> Iterator[tuple[dict[
             node_dir.mkdir()
             procs.append(
                 subprocess.Popen(
-                    ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                     "--host", "127.0.0.1", "--port", str(free_port()),
-                     "--node-config", f"partition-id={i} num-partitions={num_nodes}"],
-                    cwd=node_dir, env={**env, "FLWR_HOME": str(node_dir)}, start_new_session=True,
-                    stdout=open(node_dir / "supernode.out", "w"), stderr=subprocess.STDOUT,
+                    [
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{link_port}",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        f"partition-id={i} num-partitions={num_nodes}",
+                    ],
+                    cwd=node_dir,
+                    env={**env, "FLWR_HOME": str(node_dir)},
+                    start_new_session=True,
+                    stdout=open(node_dir / "supernode.out", "w"),
+                    stderr=subprocess.STDOUT,
                 )
             )
         _wait_online(env, num_nodes)
@@ -161,9 +201,15 @@ def _wait_online(env: dict[str, str], num_nodes: int, timeout: float = 90) -> No
     while time.monotonic() < deadline:
         out = subprocess.run(
             ["flwr", "supernode", "list", "loopback", "--format", "json"],
-            capture_output=True, text=True, env=env, cwd=REPO, check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            check=False,
         )
         if out.returncode == 0 and out.stdout.count('"online"') >= num_nodes:
             return
         time.sleep(1)
-    raise TimeoutError(f"{num_nodes} SuperNodes did not come online: {out.stdout} {out.stderr}")
+    raise TimeoutError(
+        f"{num_nodes} SuperNodes did not come online: {out.stdout} {out.stderr}"
+    )

@@ -22,7 +22,12 @@ SMALL = "num-clients=4 num-rounds=3 model=logreg train.local-epochs=1"
 def flwr_run(env, *args: str, timeout: float = 300) -> dict:
     out = subprocess.run(
         ["flwr", "run", ".", *args, "--stream", "--format", "json"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
@@ -44,11 +49,15 @@ def test_flwr_run_simulation(tmp_path: Path) -> None:
     with managed_engine(tmp_path / "home") as env:
         reply = flwr_run(
             env,
-            "--federation-config", "num-supernodes=4 client-resources-num-cpus=1",
-            "--run-config", f"overrides='strategy=fedprox strategy.mu=0.1 {SMALL}' output-dir='{output}'",
+            "--federation-config",
+            "num-supernodes=4 client-resources-num-cpus=1",
+            "--run-config",
+            f"overrides='strategy=fedprox strategy.mu=0.1 {SMALL}' output-dir='{output}'",
         )
         status = run_status(reply["run-id"], env)
-        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[-3000:]
+        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[
+            -3000:
+        ]
     results = check_results(output, 3, "FedProx")
     assert results["config"]["strategy"]["mu"] == 0.1
 
@@ -57,8 +66,10 @@ def test_node_count_mismatch_fails_fast_with_the_fix(tmp_path: Path) -> None:
     with managed_engine(tmp_path / "home") as env:
         reply = flwr_run(
             env,
-            "--federation-config", "num-supernodes=3 client-resources-num-cpus=1",
-            "--run-config", f"overrides='{SMALL} node-wait-timeout=0' output-dir='{tmp_path}/o'",
+            "--federation-config",
+            "num-supernodes=3 client-resources-num-cpus=1",
+            "--run-config",
+            f"overrides='{SMALL} node-wait-timeout=0' output-dir='{tmp_path}/o'",
             timeout=180,
         )
         status = run_status(reply["run-id"], env)
