@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ def array_view(array: Array) -> NDArray:
     if array.stype != NUMPY_STYPE:
         raise ValueError(f"unsupported serialisation type {array.stype!r}")
     data = array.data
+    # Fast path: the exact header np.save writes for the declared dtype and shape.
+    header = _expected_header(array.dtype, tuple(array.shape))
+    if header is not None and data.startswith(header):
+        dtype = np.dtype(array.dtype)
+        count = int(np.prod(array.shape, dtype=np.int64))
+        if len(data) - len(header) == count * dtype.itemsize:
+            flat = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
+            return flat.reshape(tuple(array.shape))
     stream = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(stream)
@@ -72,6 +81,18 @@ def array_view(array: Array) -> NDArray:
         )
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
     return flat.reshape(shape, order="F" if fortran else "C")
+
+
+@functools.lru_cache(maxsize=1024)
+def _expected_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
+    try:
+        descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
+    except TypeError:
+        return None
+    buffer = io.BytesIO()
+    header = {"descr": descr, "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue()
 
 
 def to_ndarrays(record: ArrayRecord) -> list[NDArray]:
@@ -104,3 +125,12 @@ def to_record(
 def dict_to_record(arrays: Mapping[str, NDArray]) -> ArrayRecord:
     """Build an ``ArrayRecord`` from a name -> array mapping, keeping its order."""
     return to_record(list(arrays.values()), list(arrays.keys()))
+
+
+def record_is_finite(record: ArrayRecord) -> bool:
+    """Return True when no floating array of ``record`` holds NaN or inf."""
+    for array in record.values():
+        view = array_view(array)
+        if np.issubdtype(view.dtype, np.inexact) and not np.isfinite(view).all():
+            return False
+    return True

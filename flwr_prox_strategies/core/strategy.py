@@ -51,7 +51,7 @@ from .keys import (
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
 )
-from .records import RecordSpec, dict_to_record, spec_of
+from .records import RecordSpec, dict_to_record, record_is_finite, spec_of
 from .validation import ReplyRejected, ValidReply, validate_reply
 
 WEIGHTINGS = ("num-examples", "uniform")
@@ -411,6 +411,7 @@ class ValidatedFedAvg(FedAvg):
         expected_arrays: Mapping[str, RecordSpec],
         sampled: set[int] | None,
         phase: str,
+        defer_finite: tuple[str, ...] = (),
     ) -> tuple[list[ValidReply], int, int]:
         """Validate replies; return the valid ones, #failed and #rejected.
 
@@ -427,7 +428,9 @@ class ValidatedFedAvg(FedAvg):
                     raise ReplyRejected("unsampled", "node was not sampled this round")
                 if node_id in seen:
                     raise ReplyRejected("duplicate", "second reply from this node")
-                reply = validate_reply(message, expected_arrays=expected_arrays)
+                reply = validate_reply(
+                    message, expected_arrays=expected_arrays, defer_finite=defer_finite
+                )
             except ReplyRejected as err:
                 if err.kind == "error-reply":
                     failed += 1
@@ -465,30 +468,29 @@ class ValidatedFedAvg(FedAvg):
             raise RuntimeError(
                 f"{type(self).__name__}.aggregate_train called before configure_train"
             )
+        # The model record's NaN/inf check is deferred: NaN and inf propagate
+        # through the weighted sum, so one check of the result replaces one pass
+        # over every reply; only a non-finite result pays for per-reply checks.
         valid, failed, rejected = self.collect_replies(
             server_round,
             replies,
             expected_arrays=self.expected_train_arrays(server_round),
             sampled=self._train_nodes,
             phase="aggregate_train",
+            defer_finite=(self.arrayrecord_key,),
         )
+        arrays, keep = self._average_finite(server_round, valid)
+        before = len(valid)
+        valid = [r for r in valid if r.finite]
+        rejected += before - len(valid)
+        if keep is None and (failed or rejected) and not self.accept_failures:
+            keep = "accept_failures=False and some replies failed or were rejected"
         counts: dict[str, int | float] = {
             "replies-valid": len(valid),
             "replies-failed": failed,
             "replies-rejected": rejected,
         }
         self.last_round_report = dict(counts)
-        keep = None
-        if not valid:
-            keep = "no valid reply"
-        elif (failed or rejected) and not self.accept_failures:
-            keep = "accept_failures=False and some replies failed or were rejected"
-        arrays: ArrayRecord | None = None
-        if keep is None:
-            try:
-                arrays = self.aggregate_arrays(server_round, valid)
-            except ZeroTotalWeightError as err:
-                keep = f"zero total weight ({err})"
         if keep is not None or arrays is None:
             log(
                 WARNING,
@@ -505,6 +507,41 @@ class ValidatedFedAvg(FedAvg):
             metrics[key] = value
         self.last_round_report.update(extra)
         return arrays, metrics
+
+    def _average_finite(
+        self, server_round: int, valid: list[ValidReply]
+    ) -> tuple[ArrayRecord | None, str | None]:
+        """Average, rejecting replies whose model holds NaN or inf.
+
+        Returns the new model (or None) and, when None, why the model is kept.
+        Replies found non-finite get ``finite = False`` and are logged.
+        """
+        for attempt in (1, 2):
+            candidates = [r for r in valid if r.finite]
+            if not candidates:
+                return None, "no valid reply"
+            try:
+                arrays = self.aggregate_arrays(server_round, candidates)
+            except ZeroTotalWeightError as err:
+                return None, f"zero total weight ({err})"
+            if record_is_finite(arrays):
+                return arrays, None
+            if attempt == 2:
+                break
+            for reply in candidates:
+                bad = reply.non_finite_keys(self.arrayrecord_key)
+                if bad:
+                    reply.finite = False
+                    self.rejections["aggregate_train:non-finite"] += 1
+                    log(
+                        WARNING,
+                        "aggregate_train: round %d: reply from node %d not used "
+                        "(non-finite): %s holds NaN or inf",
+                        server_round,
+                        reply.node_id,
+                        ", ".join(bad),
+                    )
+        return None, "the aggregate is not finite although every reply is"
 
     def dissimilarity_metrics(self, replies: list[ValidReply]) -> dict[str, float]:
         """Estimate B(theta_t) from the gradients the valid replies carry."""

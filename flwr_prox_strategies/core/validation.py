@@ -49,6 +49,16 @@ class ValidReply:
     metrics: MetricRecord
     num_examples: float
     message: Message | None = field(default=None, repr=False)
+    # False once a deferred NaN/inf check found this reply's model non-finite.
+    finite: bool = True
+
+    def non_finite_keys(self, name: str) -> list[str]:
+        """Keys of record ``name`` whose arrays hold NaN or inf."""
+        return [
+            f"{name}/{key}"
+            for key, view in self.arrays[name].items()
+            if np.issubdtype(view.dtype, np.inexact) and not all_finite(view)
+        ]
 
 
 def _check_num_examples(metrics: MetricRecord, key: str) -> float:
@@ -65,7 +75,7 @@ def _check_num_examples(metrics: MetricRecord, key: str) -> float:
 
 
 def _check_array_record(
-    name: str, record: ArrayRecord, spec: RecordSpec
+    name: str, record: ArrayRecord, spec: RecordSpec, *, check_finite: bool = True
 ) -> dict[str, NDArray]:
     got, want = set(record.keys()), set(spec)
     if got != want:
@@ -92,13 +102,18 @@ def _check_array_record(
             view = array_view(array)
         except ValueError as err:
             raise ReplyRejected("payload", f"'{name}/{key}': {err}") from err
-        if np.issubdtype(view.dtype, np.inexact) and not _all_finite(view):
+        if (
+            check_finite
+            and np.issubdtype(view.dtype, np.inexact)
+            and not all_finite(view)
+        ):
             raise ReplyRejected("non-finite", f"'{name}/{key}' holds NaN or inf")
         views[key] = view
     return views
 
 
-def _all_finite(x: NDArray) -> bool:
+def all_finite(x: NDArray) -> bool:
+    """Return True when ``x`` holds no NaN or inf."""
     # A sum is one fast streaming pass; only when it is not finite do we pay for
     # the exact element-wise test (a finite array can overflow its sum).
     with np.errstate(over="ignore", invalid="ignore"):
@@ -112,6 +127,7 @@ def validate_reply(
     *,
     expected_arrays: Mapping[str, RecordSpec],
     weight_key: str = NUM_EXAMPLES_KEY,
+    defer_finite: tuple[str, ...] = (),
 ) -> ValidReply:
     """Validate one reply and return its parsed content.
 
@@ -124,6 +140,8 @@ def validate_reply(
         for evaluation replies.
     weight_key : str
         Key of the sample count in the ``MetricRecord``.
+    defer_finite : tuple[str, ...]
+        Records whose NaN/inf check the caller does itself (after averaging).
 
     Raises
     ------
@@ -153,7 +171,12 @@ def validate_reply(
     metrics = next(iter(content.metric_records.values()))
     num_examples = _check_num_examples(metrics, weight_key)
     arrays = {
-        name: _check_array_record(name, content.array_records[name], spec)
+        name: _check_array_record(
+            name,
+            content.array_records[name],
+            spec,
+            check_finite=name not in defer_finite,
+        )
         for name, spec in expected_arrays.items()
     }
     return ValidReply(
