@@ -247,3 +247,40 @@ def test_client_rejects_invalid_gamma() -> None:
     x, y = least_squares()
     with pytest.raises(ValueError, match="gamma"):
         quad_client(x, y, None, epochs=1, lr=0.1, gamma=1.5)
+
+
+def test_checkpoint_and_resume_is_bit_identical() -> None:
+    def strategy():
+        return FedProx(
+            mu=0.1, min_available_nodes=4, fraction_train=0.5, min_train_nodes=2, seed=3
+        )
+
+    client_fn = classification_client_fn(FedProxClient)
+    torch.manual_seed(123)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
+    initial = ArrayRecord(model.state_dict())
+
+    straight = strategy().start(
+        grid=InProcessGrid(to_client_app(client_fn), num_nodes=4),
+        initial_arrays=initial,
+        num_rounds=4,
+    )
+    first = strategy()
+    half = first.start(
+        grid=InProcessGrid(to_client_app(client_fn), num_nodes=4),
+        initial_arrays=initial,
+        num_rounds=2,
+    )
+    checkpoint = first.state_dict()
+    resumed_strategy = strategy()
+    resumed_strategy.load_state_dict(checkpoint)
+    resumed = resumed_strategy.start(
+        grid=InProcessGrid(to_client_app(client_fn), num_nodes=4),
+        initial_arrays=half.arrays,
+        num_rounds=2,
+    )
+    assert resumed_strategy.rounds_completed == 4
+    for key, value in straight.arrays.items():
+        assert value.numpy().tobytes() == resumed.arrays[key].numpy().tobytes()

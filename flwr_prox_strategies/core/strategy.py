@@ -200,6 +200,10 @@ class ValidatedFedAvg(FedAvg):
         self._global_spec: RecordSpec | None = None
         self._train_nodes: set[int] | None = None
         self._evaluate_nodes: set[int] | None = None
+        # Rounds aggregated so far (state), and the offset a resumed run adds to
+        # Strategy.start's round numbers so sampling and client seeds continue.
+        self.rounds_completed = 0
+        self.round_offset = 0
 
     # ------------------------------------------------------------------ info
     def __repr__(self) -> str:
@@ -324,10 +328,16 @@ class ValidatedFedAvg(FedAvg):
     def state_dict(self) -> dict[str, Any]:
         """Return the server state needed to resume a run exactly.
 
-        Sampling is seeded per round, so the base holds no RNG state; subclasses
-        add their algorithm state (numpy arrays and scalars).
+        Sampling is seeded per round, so the base holds no RNG state, only the
+        number of rounds done; subclasses add their algorithm state (numpy
+        arrays and scalars). After :meth:`load_state_dict`, ``start()`` round 1
+        continues as round ``rounds-completed + 1``.
         """
-        return {"strategy": type(self).__name__, "seed": self.seed}
+        return {
+            "strategy": type(self).__name__,
+            "seed": self.seed,
+            "rounds-completed": self.rounds_completed,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
@@ -341,12 +351,15 @@ class ValidatedFedAvg(FedAvg):
                 f"checkpoint was made with seed={state.get('seed')}, strategy has "
                 f"seed={self.seed}: sampling would not resume identically"
             )
+        self.rounds_completed = int(state["rounds-completed"])
+        self.round_offset = self.rounds_completed
 
     # -------------------------------------------------------------- training
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample nodes and build one fresh message per node."""
+        server_round += self.round_offset
         self._global_arrays = arrays
         self._global_spec = spec_of(arrays)
         if self.fraction_train == 0.0:
@@ -464,6 +477,8 @@ class ValidatedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the replies, average the valid ones, update state."""
+        server_round += self.round_offset
+        self.rounds_completed = server_round
         if self._global_spec is None:
             raise RuntimeError(
                 f"{type(self).__name__}.aggregate_train called before configure_train"
@@ -565,6 +580,7 @@ class ValidatedFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample nodes for federated evaluation, one fresh message per node."""
+        server_round += self.round_offset
         if self.fraction_evaluate == 0.0:
             self._evaluate_nodes = set()
             return []
@@ -602,6 +618,7 @@ class ValidatedFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Validate evaluation replies and average their metrics."""
+        server_round += self.round_offset
         valid, _, _ = self.collect_replies(
             server_round,
             replies,

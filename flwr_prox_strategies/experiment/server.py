@@ -202,10 +202,11 @@ def make_client(context: Context) -> Any:
             f"num-clients={cfg['num-clients']}"
         )
     data = client_partition(cfg, partition_id, num_partitions)
+    # The client seeds torch per (seed, server-round) at each fit, which fixes
+    # this loader's shuffling too: reproducible, and a new order every round.
     seed = int(cfg.seed) * 10_007 + partition_id
-    generator = torch.Generator().manual_seed(seed)
     train_loader = to_loader(
-        data, batch_size=int(cfg.train["batch-size"]), shuffle=True, generator=generator
+        data, batch_size=int(cfg.train["batch-size"]), shuffle=True
     )
     return build_client(
         cfg,
