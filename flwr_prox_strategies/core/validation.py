@@ -152,28 +152,31 @@ def validate_reply(
     if message.has_error():
         raise ReplyRejected("error-reply", f"error reply: {message.error.reason}")
     content = message.content
-    array_names = set(content.array_records.keys())
+    # Each *_records property builds a new dict: read each once.
+    array_records = content.array_records
+    metric_records = content.metric_records
+    array_names = set(array_records.keys())
     if array_names != set(expected_arrays):
         raise ReplyRejected(
             "records",
             f"ArrayRecords {sorted(array_names)}, expected {sorted(expected_arrays)}",
         )
-    if len(content.metric_records) != 1:
+    if len(metric_records) != 1:
         raise ReplyRejected(
             "records",
-            f"{len(content.metric_records)} MetricRecords, expected exactly one",
+            f"{len(metric_records)} MetricRecords, expected exactly one",
         )
-    if len(content.config_records) != 0:
+    if len(content) != len(array_records) + len(metric_records):
         raise ReplyRejected(
             "records",
             f"unexpected ConfigRecords {sorted(content.config_records.keys())}",
         )
-    metrics = next(iter(content.metric_records.values()))
+    metrics = next(iter(metric_records.values()))
     num_examples = _check_num_examples(metrics, weight_key)
     arrays = {
         name: _check_array_record(
             name,
-            content.array_records[name],
+            array_records[name],
             spec,
             check_finite=name not in defer_finite,
         )
