@@ -73,6 +73,7 @@ def flwr_run(
     judged by the results file the ServerApp writes last.
     """
     override_str = shlex.join(overrides)
+    cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
     if "'" in override_str:
         raise ValueError(f"overrides cannot contain single quotes: {override_str}")
     command = [
@@ -81,7 +82,7 @@ def flwr_run(
         str(app_dir()),
         "--stream",
         "--federation-config",
-        f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}",
+        f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus:g}",
         "--run-config",
         f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
     ]

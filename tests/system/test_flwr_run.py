@@ -92,3 +92,38 @@ def test_loopback_deployment(tmp_path: Path) -> None:
         log = run_log(reply["run-id"], env, connection)
         assert status["status"] == "finished:completed", log[-3000:]
     check_results(output, 2, "FedAvg")
+
+
+def test_sweep_through_flwr_run(tmp_path: Path) -> None:
+    """A 2-job Hydra multirun where every job is a real `flwr run`."""
+    import csv
+    import sys
+
+    sweep_dir = tmp_path / "sweep"
+    with managed_engine(tmp_path / "home") as env:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flwr_prox_strategies.experiment",
+                "-m",
+                "strategy=fedavg,fedprox",
+                "num-clients=3",
+                "num-rounds=2",
+                "model=logreg",
+                f"hydra.sweep.dir={sweep_dir}",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=600,
+            check=False,
+        )
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(sweep_dir / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["strategy"] for r in rows] == ["FedAvg", "FedProx"]
+    assert all(r["engine"] == "flwr" and float(r["final-accuracy"]) > 0.3 for r in rows)
+    assert (sweep_dir / "comparison.png").is_file()
+    assert (sweep_dir / "0" / "flwr.log").is_file()
