@@ -73,7 +73,8 @@ def flwr_run(
     judged by the results file the ServerApp writes last.
     """
     override_str = shlex.join(overrides)
-    cpus = int(cpus_per_client) if float(cpus_per_client).is_integer() else cpus_per_client
+    whole = float(cpus_per_client).is_integer()
+    cpus = int(cpus_per_client) if whole else cpus_per_client
     if "'" in override_str:
         raise ValueError(f"overrides cannot contain single quotes: {override_str}")
     command = [
