@@ -359,48 +359,23 @@ def partition_indices(
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
 
 
-def partition_dataset(
-    data: ArrayDataset,
-    *,
-    num_partitions: int,
-    scheme: str = "iid",
-    seed: int = 0,
-    alpha: float = 0.3,
-    classes_per_partition: int = 2,
-    min_partition_size: int | None = None,
-    size_sigma: float = 0.0,
-    class_assignment_mode: str = "first-deterministic",
-) -> list[ArrayDataset]:
-    """Split ``data`` among clients by its labels.
+def partition_dataset(data: ArrayDataset, **options: Any) -> list[ArrayDataset]:
+    """Split ``data`` among clients by its labels ``data.y``.
 
     Parameters
     ----------
     data : ArrayDataset
-        Data set to split by its labels ``data.y``.
-    num_partitions : int
-        Number of partitions (clients).
-    scheme, seed, alpha, classes_per_partition, min_partition_size, size_sigma
-        As in :func:`partition_indices`.
-    class_assignment_mode : str
-        As in :func:`partition_indices`.
+        Data set to split.
+    **options
+        Keyword arguments of :func:`partition_indices` (``num_partitions``,
+        ``scheme``, ``seed``, ``alpha``, ...).
 
     Returns
     -------
     list of ArrayDataset
         One data set per partition, rows in their original order.
     """
-    parts = partition_indices(
-        data.y,
-        num_partitions=num_partitions,
-        scheme=scheme,
-        seed=seed,
-        alpha=alpha,
-        classes_per_partition=classes_per_partition,
-        min_partition_size=min_partition_size,
-        size_sigma=size_sigma,
-        class_assignment_mode=class_assignment_mode,
-    )
-    return [data.subset(idx) for idx in parts]
+    return [data.subset(idx) for idx in partition_indices(data.y, **options)]
 
 
 def label_histogram(
