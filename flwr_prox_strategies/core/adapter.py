@@ -114,6 +114,12 @@ def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Mes
         )
         keys = list(arrays.keys())
         client = _build(client_fn, context)
+        if hasattr(client, "received_arrays"):
+            client.received_arrays = {
+                name: to_ndarrays(record)
+                for name, record in content.array_records.items()
+                if record is not arrays
+            }
         new_arrays, num_examples, metrics = client.fit(
             to_ndarrays(arrays), _plain(config)
         )

@@ -22,9 +22,11 @@ from torch import nn
 from .keys import (
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
+    LR_SCALE_KEY,
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
 )
+from .state import ClientState
 from .training import (
     GradientTerm,
     LossFn,
@@ -79,6 +81,12 @@ class TorchClient(NumPyClient):
     loss_fn : callable | None (default: None)
         ``loss_fn(outputs, targets)`` returning the mean loss of a batch;
         cross-entropy when None.
+    max_grad_norm : float | None (default: None)
+        Clip the total gradient (data term plus the algorithm's term) to this
+        Euclidean norm before each step (the FedDyn/FedDC official codes use 10).
+    state_dir : str | None (default: None)
+        Mirror this client's cross-round state to ``<state_dir>/<partition>.npz``
+        so a later run can resume it (see :class:`.state.ClientState`).
     seed : int | None (default: None)
         When set, torch's generator is seeded with ``(seed, server-round)`` at
         the start of each fit, so shuffling and dropout are reproducible and a
@@ -98,6 +106,8 @@ class TorchClient(NumPyClient):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         loss_fn: LossFn | None = None,
+        max_grad_norm: float | None = None,
+        state_dir: str | None = None,
         seed: int | None = None,
         device: str = "cpu",
     ) -> None:
@@ -118,6 +128,12 @@ class TorchClient(NumPyClient):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if learning_rate == 0:
             raise ValueError("learning_rate must be > 0")
+        if max_grad_norm is not None and not (
+            math.isfinite(max_grad_norm) and max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"max_grad_norm must be None or > 0, got {max_grad_norm!r}"
+            )
         self.model = model.to(device)
         self.train_loader = train_loader
         self.test_loader = test_loader
@@ -126,12 +142,44 @@ class TorchClient(NumPyClient):
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
         self.loss_fn: LossFn = loss_fn or nn.functional.cross_entropy
+        self.max_grad_norm = max_grad_norm
+        self.state_dir = state_dir
         self.seed = seed
         self.device = device
         self.context: Context | None = None
+        self._state: ClientState | None = None
+        # This round's step size (learning_rate times the server's lr-scale).
+        self.round_lr = self.learning_rate
+        # Extra ArrayRecords the server sent with the model (name -> arrays),
+        # set by the adapter before fit.
+        self.received_arrays: dict[str, list[NDArray]] = {}
         # Extra ArrayRecords for the reply (name -> arrays in model order),
         # filled by fit and read by the adapter.
         self.reply_arrays: dict[str, list[NDArray]] = {}
+
+    @property
+    def state(self) -> ClientState:
+        """Return the cross-round state (``context.state``, see ``state_dir``)."""
+        if self._state is None:
+            key = "client"
+            if self.context is not None:
+                key = str(
+                    self.context.node_config.get("partition-id", self.context.node_id)
+                )
+            self._state = ClientState(
+                self.context, state_dir=self.state_dir, client_key=key
+            )
+        return self._state
+
+    def received(self, name: str, strategy: str) -> list[NDArray]:
+        """Return the extra ArrayRecord ``name`` the server sent, or fail clearly."""
+        if name not in self.received_arrays:
+            raise ProtocolError(
+                f"{type(self).__name__} needs the ArrayRecord '{name}' that {strategy} "
+                f"sends; is the ServerApp running {strategy}? "
+                f"Received: {sorted(self.received_arrays)}"
+            )
+        return self.received_arrays[name]
 
     # ------------------------------------------------------------ parameters
     def get_parameters(self, config: dict[str, Any]) -> list[NDArray]:
@@ -176,7 +224,7 @@ class TorchClient(NumPyClient):
         """Build this round's optimiser (plain SGD)."""
         return torch.optim.SGD(
             trainable(self.model),
-            lr=self.learning_rate,
+            lr=self.round_lr,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
         )
@@ -192,6 +240,7 @@ class TorchClient(NumPyClient):
             torch.manual_seed(self.seed * 1_000_003 + server_round)
         self.set_parameters(parameters)
         epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
+        self.round_lr = self.learning_rate * float(config.get(LR_SCALE_KEY, 1.0))
         metrics: dict[str, Any] = {}
         if config.get(REPORT_GRADIENT_KEY, False):
             grads = full_gradient(
@@ -210,6 +259,7 @@ class TorchClient(NumPyClient):
             loss_fn=self.loss_fn,
             term=term,
             stop_after_epoch=self.stop_rule(config, term),
+            max_grad_norm=self.max_grad_norm,
             device=self.device,
         )
         if report.examples_seen == 0 and epochs > 0:
@@ -222,6 +272,7 @@ class TorchClient(NumPyClient):
             }
         )
         metrics.update(self.after_training(config, report))
+        self.state.flush()
         return self.get_parameters({}), self.num_train_examples(), metrics
 
     def num_train_examples(self) -> int:

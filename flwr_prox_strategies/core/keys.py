@@ -11,3 +11,5 @@ NUM_EXAMPLES_KEY = "num-examples"
 # local loss at the received model, in an ArrayRecord named GRADIENT_RECORD.
 REPORT_GRADIENT_KEY = "report-gradient"
 GRADIENT_RECORD = "gradient"
+# Multiplies the client's learning rate this round (per-round decay).
+LR_SCALE_KEY = "lr-scale"

@@ -97,12 +97,14 @@ def train_local(
     loss_fn: LossFn,
     term: GradientTerm | None = None,
     stop_after_epoch: Callable[[int], bool] | None = None,
+    max_grad_norm: float | None = None,
     device: torch.device | str = "cpu",
 ) -> TrainReport:
     """Run up to ``epochs`` epochs of mini-batch training.
 
-    Each step: data gradient by backprop, then ``term.add_`` (if any), then the
-    optimiser step. ``stop_after_epoch(epoch)`` is asked after each epoch
+    Each step: data gradient by backprop, then ``term.add_`` (if any), then
+    clipping of the total gradient (if ``max_grad_norm``), then the optimiser
+    step. ``stop_after_epoch(epoch)`` is asked after each epoch
     (1-based) and ends the solve early when it returns True (the FedProx
     gamma-inexact rule uses it).
     """
@@ -122,6 +124,8 @@ def train_local(
             loss.backward()
             if term is not None:
                 term.add_(params)
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_norm=max_grad_norm)
             optimizer.step()
             steps += 1
             seen += len(targets)

@@ -1,0 +1,116 @@
+"""Per-client state across rounds: ``context.state``, optionally mirrored to disk.
+
+Flower keeps ``context.state`` per node for the whole run (in simulation and on a
+SuperNode), so the drift, dual and control variables of FedDyn, FedDC and
+SCAFFOLD live there, on the client, where the algorithms put them. To checkpoint
+a run and resume it in a *new* run, give the client a ``state_dir``: after each
+fit it writes its state to ``<state_dir>/<client_key>.npz`` and, when its
+``context.state`` is empty (a fresh run), reads it back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Context, RecordDict
+from numpy.typing import NDArray
+
+
+class ClientState:
+    """Named lists of arrays kept for one client across rounds.
+
+    Parameters
+    ----------
+    context : Context | None
+        The node's context; None gives a private, in-memory state (a client used
+        outside Flower, e.g. in a unit test).
+    state_dir : str | None
+        Folder that mirrors the state on disk (None: memory only).
+    client_key : str
+        File name stem for this client in ``state_dir`` (its partition id).
+    """
+
+    def __init__(
+        self,
+        context: Context | None,
+        *,
+        state_dir: str | None = None,
+        client_key: str = "client",
+    ) -> None:
+        self.records: RecordDict = (
+            context.state if context is not None else RecordDict()
+        )
+        self.path = Path(state_dir) / f"{client_key}.npz" if state_dir else None
+        if (
+            self.path is not None
+            and not self.records.array_records
+            and self.path.is_file()
+        ):
+            self._load_file(self.path)
+
+    def get(self, name: str) -> list[NDArray] | None:
+        """Return the arrays saved under ``name`` (copies), or None."""
+        if name not in self.records.array_records:
+            return None
+        return [arr.numpy() for arr in self.records.array_records[name].values()]
+
+    def get_tensors(
+        self, name: str, like: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Return ``name`` as tensors shaped like ``like``; zeros when absent."""
+        saved = self.get(name)
+        if saved is None:
+            return [torch.zeros_like(t) for t in like]
+        if len(saved) != len(like) or any(
+            tuple(s.shape) != tuple(t.shape) for s, t in zip(saved, like, strict=True)
+        ):
+            raise ValueError(f"client state '{name}' does not match the model's shapes")
+        return [
+            torch.as_tensor(s, dtype=t.dtype, device=t.device)
+            for s, t in zip(saved, like, strict=True)
+        ]
+
+    def set(self, name: str, arrays: Sequence[NDArray | torch.Tensor]) -> None:
+        """Save ``arrays`` under ``name``."""
+        record = ArrayRecord()
+        for i, value in enumerate(arrays):
+            if isinstance(value, torch.Tensor):
+                value = value.detach().cpu().numpy()
+            record[str(i)] = Array(np.ascontiguousarray(value))
+        self.records[name] = record
+
+    def scalar(self, name: str, default: float = 0.0) -> float:
+        """Return a scalar saved with :meth:`set_scalar`."""
+        values = self.get(f"scalar:{name}")
+        return float(values[0]) if values else default
+
+    def set_scalar(self, name: str, value: float) -> None:
+        """Save one scalar (kept as a 0-d array beside the arrays)."""
+        self.set(f"scalar:{name}", [np.asarray(value, dtype=np.float64)])
+
+    def flush(self) -> None:
+        """Write the state to ``state_dir`` (atomically) when one is set."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        payload: dict[str, NDArray] = {}
+        for name, record in self.records.array_records.items():
+            for key, arr in record.items():
+                payload[f"{name}\x1f{key}"] = arr.numpy()
+        tmp = self.path.with_suffix(".tmp.npz")
+        np.savez(tmp, **payload)  # type: ignore[arg-type]
+        os.replace(tmp, self.path)
+
+    def _load_file(self, path: Path) -> None:
+        grouped: dict[str, dict[str, NDArray]] = {}
+        with np.load(path, allow_pickle=False) as data:
+            for compound in data.files:
+                name, key = compound.split("\x1f", 1)
+                grouped.setdefault(name, {})[key] = data[compound]
+        for name, arrays in grouped.items():
+            ordered = [arrays[k] for k in sorted(arrays, key=int)]
+            self.set(name, ordered)
