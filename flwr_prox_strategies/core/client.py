@@ -87,6 +87,10 @@ class TorchClient(NumPyClient):
     state_dir : str | None (default: None)
         Mirror this client's cross-round state to ``<state_dir>/<partition>.npz``
         so a later run can resume it (see :class:`.state.ClientState`).
+    relative_size : float (default: 1.0)
+        This client's data size over the mean client's, ``n_k / mean_j n_j``.
+        The FedDyn and FedDC official codes divide their penalty by it; 1.0
+        gives the papers' (and seed's) uniform form.
     seed : int | None (default: None)
         When set, torch's generator is seeded with ``(seed, server-round)`` at
         the start of each fit, so shuffling and dropout are reproducible and a
@@ -108,6 +112,7 @@ class TorchClient(NumPyClient):
         loss_fn: LossFn | None = None,
         max_grad_norm: float | None = None,
         state_dir: str | None = None,
+        relative_size: float = 1.0,
         seed: int | None = None,
         device: str = "cpu",
     ) -> None:
@@ -143,6 +148,9 @@ class TorchClient(NumPyClient):
         self.weight_decay = float(weight_decay)
         self.loss_fn: LossFn = loss_fn or nn.functional.cross_entropy
         self.max_grad_norm = max_grad_norm
+        if not (math.isfinite(relative_size) and relative_size > 0):
+            raise ValueError(f"relative_size must be > 0, got {relative_size!r}")
+        self.relative_size = float(relative_size)
         self.state_dir = state_dir
         self.seed = seed
         self.device = device
@@ -246,7 +254,7 @@ class TorchClient(NumPyClient):
             grads = full_gradient(
                 self.model, self.train_loader, self.loss_fn, device=self.device
             )
-            self.reply_arrays[GRADIENT_RECORD] = self._in_state_order(grads)
+            self.reply_arrays[GRADIENT_RECORD] = self.to_state_order(grads)
             metrics["grad-sq-norm"] = float(
                 sum(float((g.double() ** 2).sum()) for g in grads)
             )
@@ -282,7 +290,22 @@ class TorchClient(NumPyClient):
             return len(dataset)
         return sum(len(targets) for _, targets in self.train_loader)
 
-    def _in_state_order(self, grads: Sequence[torch.Tensor]) -> list[NDArray]:
+    def from_state_order(self, arrays: Sequence[NDArray]) -> list[torch.Tensor]:
+        """Return the trainable parameters. entries of ``state_dict``-ordered arrays."""
+        keys = list(self.model.state_dict(keep_vars=True))
+        if len(arrays) != len(keys):
+            raise ProtocolError(f"received {len(arrays)} arrays, expected {len(keys)}")
+        by_key = dict(zip(keys, arrays, strict=True))
+        named = dict(self.model.named_parameters())
+        ids = {id(p): name for name, p in named.items()}
+        return [
+            torch.as_tensor(
+                np.asarray(by_key[ids[id(p)]]), dtype=p.dtype, device=p.device
+            )
+            for p in trainable(self.model)
+        ]
+
+    def to_state_order(self, grads: Sequence[torch.Tensor]) -> list[NDArray]:
         """Lay out per-parameter tensors like ``state_dict`` (zeros for buffers)."""
         by_id = {id(p): g for p, g in zip(trainable(self.model), grads, strict=True)}
         named = dict(self.model.named_parameters())

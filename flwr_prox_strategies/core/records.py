@@ -134,3 +134,22 @@ def record_is_finite(record: ArrayRecord) -> bool:
         if np.issubdtype(view.dtype, np.inexact) and not np.isfinite(view).all():
             return False
     return True
+
+
+def record_to_dict(record: ArrayRecord) -> dict[str, NDArray]:
+    """Return the record's arrays as writable numpy arrays, keyed and ordered."""
+    return {key: arr.numpy() for key, arr in record.items()}
+
+
+def float_keys(arrays: Mapping[str, NDArray]) -> list[str]:
+    """Keys of the floating-point arrays (the ones algorithms do maths on)."""
+    return [k for k, v in arrays.items() if np.issubdtype(v.dtype, np.floating)]
+
+
+def copy_arrays(arrays: Mapping[str, NDArray] | None) -> dict[str, NDArray] | None:
+    """Deep copy of a name -> array mapping (for ``state_dict``), or None."""
+    return (
+        None
+        if arrays is None
+        else {k: np.array(v, copy=True) for k, v in arrays.items()}
+    )

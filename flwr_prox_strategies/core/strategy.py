@@ -47,6 +47,7 @@ from ..ops.dissimilarity import dissimilarity, sq_norm
 from .keys import (
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
+    LR_SCALE_KEY,
     NUM_EXAMPLES_KEY,
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
@@ -108,6 +109,14 @@ class ValidatedFedAvg(FedAvg):
         in ``1 .. local_epochs - 1`` (as ``np.random.randint(1, E)`` in the
         official FedProx code). What happens to them is the class's
         ``straggler_policy``: this baseline drops them (never sends them work).
+    lr_decay : float (default: 1.0)
+        Per-round learning-rate decay: round ``t`` sends ``lr-scale =
+        lr_decay ** (t - 1)``, which clients multiply into their step size (the
+        official FedDyn/FedDC codes decay by 0.998 per round).
+    num_clients : int | None (default: None)
+        The federation's size ``K``. Algorithms whose update divides by the
+        number of *all* clients (FedDyn, FedDC, SCAFFOLD) require it; when set,
+        every round checks that exactly this many nodes are connected.
     seed : int (default: 0)
         Seeds node sampling and straggler draws, per round.
     monitor_dissimilarity : bool (default: False)
@@ -141,6 +150,8 @@ class ValidatedFedAvg(FedAvg):
         weighting: str = "num-examples",
         local_epochs: int | None = None,
         drop_percent: float = 0.0,
+        lr_decay: float = 1.0,
+        num_clients: int | None = None,
         seed: int = 0,
         monitor_dissimilarity: bool = False,
         accept_failures: bool = True,
@@ -170,6 +181,10 @@ class ValidatedFedAvg(FedAvg):
                 f"local_epochs - 1 epochs), got local_epochs={local_epochs!r}"
             )
         check_int("seed", seed, 0)
+        if not (isinstance(lr_decay, (int, float)) and 0.0 < lr_decay <= 1.0):
+            raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay!r}")
+        if num_clients is not None:
+            check_int("num_clients", num_clients, 1)
         check_non_negative("node_wait_timeout", node_wait_timeout)
         super().__init__(
             fraction_train=fraction_train,
@@ -188,6 +203,8 @@ class ValidatedFedAvg(FedAvg):
         self.weighting = weighting
         self.local_epochs = local_epochs
         self.drop_percent = float(drop_percent)
+        self.lr_decay = float(lr_decay)
+        self.num_clients = num_clients
         self.seed = seed
         self.monitor_dissimilarity = bool(monitor_dissimilarity)
         self.accept_failures = accept_failures
@@ -290,6 +307,10 @@ class ValidatedFedAvg(FedAvg):
         """Return the algorithm's values for this round's train ConfigRecord."""
         return {}
 
+    def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Return extra ArrayRecords sent to every sampled node with the model."""
+        return {}
+
     def node_train_config(self, node_id: int, server_round: int) -> dict[str, Any]:
         """Return per-node additions to the train ConfigRecord."""
         return {}
@@ -372,6 +393,13 @@ class ValidatedFedAvg(FedAvg):
             minimum=self.min_train_nodes,
             stream=0,
         )
+        if self.num_clients is not None and num_connected != self.num_clients:
+            raise RuntimeError(
+                f"{type(self).__name__} was configured for num_clients="
+                f"{self.num_clients} but {num_connected} nodes are connected; its "
+                "update divides by the number of all clients, so they must agree "
+                "(size the federation with --federation-config 'num-supernodes=N')."
+            )
         stragglers = self.draw_stragglers(node_ids, server_round)
         if stragglers and self.straggler_policy == "drop":
             node_ids = [n for n in node_ids if n not in stragglers]
@@ -390,9 +418,12 @@ class ValidatedFedAvg(FedAvg):
         shared[SERVER_ROUND_KEY] = server_round
         if self.local_epochs is not None:
             shared[LOCAL_EPOCHS_KEY] = self.local_epochs
+        if self.lr_decay != 1.0:
+            shared[LR_SCALE_KEY] = self.lr_decay ** (server_round - 1)
         if self.monitor_dissimilarity:
             shared[REPORT_GRADIENT_KEY] = True
         shared.update(self.train_config(server_round))
+        extra_records = self.train_records(server_round)
         messages = []
         for node_id in node_ids:
             node_config = dict(shared)
@@ -402,6 +433,7 @@ class ValidatedFedAvg(FedAvg):
             content = RecordDict(
                 {
                     self.arrayrecord_key: self.node_train_arrays(node_id, arrays),
+                    **extra_records,
                     self.configrecord_key: ConfigRecord(node_config),
                 }
             )

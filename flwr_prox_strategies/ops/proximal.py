@@ -25,32 +25,64 @@ def proximal_value(
 
 
 class ProximalTerm:
-    """Gradient term ``mu (w - w_anchor)`` of the squared proximal penalty.
+    r"""Gradient of :math:`\frac{\mu}{2}\lVert w - a\rVert^2 + \langle s, w\rangle`.
+
+    One term serves the proximal family: FedProx (``shift=None``), FedDyn
+    (anchor :math:`\theta_t`, shift :math:`\mu\lambda_k`), FedDC (anchor
+    :math:`w - h_i`, shift :math:`c - c_i`) and SCAFFOLD (``mu=0``, shift
+    :math:`c - c_i`).
 
     Parameters
     ----------
     mu : float
         Penalty constant, >= 0.
     anchor : Sequence[torch.Tensor]
-        The centre ``w_anchor`` (FedProx: the global model of the round),
-        detached copies aligned with the trainable parameters.
+        The centre :math:`a`, aligned with the trainable parameters.
+    shift : Sequence[torch.Tensor] | None
+        The constant linear part :math:`s` of the gradient (None: zero).
+    decoupled : bool
+        When True the :math:`\mu w` part is left out because the optimiser's
+        weight decay carries it (the official FedDyn code does this; it keeps that
+        part out of gradient clipping).
     """
 
-    def __init__(self, mu: float, anchor: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        mu: float,
+        anchor: Sequence[torch.Tensor],
+        shift: Sequence[torch.Tensor] | None = None,
+        *,
+        decoupled: bool = False,
+    ) -> None:
         if not mu >= 0:
             raise ValueError(f"mu must be >= 0, got {mu!r}")
         self.mu = float(mu)
         self.anchor = [a.detach().clone() for a in anchor]
+        self.shift = None if shift is None else [s.detach().clone() for s in shift]
+        self.decoupled = decoupled
 
     def add_(self, params: Sequence[torch.Tensor]) -> None:
-        """Add ``mu (p - anchor)`` to each ``p.grad`` in place."""
-        if self.mu == 0.0:
+        """Add ``mu (p - anchor) + shift`` to each ``p.grad`` in place."""
+        if self.mu == 0.0 and self.shift is None:
             return  # exactly FedAvg's step, bit for bit
-        for p, a in zip(params, self.anchor, strict=True):
+        shifts = self.shift or [None] * len(self.anchor)
+        for p, a, s in zip(params, self.anchor, shifts, strict=True):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.add_(p.detach() - a, alpha=self.mu)
+            if self.mu != 0.0:
+                if self.decoupled:
+                    p.grad.add_(a, alpha=-self.mu)
+                else:
+                    p.grad.add_(p.detach() - a, alpha=self.mu)
+            if s is not None:
+                p.grad.add_(s)
 
     def value(self, params: Sequence[torch.Tensor]) -> float:
-        """Return the penalty ``(mu/2) ||p - anchor||^2``."""
-        return proximal_value(params, self.anchor, self.mu)
+        """Return the penalty ``(mu/2) ||p - anchor||^2 + <shift, p>``."""
+        total = proximal_value(params, self.anchor, self.mu)
+        if self.shift is not None:
+            total += sum(
+                float((p.detach() * s).sum())
+                for p, s in zip(params, self.shift, strict=True)
+            )
+        return total

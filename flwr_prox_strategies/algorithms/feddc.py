@@ -1,0 +1,322 @@
+r"""FedDC (Gao et al., CVPR 2022): local drift decoupling and correction.
+
+Seed 000, Eqs. (9)-(12) and its pseudo-code. Client :math:`i` minimises
+
+.. math::
+    F(\theta_i) = L_i(\theta_i) + \frac{\alpha}{2}\lVert\theta_i + h_i - w\rVert^2
+    + \frac{1}{\eta K}\langle\theta_i, g_i - g\rangle \qquad (9)
+
+by :math:`K` steps of the explicit update (10) from :math:`\theta_i = w`, then
+:math:`h_i \leftarrow h_i + (\theta_i^+ - w)` (11) and, in the seed's form,
+uploads :math:`\theta_i^+ + h_i`, averaged by sample counts into :math:`w^+` (12);
+:math:`g_i = \theta_i^+ - w` is the client's last local update and :math:`g` their
+sample-weighted mean.
+
+Two semantics, chosen with ``correction``:
+
+``"official"`` (default; gaoliang13/FedDC, ``utils_methods_FedDC.py``), which is
+what partial participation needs:
+
+* the server model is :math:`w^+ = \mathrm{mean}_{i\in S}\theta_i^+ +
+  \frac{1}{N}\sum_{i=1}^N h_i`: the drifts of **all** clients, stale ones of absent
+  clients included. The server keeps one running sum :math:`H = \sum_i h_i`
+  (:math:`H \mathrel{+}= \sum_S(\theta_i^+ - w)`), not every :math:`h_i`;
+* the gradient correction is SCAFFOLD's option-II control variate with
+  :math:`\beta = 1/(K\eta_0)` (:math:`\eta_0` the client's base step size, not the
+  decayed one): the step follows :math:`\nabla L_i + \alpha_i(\theta + h_i - w) +
+  (c/\rho_i - c_i)`, then :math:`c_i^+ = c_i - c/\rho_i - \beta(\theta_i^+ - w)` and
+  :math:`c \mathrel{+}= \frac{1}{N}\sum_S \rho_i(c_i^+ - c_i)`, with
+  :math:`\rho_i` = ``relative_size`` (:math:`n_i/\bar n`) and
+  :math:`\alpha_i = \alpha/\rho_i` (the official code's scaling; 1 for equal sizes).
+
+``"seed"``: exactly Eq. (10) with the last round's updates:
+the step's correction is :math:`-\frac{1}{K}(g_i - g)`, the client uploads
+:math:`\theta_i^+ + h_i` and :math:`g_i`, the server averages both over the
+participants by sample counts.
+
+Where they differ. Under full participation with equal data sizes, the server
+models coincide (mean of :math:`\theta^+` plus mean of all :math:`h` is the mean of
+:math:`\theta^+ + h`) and so do the corrections of the first two rounds
+(:math:`c - c_i = (g_i - g)/(K\eta)`); from round 3 on the official :math:`c_i`
+is SCAFFOLD's average local gradient, while the seed's :math:`g_i` still contains
+the previous round's correction. ``tests/test_drift.py`` checks both statements.
+
+Memory: each client holds :math:`h_i` and :math:`c_i` (seed: :math:`g_i`), two
+models; the server holds :math:`H` and :math:`c` (seed: :math:`g`), at most two
+models, independent of :math:`N`.
+
+Wire keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
+``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (seed).
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+from numpy.typing import NDArray
+
+from ..core.client import ProtocolError, TorchClient, require
+from ..core.records import (
+    RecordSpec,
+    copy_arrays,
+    dict_to_record,
+    float_keys,
+    record_to_dict,
+)
+from ..core.strategy import ValidatedFedAvg
+from ..core.training import GradientTerm, TrainReport, trainable
+from ..core.validation import ValidReply
+from ..ops.aggregate import WeightedMean
+from ..ops.proximal import ProximalTerm
+from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD, ControlVariates
+
+FEDDC_ALPHA_KEY = "feddc-alpha"
+FEDDC_CORRECTION_KEY = "feddc-correction"
+GLOBAL_UPDATE_RECORD = "feddc-g"
+LOCAL_UPDATE_RECORD = "feddc-update"
+CORRECTIONS = ("official", "seed")
+
+DRIFT_STATE = "feddc-drift"
+CONTROL_STATE = "feddc-control"
+UPDATE_STATE = "feddc-last-update"
+
+
+class FedDC(ValidatedFedAvg):
+    r"""FedDC strategy (see the module docstring for both semantics).
+
+    Parameters
+    ----------
+    alpha : float (default: 0.1)
+        Weight :math:`\alpha > 0` of the drift penalty.
+    num_clients : int
+        :math:`N`, the number of all clients (required; checked every round).
+    correction : str (default: "official")
+        ``"official"`` (official code, partial participation) or ``"seed"``.
+    weighting : str | None (default: None)
+        Average over participants: ``"uniform"`` for ``official`` (``np.mean`` in
+        the official code), ``"num-examples"`` for ``seed`` (Eq. (12)).
+    **kwargs
+        Keyword arguments of
+        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+    """
+
+    straggler_policy = "keep-partial"
+
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.1,
+        num_clients: int,
+        correction: str = "official",
+        weighting: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+        if correction not in CORRECTIONS:
+            raise ValueError(
+                f"correction must be one of {CORRECTIONS}, got {correction!r}"
+            )
+        if weighting is None:
+            weighting = "uniform" if correction == "official" else "num-examples"
+        super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
+        self.alpha = float(alpha)
+        self.correction = correction
+        self.drift_sum: dict[str, NDArray] | None = None  # H (official)
+        self.control = ControlVariates()  # c (official)
+        self.global_update: dict[str, NDArray] | None = None  # g (seed)
+
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return (
+            f"FedDC(alpha={self.alpha}, num_clients={self.num_clients}, "
+            f"correction={self.correction!r})"
+        )
+
+    def summary(self) -> None:
+        """Log the FedDC settings, then the base's."""
+        log(INFO, "\t├──> FedDC settings:")
+        log(INFO, "\t│\t├── alpha: %s", self.alpha)
+        log(INFO, "\t│\t├── correction: %s", self.correction)
+        log(INFO, "\t│\t└── N (all clients): %s", self.num_clients)
+        super().summary()
+
+    # ----------------------------------------------------------- messages
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Send alpha and the semantics."""
+        return {FEDDC_ALPHA_KEY: self.alpha, FEDDC_CORRECTION_KEY: self.correction}
+
+    def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Send :math:`c` (official) or :math:`g` (seed)."""
+        assert self._global_arrays is not None
+        if self.correction == "official":
+            return {CONTROL_RECORD: self.control.record(self._global_arrays)}
+        if self.global_update is None:
+            model = record_to_dict(self._global_arrays)
+            self.global_update = {k: np.zeros_like(v) for k, v in model.items()}
+        return {GLOBAL_UPDATE_RECORD: dict_to_record(self.global_update)}
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """The model plus :math:`\\Delta c_i` (official) or :math:`g_i` (seed)."""
+        expected = super().expected_train_arrays(server_round)
+        extra = (
+            CONTROL_DELTA_RECORD
+            if self.correction == "official"
+            else LOCAL_UPDATE_RECORD
+        )
+        expected[extra] = expected[self.arrayrecord_key]
+        return expected
+
+    # -------------------------------------------------------- aggregation
+    def _mean(self, replies: list[ValidReply], record: str) -> dict[str, NDArray]:
+        mean = WeightedMean()
+        for reply in replies:
+            mean.add(reply.arrays[record], self.reply_weight(reply))
+        return mean.result()
+
+    def _updated_drift_sum(self, replies: list[ValidReply]) -> dict[str, NDArray]:
+        assert self._global_arrays is not None
+        w = record_to_dict(self._global_arrays)
+        keys = float_keys(w)
+        total = copy_arrays(self.drift_sum) or {k: np.zeros_like(w[k]) for k in keys}
+        for reply in replies:
+            theta = reply.arrays[self.arrayrecord_key]
+            for key in keys:
+                total[key] += theta[key] - w[key]
+        return total
+
+    def aggregate_arrays(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> ArrayRecord:
+        """Official: mean θ⁺ over S plus H/N; seed: weighted mean of θ⁺ + h."""
+        average = self._mean(replies, self.arrayrecord_key)
+        if self.correction == "seed":
+            return dict_to_record(average)  # clients uploaded theta + h
+        assert self.num_clients is not None
+        for key, value in self._updated_drift_sum(replies).items():
+            average[key] += (value / self.num_clients).astype(average[key].dtype)
+        return dict_to_record(average)
+
+    def on_valid_replies(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> dict[str, Any]:
+        """Commit H and c (official) or g (seed)."""
+        assert self.num_clients is not None
+        if self.correction == "official":
+            self.drift_sum = self._updated_drift_sum(replies)
+            self.control.c = self.control.updated(replies, self.num_clients)
+        else:
+            self.global_update = self._mean(replies, LOCAL_UPDATE_RECORD)
+        return {}
+
+    # -------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Add H, c and g to the base's state."""
+        state = super().state_dict()
+        state.update(
+            {
+                "drift-sum": copy_arrays(self.drift_sum),
+                "control": copy_arrays(self.control.c),
+                "global-update": copy_arrays(self.global_update),
+                "num-clients": self.num_clients,
+                "correction": self.correction,
+            }
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore H, c, g and the base's state."""
+        super().load_state_dict(state)
+        for key, mine in (
+            ("num-clients", self.num_clients),
+            ("correction", self.correction),
+        ):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"checkpoint has {key}={state.get(key)!r}, strategy {mine!r}"
+                )
+        self.drift_sum = copy_arrays(state["drift-sum"])
+        self.control.c = copy_arrays(state["control"])
+        self.global_update = copy_arrays(state["global-update"])
+
+
+class FedDCClient(TorchClient):
+    r"""FedDC client: drift-penalised, gradient-corrected local SGD.
+
+    Keeps :math:`h_i` and :math:`c_i` (official) or :math:`g_i` (seed) in
+    ``context.state``. Parameters as
+    :class:`~flwr_prox_strategies.core.client.TorchClient` (``relative_size`` is
+    the official code's :math:`\rho_i = n_i/\bar n`); ``momentum`` must be 0.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.momentum != 0.0:
+            raise ValueError("momentum must be 0: FedDC's correction assumes plain SGD")
+        self._mode = "official"
+        self._w: list[torch.Tensor] = []
+        self._h: list[torch.Tensor] = []
+        self._c: list[torch.Tensor] = []
+        self._ci: list[torch.Tensor] = []
+
+    def _planned_steps(self, config: dict[str, Any]) -> int:
+        epochs = int(config.get("local-epochs", self.local_epochs))
+        try:
+            return epochs * len(self.train_loader)  # type: ignore[arg-type]
+        except TypeError as err:
+            raise ProtocolError(
+                "FedDC's seed form needs len(train_loader) to know K in advance"
+            ) from err
+
+    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
+        """Return :math:`\\alpha_i(\\theta + h_i - w)` plus the correction."""
+        alpha = float(require(config, FEDDC_ALPHA_KEY, "FedDCClient", "FedDC"))
+        self._mode = str(require(config, FEDDC_CORRECTION_KEY, "FedDCClient", "FedDC"))
+        if self._mode not in CORRECTIONS:
+            raise ProtocolError(f"unknown feddc-correction {self._mode!r}")
+        params = trainable(self.model)
+        self._w = [p.detach().clone() for p in params]
+        self._h = self.state.get_tensors(DRIFT_STATE, params)
+        anchor = [w - h for w, h in zip(self._w, self._h, strict=True)]
+        rho = self.relative_size
+        if self._mode == "official":
+            self._c = self.from_state_order(self.received(CONTROL_RECORD, "FedDC"))
+            self._ci = self.state.get_tensors(CONTROL_STATE, params)
+            shift = [c / rho - ci for c, ci in zip(self._c, self._ci, strict=True)]
+            return ProximalTerm(alpha / rho, anchor, shift)
+        g = self.from_state_order(self.received(GLOBAL_UPDATE_RECORD, "FedDC"))
+        g_i = self.state.get_tensors(UPDATE_STATE, params)
+        scale = 1.0 / (self._planned_steps(config) * self.round_lr)
+        shift = [(gi - gg) * scale for gi, gg in zip(g_i, g, strict=True)]
+        return ProximalTerm(alpha, anchor, shift)
+
+    def after_training(
+        self, config: dict[str, Any], report: TrainReport
+    ) -> dict[str, Any]:
+        """Update :math:`h_i` (11) and the correction state; prepare the upload."""
+        params = trainable(self.model)
+        update = [p.detach() - w for p, w in zip(params, self._w, strict=True)]
+        drift = [h + u for h, u in zip(self._h, update, strict=True)]
+        self.state.set(DRIFT_STATE, drift)
+        if self._mode == "official":
+            rho = self.relative_size
+            beta = 1.0 / (max(report.steps, 1) * self.learning_rate)
+            new_ci = [
+                ci - c / rho - beta * u
+                for ci, c, u in zip(self._ci, self._c, update, strict=True)
+            ]
+            delta = [(n - ci) * rho for n, ci in zip(new_ci, self._ci, strict=True)]
+            self.state.set(CONTROL_STATE, new_ci)
+            self.reply_arrays[CONTROL_DELTA_RECORD] = self.to_state_order(delta)
+            return {}
+        self.state.set(UPDATE_STATE, update)
+        self.reply_arrays[LOCAL_UPDATE_RECORD] = self.to_state_order(update)
+        with torch.no_grad():  # the seed uploads theta^+ + h_i^{t+1}
+            for p, h in zip(params, drift, strict=True):
+                p.add_(h)
+        return {}

@@ -1,0 +1,226 @@
+r"""FedDyn (Acar et al., ICLR 2021), as seed 000's pseudo-code specifies it.
+
+Client :math:`k \in S_t` solves (approximately, by local SGD)
+
+.. math::
+    \theta_k^{t+1} = \arg\min_\theta\; f_k(\theta) - \langle g_k^t, \theta\rangle
+    + \frac{\alpha}{2}\lVert\theta - \theta^t\rVert^2,
+    \qquad g_k^{t+1} = g_k^t - \alpha(\theta_k^{t+1} - \theta^t)
+
+and the server, with :math:`K` the number of **all** clients,
+
+.. math::
+    h^{t+1} = h^t - \frac{\alpha}{K}\sum_{k\in S_t}(\theta_k^{t+1} - \theta^t),
+    \qquad \theta^{t+1} = \frac{1}{|S_t|}\sum_{k\in S_t}\theta_k^{t+1}
+    - \frac{1}{\alpha} h^{t+1}.
+
+(The seed writes the sum as :math:`\sum_{k}\theta_k^{t+1} - \theta^t`; the paper's
+Algorithm 1 and the official code sum the differences, as here.)
+
+Representation. The client stores :math:`\lambda_k = -g_k/\alpha`, its accumulated
+drift :math:`\sum_\tau(\theta_k^{\tau+1} - \theta^\tau)`, so its gradient term is
+:math:`\alpha(\theta - \theta^t + \lambda_k)`. The server stores
+:math:`\Lambda = \sum_{k=1}^K \lambda_k = -K h/\alpha` and sets
+:math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/K`, which is the
+seed's update exactly. This is also the official code's bookkeeping
+(alpemreacar/FedDyn: ``local_param_list`` and ``np.mean(local_param_list)``).
+
+Options that match the official code (off by default, the seed's form):
+
+* ``relative_size`` on the client (``n_k / mean n``): :math:`\alpha_k = \alpha /
+  (n_k/\bar n)`;
+* ``decoupled_alpha=True`` on the client: the :math:`\alpha\theta` part is carried
+  by the optimiser's weight decay, outside gradient clipping;
+* ``max_grad_norm=10`` on the client, ``lr_decay`` on the strategy (0.998 per
+  round in the official experiments), ``weight_decay`` on the client.
+
+Not implemented: the official code's extra evaluation of the mean of all
+clients' latest models.
+
+Memory: each client holds :math:`\lambda_k` (one model) plus the anchor during
+training; the server holds :math:`\Lambda` (one model), independent of K.
+
+Wire keys: ``feddyn-alpha`` in the train config.
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+from numpy.typing import NDArray
+
+from ..core.client import TorchClient, require
+from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
+from ..core.strategy import ValidatedFedAvg
+from ..core.training import GradientTerm, TrainReport, trainable
+from ..core.validation import ValidReply
+from ..ops.aggregate import WeightedMean
+from ..ops.proximal import ProximalTerm
+
+FEDDYN_ALPHA_KEY = "feddyn-alpha"
+DRIFT_STATE = "feddyn-drift"
+
+
+class FedDyn(ValidatedFedAvg):
+    r"""FedDyn strategy: dynamic regularisation with a server-side drift sum.
+
+    Parameters
+    ----------
+    alpha : float (default: 0.01)
+        The penalty :math:`\alpha > 0` (the seed's :math:`\mu`).
+    num_clients : int
+        :math:`K`, the number of all clients (required; checked every round).
+    weighting : str (default: "uniform")
+        The seed's and the official code's plain mean over :math:`S_t`;
+        ``"num-examples"`` weights it by sample counts.
+    **kwargs
+        Keyword arguments of
+        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+    """
+
+    straggler_policy = "keep-partial"
+
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.01,
+        num_clients: int,
+        weighting: str = "uniform",
+        **kwargs: Any,
+    ) -> None:
+        if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+        super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
+        self.alpha = float(alpha)
+        self.drift_sum: dict[str, NDArray] | None = None  # Lambda = sum_k lambda_k
+
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return f"FedDyn(alpha={self.alpha}, num_clients={self.num_clients})"
+
+    def summary(self) -> None:
+        """Log the FedDyn settings, then the base's."""
+        log(INFO, "\t├──> FedDyn settings:")
+        log(INFO, "\t│\t├── alpha: %s", self.alpha)
+        log(INFO, "\t│\t└── K (all clients): %s", self.num_clients)
+        super().summary()
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Send ``feddyn-alpha``."""
+        return {FEDDYN_ALPHA_KEY: self.alpha}
+
+    def aggregate_arrays(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> ArrayRecord:
+        """Return :math:`\\mathrm{mean}_S\\theta_k + (\\Lambda + \\Delta\\Lambda)/K`."""
+        assert self._global_arrays is not None and self.num_clients is not None
+        mean = WeightedMean()
+        for reply in replies:
+            mean.add(reply.arrays[self.arrayrecord_key], self.reply_weight(reply))
+        average = mean.result()
+        new_sum = self._updated_drift_sum(replies)
+        for key, value in new_sum.items():
+            average[key] += (value / self.num_clients).astype(average[key].dtype)
+        return dict_to_record(average)
+
+    def _updated_drift_sum(self, replies: list[ValidReply]) -> dict[str, NDArray]:
+        assert self._global_arrays is not None
+        theta_t = record_to_dict(self._global_arrays)
+        keys = float_keys(theta_t)
+        total = copy_arrays(self.drift_sum) or {
+            k: np.zeros_like(theta_t[k]) for k in keys
+        }
+        for reply in replies:
+            sent = reply.arrays[self.arrayrecord_key]
+            for key in keys:
+                total[key] += sent[key] - theta_t[key]
+        return total
+
+    def on_valid_replies(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> dict[str, Any]:
+        """Commit :math:`\\Lambda \\leftarrow \\Lambda + \\sum_S(\\theta_k - \\theta^t)`."""
+        self.drift_sum = self._updated_drift_sum(replies)
+        norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.drift_sum.values())))
+        return {"feddyn-drift-norm": norm / (self.num_clients or 1)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Add :math:`\\Lambda` to the base's state."""
+        state = super().state_dict()
+        state["drift-sum"] = copy_arrays(self.drift_sum)
+        state["alpha"] = self.alpha
+        state["num-clients"] = self.num_clients
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :math:`\\Lambda` and the base's state."""
+        super().load_state_dict(state)
+        if state.get("num-clients") != self.num_clients:
+            raise ValueError(
+                f"checkpoint has num_clients={state.get('num-clients')}, "
+                f"strategy has {self.num_clients}"
+            )
+        self.drift_sum = copy_arrays(state["drift-sum"])
+
+
+class FedDynClient(TorchClient):
+    r"""FedDyn client: local SGD on :math:`f_k - \langle g_k, \theta\rangle + \frac{\alpha}{2}\lVert\theta-\theta^t\rVert^2`.
+
+    Keeps :math:`\lambda_k = -g_k/\alpha` in ``context.state`` (one model).
+
+    Parameters
+    ----------
+    decoupled_alpha : bool (default: False)
+        Carry the :math:`\alpha\theta` part of the gradient by the optimiser's
+        weight decay (the official code), which keeps it out of clipping.
+    *args, **kwargs
+        As :class:`~flwr_prox_strategies.core.client.TorchClient`
+        (``relative_size`` divides :math:`\alpha`, as the official code does).
+    """
+
+    def __init__(
+        self, *args: Any, decoupled_alpha: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.decoupled_alpha = decoupled_alpha
+        self._alpha = 0.0
+        self._anchor: list[Any] = []
+
+    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
+        """Return :math:`\\alpha_k(\\theta - \\theta^t + \\lambda_k)`."""
+        alpha = float(require(config, FEDDYN_ALPHA_KEY, "FedDynClient", "FedDyn"))
+        if not (np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"received feddyn-alpha={alpha!r}; it must be > 0")
+        self._alpha = alpha / self.relative_size
+        params = trainable(self.model)
+        self._anchor = [p.detach().clone() for p in params]
+        drift = self.state.get_tensors(DRIFT_STATE, params)
+        shift = [self._alpha * d for d in drift]
+        return ProximalTerm(
+            self._alpha, self._anchor, shift, decoupled=self.decoupled_alpha
+        )
+
+    def make_optimizer(self) -> Any:
+        """SGD; with ``decoupled_alpha`` its weight decay also carries alpha."""
+        optimizer = super().make_optimizer()
+        if self.decoupled_alpha:
+            for group in optimizer.param_groups:
+                group["weight_decay"] = self.weight_decay + self._alpha
+        return optimizer
+
+    def after_training(
+        self, config: dict[str, Any], report: TrainReport
+    ) -> dict[str, Any]:
+        """Update :math:`\\lambda_k \\leftarrow \\lambda_k + (\\theta_k - \\theta^t)`."""
+        params = trainable(self.model)
+        drift = self.state.get_tensors(DRIFT_STATE, params)
+        updated = [
+            d + (p.detach() - a)
+            for d, p, a in zip(drift, params, self._anchor, strict=True)
+        ]
+        self.state.set(DRIFT_STATE, updated)
+        return {}

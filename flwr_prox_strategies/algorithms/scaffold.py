@@ -1,0 +1,244 @@
+r"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates.
+
+The standard baseline of the FedDC paper and the base of FedDC's correction.
+
+Client :math:`i \in S`, from :math:`y = x`, runs :math:`K` steps
+:math:`y \leftarrow y - \eta_l(\nabla f_i(y) - c_i + c)`, then
+
+.. math::
+    c_i^+ = c_i - c + \frac{x - y}{K\eta_l}, \qquad
+    \Delta y_i = y - x, \quad \Delta c_i = c_i^+ - c_i .
+
+Server, with :math:`N` the number of **all** clients:
+
+.. math::
+    x \leftarrow x + \eta_g \frac{1}{|S|}\sum_{i\in S}\Delta y_i, \qquad
+    c \leftarrow c + \frac{1}{N}\sum_{i\in S}\Delta c_i
+    \;\left(= c + \frac{|S|}{N}\,\mathrm{mean}_S \Delta c_i\right).
+
+Absent clients keep their :math:`c_i` and contribute nothing to the update of
+:math:`c`, which therefore stays the mean of all :math:`c_i` (weighted by
+``relative_size`` when clients set it, as the official FedDC code does).
+
+Wire: the client sends :math:`y` (``arrays``) and :math:`\Delta c_i`
+(``control-delta``); the server sends :math:`c` (``control``). :math:`K` is the
+number of steps the client actually took, :math:`\eta_l` its step size this round
+(plain SGD: the option-II formula assumes it; momentum is refused).
+
+Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
+(one model), independent of :math:`N`.
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+from numpy.typing import NDArray
+
+from ..core.client import TorchClient
+from ..core.records import (
+    RecordSpec,
+    copy_arrays,
+    dict_to_record,
+    float_keys,
+    record_to_dict,
+)
+from ..core.strategy import ValidatedFedAvg, check_non_negative
+from ..core.training import GradientTerm, TrainReport, trainable
+from ..core.validation import ValidReply
+from ..ops.aggregate import WeightedMean
+from ..ops.proximal import ProximalTerm
+
+CONTROL_RECORD = "control"
+CONTROL_DELTA_RECORD = "control-delta"
+CONTROL_STATE = "scaffold-control"
+
+
+class ControlVariates:
+    """The server's control variate :math:`c` and its update (shared with FedDC).
+
+    ``c`` is kept for the floating arrays of the model, in ``state_dict`` order.
+    """
+
+    def __init__(self) -> None:
+        self.c: dict[str, NDArray] | None = None
+
+    def ensure(self, model: ArrayRecord) -> dict[str, NDArray]:
+        """Return :math:`c`, zeros shaped like the model's float arrays at first."""
+        if self.c is None:
+            arrays = record_to_dict(model)
+            self.c = {k: np.zeros_like(arrays[k]) for k in arrays}
+        return self.c
+
+    def record(self, model: ArrayRecord) -> ArrayRecord:
+        """The ``control`` record sent to clients (all model keys, same order)."""
+        return dict_to_record(self.ensure(model))
+
+    def updated(
+        self,
+        replies: list[ValidReply],
+        num_clients: int,
+        scale: dict[int, float] | None = None,
+    ) -> dict[str, NDArray]:
+        """Return :math:`c + \\frac{1}{N}\\sum_S \\Delta c_i` (not committed)."""
+        assert self.c is not None
+        new = {k: v.copy() for k, v in self.c.items()}
+        keys = float_keys(new)
+        for reply in replies:
+            weight = 1.0 if scale is None else scale.get(reply.node_id, 1.0)
+            deltas = reply.arrays[CONTROL_DELTA_RECORD]
+            for key in keys:
+                new[key] += (weight / num_clients) * deltas[key]
+        return new
+
+
+class Scaffold(ValidatedFedAvg):
+    r"""SCAFFOLD strategy with option-II control variates.
+
+    Parameters
+    ----------
+    num_clients : int
+        :math:`N`, the number of all clients (required; checked every round).
+    server_learning_rate : float (default: 1.0)
+        :math:`\eta_g`.
+    weighting : str (default: "uniform")
+        The paper's plain mean of :math:`\Delta y_i`; ``"num-examples"`` weights it.
+    **kwargs
+        Keyword arguments of
+        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+    """
+
+    straggler_policy = "keep-partial"
+
+    def __init__(
+        self,
+        *,
+        num_clients: int,
+        server_learning_rate: float = 1.0,
+        weighting: str = "uniform",
+        **kwargs: Any,
+    ) -> None:
+        check_non_negative("server_learning_rate", server_learning_rate)
+        if server_learning_rate == 0:
+            raise ValueError("server_learning_rate must be > 0")
+        super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
+        self.server_learning_rate = float(server_learning_rate)
+        self.control = ControlVariates()
+
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return (
+            f"Scaffold(num_clients={self.num_clients}, "
+            f"server_learning_rate={self.server_learning_rate})"
+        )
+
+    def summary(self) -> None:
+        """Log the SCAFFOLD settings, then the base's."""
+        log(INFO, "\t├──> SCAFFOLD settings:")
+        log(INFO, "\t│\t├── server learning rate: %s", self.server_learning_rate)
+        log(INFO, "\t│\t└── N (all clients): %s", self.num_clients)
+        super().summary()
+
+    def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Send :math:`c`."""
+        assert self._global_arrays is not None
+        return {CONTROL_RECORD: self.control.record(self._global_arrays)}
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """The model :math:`y` and :math:`\\Delta c_i`, both shaped like the model."""
+        expected = super().expected_train_arrays(server_round)
+        expected[CONTROL_DELTA_RECORD] = expected[self.arrayrecord_key]
+        return expected
+
+    def aggregate_arrays(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> ArrayRecord:
+        """Return :math:`x + \\eta_g\\,\\mathrm{mean}_S(y_i - x)`."""
+        assert self._global_arrays is not None
+        mean = WeightedMean()
+        for reply in replies:
+            mean.add(reply.arrays[self.arrayrecord_key], self.reply_weight(reply))
+        average = mean.result()
+        if self.server_learning_rate == 1.0:
+            return dict_to_record(average)  # x + (mean y - x), exactly mean y
+        x = record_to_dict(self._global_arrays)
+        for key in float_keys(x):
+            step = self.server_learning_rate * (average[key] - x[key])
+            average[key] = (x[key] + step).astype(x[key].dtype)
+        return dict_to_record(average)
+
+    def on_valid_replies(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> dict[str, Any]:
+        """Commit :math:`c \\leftarrow c + \\frac{1}{N}\\sum_S\\Delta c_i`."""
+        assert self.num_clients is not None
+        self.control.c = self.control.updated(replies, self.num_clients)
+        norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.control.c.values())))
+        return {"control-norm": norm}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Add :math:`c` to the base's state."""
+        state = super().state_dict()
+        state["control"] = copy_arrays(self.control.c)
+        state["num-clients"] = self.num_clients
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :math:`c` and the base's state."""
+        super().load_state_dict(state)
+        if state.get("num-clients") != self.num_clients:
+            raise ValueError(
+                f"checkpoint has num_clients={state.get('num-clients')}, "
+                f"strategy has {self.num_clients}"
+            )
+        self.control.c = copy_arrays(state["control"])
+
+
+class ScaffoldClient(TorchClient):
+    r"""SCAFFOLD client: corrected local SGD, option-II update of :math:`c_i`.
+
+    Keeps :math:`c_i` in ``context.state`` (one model). Parameters as
+    :class:`~flwr_prox_strategies.core.client.TorchClient`; ``momentum`` must be 0.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.momentum != 0.0:
+            raise ValueError(
+                "momentum must be 0: SCAFFOLD's option II assumes plain SGD"
+            )
+        self._x: list[Any] = []
+        self._c: list[Any] = []
+        self._ci: list[Any] = []
+
+    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
+        """Return the correction :math:`c - c_i` (a constant gradient shift)."""
+        params = trainable(self.model)
+        self._x = [p.detach().clone() for p in params]
+        self._c = self.from_state_order(self.received(CONTROL_RECORD, "Scaffold"))
+        self._ci = self.state.get_tensors(CONTROL_STATE, params)
+        shift = [c - ci for c, ci in zip(self._c, self._ci, strict=True)]
+        return ProximalTerm(0.0, self._x, shift)
+
+    def after_training(
+        self, config: dict[str, Any], report: TrainReport
+    ) -> dict[str, Any]:
+        """Option II: :math:`c_i^+ = c_i - c + (x - y)/(K\\eta_l)`; send :math:`\\Delta c_i`."""
+        params = trainable(self.model)
+        if report.steps == 0:
+            delta = [torch.zeros_like(p) for p in params]
+        else:
+            scale = 1.0 / (report.steps * self.round_lr)
+            new_ci = [
+                ci - c + (x - p.detach()) * scale
+                for ci, c, x, p in zip(self._ci, self._c, self._x, params, strict=True)
+            ]
+            delta = [n - ci for n, ci in zip(new_ci, self._ci, strict=True)]
+            self.state.set(CONTROL_STATE, new_ci)
+        self.reply_arrays[CONTROL_DELTA_RECORD] = self.to_state_order(delta)
+        return {}
