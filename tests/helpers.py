@@ -30,7 +30,7 @@ def model_arrays(seed: int = 0) -> dict[str, np.ndarray]:
 def record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
     rec = ArrayRecord()
     for key, value in arrays.items():
-        rec[key] = Array(np.ascontiguousarray(value))
+        rec[key] = Array(np.array(value, order="C", copy=None))
     return rec
 
 

@@ -51,6 +51,7 @@ Wire keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import INFO
 from typing import Any
 
@@ -106,6 +107,7 @@ class FedDC(ValidatedFedAvg):
     """
 
     straggler_policy = "keep-partial"
+    stateful_clients = True
 
     def __init__(
         self,
@@ -162,7 +164,7 @@ class FedDC(ValidatedFedAvg):
         return {GLOBAL_UPDATE_RECORD: dict_to_record(self.global_update)}
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
-        """The model plus :math:`\\Delta c_i` (official) or :math:`g_i` (seed)."""
+        r"""Expect the model and :math:`\Delta c_i` (official) or :math:`g_i` (seed)."""
         expected = super().expected_train_arrays(server_round)
         extra = (
             CONTROL_DELTA_RECORD
@@ -229,7 +231,7 @@ class FedDC(ValidatedFedAvg):
         )
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore H, c, g and the base's state."""
         super().load_state_dict(state)
         for key, mine in (
@@ -254,6 +256,8 @@ class FedDCClient(TorchClient):
     the official code's :math:`\rho_i = n_i/\bar n`); ``momentum`` must be 0.
     """
 
+    stateful = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.momentum != 0.0:
@@ -274,7 +278,7 @@ class FedDCClient(TorchClient):
             ) from err
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        """Return :math:`\\alpha_i(\\theta + h_i - w)` plus the correction."""
+        r"""Return :math:`\alpha_i(\theta + h_i - w)` plus the correction."""
         alpha = float(require(config, FEDDC_ALPHA_KEY, "FedDCClient", "FedDC"))
         self._mode = str(require(config, FEDDC_CORRECTION_KEY, "FedDCClient", "FedDC"))
         if self._mode not in CORRECTIONS:
@@ -302,7 +306,7 @@ class FedDCClient(TorchClient):
         params = trainable(self.model)
         update = [p.detach() - w for p, w in zip(params, self._w, strict=True)]
         drift = [h + u for h, u in zip(self._h, update, strict=True)]
-        self.state.set(DRIFT_STATE, drift)
+        self.state.set_pending(DRIFT_STATE, drift, self.server_round)
         if self._mode == "official":
             rho = self.relative_size
             beta = 1.0 / (max(report.steps, 1) * self.learning_rate)
@@ -311,10 +315,10 @@ class FedDCClient(TorchClient):
                 for ci, c, u in zip(self._ci, self._c, update, strict=True)
             ]
             delta = [(n - ci) * rho for n, ci in zip(new_ci, self._ci, strict=True)]
-            self.state.set(CONTROL_STATE, new_ci)
+            self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
             self.reply_arrays[CONTROL_DELTA_RECORD] = self.to_state_order(delta)
             return {}
-        self.state.set(UPDATE_STATE, update)
+        self.state.set_pending(UPDATE_STATE, update, self.server_round)
         self.reply_arrays[LOCAL_UPDATE_RECORD] = self.to_state_order(update)
         with torch.no_grad():  # the seed uploads theta^+ + h_i^{t+1}
             for p, h in zip(params, drift, strict=True):

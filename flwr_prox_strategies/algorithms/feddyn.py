@@ -45,6 +45,7 @@ Wire keys: ``feddyn-alpha`` in the train config.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import INFO
 from typing import Any
 
@@ -83,6 +84,7 @@ class FedDyn(ValidatedFedAvg):
     """
 
     straggler_policy = "keep-partial"
+    stateful_clients = True
 
     def __init__(
         self,
@@ -116,7 +118,7 @@ class FedDyn(ValidatedFedAvg):
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
-        """Return :math:`\\mathrm{mean}_S\\theta_k + (\\Lambda + \\Delta\\Lambda)/K`."""
+        r"""Return :math:`\mathrm{mean}_S\theta_k + (\Lambda + \Delta\Lambda)/K`."""
         assert self._global_arrays is not None and self.num_clients is not None
         mean = WeightedMean()
         for reply in replies:
@@ -143,21 +145,21 @@ class FedDyn(ValidatedFedAvg):
     def on_valid_replies(
         self, server_round: int, replies: list[ValidReply]
     ) -> dict[str, Any]:
-        """Commit :math:`\\Lambda \\leftarrow \\Lambda + \\sum_S(\\theta_k - \\theta^t)`."""
+        r"""Commit :math:`\Lambda \mathrel{+}= \sum_S(\theta_k - \theta^t)`."""
         self.drift_sum = self._updated_drift_sum(replies)
         norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.drift_sum.values())))
         return {"feddyn-drift-norm": norm / (self.num_clients or 1)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Add :math:`\\Lambda` to the base's state."""
+        r"""Add :math:`\Lambda` to the base's state."""
         state = super().state_dict()
         state["drift-sum"] = copy_arrays(self.drift_sum)
         state["alpha"] = self.alpha
         state["num-clients"] = self.num_clients
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :math:`\\Lambda` and the base's state."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        r"""Restore :math:`\Lambda` and the base's state."""
         super().load_state_dict(state)
         if state.get("num-clients") != self.num_clients:
             raise ValueError(
@@ -168,7 +170,7 @@ class FedDyn(ValidatedFedAvg):
 
 
 class FedDynClient(TorchClient):
-    r"""FedDyn client: local SGD on :math:`f_k - \langle g_k, \theta\rangle + \frac{\alpha}{2}\lVert\theta-\theta^t\rVert^2`.
+    r"""FedDyn client: local SGD on the dynamically regularised objective.
 
     Keeps :math:`\lambda_k = -g_k/\alpha` in ``context.state`` (one model).
 
@@ -182,6 +184,8 @@ class FedDynClient(TorchClient):
         (``relative_size`` divides :math:`\alpha`, as the official code does).
     """
 
+    stateful = True
+
     def __init__(
         self, *args: Any, decoupled_alpha: bool = False, **kwargs: Any
     ) -> None:
@@ -191,7 +195,7 @@ class FedDynClient(TorchClient):
         self._anchor: list[Any] = []
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        """Return :math:`\\alpha_k(\\theta - \\theta^t + \\lambda_k)`."""
+        r"""Return :math:`\alpha_k(\theta - \theta^t + \lambda_k)`."""
         alpha = float(require(config, FEDDYN_ALPHA_KEY, "FedDynClient", "FedDyn"))
         if not (np.isfinite(alpha) and alpha > 0):
             raise ValueError(f"received feddyn-alpha={alpha!r}; it must be > 0")
@@ -215,12 +219,12 @@ class FedDynClient(TorchClient):
     def after_training(
         self, config: dict[str, Any], report: TrainReport
     ) -> dict[str, Any]:
-        """Update :math:`\\lambda_k \\leftarrow \\lambda_k + (\\theta_k - \\theta^t)`."""
+        r"""Update :math:`\lambda_k \mathrel{+}= \theta_k - \theta^t` (pending)."""
         params = trainable(self.model)
         drift = self.state.get_tensors(DRIFT_STATE, params)
         updated = [
             d + (p.detach() - a)
             for d, p, a in zip(drift, params, self._anchor, strict=True)
         ]
-        self.state.set(DRIFT_STATE, updated)
+        self.state.set_pending(DRIFT_STATE, updated, self.server_round)
         return {}

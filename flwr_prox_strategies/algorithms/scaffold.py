@@ -31,6 +31,7 @@ Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import INFO
 from typing import Any
 
@@ -76,7 +77,7 @@ class ControlVariates:
         return self.c
 
     def record(self, model: ArrayRecord) -> ArrayRecord:
-        """The ``control`` record sent to clients (all model keys, same order)."""
+        """Return the ``control`` record for clients (model keys, same order)."""
         return dict_to_record(self.ensure(model))
 
     def updated(
@@ -85,7 +86,7 @@ class ControlVariates:
         num_clients: int,
         scale: dict[int, float] | None = None,
     ) -> dict[str, NDArray]:
-        """Return :math:`c + \\frac{1}{N}\\sum_S \\Delta c_i` (not committed)."""
+        r"""Return :math:`c + \frac{1}{N}\sum_S \Delta c_i` (not committed)."""
         assert self.c is not None
         new = {k: v.copy() for k, v in self.c.items()}
         keys = float_keys(new)
@@ -114,6 +115,7 @@ class Scaffold(ValidatedFedAvg):
     """
 
     straggler_policy = "keep-partial"
+    stateful_clients = True
 
     def __init__(
         self,
@@ -150,7 +152,7 @@ class Scaffold(ValidatedFedAvg):
         return {CONTROL_RECORD: self.control.record(self._global_arrays)}
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
-        """The model :math:`y` and :math:`\\Delta c_i`, both shaped like the model."""
+        r"""Expect the model :math:`y` and :math:`\Delta c_i`, both model-shaped."""
         expected = super().expected_train_arrays(server_round)
         expected[CONTROL_DELTA_RECORD] = expected[self.arrayrecord_key]
         return expected
@@ -158,7 +160,7 @@ class Scaffold(ValidatedFedAvg):
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
-        """Return :math:`x + \\eta_g\\,\\mathrm{mean}_S(y_i - x)`."""
+        r"""Return :math:`x + \eta_g\,\mathrm{mean}_S(y_i - x)`."""
         assert self._global_arrays is not None
         mean = WeightedMean()
         for reply in replies:
@@ -175,7 +177,7 @@ class Scaffold(ValidatedFedAvg):
     def on_valid_replies(
         self, server_round: int, replies: list[ValidReply]
     ) -> dict[str, Any]:
-        """Commit :math:`c \\leftarrow c + \\frac{1}{N}\\sum_S\\Delta c_i`."""
+        r"""Commit :math:`c \leftarrow c + \frac{1}{N}\sum_S\Delta c_i`."""
         assert self.num_clients is not None
         self.control.c = self.control.updated(replies, self.num_clients)
         norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.control.c.values())))
@@ -188,7 +190,7 @@ class Scaffold(ValidatedFedAvg):
         state["num-clients"] = self.num_clients
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :math:`c` and the base's state."""
         super().load_state_dict(state)
         if state.get("num-clients") != self.num_clients:
@@ -205,6 +207,8 @@ class ScaffoldClient(TorchClient):
     Keeps :math:`c_i` in ``context.state`` (one model). Parameters as
     :class:`~flwr_prox_strategies.core.client.TorchClient`; ``momentum`` must be 0.
     """
+
+    stateful = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -228,7 +232,7 @@ class ScaffoldClient(TorchClient):
     def after_training(
         self, config: dict[str, Any], report: TrainReport
     ) -> dict[str, Any]:
-        """Option II: :math:`c_i^+ = c_i - c + (x - y)/(K\\eta_l)`; send :math:`\\Delta c_i`."""
+        r"""Apply option II, :math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)`."""
         params = trainable(self.model)
         if report.steps == 0:
             delta = [torch.zeros_like(p) for p in params]
@@ -239,6 +243,6 @@ class ScaffoldClient(TorchClient):
                 for ci, c, x, p in zip(self._ci, self._c, self._x, params, strict=True)
             ]
             delta = [n - ci for n, ci in zip(new_ci, self._ci, strict=True)]
-            self.state.set(CONTROL_STATE, new_ci)
+            self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
         self.reply_arrays[CONTROL_DELTA_RECORD] = self.to_state_order(delta)
         return {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -20,6 +20,10 @@ from numpy.typing import NDArray
 from torch import nn
 
 from .keys import (
+    ACCEPTED_KEYS_KEY,
+    ACCEPTED_ROUND_KEY,
+    ACCEPTED_ROUNDS_KEY,
+    CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
     LR_SCALE_KEY,
@@ -57,6 +61,18 @@ def require(config: dict[str, Any], key: str, client: str, strategy: str) -> Any
             f"is the ServerApp running {strategy}? Received keys: {sorted(config)}"
         )
     return config[key]
+
+
+def accepted_round(config: dict[str, Any], client_key: int) -> int | None:
+    """Return the last round whose reply was aggregated (None: not said)."""
+    if ACCEPTED_ROUND_KEY in config:
+        return int(config[ACCEPTED_ROUND_KEY])
+    if ACCEPTED_KEYS_KEY in config:
+        table = dict(
+            zip(config[ACCEPTED_KEYS_KEY], config[ACCEPTED_ROUNDS_KEY], strict=True)
+        )
+        return int(table.get(client_key, -1))
+    return None
 
 
 class TorchClient(NumPyClient):
@@ -161,21 +177,31 @@ class TorchClient(NumPyClient):
         # Extra ArrayRecords the server sent with the model (name -> arrays),
         # set by the adapter before fit.
         self.received_arrays: dict[str, list[NDArray]] = {}
+        self.server_round = 0
         # Extra ArrayRecords for the reply (name -> arrays in model order),
         # filled by fit and read by the adapter.
         self.reply_arrays: dict[str, list[NDArray]] = {}
+
+    # True when the algorithm keeps state the server sums over: the state is
+    # then committed only once the server confirms the reply was aggregated.
+    stateful: ClassVar[bool] = False
+
+    @property
+    def client_key(self) -> int:
+        """Stable integer id of this client: its partition id, else its node id."""
+        if self.context is None:
+            return 0
+        partition = self.context.node_config.get("partition-id")
+        if partition is not None:
+            return int(partition)
+        return int(self.context.node_id) % (1 << 52)  # exact as a float metric
 
     @property
     def state(self) -> ClientState:
         """Return the cross-round state (``context.state``, see ``state_dir``)."""
         if self._state is None:
-            key = "client"
-            if self.context is not None:
-                key = str(
-                    self.context.node_config.get("partition-id", self.context.node_id)
-                )
             self._state = ClientState(
-                self.context, state_dir=self.state_dir, client_key=key
+                self.context, state_dir=self.state_dir, client_key=str(self.client_key)
             )
         return self._state
 
@@ -244,6 +270,9 @@ class TorchClient(NumPyClient):
         """Train from the global model; return the local model and metrics."""
         self.reply_arrays = {}
         server_round = int(config.get(SERVER_ROUND_KEY, 0))
+        self.server_round = server_round
+        if self.stateful:
+            self.state.resolve(accepted_round(config, self.client_key))
         if self.seed is not None:
             torch.manual_seed(self.seed * 1_000_003 + server_round)
         self.set_parameters(parameters)
@@ -280,6 +309,8 @@ class TorchClient(NumPyClient):
             }
         )
         metrics.update(self.after_training(config, report))
+        if self.stateful:
+            metrics[CLIENT_KEY_METRIC] = self.client_key
         self.state.flush()
         return self.get_parameters({}), self.num_train_examples(), metrics
 

@@ -13,3 +13,10 @@ REPORT_GRADIENT_KEY = "report-gradient"
 GRADIENT_RECORD = "gradient"
 # Multiplies the client's learning rate this round (per-round decay).
 LR_SCALE_KEY = "lr-scale"
+# Two-phase commit of client state (stateful algorithms): the server tells each
+# node the last round in which one of its replies was aggregated; a client keeps
+# the state of a round as pending until the server confirms that round.
+ACCEPTED_ROUND_KEY = "accepted-round"
+ACCEPTED_KEYS_KEY = "accepted-keys"
+ACCEPTED_ROUNDS_KEY = "accepted-rounds"
+CLIENT_KEY_METRIC = "client-key"

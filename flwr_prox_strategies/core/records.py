@@ -118,7 +118,7 @@ def to_record(
         raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
     record = ArrayRecord()
     for key, value in zip(keys, arrays, strict=True):
-        record[key] = Array(np.ascontiguousarray(value))
+        record[key] = Array(np.array(value, order="C", copy=None))
     return record
 
 

@@ -1,5 +1,13 @@
 """Per-client state across rounds: ``context.state``, optionally mirrored to disk.
 
+Writes are two-phase. What an algorithm saves during round ``r`` is *pending*;
+it becomes the state the next round reads only once the server confirms that
+its reply of round ``r`` was aggregated (:meth:`ClientState.resolve`). A reply the
+server rejected, or a round the server did not aggregate, therefore leaves the
+client exactly as it was, and the server's sums over client states (FedDyn's
+drift sum, SCAFFOLD's and FedDC's control variates) stay equal to the sums of
+what the clients hold.
+
 Flower keeps ``context.state`` per node for the whole run (in simulation and on a
 SuperNode), so the drift, dual and control variables of FedDyn, FedDC and
 SCAFFOLD live there, on the client, where the algorithms put them. To checkpoint
@@ -18,6 +26,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, RecordDict
 from numpy.typing import NDArray
+
+_PENDING = "pending:"
 
 
 class ClientState:
@@ -53,10 +63,36 @@ class ClientState:
             self._load_file(self.path)
 
     def get(self, name: str) -> list[NDArray] | None:
-        """Return the arrays saved under ``name`` (copies), or None."""
+        """Return the committed arrays saved under ``name`` (copies), or None."""
         if name not in self.records.array_records:
             return None
         return [arr.numpy() for arr in self.records.array_records[name].values()]
+
+    def resolve(self, accepted_round: int | None) -> str:
+        """Commit or drop the pending state; return what happened.
+
+        ``accepted_round`` is the last round whose reply the server aggregated;
+        None means the server sent no confirmation (a client used outside the
+        pack's strategies): pending state is then committed.
+        """
+        pending_round = self.scalar("pending-round", -1.0)
+        names = [n for n in self.records.array_records if n.startswith(_PENDING)]
+        if not names:
+            return "nothing pending"
+        keep = accepted_round is None or int(pending_round) == accepted_round
+        for name in names:
+            record = self.records.array_records[name]
+            del self.records[name]
+            if keep:
+                self.records[name[len(_PENDING) :]] = record
+        return "committed" if keep else "dropped"
+
+    def set_pending(
+        self, name: str, arrays: Sequence[NDArray | torch.Tensor], server_round: int
+    ) -> None:
+        """Save ``arrays`` as the pending value of ``name`` for ``server_round``."""
+        self.set(_PENDING + name, arrays)
+        self.set_scalar("pending-round", float(server_round))
 
     def get_tensors(
         self, name: str, like: Sequence[torch.Tensor]
@@ -80,7 +116,7 @@ class ClientState:
         for i, value in enumerate(arrays):
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().numpy()
-            record[str(i)] = Array(np.ascontiguousarray(value))
+            record[str(i)] = Array(np.array(value, order="C", copy=None))
         self.records[name] = record
 
     def scalar(self, name: str, default: float = 0.0) -> float:

@@ -45,6 +45,10 @@ from flwr.serverapp.strategy import FedAvg
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
 from ..ops.dissimilarity import dissimilarity, sq_norm
 from .keys import (
+    ACCEPTED_KEYS_KEY,
+    ACCEPTED_ROUND_KEY,
+    ACCEPTED_ROUNDS_KEY,
+    CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
     LR_SCALE_KEY,
@@ -138,6 +142,9 @@ class ValidatedFedAvg(FedAvg):
     """
 
     straggler_policy: ClassVar[str] = "drop"
+    # True for algorithms whose clients keep state that the server sums over
+    # (FedDyn, FedDC, SCAFFOLD): the two-phase commit of .state is then used.
+    stateful_clients: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -221,6 +228,10 @@ class ValidatedFedAvg(FedAvg):
         # Strategy.start's round numbers so sampling and client seeds continue.
         self.rounds_completed = 0
         self.round_offset = 0
+        # Two-phase commit of client state: client key -> last round one of its
+        # replies was aggregated (state), and node id -> client key (this run).
+        self.accepted: dict[int, int] = {}
+        self._node_keys: dict[int, int] = {}
 
     # ------------------------------------------------------------------ info
     def __repr__(self) -> str:
@@ -312,8 +323,34 @@ class ValidatedFedAvg(FedAvg):
         return {}
 
     def node_train_config(self, node_id: int, server_round: int) -> dict[str, Any]:
-        """Return per-node additions to the train ConfigRecord."""
-        return {}
+        """Return per-node additions to the train ConfigRecord.
+
+        For stateful clients: the last round in which this node's reply was
+        aggregated (until the node is identified in this run, e.g. after a
+        resume, the whole client-key -> round table).
+        """
+        if not self.stateful_clients:
+            return {}
+        key = self._node_keys.get(node_id)
+        if key is not None:
+            return {ACCEPTED_ROUND_KEY: self.accepted.get(key, -1)}
+        if not self.accepted:
+            return {ACCEPTED_ROUND_KEY: -1}
+        return {
+            ACCEPTED_KEYS_KEY: list(self.accepted),
+            ACCEPTED_ROUNDS_KEY: list(self.accepted.values()),
+        }
+
+    def check_reply(self, reply: ValidReply) -> None:
+        """Extra checks on a structurally valid reply; raise ``ReplyRejected``."""
+        if self.stateful_clients:
+            key = reply.metrics.get(CLIENT_KEY_METRIC)
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise ReplyRejected(
+                    "client-key",
+                    f"no integer '{CLIENT_KEY_METRIC}' metric: is the client a "
+                    f"{type(self).__name__} client?",
+                )
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
         """Return the ArrayRecords (name -> spec) a train reply must carry."""
@@ -358,6 +395,7 @@ class ValidatedFedAvg(FedAvg):
             "strategy": type(self).__name__,
             "seed": self.seed,
             "rounds-completed": self.rounds_completed,
+            "accepted": dict(self.accepted),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -373,6 +411,7 @@ class ValidatedFedAvg(FedAvg):
                 f"seed={self.seed}: sampling would not resume identically"
             )
         self.rounds_completed = int(state["rounds-completed"])
+        self.accepted = {int(k): int(v) for k, v in state.get("accepted", {}).items()}
         self.round_offset = self.rounds_completed
 
     # -------------------------------------------------------------- training
@@ -476,6 +515,8 @@ class ValidatedFedAvg(FedAvg):
                 reply = validate_reply(
                     message, expected_arrays=expected_arrays, defer_finite=defer_finite
                 )
+                if expected_arrays:
+                    self.check_reply(reply)
             except ReplyRejected as err:
                 if err.kind == "error-reply":
                     failed += 1
@@ -547,6 +588,11 @@ class ValidatedFedAvg(FedAvg):
             )
             return None, MetricRecord(dict(counts.items()))
         extra = self.on_valid_replies(server_round, valid)
+        if self.stateful_clients:
+            for reply in valid:
+                client = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
+                self._node_keys[reply.node_id] = client
+                self.accepted[client] = server_round
         if self.monitor_dissimilarity:
             extra.update(self.dissimilarity_metrics(valid))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)

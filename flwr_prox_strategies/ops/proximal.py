@@ -65,7 +65,9 @@ class ProximalTerm:
         """Add ``mu (p - anchor) + shift`` to each ``p.grad`` in place."""
         if self.mu == 0.0 and self.shift is None:
             return  # exactly FedAvg's step, bit for bit
-        shifts = self.shift or [None] * len(self.anchor)
+        shifts: list[torch.Tensor | None] = (
+            list(self.shift) if self.shift is not None else [None] * len(self.anchor)
+        )
         for p, a, s in zip(params, self.anchor, shifts, strict=True):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
