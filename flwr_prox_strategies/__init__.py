@@ -8,7 +8,10 @@ taking your ``torch.nn.Module`` and data loaders), and the adapter that mounts a
 """
 
 from .algorithms.fedavg import FedAvg, FedAvgClient
+from .algorithms.feddc import FedDC, FedDCClient
+from .algorithms.feddyn import FedDyn, FedDynClient
 from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient
+from .algorithms.scaffold import Scaffold, ScaffoldClient
 from .core.adapter import to_client_app
 from .core.client import ProtocolError, TorchClient
 from .core.strategy import ValidatedFedAvg
@@ -17,9 +20,15 @@ __all__ = [
     "PROXIMAL_MU_KEY",
     "FedAvg",
     "FedAvgClient",
+    "FedDC",
+    "FedDCClient",
+    "FedDyn",
+    "FedDynClient",
     "FedProx",
     "FedProxClient",
     "ProtocolError",
+    "Scaffold",
+    "ScaffoldClient",
     "TorchClient",
     "ValidatedFedAvg",
     "to_client_app",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from flwr_prox_strategies import FedAvg, FedProx
+from flwr_prox_strategies import FedAvg, FedDC, FedDyn, FedProx, Scaffold
 from flwr_prox_strategies.core.strategy import ValidatedFedAvg
 
 from .helpers import error_reply, model_arrays, record, reply, sampling_grid
@@ -30,6 +30,10 @@ STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
     "fedprox-monitor": lambda: FedProx(
         mu=0.1, min_available_nodes=NUM_NODES, monitor_dissimilarity=True
     ),
+    "feddyn": lambda: FedDyn(alpha=0.1, num_clients=NUM_NODES),
+    "scaffold": lambda: Scaffold(num_clients=NUM_NODES, server_learning_rate=0.5),
+    "feddc": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES),
+    "feddc-seed": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES, correction="seed"),
 }
 
 
@@ -48,6 +52,8 @@ def good_content(strategy: ValidatedFedAvg, i: int) -> dict[str, dict[str, np.nd
 def build_reply(
     to: Message, content: dict[str, dict[str, np.ndarray]], n=10, metrics=None
 ):
+    if metrics is None:  # stateful strategies need the client's key
+        metrics = {"train-loss": 1.0, "client-key": to.metadata.dst_node_id - 1000}
     records = dict(content)
     arrays = records.pop("arrays", None)
     return reply(

@@ -1,0 +1,351 @@
+"""FedDyn, FedDC and SCAFFOLD against mathematics.
+
+* a least-squares federation whose global minimiser is known in closed form;
+* hand-computed rounds (numpy, straight from the update equations);
+* FedDC's official and seed semantics: equal for two rounds, then not;
+* client state stays consistent with the server's sums when replies fail;
+* checkpoint + resume is bit-identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Message
+
+from flwr_prox_strategies import to_client_app
+from flwr_prox_strategies.algorithms.fedavg import FedAvg, FedAvgClient
+from flwr_prox_strategies.algorithms.feddc import FedDC, FedDCClient
+from flwr_prox_strategies.algorithms.feddyn import FedDyn, FedDynClient
+from flwr_prox_strategies.algorithms.scaffold import Scaffold, ScaffoldClient
+from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.state import ClientState
+
+from .lsq import LeastSquares, half_sse
+
+LOCAL = {"local_epochs": 10, "learning_rate": 0.1}
+
+
+@pytest.fixture(scope="module")
+def problem() -> LeastSquares:
+    return LeastSquares()
+
+
+def test_fedavg_fixed_point_is_biased(problem: LeastSquares) -> None:
+    theta = problem.run(FedAvg(min_available_nodes=4), FedAvgClient, 150, **LOCAL)
+    assert problem.relative_error(theta) > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "client", "fraction", "rounds"),
+    [
+        (
+            "feddyn",
+            lambda f: FedDyn(alpha=0.5, num_clients=4, fraction_train=f),
+            FedDynClient,
+            1.0,
+            150,
+        ),
+        (
+            "feddyn-half",
+            lambda f: FedDyn(alpha=0.5, num_clients=4, fraction_train=f),
+            FedDynClient,
+            0.5,
+            300,
+        ),
+        (
+            "scaffold",
+            lambda f: Scaffold(num_clients=4, fraction_train=f),
+            ScaffoldClient,
+            1.0,
+            150,
+        ),
+        (
+            "scaffold-half",
+            lambda f: Scaffold(num_clients=4, fraction_train=f),
+            ScaffoldClient,
+            0.5,
+            300,
+        ),
+        (
+            "feddc",
+            lambda f: FedDC(alpha=0.1, num_clients=4, fraction_train=f),
+            FedDCClient,
+            1.0,
+            150,
+        ),
+        (
+            "feddc-half",
+            lambda f: FedDC(alpha=0.1, num_clients=4, fraction_train=f),
+            FedDCClient,
+            0.5,
+            300,
+        ),
+    ],
+)
+def test_drift_corrected_methods_reach_the_global_minimiser(
+    problem: LeastSquares, name, make, client, fraction, rounds
+) -> None:
+    theta = problem.run(make(fraction), client, rounds, **LOCAL)
+    assert problem.relative_error(theta) < 1e-4, name
+
+
+# ---------------------------------------------------------------- by hand
+TWO = LeastSquares(num_clients=2, dim=2, rows=6, seed=3)
+STEPS, LR = 3, 0.1
+
+
+def grad(k: int, theta: np.ndarray) -> np.ndarray:
+    a, b = TWO.a[k].astype(np.float64), TWO.b[k].astype(np.float64)
+    return a.T @ (a @ theta - b)
+
+
+def run_two(strategy, client_cls, rounds: int, **kwargs) -> list[np.ndarray]:
+    """Global model after each round, through the real strategy and clients."""
+    grid = InProcessGrid(
+        to_client_app(
+            TWO.client_fn(client_cls, local_epochs=STEPS, learning_rate=LR, **kwargs)
+        ),
+        num_nodes=2,
+    )
+    out, arrays = [], TWO.initial()
+    for _ in range(rounds):
+        arrays = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1).arrays
+        strategy.round_offset += 1  # the next start() continues the round count
+        out.append(arrays.to_numpy_ndarrays()[0][0].astype(np.float64))
+    return out
+
+
+def feddyn_by_hand(alpha: float, rounds: int) -> list[np.ndarray]:
+    theta, lam, total, out = np.zeros(2), [np.zeros(2), np.zeros(2)], np.zeros(2), []
+    for _ in range(rounds):
+        new = []
+        for k in range(2):
+            th = theta.copy()
+            for _ in range(STEPS):
+                th = th - LR * (grad(k, th) + alpha * (th - theta + lam[k]))
+            new.append(th)
+        for k in range(2):
+            lam[k] = lam[k] + new[k] - theta
+        total = total + sum(n - theta for n in new)
+        theta = np.mean(new, axis=0) + total / 2
+        out.append(theta)
+    return out
+
+
+def scaffold_by_hand(rounds: int) -> list[np.ndarray]:
+    x, c, ci, out = np.zeros(2), np.zeros(2), [np.zeros(2), np.zeros(2)], []
+    for _ in range(rounds):
+        ys, deltas = [], []
+        for i in range(2):
+            y = x.copy()
+            for _ in range(STEPS):
+                y = y - LR * (grad(i, y) - ci[i] + c)
+            new_ci = ci[i] - c + (x - y) / (STEPS * LR)
+            deltas.append(new_ci - ci[i])
+            ci[i] = new_ci
+            ys.append(y)
+        x = np.mean(ys, axis=0)
+        c = c + sum(deltas) / 2
+        out.append(x)
+    return out
+
+
+def feddc_by_hand(alpha: float, rounds: int, correction: str) -> list[np.ndarray]:
+    w = np.zeros(2)
+    h = [np.zeros(2), np.zeros(2)]
+    c, ci = np.zeros(2), [np.zeros(2), np.zeros(2)]  # official
+    g, gi = np.zeros(2), [np.zeros(2), np.zeros(2)]  # seed
+    out = []
+    for _ in range(rounds):
+        thetas, updates, dcs = [], [], []
+        for i in range(2):
+            th = w.copy()
+            shift = (
+                (c - ci[i]) if correction == "official" else (gi[i] - g) / (STEPS * LR)
+            )
+            for _ in range(STEPS):
+                th = th - LR * (grad(i, th) + alpha * (th + h[i] - w) + shift)
+            update = th - w
+            h[i] = h[i] + update
+            if correction == "official":
+                new_ci = ci[i] - c - update / (STEPS * LR)
+                dcs.append(new_ci - ci[i])
+                ci[i] = new_ci
+            else:
+                gi[i] = update
+            thetas.append(th)
+            updates.append(update)
+        if correction == "official":
+            w = np.mean(thetas, axis=0) + np.mean(h, axis=0)
+            c = c + sum(dcs) / 2
+        else:  # equal data sizes: the sample-weighted means are plain means
+            w = np.mean([t + hh for t, hh in zip(thetas, h, strict=True)], axis=0)
+            g = np.mean(updates, axis=0)
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "client", "expected"),
+    [
+        (
+            lambda: FedDyn(alpha=0.7, num_clients=2),
+            FedDynClient,
+            lambda: feddyn_by_hand(0.7, 3),
+        ),
+        (lambda: Scaffold(num_clients=2), ScaffoldClient, lambda: scaffold_by_hand(3)),
+        (
+            lambda: FedDC(alpha=0.3, num_clients=2),
+            FedDCClient,
+            lambda: feddc_by_hand(0.3, 3, "official"),
+        ),
+        (
+            lambda: FedDC(alpha=0.3, num_clients=2, correction="seed"),
+            FedDCClient,
+            lambda: feddc_by_hand(0.3, 3, "seed"),
+        ),
+    ],
+    ids=["feddyn", "scaffold", "feddc-official", "feddc-seed"],
+)
+def test_rounds_match_the_equations_by_hand(strategy, client, expected) -> None:
+    got = run_two(strategy(), client, 3)
+    for rnd, (mine, theirs) in enumerate(zip(got, expected(), strict=True), start=1):
+        np.testing.assert_allclose(
+            mine, theirs, rtol=1e-5, atol=1e-6, err_msg=f"round {rnd}"
+        )
+
+
+def test_feddc_official_and_seed_coincide_for_two_rounds_then_differ() -> None:
+    official = run_two(FedDC(alpha=0.3, num_clients=2), FedDCClient, 3)
+    seed = run_two(FedDC(alpha=0.3, num_clients=2, correction="seed"), FedDCClient, 3)
+    np.testing.assert_allclose(official[0], seed[0], rtol=1e-6)
+    np.testing.assert_allclose(official[1], seed[1], rtol=1e-5)
+    assert np.abs(official[2] - seed[2]).max() > 1e-4
+
+
+# --------------------------------------------- failures keep client state consistent
+class FailingNode:
+    """Wraps a ClientApp; replies of node `victim` in `rounds` get a NaN model."""
+
+    def __init__(self, app, victim: int, rounds: set[int]) -> None:
+        self.app, self.victim, self.rounds = app, victim, rounds
+
+    def __call__(self, message: Message, context) -> Message:
+        reply = self.app(message, context)
+        config = message.content["config"]
+        if (
+            message.metadata.message_type == "train"
+            and context.node_id == self.victim
+            and int(config["server-round"]) in self.rounds
+        ):
+            arrays = reply.content["arrays"]
+            key = next(iter(arrays.keys()))
+            poisoned = arrays[key].numpy()
+            poisoned[...] = np.nan
+            from flwr.app import Array
+
+            arrays[key] = Array(poisoned)
+        return reply
+
+
+@pytest.mark.parametrize("algorithm", ["feddyn", "scaffold", "feddc"])
+def test_rejected_replies_leave_client_state_consistent_with_the_server(
+    problem: LeastSquares, algorithm: str
+) -> None:
+    strategy, client_cls, name = {
+        "feddyn": (FedDyn(alpha=0.5, num_clients=4), FedDynClient, "feddyn-drift"),
+        "scaffold": (Scaffold(num_clients=4), ScaffoldClient, "scaffold-control"),
+        "feddc": (FedDC(alpha=0.1, num_clients=4), FedDCClient, "feddc-drift"),
+    }[algorithm]
+    app = FailingNode(
+        to_client_app(problem.client_fn(client_cls, **LOCAL)),
+        victim=1002,
+        rounds={2, 3},
+    )
+    grid = InProcessGrid(app, num_nodes=4)
+    result = strategy.start(grid=grid, initial_arrays=problem.initial(), num_rounds=4)
+    assert result.train_metrics_clientapp[2]["replies-rejected"] == 1
+    # Resolve every client's pending state with what the server says it accepted.
+    sums = np.zeros(problem.dim)
+    for context in grid.contexts.values():
+        state = ClientState(context)
+        key = int(context.node_config["partition-id"])
+        state.resolve(strategy.accepted.get(key, -1))
+        values = state.get(name)
+        if values is not None:
+            sums += values[0].reshape(-1)
+    if algorithm in ("feddyn", "feddc"):
+        server = strategy.drift_sum["0"].reshape(-1)
+    else:
+        server = 4 * strategy.control.c["0"].reshape(-1)  # c is the mean of all c_i
+    np.testing.assert_allclose(sums, server, rtol=1e-4, atol=1e-5)
+    # The victim's replies of rounds 2-3 were not used: it holds round 1's state + round 4's.
+    assert strategy.accepted[1] == 4
+
+
+# ---------------------------------------------------------- checkpoint/resume
+@pytest.mark.parametrize("algorithm", ["feddyn", "scaffold", "feddc"])
+def test_ten_rounds_equal_five_plus_resume_plus_five(
+    problem: LeastSquares, tmp_path, algorithm: str
+) -> None:
+    def make():
+        return {
+            "feddyn": FedDyn(alpha=0.5, num_clients=4, fraction_train=0.5, seed=1),
+            "scaffold": Scaffold(num_clients=4, fraction_train=0.5, seed=1),
+            "feddc": FedDC(alpha=0.1, num_clients=4, fraction_train=0.5, seed=1),
+        }[algorithm]
+
+    client_cls = {
+        "feddyn": FedDynClient,
+        "scaffold": ScaffoldClient,
+        "feddc": FedDCClient,
+    }[algorithm]
+
+    def grid(state_dir):
+        fn = problem.client_fn(client_cls, state_dir=str(state_dir), seed=0, **LOCAL)
+        return InProcessGrid(to_client_app(fn), num_nodes=4)
+
+    straight = make().start(
+        grid=grid(tmp_path / "a"), initial_arrays=problem.initial(), num_rounds=10
+    )
+
+    first = make()
+    half = first.start(
+        grid=grid(tmp_path / "b"), initial_arrays=problem.initial(), num_rounds=5
+    )
+    checkpoint = first.state_dict()
+    second = make()
+    second.load_state_dict(checkpoint)
+    # A new grid: fresh contexts, client state comes back from state_dir.
+    resumed = second.start(
+        grid=grid(tmp_path / "b"), initial_arrays=half.arrays, num_rounds=5
+    )
+    a = straight.arrays.to_numpy_ndarrays()[0]
+    b = resumed.arrays.to_numpy_ndarrays()[0]
+    assert a.tobytes() == b.tobytes()
+
+
+def test_invalid_hyperparameters() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        FedDyn(alpha=0.0, num_clients=3)
+    with pytest.raises(ValueError, match="num_clients"):
+        FedDyn(alpha=0.1, num_clients=0)
+    with pytest.raises(ValueError, match="correction"):
+        FedDC(num_clients=3, correction="paper")
+    with pytest.raises(ValueError, match="server_learning_rate"):
+        Scaffold(num_clients=3, server_learning_rate=0.0)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="momentum"):
+        ScaffoldClient(model, TWO.loader(0), momentum=0.9, loss_fn=half_sse)
+
+
+def test_num_clients_must_match_the_federation() -> None:
+    strategy = FedDyn(alpha=0.1, num_clients=5, min_available_nodes=2)
+    with pytest.raises(RuntimeError, match="num_clients=5"):
+        strategy.start(
+            grid=InProcessGrid(lambda m, c: m, num_nodes=3),
+            initial_arrays=TWO.initial(),
+            num_rounds=1,
+        )
