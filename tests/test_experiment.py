@@ -111,3 +111,23 @@ def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
     }
     assert len(set(fedprox.values())) == 2  # mu matters
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
+
+
+def test_a_run_where_every_client_fails_is_an_error(tmp_path: Path) -> None:
+    from flwr_prox_strategies import to_client_app
+
+    def broken_client(context):
+        raise RuntimeError("cannot load my data")
+
+    run_config = {
+        "overrides": "num-clients=3 num-rounds=2 model=logreg",
+        "output-dir": str(tmp_path),
+    }
+    grid = InProcessGrid(
+        to_client_app(broken_client), num_nodes=3, run_config=run_config
+    )
+    with pytest.raises(RuntimeError, match="no round aggregated"):
+        run_experiment(grid, run_config)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["summary"]["complete"] is False
+    assert results["rounds-without-valid-reply"] == [1, 2]

@@ -11,7 +11,7 @@ import datetime as dt
 import os
 import time
 from collections.abc import Mapping
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,22 @@ def run_experiment(
         recorder.record(rnd, "train", dict(metrics))
     for rnd, metrics in result.evaluate_metrics_clientapp.items():
         recorder.record(rnd, "evaluate", dict(metrics))
+    idle = [
+        rnd
+        for rnd in range(1, num_rounds + 1)
+        if int(result.train_metrics_clientapp.get(rnd, {}).get("replies-valid", 0)) == 0
+    ]
+    recorder.meta["rounds-without-valid-reply"] = idle
+    recorder.meta["rejections"] = dict(getattr(strategy, "rejections", {}))
+    if num_rounds and len(idle) == num_rounds:
+        recorder.flush()
+        raise RuntimeError(
+            f"no round aggregated a single valid reply (reasons: "
+            f"{dict(getattr(strategy, 'rejections', {}))}); see the log above for "
+            "the clients' errors. Results so far: " + str(output_dir / "results.json")
+        )
+    if idle:
+        log(WARNING, "Rounds without a valid reply (model kept): %s", idle)
     recorder.complete = True
     recorder.flush()
     results = recorder.as_dict()
