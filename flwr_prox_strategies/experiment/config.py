@@ -120,6 +120,7 @@ def build_client(cfg: DictConfig, **runtime: Any) -> Any:
         learning_rate=float(train["learning-rate"]),
         momentum=float(train["momentum"]),
         weight_decay=float(train["weight-decay"]),
+        max_grad_norm=train.get("max-grad-norm"),
         **runtime,
     )
 

@@ -224,10 +224,12 @@ def make_client(context: Context) -> Any:
     train_loader = to_loader(
         data, batch_size=int(cfg.train["batch-size"]), shuffle=True
     )
+    sizes = partition_sizes(cfg, num_partitions)
     return build_client(
         cfg,
         model=build_model(cfg),
         train_loader=train_loader,
         test_loader=None,
+        relative_size=len(data) / (sum(sizes) / len(sizes)),
         seed=seed,
     )
