@@ -228,6 +228,7 @@ class ValidatedFedAvg(FedAvg):
         # Strategy.start's round numbers so sampling and client seeds continue.
         self.rounds_completed = 0
         self.round_offset = 0
+        self._bytes_sent = 0
         # Two-phase commit of client state: client key -> last round one of its
         # replies was aggregated (state), and node id -> client key (this run).
         self.accepted: dict[int, int] = {}
@@ -481,6 +482,11 @@ class ValidatedFedAvg(FedAvg):
                     content=content, message_type=MessageType.TRAIN, dst_node_id=node_id
                 )
             )
+        self._bytes_sent = sum(
+            record.count_bytes()
+            for message in messages
+            for record in message.content.array_records.values()
+        )
         return messages
 
     def node_train_arrays(self, node_id: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -577,6 +583,14 @@ class ValidatedFedAvg(FedAvg):
             "replies-valid": len(valid),
             "replies-failed": failed,
             "replies-rejected": rejected,
+            # Array payload bytes of this round's messages (model, extra records).
+            "bytes-sent": self._bytes_sent,
+            "bytes-received": sum(
+                record.count_bytes()
+                for reply in valid
+                if reply.message is not None
+                for record in reply.message.content.array_records.values()
+            ),
         }
         self.last_round_report = dict(counts)
         if keep is not None or arrays is None:
