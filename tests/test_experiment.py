@@ -45,6 +45,24 @@ def test_run_config_keys_map_to_overrides_and_overrides_win() -> None:
     assert overrides_from_run_config({"num-rounds": 0, "seed": -1}) == []
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "feddyn", "scaffold", "feddc"])
+def test_every_strategy_config_builds_its_strategy(name: str) -> None:
+    cfg = compose_config(f"strategy={name} num-clients=7")
+    strategy = build_strategy(cfg)
+    assert type(strategy).__name__.lower() == name
+    assert cfg.client._target_.endswith("Client")
+    if name in ("feddyn", "scaffold", "feddc"):
+        assert strategy.num_clients == 7
+
+
+def test_official_non_iid_preset() -> None:
+    cfg = compose_config("+experiment=non-iid-official strategy=feddyn")
+    assert cfg.dataset.name == "fashion-mnist" and cfg.partition.scheme == "inner-dirichlet"
+    assert cfg["num-clients"] == 100 and cfg.train["lr-decay"] == 0.998
+    strategy = build_strategy(cfg)
+    assert strategy.fraction_train == 0.1 and strategy.lr_decay == 0.998
+
+
 def test_unknown_override_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="strategy=nope"):
         compose_config("strategy=nope")
