@@ -57,7 +57,10 @@ def test_every_strategy_config_builds_its_strategy(name: str) -> None:
 
 def test_official_non_iid_preset() -> None:
     cfg = compose_config("+experiment=non-iid-official strategy=feddyn")
-    assert cfg.dataset.name == "fashion-mnist" and cfg.partition.scheme == "inner-dirichlet"
+    assert (
+        cfg.dataset.name == "fashion-mnist"
+        and cfg.partition.scheme == "inner-dirichlet"
+    )
     assert cfg["num-clients"] == 100 and cfg.train["lr-decay"] == 0.998
     strategy = build_strategy(cfg)
     assert strategy.fraction_train == 0.1 and strategy.lr_decay == 0.998
