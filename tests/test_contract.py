@@ -31,6 +31,9 @@ STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
         mu=0.1, min_available_nodes=NUM_NODES, monitor_dissimilarity=True
     ),
     "feddyn": lambda: FedDyn(alpha=0.1, num_clients=NUM_NODES),
+    "feddyn-track": lambda: FedDyn(
+        alpha=0.1, num_clients=NUM_NODES, track_all_clients=True
+    ),
     "scaffold": lambda: Scaffold(num_clients=NUM_NODES, server_learning_rate=0.5),
     "feddc": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES),
     "feddc-seed": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES, correction="seed"),

@@ -349,3 +349,31 @@ def test_num_clients_must_match_the_federation() -> None:
             initial_arrays=TWO.initial(),
             num_rounds=1,
         )
+
+
+def test_feddyn_tracks_the_mean_of_all_clients_latest_models(
+    problem: LeastSquares,
+) -> None:
+    strategy = FedDyn(
+        alpha=0.5, num_clients=4, fraction_train=0.5, track_all_clients=True
+    )
+    app = FailingNode(
+        to_client_app(problem.client_fn(FedDynClient, **LOCAL)),
+        victim=1003,
+        rounds={2, 3},
+    )
+    grid = InProcessGrid(app, num_nodes=4)
+    strategy.start(grid=grid, initial_arrays=problem.initial(), num_rounds=6)
+    latest = []
+    for context in grid.contexts.values():
+        state = ClientState(context)
+        state.resolve(
+            strategy.accepted.get(int(context.node_config["partition-id"]), -1)
+        )
+        values = state.get("feddyn-latest")
+        latest.append(
+            values[0].reshape(-1) if values is not None else np.zeros(problem.dim)
+        )
+    expected = np.mean(latest, axis=0)  # never-accepted clients still hold theta^0 = 0
+    got = strategy.all_clients_model().to_numpy_ndarrays()[0].reshape(-1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -34,11 +34,18 @@ Options that match the official code (off by default, the seed's form):
 * ``max_grad_norm=10`` on the client, ``lr_decay`` on the strategy (0.998 per
   round in the official experiments), ``weight_decay`` on the client.
 
-Not implemented: the official code's extra evaluation of the mean of all
-clients' latest models.
+* ``track_all_clients=True`` on the strategy: the official code also evaluates
+  the mean of **all** clients' latest models. The server keeps their running sum
+  (one model, plus :math:`\theta^0`); each client keeps its latest accepted model
+  and uploads the change since it (``model-delta``), so the server never holds K
+  models. A node the server has not yet identified in this run receives
+  :math:`\theta^0` (``initial-model``) once, for its first delta.
+  :meth:`FedDyn.all_clients_model` returns the mean.
 
-Memory: each client holds :math:`\lambda_k` (one model) plus the anchor during
-training; the server holds :math:`\Lambda` (one model), independent of K.
+Memory: each client holds :math:`\lambda_k` (one model; plus its latest model
+with ``track_all_clients``) and the anchor during training; the server holds
+:math:`\Lambda` (one model; plus the sum of latest models and :math:`\theta^0`
+with ``track_all_clients``), independent of K.
 
 Wire keys: ``feddyn-alpha`` in the train config.
 """
@@ -50,12 +57,19 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from ..core.client import TorchClient, require
-from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
+from ..core.records import (
+    RecordSpec,
+    copy_arrays,
+    dict_to_record,
+    float_keys,
+    record_to_dict,
+)
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
@@ -63,7 +77,11 @@ from ..ops.aggregate import WeightedMean
 from ..ops.proximal import ProximalTerm
 
 FEDDYN_ALPHA_KEY = "feddyn-alpha"
+TRACK_LATEST_KEY = "feddyn-track-latest"
+INITIAL_MODEL_RECORD = "initial-model"
+MODEL_DELTA_RECORD = "model-delta"
 DRIFT_STATE = "feddyn-drift"
+LATEST_STATE = "feddyn-latest"
 
 
 class FedDyn(ValidatedFedAvg):
@@ -78,6 +96,9 @@ class FedDyn(ValidatedFedAvg):
     weighting : str (default: "uniform")
         The seed's and the official code's plain mean over :math:`S_t`;
         ``"num-examples"`` weights it by sample counts.
+    track_all_clients : bool (default: False)
+        Keep the mean of all clients' latest models (the official code's second
+        evaluated model); see the module docstring.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
@@ -92,13 +113,17 @@ class FedDyn(ValidatedFedAvg):
         alpha: float = 0.01,
         num_clients: int,
         weighting: str = "uniform",
+        track_all_clients: bool = False,
         **kwargs: Any,
     ) -> None:
         if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
             raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
         super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
         self.alpha = float(alpha)
+        self.track_all_clients = bool(track_all_clients)
         self.drift_sum: dict[str, NDArray] | None = None  # Lambda = sum_k lambda_k
+        self.initial: dict[str, NDArray] | None = None  # theta^0 (tracking)
+        self.latest_sum: dict[str, NDArray] | None = None  # sum_k latest theta_k
 
     def __repr__(self) -> str:
         """Return the class name and its main settings."""
@@ -112,8 +137,44 @@ class FedDyn(ValidatedFedAvg):
         super().summary()
 
     def train_config(self, server_round: int) -> dict[str, Any]:
-        """Send ``feddyn-alpha``."""
-        return {FEDDYN_ALPHA_KEY: self.alpha}
+        """Send ``feddyn-alpha`` (and whether clients track their latest model)."""
+        config: dict[str, Any] = {FEDDYN_ALPHA_KEY: self.alpha}
+        if self.track_all_clients:
+            config[TRACK_LATEST_KEY] = True
+            if self.initial is None:  # the first round's model is theta^0
+                assert self._global_arrays is not None and self.num_clients is not None
+                self.initial = record_to_dict(self._global_arrays)
+                self.latest_sum = {
+                    k: v * self.num_clients
+                    for k, v in self.initial.items()
+                    if k in float_keys(self.initial)
+                }
+        return config
+
+    def node_train_records(
+        self, node_id: int, server_round: int
+    ) -> dict[str, ArrayRecord]:
+        """Send theta^0 to a node not yet identified in this run (tracking only)."""
+        if not self.track_all_clients or node_id in self._node_keys:
+            return {}
+        assert self.initial is not None
+        return {INITIAL_MODEL_RECORD: dict_to_record(self.initial)}
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """Expect the model, plus the change of the latest model when tracking."""
+        expected = super().expected_train_arrays(server_round)
+        if self.track_all_clients:
+            expected[MODEL_DELTA_RECORD] = expected[self.arrayrecord_key]
+        return expected
+
+    def all_clients_model(self) -> ArrayRecord | None:
+        """Mean of all clients' latest models (None unless ``track_all_clients``)."""
+        if self.latest_sum is None or self._global_arrays is None:
+            return None
+        model = record_to_dict(self._global_arrays)
+        for key, value in self.latest_sum.items():
+            model[key] = (value / self.num_clients).astype(model[key].dtype)
+        return dict_to_record(model)
 
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
@@ -147,6 +208,12 @@ class FedDyn(ValidatedFedAvg):
     ) -> dict[str, Any]:
         r"""Commit :math:`\Lambda \mathrel{+}= \sum_S(\theta_k - \theta^t)`."""
         self.drift_sum = self._updated_drift_sum(replies)
+        if self.track_all_clients:
+            assert self.latest_sum is not None
+            for reply in replies:
+                delta = reply.arrays[MODEL_DELTA_RECORD]
+                for key in self.latest_sum:
+                    self.latest_sum[key] += delta[key]
         norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.drift_sum.values())))
         return {"feddyn-drift-norm": norm / (self.num_clients or 1)}
 
@@ -154,6 +221,8 @@ class FedDyn(ValidatedFedAvg):
         r"""Add :math:`\Lambda` to the base's state."""
         state = super().state_dict()
         state["drift-sum"] = copy_arrays(self.drift_sum)
+        state["initial"] = copy_arrays(self.initial)
+        state["latest-sum"] = copy_arrays(self.latest_sum)
         state["alpha"] = self.alpha
         state["num-clients"] = self.num_clients
         return state
@@ -167,6 +236,8 @@ class FedDyn(ValidatedFedAvg):
                 f"strategy has {self.num_clients}"
             )
         self.drift_sum = copy_arrays(state["drift-sum"])
+        self.initial = copy_arrays(state.get("initial"))
+        self.latest_sum = copy_arrays(state.get("latest-sum"))
 
 
 class FedDynClient(TorchClient):
@@ -227,4 +298,19 @@ class FedDynClient(TorchClient):
             for d, p, a in zip(drift, params, self._anchor, strict=True)
         ]
         self.state.set_pending(DRIFT_STATE, updated, self.server_round)
+        if config.get(TRACK_LATEST_KEY, False):
+            self._report_latest_change(params)
         return {}
+
+    def _report_latest_change(self, params: list[Any]) -> None:
+        latest = self.state.get(LATEST_STATE)
+        if latest is not None:
+            previous = [torch.as_tensor(v) for v in latest]
+        elif INITIAL_MODEL_RECORD in self.received_arrays:
+            previous = self.from_state_order(self.received_arrays[INITIAL_MODEL_RECORD])
+        else:  # round 1: the received model is theta^0
+            previous = self._anchor
+        now = [p.detach().clone() for p in params]
+        change = [n - q.to(n.dtype) for n, q in zip(now, previous, strict=True)]
+        self.reply_arrays[MODEL_DELTA_RECORD] = self.to_state_order(change)
+        self.state.set_pending(LATEST_STATE, now, self.server_round)

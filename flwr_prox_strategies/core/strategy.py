@@ -323,6 +323,12 @@ class ValidatedFedAvg(FedAvg):
         """Return extra ArrayRecords sent to every sampled node with the model."""
         return {}
 
+    def node_train_records(
+        self, node_id: int, server_round: int
+    ) -> dict[str, ArrayRecord]:
+        """Return extra ArrayRecords for one node only."""
+        return {}
+
     def node_train_config(self, node_id: int, server_round: int) -> dict[str, Any]:
         """Return per-node additions to the train ConfigRecord.
 
@@ -474,6 +480,7 @@ class ValidatedFedAvg(FedAvg):
                 {
                     self.arrayrecord_key: self.node_train_arrays(node_id, arrays),
                     **extra_records,
+                    **self.node_train_records(node_id, server_round),
                     self.configrecord_key: ConfigRecord(node_config),
                 }
             )

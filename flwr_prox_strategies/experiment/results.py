@@ -110,6 +110,7 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
     series = {
         "central accuracy": ("central", "accuracy", ax_acc),
+        "all clients' mean (FedDyn)": ("central-all-clients", "accuracy", ax_acc),
         "federated accuracy": ("evaluate", "accuracy", ax_acc),
         "central loss": ("central", "loss", ax_loss),
         "clients' train loss": ("train", "train-loss", ax_loss),

@@ -78,8 +78,14 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float) -> None:
         time.sleep(1.0)
 
 
-def make_evaluate_fn(cfg: DictConfig, recorder: RunRecorder, num_rounds: int):
-    """Central evaluation of the global model on the test set, with progress logs."""
+def make_evaluate_fn(
+    cfg: DictConfig, recorder: RunRecorder, num_rounds: int, strategy: Any = None
+):
+    """Central evaluation of the global model on the test set, with progress logs.
+
+    A strategy with ``all_clients_model()`` (FedDyn with ``track_all_clients``)
+    also gets that model evaluated, under ``central-all-clients``.
+    """
     data = load_data(cfg)
     loader = to_loader(data.test, batch_size=1024, shuffle=False)
     model = build_model(cfg)
@@ -96,6 +102,17 @@ def make_evaluate_fn(cfg: DictConfig, recorder: RunRecorder, num_rounds: int):
             "num-examples": count,
         }
         recorder.record(server_round, "central", metrics)
+        extra = getattr(strategy, "all_clients_model", lambda: None)()
+        if extra is not None:
+            model.load_state_dict(extra.to_torch_state_dict())
+            extra_loss, extra_acc, _ = evaluate_model(
+                model, loader, torch.nn.functional.cross_entropy
+            )
+            recorder.record(
+                server_round,
+                "central-all-clients",
+                {"loss": extra_loss, "accuracy": extra_acc},
+            )
         log(
             INFO,
             "[progress] round %d/%d: central accuracy %.4f, loss %.4f (%.1f s)",
@@ -153,7 +170,9 @@ def run_experiment(
     log(INFO, "Partition sizes: min %d, max %d", min(sizes), max(sizes))
     log(INFO, "Output folder: %s", output_dir)
     evaluate_fn = (
-        make_evaluate_fn(cfg, recorder, num_rounds) if cfg.evaluate.central else None
+        make_evaluate_fn(cfg, recorder, num_rounds, strategy)
+        if cfg.evaluate.central
+        else None
     )
     result = strategy.start(
         grid=grid,
