@@ -26,6 +26,7 @@ from logging import INFO
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.common.logger import log
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -195,22 +196,38 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    fig, ax = plt.subplots(figsize=(9, 5))
+    # One curve per configuration: the mean over seeds, with the min-max band.
+    groups: dict[str, list[dict[int, float]]] = {}
     for job, row in zip(jobs, rows, strict=True):
         results = json.loads((job / RESULTS_FILE).read_text())
-        points = [
-            (r["round"], r["central"]["accuracy"])
+        curve = {
+            r["round"]: r["central"]["accuracy"]
             for r in results["rounds"]
             if r.get("central", {}).get("accuracy") is not None
-        ]
-        if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, label=row["overrides"] or "(defaults)", linewidth=1.2)
+        }
+        words = str(row["overrides"]).split()
+        label = " ".join(o for o in words if not o.startswith("seed="))
+        groups.setdefault(label or "(defaults)", []).append(curve)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colours = plt.get_cmap("tab20")
+    for index, (label, curves) in enumerate(groups.items()):
+        rounds = sorted(set.intersection(*(set(c) for c in curves)))
+        if not rounds:
+            continue
+        values = np.array([[c[r] for r in rounds] for c in curves])
+        colour = colours(index % 20)
+        seeds = f" ({len(curves)} seeds)" if len(curves) > 1 else ""
+        ax.plot(rounds, values.mean(axis=0), color=colour, label=label + seeds)
+        if len(curves) > 1:
+            low, high = values.min(axis=0), values.max(axis=0)
+            ax.fill_between(rounds, low, high, color=colour, alpha=0.15)
     ax.set(
-        xlabel="round", ylabel="central test accuracy", title=f"sweep {sweep_dir.name}"
+        xlabel="round",
+        ylabel="central test accuracy (mean over seeds, min-max band)",
+        title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     png_path = sweep_dir / "comparison.png"
     fig.savefig(png_path, dpi=120)
