@@ -69,7 +69,7 @@ from ..core.records import (
     float_keys,
     record_to_dict,
 )
-from ..core.strategy import ValidatedFedAvg
+from ..core.strategy import ValidatedFedAvg, check_positive
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
 from ..ops.aggregate import WeightedMean
@@ -118,8 +118,7 @@ class FedDC(ValidatedFedAvg):
         weighting: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+        check_positive("alpha", alpha)
         if correction not in CORRECTIONS:
             raise ValueError(
                 f"correction must be one of {CORRECTIONS}, got {correction!r}"
@@ -225,7 +224,6 @@ class FedDC(ValidatedFedAvg):
                 "drift-sum": copy_arrays(self.drift_sum),
                 "control": copy_arrays(self.control.c),
                 "global-update": copy_arrays(self.global_update),
-                "num-clients": self.num_clients,
                 "correction": self.correction,
             }
         )
@@ -234,14 +232,11 @@ class FedDC(ValidatedFedAvg):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore H, c, g and the base's state."""
         super().load_state_dict(state)
-        for key, mine in (
-            ("num-clients", self.num_clients),
-            ("correction", self.correction),
-        ):
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"checkpoint has {key}={state.get(key)!r}, strategy {mine!r}"
-                )
+        if state.get("correction") != self.correction:
+            raise ValueError(
+                f"checkpoint has correction={state.get('correction')!r}, "
+                f"the strategy has {self.correction!r}"
+            )
         self.drift_sum = copy_arrays(state["drift-sum"])
         self.control.c = copy_arrays(state["control"])
         self.global_update = copy_arrays(state["global-update"])

@@ -70,7 +70,7 @@ from ..core.records import (
     float_keys,
     record_to_dict,
 )
-from ..core.strategy import ValidatedFedAvg
+from ..core.strategy import ValidatedFedAvg, check_positive
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
 from ..ops.aggregate import WeightedMean
@@ -116,8 +116,7 @@ class FedDyn(ValidatedFedAvg):
         track_all_clients: bool = False,
         **kwargs: Any,
     ) -> None:
-        if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+        check_positive("alpha", alpha)
         super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
         self.alpha = float(alpha)
         self.track_all_clients = bool(track_all_clients)
@@ -224,17 +223,11 @@ class FedDyn(ValidatedFedAvg):
         state["initial"] = copy_arrays(self.initial)
         state["latest-sum"] = copy_arrays(self.latest_sum)
         state["alpha"] = self.alpha
-        state["num-clients"] = self.num_clients
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         r"""Restore :math:`\Lambda` and the base's state."""
         super().load_state_dict(state)
-        if state.get("num-clients") != self.num_clients:
-            raise ValueError(
-                f"checkpoint has num_clients={state.get('num-clients')}, "
-                f"strategy has {self.num_clients}"
-            )
         self.drift_sum = copy_arrays(state["drift-sum"])
         self.initial = copy_arrays(state.get("initial"))
         self.latest_sum = copy_arrays(state.get("latest-sum"))

@@ -49,7 +49,7 @@ from ..core.records import (
     float_keys,
     record_to_dict,
 )
-from ..core.strategy import ValidatedFedAvg, check_non_negative
+from ..core.strategy import ValidatedFedAvg, check_positive
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
 from ..ops.aggregate import WeightedMean
@@ -125,9 +125,7 @@ class Scaffold(ValidatedFedAvg):
         weighting: str = "uniform",
         **kwargs: Any,
     ) -> None:
-        check_non_negative("server_learning_rate", server_learning_rate)
-        if server_learning_rate == 0:
-            raise ValueError("server_learning_rate must be > 0")
+        check_positive("server_learning_rate", server_learning_rate)
         super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
         self.server_learning_rate = float(server_learning_rate)
         self.control = ControlVariates()
@@ -187,17 +185,11 @@ class Scaffold(ValidatedFedAvg):
         """Add :math:`c` to the base's state."""
         state = super().state_dict()
         state["control"] = copy_arrays(self.control.c)
-        state["num-clients"] = self.num_clients
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :math:`c` and the base's state."""
         super().load_state_dict(state)
-        if state.get("num-clients") != self.num_clients:
-            raise ValueError(
-                f"checkpoint has num_clients={state.get('num-clients')}, "
-                f"strategy has {self.num_clients}"
-            )
         self.control.c = copy_arrays(state["control"])
 
 

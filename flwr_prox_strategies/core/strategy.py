@@ -77,6 +77,13 @@ def check_non_negative(name: str, value: float) -> float:
     return float(value)
 
 
+def check_positive(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0."""
+    if check_non_negative(name, value) == 0.0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
 def check_int(name: str, value: int, minimum: int) -> int:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -403,6 +410,7 @@ class ValidatedFedAvg(FedAvg):
             "seed": self.seed,
             "rounds-completed": self.rounds_completed,
             "accepted": dict(self.accepted),
+            "num-clients": self.num_clients,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -412,11 +420,12 @@ class ValidatedFedAvg(FedAvg):
                 f"checkpoint is for {state.get('strategy')!r}, "
                 f"not {type(self).__name__}"
             )
-        if state.get("seed") != self.seed:
-            raise ValueError(
-                f"checkpoint was made with seed={state.get('seed')}, strategy has "
-                f"seed={self.seed}: sampling would not resume identically"
-            )
+        for key, mine in (("seed", self.seed), ("num-clients", self.num_clients)):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"checkpoint was made with {key}={state.get(key)!r}, the strategy "
+                    f"has {mine!r}: the run would not resume identically"
+                )
         self.rounds_completed = int(state["rounds-completed"])
         self.accepted = {int(k): int(v) for k, v in state.get("accepted", {}).items()}
         self.round_offset = self.rounds_completed
