@@ -83,7 +83,8 @@ def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
     from apps.client_app import app as client_app
 
     run_config = {
-        "overrides": "num-clients=5 num-rounds=2 model=logreg evaluate.fraction-clients=1.0",
+        "overrides": "num-clients=5 num-rounds=2 model=logreg evaluate.fraction-clients=1.0"
+        " evaluate.local-test-fraction=0.2",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=5, run_config=run_config)
@@ -94,6 +95,12 @@ def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[2]["train"]["replies-valid"] == 5
     assert "accuracy" in rounds[2]["evaluate"]  # federated evaluation ran on clients
+    # on held-out data: 20% of each partition (digits train split = 1437 rows)
+    assert 250 <= rounds[2]["evaluate"]["num-examples"] <= 330
+    assert (
+        rounds[2]["train"]["num-examples"] + rounds[2]["evaluate"]["num-examples"]
+        == 1437
+    )
     assert rounds[2]["central"]["accuracy"] > rounds[0]["central"]["accuracy"]
     assert (out / "metrics.png").stat().st_size > 10_000
     assert (out / "config.yaml").is_file()

@@ -65,3 +65,17 @@ def to_loader(
     """Wrap arrays in a ``DataLoader`` (float32 inputs, int64 labels)."""
     dataset = TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y))
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
+
+
+def split_held_out(
+    data: ArrayDataset, fraction: float, *, seed: int
+) -> tuple[ArrayDataset, ArrayDataset]:
+    """Split a client's data into (train, held-out), seeded; both non-empty."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"local-test-fraction must be in (0, 1), got {fraction}")
+    count = len(data)
+    held = min(max(1, round(count * fraction)), count - 1)
+    if count < 2:
+        raise ValueError("a client with fewer than 2 examples cannot hold data out")
+    order = np.random.default_rng(seed).permutation(count)
+    return data.subset(np.sort(order[held:])), data.subset(np.sort(order[:held]))

@@ -33,7 +33,13 @@ from .config import (
     compose_config,
     overrides_from_run_config,
 )
-from .data import client_partition, load_data, partition_sizes, to_loader
+from .data import (
+    client_partition,
+    load_data,
+    partition_sizes,
+    split_held_out,
+    to_loader,
+)
 from .results import RunRecorder, plot_run
 
 OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
@@ -237,6 +243,12 @@ def make_client(context: Context) -> Any:
             f"num-clients={cfg['num-clients']}"
         )
     data = client_partition(cfg, partition_id, num_partitions)
+    held_out = None
+    fraction = float(cfg.evaluate.get("local-test-fraction", 0.0))
+    if fraction > 0:
+        data, held_out = split_held_out(
+            data, fraction, seed=int(cfg.seed) + partition_id
+        )
     # The client seeds torch per (seed, server-round) at each fit, which fixes
     # this loader's shuffling too: reproducible, and a new order every round.
     seed = int(cfg.seed) * 10_007 + partition_id
@@ -248,7 +260,11 @@ def make_client(context: Context) -> Any:
         cfg,
         model=build_model(cfg),
         train_loader=train_loader,
-        test_loader=None,
+        test_loader=None
+        if held_out is None
+        else to_loader(
+            held_out, batch_size=int(cfg.train["batch-size"]), shuffle=False
+        ),
         relative_size=len(data) / (sum(sizes) / len(sizes)),
         seed=seed,
     )
