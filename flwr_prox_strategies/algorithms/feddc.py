@@ -66,13 +66,11 @@ from ..core.records import (
     RecordSpec,
     copy_arrays,
     dict_to_record,
-    float_keys,
     record_to_dict,
 )
 from ..core.strategy import ValidatedFedAvg, check_positive
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
-from ..ops.aggregate import WeightedMean
 from ..ops.proximal import ProximalTerm
 from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD, ControlVariates
 
@@ -129,6 +127,7 @@ class FedDC(ValidatedFedAvg):
         self.alpha = float(alpha)
         self.correction = correction
         self.drift_sum: dict[str, NDArray] | None = None  # H (official)
+        self._next_drift_sum: dict[str, NDArray] | None = None
         self.control = ControlVariates()  # c (official)
         self.global_update: dict[str, NDArray] | None = None  # g (seed)
 
@@ -174,32 +173,17 @@ class FedDC(ValidatedFedAvg):
         return expected
 
     # -------------------------------------------------------- aggregation
-    def _mean(self, replies: list[ValidReply], record: str) -> dict[str, NDArray]:
-        mean = WeightedMean()
-        for reply in replies:
-            mean.add(reply.arrays[record], self.reply_weight(reply))
-        return mean.result()
-
-    def _updated_drift_sum(self, replies: list[ValidReply]) -> dict[str, NDArray]:
-        assert self._global_arrays is not None
-        w = record_to_dict(self._global_arrays)
-        keys = float_keys(w)
-        total = copy_arrays(self.drift_sum) or {k: np.zeros_like(w[k]) for k in keys}
-        for reply in replies:
-            theta = reply.arrays[self.arrayrecord_key]
-            for key in keys:
-                total[key] += theta[key] - w[key]
-        return total
-
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
         """Official: mean θ⁺ over S plus H/N; seed: weighted mean of θ⁺ + h."""
-        average = self._mean(replies, self.arrayrecord_key)
+        average = self.weighted_mean(replies)
         if self.correction == "seed":
             return dict_to_record(average)  # clients uploaded theta + h
         assert self.num_clients is not None
-        for key, value in self._updated_drift_sum(replies).items():
+        # Kept until on_valid_replies commits it (only if this round is used).
+        self._next_drift_sum = self.summed_updates(replies, self.drift_sum)
+        for key, value in self._next_drift_sum.items():
             average[key] += (value / self.num_clients).astype(average[key].dtype)
         return dict_to_record(average)
 
@@ -209,10 +193,11 @@ class FedDC(ValidatedFedAvg):
         """Commit H and c (official) or g (seed)."""
         assert self.num_clients is not None
         if self.correction == "official":
-            self.drift_sum = self._updated_drift_sum(replies)
+            assert self._next_drift_sum is not None  # set by aggregate_arrays
+            self.drift_sum = self._next_drift_sum
             self.control.c = self.control.updated(replies, self.num_clients)
         else:
-            self.global_update = self._mean(replies, LOCAL_UPDATE_RECORD)
+            self.global_update = self.weighted_mean(replies, LOCAL_UPDATE_RECORD)
         return {}
 
     # -------------------------------------------------------------- state

@@ -73,7 +73,6 @@ from ..core.records import (
 from ..core.strategy import ValidatedFedAvg, check_positive
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
-from ..ops.aggregate import WeightedMean
 from ..ops.proximal import ProximalTerm
 
 FEDDYN_ALPHA_KEY = "feddyn-alpha"
@@ -121,6 +120,7 @@ class FedDyn(ValidatedFedAvg):
         self.alpha = float(alpha)
         self.track_all_clients = bool(track_all_clients)
         self.drift_sum: dict[str, NDArray] | None = None  # Lambda = sum_k lambda_k
+        self._next_drift_sum: dict[str, NDArray] | None = None
         self.initial: dict[str, NDArray] | None = None  # theta^0 (tracking)
         self.latest_sum: dict[str, NDArray] | None = None  # sum_k latest theta_k
 
@@ -179,34 +179,20 @@ class FedDyn(ValidatedFedAvg):
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
         r"""Return :math:`\mathrm{mean}_S\theta_k + (\Lambda + \Delta\Lambda)/K`."""
-        assert self._global_arrays is not None and self.num_clients is not None
-        mean = WeightedMean()
-        for reply in replies:
-            mean.add(reply.arrays[self.arrayrecord_key], self.reply_weight(reply))
-        average = mean.result()
-        new_sum = self._updated_drift_sum(replies)
-        for key, value in new_sum.items():
+        assert self.num_clients is not None
+        average = self.weighted_mean(replies)
+        # Kept until on_valid_replies commits it (only if this round is used).
+        self._next_drift_sum = self.summed_updates(replies, self.drift_sum)
+        for key, value in self._next_drift_sum.items():
             average[key] += (value / self.num_clients).astype(average[key].dtype)
         return dict_to_record(average)
-
-    def _updated_drift_sum(self, replies: list[ValidReply]) -> dict[str, NDArray]:
-        assert self._global_arrays is not None
-        theta_t = record_to_dict(self._global_arrays)
-        keys = float_keys(theta_t)
-        total = copy_arrays(self.drift_sum) or {
-            k: np.zeros_like(theta_t[k]) for k in keys
-        }
-        for reply in replies:
-            sent = reply.arrays[self.arrayrecord_key]
-            for key in keys:
-                total[key] += sent[key] - theta_t[key]
-        return total
 
     def on_valid_replies(
         self, server_round: int, replies: list[ValidReply]
     ) -> dict[str, Any]:
         r"""Commit :math:`\Lambda \mathrel{+}= \sum_S(\theta_k - \theta^t)`."""
-        self.drift_sum = self._updated_drift_sum(replies)
+        assert self._next_drift_sum is not None  # set by aggregate_arrays
+        self.drift_sum = self._next_drift_sum
         if self.track_all_clients:
             assert self.latest_sum is not None
             for reply in replies:

@@ -52,7 +52,6 @@ from ..core.records import (
 from ..core.strategy import ValidatedFedAvg, check_positive
 from ..core.training import GradientTerm, TrainReport, trainable
 from ..core.validation import ValidReply
-from ..ops.aggregate import WeightedMean
 from ..ops.proximal import ProximalTerm
 
 CONTROL_RECORD = "control"
@@ -160,10 +159,7 @@ class Scaffold(ValidatedFedAvg):
     ) -> ArrayRecord:
         r"""Return :math:`x + \eta_g\,\mathrm{mean}_S(y_i - x)`."""
         assert self._global_arrays is not None
-        mean = WeightedMean()
-        for reply in replies:
-            mean.add(reply.arrays[self.arrayrecord_key], self.reply_weight(reply))
-        average = mean.result()
+        average = self.weighted_mean(replies)
         if self.server_learning_rate == 1.0:
             return dict_to_record(average)  # x + (mean y - x), exactly mean y
         x = record_to_dict(self._global_arrays)

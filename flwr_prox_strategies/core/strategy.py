@@ -41,6 +41,7 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from numpy.typing import NDArray
 
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
 from ..ops.dissimilarity import dissimilarity, sq_norm
@@ -56,7 +57,15 @@ from .keys import (
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
 )
-from .records import RecordSpec, dict_to_record, record_is_finite, spec_of
+from .records import (
+    RecordSpec,
+    copy_arrays,
+    dict_to_record,
+    float_keys,
+    record_is_finite,
+    record_to_dict,
+    spec_of,
+)
 from .validation import ReplyRejected, ValidReply, validate_reply
 
 WEIGHTINGS = ("num-examples", "uniform")
@@ -378,14 +387,40 @@ class ValidatedFedAvg(FedAvg):
         """Return the weight of a valid reply in the average."""
         return reply.num_examples if self.weighting == "num-examples" else 1.0
 
+    def weighted_mean(
+        self, replies: list[ValidReply], record: str | None = None
+    ) -> dict[str, NDArray]:
+        """Mean of one record (the model by default) over the replies, weighted."""
+        mean = WeightedMean()
+        for reply in replies:
+            mean.add(
+                reply.arrays[record or self.arrayrecord_key], self.reply_weight(reply)
+            )
+        return mean.result()
+
+    def summed_updates(
+        self, replies: list[ValidReply], previous: dict[str, NDArray] | None
+    ) -> dict[str, NDArray]:
+        """Return ``previous + sum_k (theta_k - theta_t)`` over the float arrays.
+
+        The running sum of client drifts that FedDyn and FedDC keep instead of
+        one drift per client (``previous=None`` starts from zero).
+        """
+        assert self._global_arrays is not None
+        theta_t = record_to_dict(self._global_arrays)
+        keys = float_keys(theta_t)
+        total = copy_arrays(previous) or {k: np.zeros_like(theta_t[k]) for k in keys}
+        for reply in replies:
+            sent = reply.arrays[self.arrayrecord_key]
+            for key in keys:
+                total[key] += sent[key] - theta_t[key]
+        return total
+
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
         """Return the new global model from the valid replies (weighted mean)."""
-        mean = WeightedMean()
-        for reply in replies:
-            mean.add(reply.arrays[self.arrayrecord_key], self.reply_weight(reply))
-        return dict_to_record(mean.result())
+        return dict_to_record(self.weighted_mean(replies))
 
     def on_valid_replies(
         self, server_round: int, replies: list[ValidReply]
