@@ -175,6 +175,11 @@ class FedDyn(ValidatedFedAvg):
             model[key] = (value / self.num_clients).astype(model[key].dtype)
         return dict_to_record(model)
 
+    def central_models(self) -> dict[str, ArrayRecord]:
+        """Evaluate the mean of all clients' latest models too, when tracked."""
+        model = self.all_clients_model()
+        return {} if model is None else {"central-all-clients": model}
+
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:

@@ -100,6 +100,18 @@ def _build(client_fn: ClientFn, context: Context) -> NumPyClient:
     return client
 
 
+def _give_extra_records(
+    client: NumPyClient, content: RecordDict, model: ArrayRecord
+) -> None:
+    # The server's extra ArrayRecords (all but the model) for clients that read them.
+    if hasattr(client, "received_arrays"):
+        client.received_arrays = {
+            name: to_ndarrays(record)
+            for name, record in content.array_records.items()
+            if record is not model
+        }
+
+
 def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
     try:
@@ -114,12 +126,7 @@ def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Mes
         )
         keys = list(arrays.keys())
         client = _build(client_fn, context)
-        if hasattr(client, "received_arrays"):
-            client.received_arrays = {
-                name: to_ndarrays(record)
-                for name, record in content.array_records.items()
-                if record is not arrays
-            }
+        _give_extra_records(client, content, arrays)
         new_arrays, num_examples, metrics = client.fit(
             to_ndarrays(arrays), _plain(config)
         )
@@ -151,6 +158,7 @@ def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> 
             else ConfigRecord()
         )
         client = _build(client_fn, context)
+        _give_extra_records(client, content, arrays)
         loss, num_examples, metrics = client.evaluate(
             to_ndarrays(arrays), _plain(config)
         )

@@ -8,8 +8,9 @@ training loop itself lives once, in :mod:`.training`.
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,6 +27,7 @@ from .keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
+    LOCAL_STEPS_KEY,
     LR_SCALE_KEY,
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
@@ -111,8 +113,23 @@ class TorchClient(NumPyClient):
         When set, torch's generator is seeded with ``(seed, server-round)`` at
         the start of each fit, so shuffling and dropout are reproducible and a
         resumed run repeats an uninterrupted one.
+    finetune_steps : int (default: 0)
+        Personalised evaluation by local fine-tuning: when > 0, ``evaluate``
+        also trains a copy of the received model for this many SGD steps on
+        the local training data and reports it as ``personal-*`` metrics (the
+        "FedAvg + fine-tuning" baseline of personalised FL). The copy is thrown
+        away; the client's state is untouched.
     device : str (default: "cpu")
         Torch device.
+
+    Notes
+    -----
+    Personalised evaluation. ``evaluate`` reports the received (global) model
+    as ``loss``/``accuracy`` and every model of :meth:`personal_models` as
+    ``<name>-loss``/``<name>-accuracy`` on the same local held-out data, plus
+    ``client-key``, so the strategy can tabulate clients and their worst one.
+    A personalised algorithm (APFL here; Ditto- or pFedMe-style later)
+    overrides :meth:`personal_models` and nothing else.
     """
 
     def __init__(
@@ -130,6 +147,7 @@ class TorchClient(NumPyClient):
         state_dir: str | None = None,
         relative_size: float = 1.0,
         seed: int | None = None,
+        finetune_steps: int = 0,
         device: str = "cpu",
     ) -> None:
         if (
@@ -149,6 +167,14 @@ class TorchClient(NumPyClient):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if learning_rate == 0:
             raise ValueError("learning_rate must be > 0")
+        if (
+            isinstance(finetune_steps, bool)
+            or not isinstance(finetune_steps, int)
+            or finetune_steps < 0
+        ):
+            raise ValueError(
+                f"finetune_steps must be an integer >= 0, got {finetune_steps!r}"
+            )
         if max_grad_norm is not None and not (
             math.isfinite(max_grad_norm) and max_grad_norm > 0
         ):
@@ -169,6 +195,7 @@ class TorchClient(NumPyClient):
         self.relative_size = float(relative_size)
         self.state_dir = state_dir
         self.seed = seed
+        self.finetune_steps = finetune_steps
         self.device = device
         self.context: Context | None = None
         self._state: ClientState | None = None
@@ -277,6 +304,7 @@ class TorchClient(NumPyClient):
             torch.manual_seed(self.seed * 1_000_003 + server_round)
         self.set_parameters(parameters)
         epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
+        steps = config.get(LOCAL_STEPS_KEY)
         self.round_lr = self.learning_rate * float(config.get(LR_SCALE_KEY, 1.0))
         metrics: dict[str, Any] = {}
         if config.get(REPORT_GRADIENT_KEY, False):
@@ -297,9 +325,10 @@ class TorchClient(NumPyClient):
             term=term,
             stop_after_epoch=self.stop_rule(config, term),
             max_grad_norm=self.max_grad_norm,
+            max_steps=None if steps is None else int(steps),
             device=self.device,
         )
-        if report.examples_seen == 0 and epochs > 0:
+        if report.examples_seen == 0 and (epochs > 0 or steps):
             raise ValueError("the training loader yielded no examples")
         metrics.update(
             {
@@ -354,16 +383,57 @@ class TorchClient(NumPyClient):
         return out
 
     # ------------------------------------------------------------- evaluate
+    def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:
+        """Return this client's personalised models (name -> module) to evaluate.
+
+        Called by :meth:`evaluate` with the received global model loaded in
+        ``self.model``. The base returns the fine-tuned copy when
+        ``finetune_steps > 0`` (as ``"personal"``), else nothing.
+        """
+        if self.finetune_steps == 0:
+            return {}
+        tuned = copy.deepcopy(self.model)
+        train_local(
+            tuned,
+            self.train_loader,
+            epochs=0,
+            optimizer=torch.optim.SGD(
+                trainable(tuned),
+                lr=self.learning_rate,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+            ),
+            loss_fn=self.loss_fn,
+            max_grad_norm=self.max_grad_norm,
+            max_steps=self.finetune_steps,
+            device=self.device,
+        )
+        return {"personal": tuned}
+
     def evaluate(
         self, parameters: list[NDArray], config: dict[str, Any]
     ) -> tuple[float, int, dict[str, Any]]:
-        """Evaluate the received model on the local held-out data."""
+        """Evaluate the received model (and personal ones) on local held-out data."""
         self.set_parameters(parameters)
         loader = self.test_loader if self.test_loader is not None else self.train_loader
         loss, accuracy, count = evaluate_model(
             self.model, loader, self.loss_fn, device=self.device
         )
-        metrics: dict[str, Any] = {"loss": loss}
+        metrics: dict[str, Any] = {"loss": loss, CLIENT_KEY_METRIC: self.client_key}
         if math.isfinite(accuracy):
             metrics["accuracy"] = accuracy
+        metrics.update(self._evaluate_named(self.personal_models(config), loader))
         return loss, count, metrics
+
+    def _evaluate_named(
+        self, models: Mapping[str, nn.Module], loader: Iterable[Batch]
+    ) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for name, model in models.items():
+            loss, accuracy, _ = evaluate_model(
+                model, loader, self.loss_fn, device=self.device
+            )
+            metrics[f"{name}-loss"] = loss
+            if math.isfinite(accuracy):
+                metrics[f"{name}-accuracy"] = accuracy
+        return metrics

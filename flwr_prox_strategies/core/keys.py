@@ -6,6 +6,9 @@ Algorithm-specific keys live next to their algorithm (e.g. ``proximal-mu`` in
 
 SERVER_ROUND_KEY = "server-round"
 LOCAL_EPOCHS_KEY = "local-epochs"
+# When present, the client runs exactly this many mini-batch steps (cycling
+# through its data as often as needed) instead of ``local-epochs`` epochs.
+LOCAL_STEPS_KEY = "local-steps"
 NUM_EXAMPLES_KEY = "num-examples"
 # When True in the train config, the client also returns the full gradient of its
 # local loss at the received model, in an ArrayRecord named GRADIENT_RECORD.

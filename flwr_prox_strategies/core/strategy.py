@@ -52,6 +52,7 @@ from .keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
+    LOCAL_STEPS_KEY,
     LR_SCALE_KEY,
     NUM_EXAMPLES_KEY,
     REPORT_GRADIENT_KEY,
@@ -172,6 +173,7 @@ class ValidatedFedAvg(FedAvg):
         min_available_nodes: int = 2,
         weighting: str = "num-examples",
         local_epochs: int | None = None,
+        local_steps: int | None = None,
         drop_percent: float = 0.0,
         lr_decay: float = 1.0,
         num_clients: int | None = None,
@@ -197,7 +199,14 @@ class ValidatedFedAvg(FedAvg):
             )
         if local_epochs is not None:
             check_int("local_epochs", local_epochs, 1)
+        if local_steps is not None:
+            check_int("local_steps", local_steps, 1)
         check_fraction("drop_percent", drop_percent)
+        if drop_percent > 0 and local_steps is not None:
+            raise ValueError(
+                "drop_percent > 0 draws straggler epochs; it cannot be combined "
+                f"with local_steps={local_steps!r}"
+            )
         if drop_percent > 0 and (local_epochs is None or local_epochs < 2):
             raise ValueError(
                 "drop_percent > 0 needs local_epochs >= 2 (stragglers run 1 .. "
@@ -225,6 +234,7 @@ class ValidatedFedAvg(FedAvg):
         self._custom_evaluate_metrics = evaluate_metrics_aggr_fn
         self.weighting = weighting
         self.local_epochs = local_epochs
+        self.local_steps = local_steps
         self.drop_percent = float(drop_percent)
         self.lr_decay = float(lr_decay)
         self.num_clients = num_clients
@@ -264,6 +274,8 @@ class ValidatedFedAvg(FedAvg):
         log(INFO, "\t│\t├── Weighting: %s", self.weighting)
         log(INFO, "\t│\t├── Seed: %d", self.seed)
         log(INFO, "\t│\t├── Local epochs: %s", self.local_epochs or "client's own")
+        if self.local_steps is not None:
+            log(INFO, "\t│\t├── Local steps: %d", self.local_steps)
         log(
             INFO,
             "\t│\t└── Stragglers: %.0f%% (%s)",
@@ -363,6 +375,22 @@ class ValidatedFedAvg(FedAvg):
             ACCEPTED_KEYS_KEY: list(self.accepted),
             ACCEPTED_ROUNDS_KEY: list(self.accepted.values()),
         }
+
+    def evaluate_config(self, server_round: int) -> dict[str, Any]:
+        """Return the algorithm's values for this round's evaluate ConfigRecord."""
+        return {}
+
+    def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Return extra ArrayRecords sent with the model for evaluation."""
+        return {}
+
+    def central_models(self) -> dict[str, ArrayRecord]:
+        """Return further server-side models to evaluate centrally (name -> model).
+
+        The experiment layer evaluates each beside the global model under its
+        name (FedDyn's mean of all clients' models, APFL's weighted average).
+        """
+        return {}
 
     def check_reply(self, reply: ValidReply) -> None:
         """Extra checks on a structurally valid reply; raise ``ReplyRejected``."""
@@ -508,6 +536,8 @@ class ValidatedFedAvg(FedAvg):
         shared[SERVER_ROUND_KEY] = server_round
         if self.local_epochs is not None:
             shared[LOCAL_EPOCHS_KEY] = self.local_epochs
+        if self.local_steps is not None:
+            shared[LOCAL_STEPS_KEY] = self.local_steps
         if self.lr_decay != 1.0:
             shared[LR_SCALE_KEY] = self.lr_decay ** (server_round - 1)
         if self.monitor_dissimilarity:
@@ -743,11 +773,14 @@ class ValidatedFedAvg(FedAvg):
         self._evaluate_nodes = set(node_ids)
         shared = dict(config)
         shared[SERVER_ROUND_KEY] = server_round
+        shared.update(self.evaluate_config(server_round))
+        extra_records = self.evaluate_records(server_round)
         return [
             Message(
                 content=RecordDict(
                     {
                         self.arrayrecord_key: arrays,
+                        **extra_records,
                         self.configrecord_key: ConfigRecord(dict(shared)),
                     }
                 ),
@@ -773,6 +806,9 @@ class ValidatedFedAvg(FedAvg):
             return None
         metrics = self._aggregate_metrics(valid, self._custom_evaluate_metrics)
         metrics["replies-valid"] = len(valid)
+        if self._custom_evaluate_metrics is None:
+            for key, value in per_client_table(valid).items():
+                metrics[key] = value
         return metrics
 
     def _aggregate_metrics(
@@ -798,7 +834,9 @@ def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
     for reply in replies:
         total += reply.num_examples
         for key, value in reply.metrics.items():
-            if key == NUM_EXAMPLES_KEY or isinstance(value, (list, bool)):
+            if key in (NUM_EXAMPLES_KEY, CLIENT_KEY_METRIC) or isinstance(
+                value, (list, bool)
+            ):
                 continue
             if not math.isfinite(value):
                 continue
@@ -807,3 +845,43 @@ def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
     record = MetricRecord({key: sums[key] / weights[key] for key in sums})
     record[NUM_EXAMPLES_KEY] = total
     return record
+
+
+def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]]:
+    """Per-client accuracies of an evaluation round, and their spread.
+
+    For every metric ending in ``accuracy`` (the global model's ``accuracy``,
+    a personalised client's ``personal-accuracy``, ...): the value of each
+    client (``<metric>-per-client``, in the order of ``eval-client-keys``), their
+    unweighted mean over clients (``-clients-mean``), standard deviation
+    (``-std``) and the worst client's value (``-worst``). A personalised method
+    is judged by its worst client as much as by its mean.
+    """
+    rows = sorted(
+        (
+            (float(reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)), reply)
+            for reply in replies
+        ),
+        key=lambda row: row[0],
+    )
+    table: dict[str, float | list[float]] = {
+        "eval-client-keys": [key for key, _ in rows]
+    }
+    names = sorted(
+        {
+            key
+            for _, reply in rows
+            for key, value in reply.metrics.items()
+            if key.endswith("accuracy") and not isinstance(value, (list, bool))
+        }
+    )
+    for name in names:
+        values = [float(reply.metrics.get(name, math.nan)) for _, reply in rows]
+        finite = np.array([v for v in values if math.isfinite(v)])
+        if finite.size == 0:
+            continue
+        table[f"{name}-per-client"] = values
+        table[f"{name}-clients-mean"] = float(finite.mean())
+        table[f"{name}-std"] = float(finite.std())
+        table[f"{name}-worst"] = float(finite.min())
+    return table

@@ -11,7 +11,7 @@ the data gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -98,6 +98,7 @@ def train_local(
     term: GradientTerm | None = None,
     stop_after_epoch: Callable[[int], bool] | None = None,
     max_grad_norm: float | None = None,
+    max_steps: int | None = None,
     device: torch.device | str = "cpu",
 ) -> TrainReport:
     """Run up to ``epochs`` epochs of mini-batch training.
@@ -106,18 +107,28 @@ def train_local(
     clipping of the total gradient (if ``max_grad_norm``), then the optimiser
     step. ``stop_after_epoch(epoch)`` is asked after each epoch
     (1-based) and ends the solve early when it returns True (the FedProx
-    gamma-inexact rule uses it).
+    gamma-inexact rule uses it). With ``max_steps``, exactly that many steps
+    are run in one pass over :func:`cycle_batches` (the data restarts as often
+    as needed; ``epochs`` and ``stop_after_epoch`` are ignored, and the report
+    counts one epoch).
     """
     if epochs < 0:
         raise ValueError(f"epochs must be >= 0, got {epochs}")
+    if max_steps is not None and max_steps < 0:
+        raise ValueError(f"max_steps must be >= 0, got {max_steps}")
     params = trainable(model)
     model.train()
     steps = seen = 0
     loss_sum = 0.0
     epochs_run = 0
     stopped = False
-    for epoch in range(1, epochs + 1):
-        for inputs, targets in loader:
+    passes: Iterable[Iterable[tuple[torch.Tensor, torch.Tensor]]] = (
+        [cycle_batches(loader, max_steps)]
+        if max_steps is not None
+        else (loader for _ in range(epochs))
+    )
+    for epoch, batches in enumerate(passes, start=1):
+        for inputs, targets in batches:
             inputs, targets = inputs.to(device), targets.to(device)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(inputs), targets)
@@ -131,7 +142,12 @@ def train_local(
             seen += len(targets)
             loss_sum += float(loss.detach()) * len(targets)
         epochs_run = epoch
-        if stop_after_epoch is not None and epoch < epochs and stop_after_epoch(epoch):
+        if (
+            max_steps is None
+            and stop_after_epoch is not None
+            and epoch < epochs
+            and stop_after_epoch(epoch)
+        ):
             stopped = True
             break
     return TrainReport(
@@ -141,6 +157,27 @@ def train_local(
         mean_loss=loss_sum / seen if seen else float("nan"),
         stopped_early=stopped,
     )
+
+
+def cycle_batches(
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]], steps: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield exactly ``steps`` batches, restarting ``loader`` when it runs out.
+
+    A ``DataLoader`` with ``shuffle=True`` reshuffles at every restart, as it
+    would at the start of each epoch.
+    """
+    given = 0
+    while given < steps:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+            given += 1
+            if given == steps:
+                return
+        if empty:
+            raise ValueError("the training loader yielded no examples")
 
 
 @torch.no_grad()

@@ -89,8 +89,9 @@ def make_evaluate_fn(
 ):
     """Central evaluation of the global model on the test set, with progress logs.
 
-    A strategy with ``all_clients_model()`` (FedDyn with ``track_all_clients``)
-    also gets that model evaluated, under ``central-all-clients``.
+    The strategy's :meth:`~..core.strategy.ValidatedFedAvg.central_models` (FedDyn's
+    mean of all clients' models, APFL's weighted average) are evaluated too, each
+    under its own section of ``results.json``.
     """
     data = load_data(cfg)
     loader = to_loader(data.test, batch_size=1024, shuffle=False)
@@ -108,16 +109,14 @@ def make_evaluate_fn(
             "num-examples": count,
         }
         recorder.record(server_round, "central", metrics)
-        extra = getattr(strategy, "all_clients_model", lambda: None)()
-        if extra is not None:
+        extra_models = strategy.central_models() if strategy is not None else {}
+        for section, extra in extra_models.items():
             model.load_state_dict(extra.to_torch_state_dict())
             extra_loss, extra_acc, _ = evaluate_model(
                 model, loader, torch.nn.functional.cross_entropy
             )
             recorder.record(
-                server_round,
-                "central-all-clients",
-                {"loss": extra_loss, "accuracy": extra_acc},
+                server_round, section, {"loss": extra_loss, "accuracy": extra_acc}
             )
         log(
             INFO,
