@@ -859,7 +859,7 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
     """
     rows = sorted(
         (
-            (float(reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)), reply)
+            (_number(reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)), reply)
             for reply in replies
         ),
         key=lambda row: row[0],
@@ -876,7 +876,7 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
         }
     )
     for name in names:
-        values = [float(reply.metrics.get(name, math.nan)) for _, reply in rows]
+        values = [_number(reply.metrics.get(name, math.nan)) for _, reply in rows]
         finite = np.array([v for v in values if math.isfinite(v)])
         if finite.size == 0:
             continue
@@ -885,3 +885,8 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
         table[f"{name}-std"] = float(finite.std())
         table[f"{name}-worst"] = float(finite.min())
     return table
+
+
+def _number(value: Any) -> float:
+    # Metric values are numbers or lists; a list is no table entry.
+    return float(value) if isinstance(value, (int, float)) else math.nan
