@@ -7,6 +7,7 @@ taking your ``torch.nn.Module`` and data loaders), and the adapter that mounts a
 >>> from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
 """
 
+from .algorithms.apfl import APFL, APFLClient
 from .algorithms.fedavg import FedAvg, FedAvgClient
 from .algorithms.feddc import FedDC, FedDCClient
 from .algorithms.feddyn import FedDyn, FedDynClient
@@ -17,7 +18,9 @@ from .core.client import ProtocolError, TorchClient
 from .core.strategy import ValidatedFedAvg
 
 __all__ = [
+    "APFL",
     "PROXIMAL_MU_KEY",
+    "APFLClient",
     "FedAvg",
     "FedAvgClient",
     "FedDC",

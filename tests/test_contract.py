@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from flwr_prox_strategies import FedAvg, FedDC, FedDyn, FedProx, Scaffold
+from flwr_prox_strategies import APFL, FedAvg, FedDC, FedDyn, FedProx, Scaffold
 from flwr_prox_strategies.core.strategy import ValidatedFedAvg
 
 from .helpers import error_reply, model_arrays, record, reply, sampling_grid
@@ -37,6 +37,13 @@ STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
     "scaffold": lambda: Scaffold(num_clients=NUM_NODES, server_learning_rate=0.5),
     "feddc": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES),
     "feddc-seed": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES, correction="seed"),
+    "apfl": lambda: APFL(alpha=0.5, min_available_nodes=NUM_NODES),
+    "apfl-last-iterate": lambda: APFL(
+        alpha=0.5,
+        adaptive_alpha=True,
+        weighted_average=False,
+        min_available_nodes=NUM_NODES,
+    ),
 }
 
 

@@ -281,6 +281,29 @@ class TorchClient(NumPyClient):
         """Update client state after the local solve; return extra metrics."""
         return {}
 
+    def local_solve(
+        self, config: dict[str, Any], *, epochs: int, steps: int | None
+    ) -> TrainReport:
+        """Train ``self.model`` (loaded with the global model) for this round.
+
+        The base runs :func:`.training.train_local` on the local objective that
+        :meth:`gradient_term` defines; an algorithm that trains more than one
+        model per step (APFL) overrides this instead.
+        """
+        term = self.gradient_term(config)
+        return train_local(
+            self.model,
+            self.train_loader,
+            epochs=epochs,
+            optimizer=self.make_optimizer(),
+            loss_fn=self.loss_fn,
+            term=term,
+            stop_after_epoch=self.stop_rule(config, term),
+            max_grad_norm=self.max_grad_norm,
+            max_steps=steps,
+            device=self.device,
+        )
+
     def make_optimizer(self) -> torch.optim.Optimizer:
         """Build this round's optimiser (plain SGD)."""
         return torch.optim.SGD(
@@ -315,18 +338,8 @@ class TorchClient(NumPyClient):
             metrics["grad-sq-norm"] = float(
                 sum(float((g.double() ** 2).sum()) for g in grads)
             )
-        term = self.gradient_term(config)
-        report = train_local(
-            self.model,
-            self.train_loader,
-            epochs=epochs,
-            optimizer=self.make_optimizer(),
-            loss_fn=self.loss_fn,
-            term=term,
-            stop_after_epoch=self.stop_rule(config, term),
-            max_grad_norm=self.max_grad_norm,
-            max_steps=None if steps is None else int(steps),
-            device=self.device,
+        report = self.local_solve(
+            config, epochs=epochs, steps=None if steps is None else int(steps)
         )
         if report.examples_seen == 0 and (epochs > 0 or steps):
             raise ValueError("the training loader yielded no examples")

@@ -1,0 +1,636 @@
+r"""APFL: adaptive personalised federated learning (Deng et al., 2020), per seed 000.
+
+Each client :math:`k` keeps a local copy :math:`\theta_k` of the global model, a
+personal model :math:`\omega_k` and a mixture weight :math:`\alpha_k`. One local
+step :math:`t` on a mini-batch (both models see the same batch, and both updates
+use the values at :math:`t`):
+
+.. math::
+    \bar\omega_k^{t} = \alpha_k\omega_k^{t} + (1-\alpha_k)\theta_k^{t},\qquad
+    \theta_k^{t+1} = \theta_k^{t} - \eta_t\nabla f_k(\theta_k^{t}),\qquad
+    \omega_k^{t+1} = \omega_k^{t} - \eta_t\, g_k^{t}
+
+with :math:`g_k^t = \nabla f_k(\bar\omega_k^t)`, the seed's literal form
+(``personal_gradient="mixture"``, the default), or
+:math:`g_k^t = \nabla_{\omega}f_k(\bar\omega_k^t) = \alpha_k\nabla f_k(\bar\omega_k^t)`,
+the paper's Eq. (10) (``personal_gradient="chain"``). Both have the same fixed
+points; "mixture" takes steps :math:`1/\alpha_k` times longer. Optional adaptive
+weight (``adaptive_alpha=True``), clipped to :math:`[0, 1]`:
+
+.. math::
+    \alpha_k \gets \alpha_k - \eta_t\langle\omega_k^t - \theta_k^t,
+    \nabla f_k(\bar\omega_k^t)\rangle .
+
+Synchronisation gap :math:`\tau` (``sync_gap``). The seed aggregates when the
+step counter reaches a multiple of :math:`\tau` and keeps the same clients in
+between (:math:`S^{(t+1)} = S^{(t)}`). Here **one Flower round is one
+synchronisation period**: the sampled clients run exactly :math:`\tau` local
+steps (``local-steps`` in the config; mini-batches, cycling through the data),
+upload :math:`\theta_k`, and the server sets :math:`\theta = \frac{1}{|S|}
+\sum_{k\in S}\theta_k` (``weighting="uniform"``, the seed's mean) and samples
+anew. Round :math:`r` covers the global steps :math:`t = (r-1)\tau, \dots,
+r\tau - 1`; the first one travels as ``apfl-first-step``, so decaying rates and
+averaging weights use the global :math:`t` whichever clients are sampled.
+
+Learning rate: the client's own constant rate (``lr_schedule="constant"``,
+what the paper's experiments and FedTorch use), or the seed's
+:math:`\eta_t = 16/(\mu(t + a))` with :math:`a = \max(128\kappa, \tau)`
+(``lr_schedule="decay"``; :math:`\mu` is ``strong_convexity``,
+:math:`\kappa` is ``condition_number``).
+
+Final models (``weighted_average=True``): with :math:`p_t = (t + a)^2` and
+:math:`S_T = \sum_{t=1}^T p_t`,
+
+.. math::
+    \hat\theta = \frac{1}{S_T}\sum_{t=1}^{T} p_t\,
+    \frac{1}{|S^{(t-1)}|}\sum_{k\in S^{(t-1)}}\theta_k^{t},\qquad
+    \hat\omega_k = \alpha_k\frac{1}{S_T}\sum_{t=1}^{T}p_t\,\omega_k^{t}
+    + (1-\alpha_k)\hat\theta .
+
+Every client accumulates :math:`\sum_t p_t\theta_k^t` over its :math:`\tau`
+steps and uploads its :math:`p`-weighted mean (``apfl-weighted-theta``, one more
+model per reply); the server averages those exactly as the models, so
+:math:`\hat\theta` is the seed's sum over *every* step, not only the
+synchronisation points. The client keeps :math:`\sum_t p_t\omega_k^t` (steps
+when it was not sampled count with its unchanged :math:`\omega_k`). The last
+iterates and the weighted averages are both evaluated: ``personal`` and
+``accuracy`` (the global model), ``personal-avg`` and ``global-avg``.
+
+Mixture of parameters or of outputs. The seed and the paper mix parameters
+(``mixing="parameters"``, the default). The official code (MLOPTPSU/FedTorch,
+``inference_personal``) and FL4Health mix the two models' *outputs*,
+:math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (``mixing="outputs"``); its
+personal gradient then flows through :math:`\alpha` (the "chain" form, the only
+one defined there). Users comparing with FedTorch's numbers should use
+``mixing="outputs"``. Other FedTorch details not followed here, on purpose: its
+personal step uses :math:`\theta` *after* the step, it updates :math:`\alpha`
+once per round with an extra :math:`0.02\alpha` term, and its
+:math:`\alpha`-gradient is :math:`\langle\omega-\theta, \alpha\nabla_\omega +
+(1-\alpha)\nabla_\theta\rangle`; here the :math:`\alpha`-gradient is exact.
+
+Deliberate choices where the seed is silent: :math:`\omega_k^0` is the first
+global model the client receives (a personal model starting as good as the
+global one); momentum and weight decay, when set on the client, apply to both
+models; ``max_grad_norm`` clips each model's gradient separately.
+
+Client state (``context.state``): :math:`\omega_k`, :math:`\alpha_k`, and with
+averaging :math:`\sum_t p_t\omega_k^t` and the last step it covers. APFL's
+server sums nothing over client states, so the state is committed at once.
+
+Wire keys: ``apfl-alpha``, ``apfl-adaptive-alpha``, ``apfl-mixing``,
+``apfl-personal-gradient``, ``apfl-first-step``, ``apfl-average-a``,
+``apfl-lr-mu`` and ``apfl-lr-a`` in the train config; ``apfl-step`` in the
+evaluate config; ArrayRecords ``apfl-weighted-theta`` (reply) and
+``apfl-average-model`` (evaluate).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from logging import INFO
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from flwr.common.logger import log
+from numpy.typing import NDArray
+from torch import nn
+
+from ..core.client import ProtocolError, TorchClient, require
+from ..core.keys import LOCAL_STEPS_KEY
+from ..core.records import RecordSpec, copy_arrays, dict_to_record, record_to_dict
+from ..core.strategy import ValidatedFedAvg, check_fraction, check_int, check_positive
+from ..core.training import TrainReport, cycle_batches, trainable
+from ..core.validation import ValidReply
+
+APFL_ALPHA_KEY = "apfl-alpha"
+APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"
+APFL_MIXING_KEY = "apfl-mixing"
+APFL_GRADIENT_KEY = "apfl-personal-gradient"
+APFL_FIRST_STEP_KEY = "apfl-first-step"
+APFL_AVERAGE_A_KEY = "apfl-average-a"
+APFL_LR_MU_KEY = "apfl-lr-mu"
+APFL_LR_A_KEY = "apfl-lr-a"
+APFL_STEP_KEY = "apfl-step"
+WEIGHTED_THETA_RECORD = "apfl-weighted-theta"
+AVERAGE_MODEL_RECORD = "apfl-average-model"
+
+MIXINGS = ("parameters", "outputs")
+PERSONAL_GRADIENTS = ("mixture", "chain")
+LR_SCHEDULES = ("constant", "decay")
+
+PERSONAL_STATE = "apfl-personal"
+PERSONAL_SUM_STATE = "apfl-personal-sum"
+ALPHA_STATE = "apfl-alpha"
+LAST_STEP_STATE = "apfl-last-step"
+
+
+def averaging_weight_sum(first: int, last: int, a: float) -> float:
+    r"""Return :math:`\sum_{t=first}^{last}(t + a)^2` (0 when ``last < first``)."""
+    if last < first:
+        return 0.0
+    if first < 1:
+        raise ValueError(f"steps are counted from 1, got first={first}")
+
+    def squares(n: int) -> int:  # 1^2 + ... + n^2, exact in integers
+        return n * (n + 1) * (2 * n + 1) // 6
+
+    def naturals(n: int) -> int:
+        return n * (n + 1) // 2
+
+    count = last - first + 1
+    return float(
+        squares(last)
+        - squares(first - 1)
+        + 2 * a * (naturals(last) - naturals(first - 1))
+        + count * a * a
+    )
+
+
+def decay_rate(step: int, mu: float, a: float) -> float:
+    r"""Return the seed's learning rate :math:`\eta_t = 16/(\mu(t + a))`."""
+    return 16.0 / (mu * (step + a))
+
+
+class APFL(ValidatedFedAvg):
+    r"""APFL strategy: FedAvg of the clients' global copies every ``sync_gap`` steps.
+
+    Parameters
+    ----------
+    alpha : float (default: 0.5)
+        Initial (or fixed) mixture weight :math:`\alpha \in [0, 1]`; 0 gives
+        FedAvg, 1 purely local personal models.
+    adaptive_alpha : bool (default: False)
+        Each client learns its own :math:`\alpha_k` by gradient descent.
+    sync_gap : int (default: 10)
+        :math:`\tau`: local steps (mini-batches) per round, i.e. between two
+        aggregations.
+    mixing : str (default: "parameters")
+        ``"parameters"`` (the seed, the paper) or ``"outputs"`` (FedTorch,
+        FL4Health): what the personalised model mixes.
+    personal_gradient : str | None (default: None)
+        ``"mixture"`` (the seed: :math:`\nabla f_k(\bar\omega)`) or ``"chain"``
+        (the paper's Eq. (10): :math:`\alpha\nabla f_k(\bar\omega)`). None picks
+        "mixture" for parameter mixing and "chain" (the only defined one) for
+        output mixing.
+    lr_schedule : str (default: "constant")
+        ``"constant"``: the clients' learning rate (times ``lr-scale``);
+        ``"decay"``: :math:`\eta_t = 16/(\mu(t + a))`.
+    strong_convexity : float | None (default: None)
+        :math:`\mu`, required by ``lr_schedule="decay"``.
+    condition_number : float (default: 1.0)
+        :math:`\kappa = L/\mu`; :math:`a = \max(128\kappa, \tau)` sets the decay
+        and the averaging weights :math:`p_t = (t + a)^2`.
+    weighted_average : bool (default: True)
+        Keep the seed's :math:`p_t`-weighted averages of the global and the
+        personalised models (costs one more model per upload).
+    weighting : str (default: "uniform")
+        The seed's plain mean over the sampled clients; ``"num-examples"``
+        weights by sample counts.
+    **kwargs
+        Keyword arguments of
+        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (not
+        ``local_epochs``, ``local_steps`` or ``drop_percent``: APFL counts its
+        local work in steps, ``sync_gap``).
+    """
+
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.5,
+        adaptive_alpha: bool = False,
+        sync_gap: int = 10,
+        mixing: str = "parameters",
+        personal_gradient: str | None = None,
+        lr_schedule: str = "constant",
+        strong_convexity: float | None = None,
+        condition_number: float = 1.0,
+        weighted_average: bool = True,
+        weighting: str = "uniform",
+        **kwargs: Any,
+    ) -> None:
+        check_fraction("alpha", alpha)
+        check_int("sync_gap", sync_gap, 1)
+        if mixing not in MIXINGS:
+            raise ValueError(f"mixing must be one of {MIXINGS}, got {mixing!r}")
+        if personal_gradient is None:
+            personal_gradient = "mixture" if mixing == "parameters" else "chain"
+        if personal_gradient not in PERSONAL_GRADIENTS:
+            raise ValueError(
+                f"personal_gradient must be one of {PERSONAL_GRADIENTS}, "
+                f"got {personal_gradient!r}"
+            )
+        if mixing == "outputs" and personal_gradient == "mixture":
+            raise ValueError(
+                "personal_gradient='mixture' is defined for mixing='parameters' "
+                "only; output mixing's gradient is the chain-rule one ('chain')"
+            )
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}"
+            )
+        if lr_schedule == "decay":
+            if strong_convexity is None:
+                raise ValueError("lr_schedule='decay' needs strong_convexity (mu)")
+            check_positive("strong_convexity", strong_convexity)
+        check_positive("condition_number", condition_number)
+        for name in ("local_epochs", "local_steps", "drop_percent"):
+            if kwargs.get(name):
+                raise ValueError(
+                    f"APFL runs sync_gap local steps per round; {name} is not used "
+                    f"(got {name}={kwargs[name]!r})"
+                )
+            kwargs.pop(name, None)
+        super().__init__(local_steps=sync_gap, weighting=weighting, **kwargs)
+        self.alpha = float(alpha)
+        self.adaptive_alpha = bool(adaptive_alpha)
+        self.sync_gap = sync_gap
+        self.mixing = mixing
+        self.personal_gradient = personal_gradient
+        self.lr_schedule = lr_schedule
+        self.strong_convexity = strong_convexity
+        self.condition_number = float(condition_number)
+        self.a = max(128.0 * self.condition_number, float(sync_gap))
+        self.weighted_average = bool(weighted_average)
+        # sum_t p_t * mean_S theta_k^t and S_T, over the aggregated rounds.
+        self.average_sum: dict[str, NDArray] | None = None
+        self.average_weight = 0.0
+        self._round_weight = 0.0
+
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return (
+            f"APFL(alpha={self.alpha}, adaptive_alpha={self.adaptive_alpha}, "
+            f"sync_gap={self.sync_gap}, mixing={self.mixing!r})"
+        )
+
+    def summary(self) -> None:
+        """Log the APFL settings, then the base's."""
+        log(INFO, "\t├──> APFL settings:")
+        log(INFO, "\t│\t├── alpha: %s (adaptive: %s)", self.alpha, self.adaptive_alpha)
+        log(INFO, "\t│\t├── sync gap tau: %d local steps per round", self.sync_gap)
+        log(INFO, "\t│\t├── mixing: %s", self.mixing)
+        log(INFO, "\t│\t├── personal gradient: %s", self.personal_gradient)
+        log(INFO, "\t│\t├── learning rate: %s", self.lr_schedule)
+        log(INFO, "\t│\t└── weighted averages: %s", self.weighted_average)
+        super().summary()
+
+    def first_step(self, server_round: int) -> int:
+        """Global step counter :math:`t` at the start of ``server_round``."""
+        return (server_round - 1) * self.sync_gap
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Send the mixture settings, the step counter and the schedule."""
+        config: dict[str, Any] = {
+            APFL_ALPHA_KEY: self.alpha,
+            APFL_ADAPTIVE_KEY: self.adaptive_alpha,
+            APFL_MIXING_KEY: self.mixing,
+            APFL_GRADIENT_KEY: self.personal_gradient,
+            APFL_FIRST_STEP_KEY: self.first_step(server_round),
+        }
+        if self.weighted_average:
+            config[APFL_AVERAGE_A_KEY] = self.a
+        if self.lr_schedule == "decay":
+            assert self.strong_convexity is not None
+            config[APFL_LR_MU_KEY] = self.strong_convexity
+            config[APFL_LR_A_KEY] = self.a
+        first = self.first_step(server_round)
+        self._round_weight = averaging_weight_sum(
+            first + 1, first + self.sync_gap, self.a
+        )
+        return config
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """Expect the model, plus its p-weighted mean over the round's steps."""
+        expected = super().expected_train_arrays(server_round)
+        if self.weighted_average:
+            expected[WEIGHTED_THETA_RECORD] = expected[self.arrayrecord_key]
+        return expected
+
+    def on_valid_replies(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> dict[str, Any]:
+        """Add this round's steps to the weighted average; report the alphas."""
+        metrics: dict[str, Any] = {}
+        if self.weighted_average:
+            mean = self.weighted_mean(replies, WEIGHTED_THETA_RECORD)
+            if self.average_sum is None:
+                self.average_sum = {
+                    k: np.zeros(v.shape, np.float64) for k, v in mean.items()
+                }
+            for key, value in mean.items():
+                self.average_sum[key] += self._round_weight * value
+            self.average_weight += self._round_weight
+        alphas = [
+            float(v)
+            for r in replies
+            if isinstance(v := r.metrics.get("apfl-alpha"), (int, float))
+        ]
+        if alphas:
+            metrics["apfl-alpha-min"] = min(alphas)
+            metrics["apfl-alpha-max"] = max(alphas)
+        return metrics
+
+    def average_model(self) -> ArrayRecord | None:
+        r"""Return :math:`\hat\theta`, the seed's weighted global model (or None)."""
+        if self.average_sum is None or self._global_arrays is None:
+            return None
+        model = record_to_dict(self._global_arrays)
+        for key, value in self.average_sum.items():
+            model[key] = (value / self.average_weight).astype(model[key].dtype)
+        return dict_to_record(model)
+
+    def central_models(self) -> dict[str, ArrayRecord]:
+        """Evaluate the weighted average of the global model too."""
+        model = self.average_model()
+        return {} if model is None else {"central-average": model}
+
+    def evaluate_config(self, server_round: int) -> dict[str, Any]:
+        """Tell clients the mixture settings and the step count T so far."""
+        config: dict[str, Any] = {
+            APFL_ALPHA_KEY: self.alpha,
+            APFL_MIXING_KEY: self.mixing,
+            APFL_STEP_KEY: server_round * self.sync_gap,
+        }
+        if self.weighted_average:
+            config[APFL_AVERAGE_A_KEY] = self.a
+        return config
+
+    def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        r"""Send :math:`\hat\theta` so clients can evaluate :math:`\hat\omega_k`."""
+        model = self.average_model()
+        return {} if model is None else {AVERAGE_MODEL_RECORD: model}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Add the weighted average's sum and weight to the base's state."""
+        state = super().state_dict()
+        state["average-sum"] = copy_arrays(self.average_sum)
+        state["average-weight"] = self.average_weight
+        state["alpha"] = self.alpha
+        state["sync-gap"] = self.sync_gap
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the weighted average and the base's state."""
+        super().load_state_dict(state)
+        if state.get("sync-gap") != self.sync_gap:
+            raise ValueError(
+                f"checkpoint was made with sync_gap={state.get('sync-gap')!r}, the "
+                f"strategy has {self.sync_gap}: the step counter would not continue"
+            )
+        self.average_sum = copy_arrays(state.get("average-sum"))
+        self.average_weight = float(state.get("average-weight", 0.0))
+
+
+class OutputMixture(nn.Module):
+    r"""Predict :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (FedTorch)."""
+
+    def __init__(self, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.personal = personal
+        self.shared = shared
+        self.alpha = alpha
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Mix the two models' outputs."""
+        return self.alpha * self.personal(inputs) + (1 - self.alpha) * self.shared(
+            inputs
+        )
+
+
+class APFLClient(TorchClient):
+    r"""APFL client: trains the global copy and the personal model side by side.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`~flwr_prox_strategies.core.client.TorchClient`. The
+        learning rate is used for both models (with ``lr_schedule="decay"`` the
+        server's schedule replaces it).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._round_metrics: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- state
+    def _alpha(self, config: dict[str, Any]) -> float:
+        alpha = float(require(config, APFL_ALPHA_KEY, "APFLClient", "APFL"))
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"received apfl-alpha={alpha!r}; it must be in [0, 1]")
+        learned = self.state.scalar(ALPHA_STATE, math.nan)
+        return alpha if math.isnan(learned) else learned
+
+    def _personal_params(self) -> list[torch.Tensor]:
+        """Return omega_k (the received global model before the first fit)."""
+        params = trainable(self.model)
+        saved = self.state.get(PERSONAL_STATE)
+        if saved is None:
+            return [p.detach().clone() for p in params]
+        return self.state.get_tensors(PERSONAL_STATE, params)
+
+    def _personal_module(self, params: list[torch.Tensor]) -> nn.Module:
+        module = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p, value in zip(trainable(module), params, strict=True):
+                p.copy_(value)
+        return module
+
+    def _mixed_module(
+        self, personal: nn.Module, shared: nn.Module, alpha: float, mixing: str
+    ) -> nn.Module:
+        if mixing == "outputs":
+            return OutputMixture(personal, shared, alpha)
+        mixed = copy.deepcopy(shared)
+        with torch.no_grad():
+            for m, w, th in zip(
+                trainable(mixed), trainable(personal), trainable(shared), strict=True
+            ):
+                m.copy_(alpha * w + (1 - alpha) * th)
+        return mixed
+
+    # ----------------------------------------------------------------- train
+    def local_solve(
+        self, config: dict[str, Any], *, epochs: int, steps: int | None
+    ) -> TrainReport:
+        """Run the round's tau steps on theta_k and omega_k (module docstring)."""
+        steps = int(require(config, LOCAL_STEPS_KEY, "APFLClient", "APFL"))
+        first = int(require(config, APFL_FIRST_STEP_KEY, "APFLClient", "APFL"))
+        mixing = str(require(config, APFL_MIXING_KEY, "APFLClient", "APFL"))
+        gradient_form = str(require(config, APFL_GRADIENT_KEY, "APFLClient", "APFL"))
+        if mixing not in MIXINGS or gradient_form not in PERSONAL_GRADIENTS:
+            raise ProtocolError(
+                f"unknown APFL settings mixing={mixing!r}, "
+                f"personal-gradient={gradient_form!r}"
+            )
+        adaptive = bool(config.get(APFL_ADAPTIVE_KEY, False))
+        alpha = self._alpha(config)
+        average_a = (
+            float(config[APFL_AVERAGE_A_KEY]) if APFL_AVERAGE_A_KEY in config else None
+        )
+        lr_mu, lr_a = config.get(APFL_LR_MU_KEY), config.get(APFL_LR_A_KEY)
+
+        theta = trainable(self.model)
+        personal = self._personal_module(self._personal_params())
+        omega = trainable(personal)
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        opt_theta = self.make_optimizer()
+        opt_omega = torch.optim.SGD(
+            omega,
+            lr=self.round_lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+        )
+        theta_sum = omega_sum = None
+        if average_a is not None:
+            omega_sum = self._caught_up_personal_sum(omega, first, average_a)
+            theta_sum = [torch.zeros_like(p, dtype=torch.float64) for p in theta]
+
+        self.model.train()
+        personal.train()
+        loss_sum = personal_loss_sum = 0.0
+        seen = 0
+        for step, (inputs, targets) in enumerate(
+            cycle_batches(self.train_loader, steps)
+        ):
+            t = first + step
+            lr = (
+                self.round_lr
+                if lr_mu is None
+                else decay_rate(t, float(lr_mu), float(lr_a or 0.0))
+            )
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            # Global copy: grad f_k(theta_k^t).
+            opt_theta.zero_grad(set_to_none=True)
+            out_theta = self.model(inputs)
+            loss = self.loss_fn(out_theta, targets)
+            loss.backward()
+            # Personal model: gradient at the mixture, from the values at t.
+            if mixing == "parameters":
+                mixed = {
+                    name: (
+                        alpha * w.detach() + (1 - alpha) * th.detach()
+                    ).requires_grad_()
+                    for name, w, th in zip(names, omega, theta, strict=True)
+                }
+                out = torch.func.functional_call(self.model, mixed, (inputs,))
+                personal_loss = self.loss_fn(out, targets)
+                mixture_grad = torch.autograd.grad(personal_loss, list(mixed.values()))
+                scale = 1.0 if gradient_form == "mixture" else alpha
+                for w, g in zip(omega, mixture_grad, strict=True):
+                    w.grad = scale * g
+                alpha_grad = sum(
+                    float(((w.detach() - th.detach()) * g).sum())
+                    for w, th, g in zip(omega, theta, mixture_grad, strict=True)
+                )
+            else:
+                weight = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
+                out_omega = personal(inputs)
+                out = weight * out_omega + (1 - weight) * out_theta.detach()
+                personal_loss = self.loss_fn(out, targets)
+                opt_omega.zero_grad(set_to_none=True)
+                personal_loss.backward()
+                assert weight.grad is not None
+                alpha_grad = float(weight.grad)
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(theta, max_norm=self.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(omega, max_norm=self.max_grad_norm)
+            for optimizer in (opt_theta, opt_omega):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+            if adaptive:
+                alpha = min(1.0, max(0.0, alpha - lr * alpha_grad))
+            if (
+                theta_sum is not None
+                and omega_sum is not None
+                and average_a is not None
+            ):
+                weight_t = (t + 1 + average_a) ** 2
+                for acc, p in zip(theta_sum, theta, strict=True):
+                    acc.add_(p.detach().double(), alpha=weight_t)
+                for acc, p in zip(omega_sum, omega, strict=True):
+                    acc.add_(p.detach().double(), alpha=weight_t)
+            seen += len(targets)
+            loss_sum += float(loss.detach()) * len(targets)
+            personal_loss_sum += float(personal_loss.detach()) * len(targets)
+
+        if not math.isfinite(alpha):
+            raise ValueError("the adaptive mixture weight became non-finite")
+        self.state.set(PERSONAL_STATE, [w.detach() for w in omega])
+        self.state.set_scalar(ALPHA_STATE, alpha)
+        if theta_sum is not None and omega_sum is not None and average_a is not None:
+            round_weight = averaging_weight_sum(first + 1, first + steps, average_a)
+            weighted = [
+                (acc / round_weight).to(p.dtype)
+                for acc, p in zip(theta_sum, theta, strict=True)
+            ]
+            self.reply_arrays[WEIGHTED_THETA_RECORD] = self.to_state_order(weighted)
+            self.state.set(PERSONAL_SUM_STATE, omega_sum)
+            self.state.set_scalar(LAST_STEP_STATE, float(first + steps))
+        self._round_metrics = {
+            "apfl-alpha": alpha,
+            "personal-train-loss": personal_loss_sum / seen if seen else math.nan,
+        }
+        return TrainReport(
+            epochs=1,
+            steps=steps,
+            examples_seen=seen,
+            mean_loss=loss_sum / seen if seen else math.nan,
+        )
+
+    def _caught_up_personal_sum(
+        self, omega: list[torch.Tensor], up_to: int, a: float
+    ) -> list[torch.Tensor]:
+        r"""Return :math:`\sum_{t\le up\_to} p_t\omega_k^t` (idle steps included)."""
+        saved = self.state.get(PERSONAL_SUM_STATE)
+        last = int(self.state.scalar(LAST_STEP_STATE, 0.0)) if saved is not None else 0
+        if saved is None:
+            total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
+        else:
+            total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
+        idle = averaging_weight_sum(last + 1, up_to, a)
+        return [
+            acc + idle * w.detach().double()
+            for acc, w in zip(total, omega, strict=True)
+        ]
+
+    def after_training(
+        self, config: dict[str, Any], report: TrainReport
+    ) -> dict[str, Any]:
+        """Report the mixture weight and the personalised model's training loss."""
+        return dict(self._round_metrics)
+
+    # -------------------------------------------------------------- evaluate
+    def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:
+        r"""Return the personalised model; with averaging, the seed's final models."""
+        alpha = self._alpha(config)
+        mixing = str(require(config, APFL_MIXING_KEY, "APFLClient", "APFL"))
+        omega = self._personal_params()
+        models = {
+            "personal": self._mixed_module(
+                self._personal_module(omega), self.model, alpha, mixing
+            )
+        }
+        average = self.received_arrays.get(AVERAGE_MODEL_RECORD)
+        if average is None or APFL_AVERAGE_A_KEY not in config:
+            return models
+        a = float(config[APFL_AVERAGE_A_KEY])
+        total_steps = int(require(config, APFL_STEP_KEY, "APFLClient", "APFL"))
+        personal_sum = self._caught_up_personal_sum(omega, total_steps, a)
+        normaliser = averaging_weight_sum(1, total_steps, a)
+        personal_average = self._personal_module(
+            [
+                (s / normaliser).to(w.dtype)
+                for s, w in zip(personal_sum, omega, strict=True)
+            ]
+        )
+        global_average = self._personal_module(self.from_state_order(average))
+        models["personal-avg"] = self._mixed_module(
+            personal_average, global_average, alpha, mixing
+        )
+        models["global-avg"] = global_average
+        return models
