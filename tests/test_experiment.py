@@ -45,7 +45,9 @@ def test_run_config_keys_map_to_overrides_and_overrides_win() -> None:
     assert overrides_from_run_config({"num-rounds": 0, "seed": -1}) == []
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedprox", "feddyn", "scaffold", "feddc"])
+@pytest.mark.parametrize(
+    "name", ["fedavg", "fedprox", "feddyn", "scaffold", "feddc", "apfl"]
+)
 def test_every_strategy_config_builds_its_strategy(name: str) -> None:
     cfg = compose_config(f"strategy={name} num-clients=7")
     strategy = build_strategy(cfg)
@@ -104,6 +106,50 @@ def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
     assert rounds[2]["central"]["accuracy"] > rounds[0]["central"]["accuracy"]
     assert (out / "metrics.png").stat().st_size > 10_000
     assert (out / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "personal_key"),
+    [
+        ("strategy=apfl strategy.sync_gap=5", "personal-accuracy"),
+        (
+            "strategy=fedavg train.local-steps=5 train.finetune-steps=5",
+            "personal-accuracy",
+        ),
+    ],
+)
+def test_personalised_evaluation_reaches_results_and_plots(
+    tmp_path: Path, overrides: str, personal_key: str
+) -> None:
+    """Every client evaluates the global and its personalised model on its own
+    held-out split; results.json carries the per-client table and the summary."""
+    from apps.client_app import app as client_app
+
+    run_config = {
+        "overrides": f"num-clients=4 num-rounds=2 model=logreg partition=pathological "
+        f"evaluate.fraction-clients=1.0 evaluate.local-test-fraction=0.25 {overrides}",
+        "output-dir": str(tmp_path),
+    }
+    grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
+    _, out = run_experiment(grid, run_config)
+    results = json.loads((out / "results.json").read_text())
+    evaluation = results["rounds"][-1]["evaluate"]
+    assert evaluation["eval-client-keys"] == [0, 1, 2, 3]
+    for name in ("accuracy", personal_key):
+        per_client = evaluation[f"{name}-per-client"]
+        assert len(per_client) == 4
+        assert evaluation[f"{name}-worst"] == min(per_client)
+        assert evaluation[f"{name}-clients-mean"] == pytest.approx(sum(per_client) / 4)
+    summary = results["summary"]
+    assert summary["final-personal-accuracy-worst"] == min(
+        evaluation["personal-accuracy-per-client"]
+    )
+    # 2 classes per client: personalisation must beat the global model there
+    assert (
+        summary["final-personal-accuracy-mean"]
+        > summary["final-global-accuracy-on-clients-mean"]
+    )
+    assert (out / "clients.png").stat().st_size > 5_000
 
 
 def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:

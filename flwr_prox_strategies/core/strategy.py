@@ -807,8 +807,22 @@ class ValidatedFedAvg(FedAvg):
         metrics = self._aggregate_metrics(valid, self._custom_evaluate_metrics)
         metrics["replies-valid"] = len(valid)
         if self._custom_evaluate_metrics is None:
-            for key, value in per_client_table(valid).items():
+            table = per_client_table(valid)
+            for key, value in table.items():
                 metrics[key] = value
+            for name in ("accuracy", "personal-accuracy"):
+                if f"{name}-worst" in table:
+                    log(
+                        INFO,
+                        "aggregate_evaluate: round %d: %s over %d clients: "
+                        "mean %.4f, std %.4f, worst %.4f",
+                        server_round,
+                        name,
+                        len(valid),
+                        table[f"{name}-clients-mean"],
+                        table[f"{name}-std"],
+                        table[f"{name}-worst"],
+                    )
         return metrics
 
     def _aggregate_metrics(

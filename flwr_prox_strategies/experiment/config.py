@@ -121,6 +121,7 @@ def build_client(cfg: DictConfig, **runtime: Any) -> Any:
         momentum=float(train["momentum"]),
         weight_decay=float(train["weight-decay"]),
         max_grad_norm=train.get("max-grad-norm"),
+        finetune_steps=int(train.get("finetune-steps", 0) or 0),
         **runtime,
     )
 

@@ -53,7 +53,26 @@ def summarise(rounds: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "best-accuracy": max(acc for _, acc in accs),
         "rounds-to-target": reached[0] if reached else None,
         "target-accuracy": target,
+        **summarise_clients(rounds),
     }
+
+
+# Federated-evaluation figures summarised per run: (results key, metric).
+CLIENT_SUMMARY = {
+    "final-personal-accuracy-mean": "personal-accuracy-clients-mean",
+    "final-personal-accuracy-worst": "personal-accuracy-worst",
+    "final-global-accuracy-on-clients-mean": "accuracy-clients-mean",
+    "final-global-accuracy-on-clients-worst": "accuracy-worst",
+}
+
+
+def summarise_clients(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Last federated evaluation: personalised and global accuracy over clients."""
+    evaluated = [r["evaluate"] for r in rounds if r.get("evaluate")]
+    if not evaluated:
+        return {}
+    last = evaluated[-1]
+    return {name: last[key] for name, key in CLIENT_SUMMARY.items() if key in last}
 
 
 class RunRecorder:
@@ -111,7 +130,20 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
     series = {
         "central accuracy": ("central", "accuracy", ax_acc),
         "all clients' mean (FedDyn)": ("central-all-clients", "accuracy", ax_acc),
+        "weighted average (APFL)": ("central-average", "accuracy", ax_acc),
         "federated accuracy": ("evaluate", "accuracy", ax_acc),
+        "personalised, clients' mean": (
+            "evaluate",
+            "personal-accuracy-clients-mean",
+            ax_acc,
+        ),
+        "personalised, worst client": ("evaluate", "personal-accuracy-worst", ax_acc),
+        "personalised weighted average (APFL), mean": (
+            "evaluate",
+            "personal-avg-accuracy-clients-mean",
+            ax_acc,
+        ),
+        "global on clients' splits, worst": ("evaluate", "accuracy-worst", ax_acc),
         "central loss": ("central", "loss", ax_loss),
         "clients' train loss": ("train", "train-loss", ax_loss),
     }
@@ -130,10 +162,53 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
     for ax in (ax_acc, ax_loss):
         ax.grid(alpha=0.3)
         if ax.has_data():
-            ax.legend()
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path = output_dir / "metrics.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     paths.append(path)
+    clients = plot_clients(results, output_dir)
+    if clients is not None:
+        paths.append(clients)
     return paths
+
+
+def plot_clients(results: Mapping[str, Any], output_dir: Path) -> Path | None:
+    """Per-client accuracy at the last federated evaluation: global vs personal."""
+    evaluated = [r for r in results["rounds"] if r.get("evaluate")]
+    if not evaluated:
+        return None
+    last = evaluated[-1]["evaluate"]
+    keys = last.get("eval-client-keys")
+    bars = {
+        label: last[key]
+        for label, key in (
+            ("global model", "accuracy-per-client"),
+            ("personalised", "personal-accuracy-per-client"),
+        )
+        if key in last
+    }
+    if not keys or not bars:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(keys) + 2), 4))
+    width = 0.8 / len(bars)
+    for i, (label, values) in enumerate(bars.items()):
+        xs = [j + i * width for j in range(len(keys))]
+        ys = [v if v is not None else 0.0 for v in values]
+        ax.bar(xs, ys, width=width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
+    ax.set_xticklabels([str(int(k)) for k in keys], fontsize=7)
+    ax.set(
+        xlabel="client",
+        ylabel="accuracy on its held-out split",
+        title=f"round {evaluated[-1]['round']}: every client",
+        ylim=(0, 1),
+    )
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = output_dir / "clients.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -219,6 +219,16 @@ def run_experiment(
         summary["rounds-to-target"],
         summary["wall-time-s"],
     )
+    if "final-personal-accuracy-mean" in summary:
+        log(
+            INFO,
+            "Personalised accuracy on clients' held-out splits: mean %.4f, worst "
+            "%.4f (global model: mean %s, worst %s)",
+            summary["final-personal-accuracy-mean"],
+            summary["final-personal-accuracy-worst"],
+            summary.get("final-global-accuracy-on-clients-mean"),
+            summary.get("final-global-accuracy-on-clients-worst"),
+        )
     log(INFO, "Results: %s", output_dir / "results.json")
     log(INFO, "Plots: %s", ", ".join(str(p) for p in plots))
     log(INFO, "Output folder: %s", output_dir)
