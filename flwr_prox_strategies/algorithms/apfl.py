@@ -375,12 +375,12 @@ class APFL(ValidatedFedAvg):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the weighted average and the base's state."""
-        super().load_state_dict(state)
         if state.get("sync-gap") != self.sync_gap:
             raise ValueError(
                 f"checkpoint was made with sync_gap={state.get('sync-gap')!r}, the "
                 f"strategy has {self.sync_gap}: the step counter would not continue"
             )
+        super().load_state_dict(state)
         self.average_sum = copy_arrays(state.get("average-sum"))
         self.average_weight = float(state.get("average-weight", 0.0))
 
