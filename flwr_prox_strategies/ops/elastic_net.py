@@ -35,7 +35,9 @@ from numpy.typing import NDArray
 def elastic_net_center(
     uploads: NDArray[np.floating], lam: float, eta: float
 ) -> NDArray[np.float64]:
-    r"""Minimise :math:`\sum_j \lambda|v - z_j| + \frac{\eta}{2}(v - z_j)^2` (per entry).
+    r"""Minimise :math:`\sum_j \lambda|v - z_j| + \frac{\eta}{2}(v - z_j)^2`.
+
+    Per entry of the uploads (coordinate-wise).
 
     Parameters
     ----------
@@ -74,11 +76,14 @@ def elastic_net_center(
 def elastic_net_objective(
     uploads: NDArray[np.floating], v: NDArray[np.floating], lam: float, eta: float
 ) -> NDArray[np.float64]:
-    r"""Return :math:`\sum_j \lambda|v - z_j| + \frac{\eta}{2}(v - z_j)^2` (per entry)."""
+    r"""Return the objective :math:`\sum_j \lambda|v-z_j| + \frac{\eta}{2}(v-z_j)^2`."""
     diff = np.asarray(v, dtype=np.float64)[None] - np.asarray(uploads, np.float64)
     return (lam * np.abs(diff) + 0.5 * eta * diff**2).sum(axis=0)
 
 
 def soft_threshold(x: NDArray[np.floating], threshold: float) -> NDArray[np.floating]:
-    r"""Return :math:`\mathrm{sign}(x)\max(|x| - \tau, 0)` (the prox of :math:`\tau|x|`)."""
+    r"""Return :math:`\mathrm{sign}(x)\max(|x| - \tau, 0)`: the prox of :math:`\tau|x|`.
+
+    Works on numpy arrays and torch tensors alike.
+    """
     return np.sign(x) * np.maximum(np.abs(x) - threshold, 0.0)
