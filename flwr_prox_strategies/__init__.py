@@ -11,10 +11,13 @@ from .algorithms.apfl import APFL, APFLClient
 from .algorithms.fedavg import FedAvg, FedAvgClient
 from .algorithms.feddc import FedDC, FedDCClient
 from .algorithms.feddyn import FedDyn, FedDynClient
+from .algorithms.fedepm import FedEPM, FedEPMClient
 from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient
 from .algorithms.scaffold import Scaffold, ScaffoldClient
+from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient
 from .core.adapter import to_client_app
 from .core.client import ProtocolError, TorchClient
+from .core.privacy import LaplaceUploadMod
 from .core.strategy import ValidatedFedAvg
 
 __all__ = [
@@ -27,9 +30,16 @@ __all__ = [
     "FedDCClient",
     "FedDyn",
     "FedDynClient",
+    "FedEPM",
+    "FedEPMClient",
     "FedProx",
     "FedProxClient",
+    "LaplaceUploadMod",
     "ProtocolError",
+    "SFedAvg",
+    "SFedAvgClient",
+    "SFedProx",
+    "SFedProxClient",
     "Scaffold",
     "ScaffoldClient",
     "TorchClient",

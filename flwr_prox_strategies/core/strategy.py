@@ -58,6 +58,7 @@ from .keys import (
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
 )
+from .privacy import EPSILON_TOTAL_METRIC, privacy_metrics
 from .records import (
     RecordSpec,
     copy_arrays,
@@ -259,6 +260,9 @@ class ValidatedFedAvg(FedAvg):
         # replies was aggregated (state), and node id -> client key (this run).
         self.accepted: dict[int, int] = {}
         self._node_keys: dict[int, int] = {}
+        # Privacy ledger: client key (or node id) -> epsilon spent so far, as the
+        # clients report it (dp-epsilon-total); one report for every strategy.
+        self.epsilon_totals: dict[int, float] = {}
 
     # ------------------------------------------------------------------ info
     def __repr__(self) -> str:
@@ -474,6 +478,7 @@ class ValidatedFedAvg(FedAvg):
             "rounds-completed": self.rounds_completed,
             "accepted": dict(self.accepted),
             "num-clients": self.num_clients,
+            "epsilon-totals": dict(self.epsilon_totals),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -491,6 +496,9 @@ class ValidatedFedAvg(FedAvg):
                 )
         self.rounds_completed = int(state["rounds-completed"])
         self.accepted = {int(k): int(v) for k, v in state.get("accepted", {}).items()}
+        self.epsilon_totals = {
+            int(k): float(v) for k, v in state.get("epsilon-totals", {}).items()
+        }
         self.round_offset = self.rounds_completed
 
     # -------------------------------------------------------------- training
@@ -690,11 +698,23 @@ class ValidatedFedAvg(FedAvg):
                 self.accepted[client] = server_round
         if self.monitor_dissimilarity:
             extra.update(self.dissimilarity_metrics(valid))
+        extra.update(self.record_privacy(valid))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
         for key, value in {**counts, **extra}.items():
             metrics[key] = value
         self.last_round_report.update(extra)
         return arrays, metrics
+
+    def record_privacy(self, replies: list[ValidReply]) -> dict[str, float]:
+        """Update the privacy ledger from the replies' ``dp-epsilon-total``."""
+        for reply in replies:
+            total = reply.metrics.get(EPSILON_TOTAL_METRIC)
+            if isinstance(total, bool) or not isinstance(total, (int, float)):
+                continue
+            key = reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)
+            key = int(key) if isinstance(key, (int, float)) else reply.node_id
+            self.epsilon_totals[key] = max(self.epsilon_totals.get(key, 0.0), total)
+        return privacy_metrics(self.epsilon_totals)
 
     def _average_finite(
         self, server_round: int, valid: list[ValidReply]

@@ -28,8 +28,12 @@ sort. ``eta = 0`` (pure :math:`\ell_1`) returns the lower median.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import numpy as np
 from numpy.typing import NDArray
+
+ArrayT = TypeVar("ArrayT", bound=Any)
 
 
 def elastic_net_center(
@@ -81,9 +85,10 @@ def elastic_net_objective(
     return (lam * np.abs(diff) + 0.5 * eta * diff**2).sum(axis=0)
 
 
-def soft_threshold(x: NDArray[np.floating], threshold: float) -> NDArray[np.floating]:
+def soft_threshold(x: ArrayT, threshold: float) -> ArrayT:
     r"""Return :math:`\mathrm{sign}(x)\max(|x| - \tau, 0)`: the prox of :math:`\tau|x|`.
 
-    Works on numpy arrays and torch tensors alike.
+    Written as :math:`x - \mathrm{clip}(x, -\tau, \tau)`, so it works on numpy
+    arrays and torch tensors alike.
     """
-    return np.sign(x) * np.maximum(np.abs(x) - threshold, 0.0)
+    return x - x.clip(-threshold, threshold)
