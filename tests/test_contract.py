@@ -14,7 +14,17 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from flwr_prox_strategies import APFL, FedAvg, FedDC, FedDyn, FedProx, Scaffold
+from flwr_prox_strategies import (
+    APFL,
+    FedAvg,
+    FedDC,
+    FedDyn,
+    FedEPM,
+    FedProx,
+    Scaffold,
+    SFedAvg,
+    SFedProx,
+)
 from flwr_prox_strategies.core.strategy import ValidatedFedAvg
 
 from .helpers import error_reply, model_arrays, record, reply, sampling_grid
@@ -38,6 +48,10 @@ STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
     "feddc": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES),
     "feddc-seed": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES, correction="seed"),
     "apfl": lambda: APFL(alpha=0.5, min_available_nodes=NUM_NODES),
+    "fedepm": lambda: FedEPM(num_clients=NUM_NODES, rho=1.0),
+    "fedepm-l1-heavy": lambda: FedEPM(num_clients=NUM_NODES, rho=1.0, lam=10.0),
+    "sfedavg": lambda: SFedAvg(num_clients=NUM_NODES, rho=1.0),
+    "sfedprox": lambda: SFedProx(num_clients=NUM_NODES, rho=1.0),
     "apfl-last-iterate": lambda: APFL(
         alpha=0.5,
         adaptive_alpha=True,

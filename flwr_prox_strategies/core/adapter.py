@@ -168,7 +168,9 @@ def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> 
         return _error_reply(message, err)
 
 
-def to_client_app(client_fn: ClientFn) -> ClientApp:
+def to_client_app(
+    client_fn: ClientFn, *, mods: list[Callable[..., Message]] | None = None
+) -> ClientApp:
     """Mount a ``NumPyClient`` factory on a Message-API ``ClientApp``.
 
     Parameters
@@ -176,6 +178,9 @@ def to_client_app(client_fn: ClientFn) -> ClientApp:
     client_fn : Callable[[Context], NumPyClient]
         Builds the node's client from its ``Context`` (``context.node_config``
         says which partition it holds; ``context.state`` persists across rounds).
+    mods : list | None (default: None)
+        Flower mods wrapped around every message (e.g. Flower's ``LocalDpMod``
+        or the pack's :class:`~flwr_prox_strategies.LaplaceUploadMod`).
 
     Returns
     -------
@@ -189,7 +194,7 @@ def to_client_app(client_fn: ClientFn) -> ClientApp:
     ...     return FedProxClient(Net(), load_train(pid), load_test(pid))
     >>> app = to_client_app(client_fn)
     """
-    app = ClientApp()
+    app = ClientApp(mods=mods)  # type: ignore[arg-type]
 
     @app.train()
     def train(message: Message, context: Context) -> Message:

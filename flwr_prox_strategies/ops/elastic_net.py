@@ -68,11 +68,13 @@ def elastic_net_center(
     flat = np.sort(z.reshape(m, -1), axis=0)
     if eta == 0:
         return flat[(m - 1) // 2].reshape(z.shape[1:])
-    total = flat.sum(axis=0)
-    q = np.arange(1, m + 1, dtype=np.float64)[:, None]
-    right_derivative = lam * (2 * q - m) + eta * (m * flat - total)
-    first = np.argmax(right_derivative >= 0, axis=0)  # q* - 1 (0-based)
-    interior = (total - (lam / eta) * (2 * first - m)) / m
+    # A non-finite upload gives a non-finite centre (callers reject it), quietly.
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = flat.sum(axis=0)
+        q = np.arange(1, m + 1, dtype=np.float64)[:, None]
+        right_derivative = lam * (2 * q - m) + eta * (m * flat - total)
+        first = np.argmax(right_derivative >= 0, axis=0)  # q* - 1 (0-based)
+        interior = (total - (lam / eta) * (2 * first - m)) / m
     kink = flat[first, np.arange(flat.shape[1])]
     return np.minimum(interior, kink).reshape(z.shape[1:])
 
