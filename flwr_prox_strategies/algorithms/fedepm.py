@@ -347,13 +347,17 @@ class FedEPMClient(TorchClient):
         self.ridge = float(ridge)
         self._round_metrics: dict[str, Any] = {}
 
-    def objective_and_gradient(self) -> tuple[float, list[torch.Tensor]]:
-        r"""Return :math:`f_i(x)` and :math:`\nabla f_i(x)` at the current model."""
+    def objective_and_gradient(
+        self, *, with_value: bool = True
+    ) -> tuple[float, list[torch.Tensor]]:
+        r"""Return :math:`f_i(x)` (NaN unless ``with_value``), :math:`\nabla f_i(x)`."""
         d = self.num_train_examples()
         params = trainable(self.model)
-        loss, _, _ = evaluate_model(
-            self.model, self.train_loader, self.loss_fn, device=self.device
-        )
+        loss = math.nan
+        if with_value:
+            loss, _, _ = evaluate_model(
+                self.model, self.train_loader, self.loss_fn, device=self.device
+            )
         grads = full_gradient(
             self.model, self.train_loader, self.loss_fn, device=self.device
         )

@@ -213,7 +213,7 @@ class SFedClient(FedEPMClient):
             gamma = step_size(d, iteration, k0)
             for step in range(inner):
                 if not (iteration == first and step == 0):
-                    _, grads = self.objective_and_gradient()
+                    _, grads = self.objective_and_gradient(with_value=False)
                 with torch.no_grad():
                     for p, g, a in zip(params, grads, anchor, strict=True):
                         p.sub_(gamma * (g + mu * (p - a)))
