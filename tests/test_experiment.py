@@ -46,14 +46,25 @@ def test_run_config_keys_map_to_overrides_and_overrides_win() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["fedavg", "fedprox", "feddyn", "scaffold", "feddc", "apfl"]
+    "name",
+    [
+        "fedavg",
+        "fedprox",
+        "feddyn",
+        "scaffold",
+        "feddc",
+        "apfl",
+        "fedepm",
+        "sfedavg",
+        "sfedprox",
+    ],
 )
 def test_every_strategy_config_builds_its_strategy(name: str) -> None:
     cfg = compose_config(f"strategy={name} num-clients=7")
     strategy = build_strategy(cfg)
     assert type(strategy).__name__.lower() == name
     assert cfg.client._target_.endswith("Client")
-    if name in ("feddyn", "scaffold", "feddc"):
+    if name in ("feddyn", "scaffold", "feddc", "fedepm", "sfedavg", "sfedprox"):
         assert strategy.num_clients == 7
 
 
@@ -205,3 +216,21 @@ def test_a_run_where_every_client_fails_is_an_error(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["summary"]["complete"] is False
     assert results["rounds-without-valid-reply"] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["fedepm", "sfedprox"])
+def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -> None:
+    from apps.client_app import app as client_app
+
+    run_config = {
+        "overrides": f"strategy={name} dataset=adult model=logreg num-clients=4 "
+        "num-rounds=2 strategy.k0=2 train.batch-size=4096",
+        "output-dir": str(tmp_path),
+    }
+    grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
+    _, out = run_experiment(grid, run_config)
+    results = json.loads((out / "results.json").read_text())
+    assert results["summary"]["complete"]
+    train = results["rounds"][-1]["train"]
+    assert train["replies-valid"] == 2  # ceil(0.5 * 4)
+    assert train["dp-epsilon-total-max"] == pytest.approx(0.1)  # <= 1 upload each
