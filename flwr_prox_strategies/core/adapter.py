@@ -168,6 +168,19 @@ def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> 
         return _error_reply(message, err)
 
 
+def handle_query(message: Message, context: Context) -> Message:
+    """Answer a query with the node's numeric ``node_config`` entries.
+
+    P-FedAvg asks every node once for its ``server-id`` / ``partition-id``, so
+    the assignment of nodes to servers comes from the SuperNodes' own config.
+    """
+    record = MetricRecord()
+    for key, value in context.node_config.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            record[str(key)] = value
+    return Message(RecordDict({"node-config": record}), reply_to=message)
+
+
 def to_client_app(
     client_fn: ClientFn, *, mods: list[Callable[..., Message]] | None = None
 ) -> ClientApp:
@@ -203,5 +216,9 @@ def to_client_app(
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
         return handle_evaluate(client_fn, message, context)
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return handle_query(message, context)
 
     return app
