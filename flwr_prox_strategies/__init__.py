@@ -13,6 +13,7 @@ from .algorithms.feddc import FedDC, FedDCClient
 from .algorithms.feddyn import FedDyn, FedDynClient
 from .algorithms.fedepm import FedEPM, FedEPMClient
 from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient
+from .algorithms.pfedavg import PFedAvg
 from .algorithms.scaffold import Scaffold, ScaffoldClient
 from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient
 from .core.adapter import to_client_app
@@ -35,6 +36,7 @@ __all__ = [
     "FedProx",
     "FedProxClient",
     "LaplaceUploadMod",
+    "PFedAvg",
     "ProtocolError",
     "SFedAvg",
     "SFedAvgClient",

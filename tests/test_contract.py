@@ -21,6 +21,7 @@ from flwr_prox_strategies import (
     FedDyn,
     FedEPM,
     FedProx,
+    PFedAvg,
     Scaffold,
     SFedAvg,
     SFedProx,
@@ -51,6 +52,19 @@ STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
     "fedepm": lambda: FedEPM(num_clients=NUM_NODES, rho=1.0),
     "fedepm-l1-heavy": lambda: FedEPM(num_clients=NUM_NODES, rho=1.0, lam=10.0),
     "sfedavg": lambda: SFedAvg(num_clients=NUM_NODES, rho=1.0),
+    "pfedavg-ring": lambda: PFedAvg(
+        servers=4,
+        topology="ring",
+        inner=lambda: FedAvg(min_available_nodes=1, min_train_nodes=1),
+        assignment={1001 + i: i % 4 for i in range(NUM_NODES)},
+    ),
+    "pfedavg-fedprox-sdp": lambda: PFedAvg(
+        servers=4,
+        topology="star",
+        mixing="sdp",
+        inner=lambda: FedProx(mu=0.1, min_available_nodes=1, min_train_nodes=1),
+        assignment={1001 + i: i % 4 for i in range(NUM_NODES)},
+    ),
     "sfedprox": lambda: SFedProx(num_clients=NUM_NODES, rho=1.0),
     "apfl-last-iterate": lambda: APFL(
         alpha=0.5,

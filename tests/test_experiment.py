@@ -57,6 +57,7 @@ def test_run_config_keys_map_to_overrides_and_overrides_win() -> None:
         "fedepm",
         "sfedavg",
         "sfedprox",
+        "pfedavg",
     ],
 )
 def test_every_strategy_config_builds_its_strategy(name: str) -> None:
@@ -234,3 +235,22 @@ def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -
     train = results["rounds"][-1]["train"]
     assert train["replies-valid"] == 2  # ceil(0.5 * 4)
     assert train["dp-epsilon-total-max"] == pytest.approx(0.1)  # <= 1 upload each
+
+
+def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
+    """The issue's override string, in-process: every server's model is evaluated."""
+    from apps.client_app import app as client_app
+
+    run_config = {
+        "overrides": "strategy=pfedavg topology=ring topology.servers=4 num-clients=8 "
+        "num-rounds=2 model=logreg",
+        "output-dir": str(tmp_path),
+    }
+    grid = InProcessGrid(client_app, num_nodes=8, run_config=run_config)
+    _, out = run_experiment(grid, run_config)
+    results = json.loads((out / "results.json").read_text())
+    last = results["rounds"][-1]
+    assert last["train"]["replies-valid"] == 8
+    assert "consensus-distance" in last["train"]
+    assert all(f"server-{i}" in last for i in range(4))
+    assert last["central"]["accuracy"] > results["rounds"][0]["central"]["accuracy"]

@@ -156,6 +156,15 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker=".", label=label)
+    servers = sorted(
+        {key for r in rounds for key in r if key.startswith("server-")},
+        key=lambda name: int(name.split("-")[1]),
+    )
+    for name in servers:  # P-FedAvg: every server's own model
+        points = [(r["round"], r[name]["accuracy"]) for r in rounds if name in r]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax_acc.plot(xs, ys, linewidth=0.8, alpha=0.6, label=name.replace("-", " "))
     title = f"{results.get('strategy', '')} on {results.get('dataset', '')}"
     ax_acc.set(xlabel="round", ylabel="accuracy", title=title)
     ax_loss.set(xlabel="round", ylabel="loss", title="loss")

@@ -1,0 +1,538 @@
+r"""P-FedAvg: federated averaging over M parameter servers on a graph (seed 001).
+
+Server :math:`i` owns a disjoint group :math:`C_i` of clients. Each round:
+
+1. every server samples some of its clients and sends them its model
+   :math:`x_i` (one **inner strategy** per server: the pack's FedAvg by default,
+   or FedProx, FedDyn, ..., or Flower's own, each seeing only its group through
+   a :class:`~flwr_prox_strategies.core.grid.GroupGrid`); all groups' messages
+   go out in one ``send_and_receive``;
+2. server :math:`i` aggregates its clients' replies into :math:`y_i` (its inner
+   strategy's own rule, validation included);
+3. servers mix with their neighbours, :math:`x_i = \sum_j W_{ij} y_j`, with
+   :math:`W` symmetric, doubly stochastic, :math:`W_{ij} = 0` off the graph's
+   edges (:mod:`..ops.topology`: ring, star, grid, torus, complete, random
+   regular, Erdős–Rényi or your adjacency; Metropolis, max-degree, uniform or
+   SDP-optimal weights). Server :math:`i` reads only its neighbours'
+   :math:`y_j`, so the step could run across machines.
+
+Consensus speed is :math:`\rho(W) = \lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2`.
+The strategy reports the consensus average :math:`\bar x = \frac{1}{M}\sum_i x_i`
+as Flower's global model (what ``evaluate_fn`` sees), every server's model
+(:meth:`PFedAvg.central_models`) and the consensus distance
+:math:`\sum_i\lVert x_i - \bar x\rVert^2` per round.
+
+Assignment of nodes to servers (reproducible across runs): an explicit map, else
+each node's ``node_config`` (``server-id`` on real SuperNodes, else
+``partition-id`` modulo :math:`M`), read once by a Flower ``query`` message that
+the pack's ClientApps answer; nodes that do not answer are dealt out by sorted
+node id (reproducible only within a run: the log says so).
+
+A server whose group sent no valid reply keeps :math:`y_i = x_i`; a round in
+which no group has a valid reply keeps every model and mixes nothing (as if the
+round had not happened).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from numpy.typing import NDArray
+
+from ..core.grid import GroupGrid
+from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
+from ..ops.topology import (
+    adjacency,
+    check_mixing,
+    consensus_rate,
+    from_adjacency,
+    mixing_matrix,
+)
+from .fedavg import FedAvg
+
+SERVER_ID_KEY = "server-id"
+PARTITION_ID_KEY = "partition-id"
+# Counts that add up over servers; every other metric is averaged.
+_SUMMED = {
+    "replies-valid",
+    "replies-failed",
+    "replies-rejected",
+    "bytes-sent",
+    "bytes-received",
+    "num-examples",
+}
+
+
+class PFedAvg(Strategy):
+    r"""M logical parameter servers, one inner strategy each, mixed over a graph.
+
+    Parameters
+    ----------
+    servers : int
+        :math:`M \ge 1`.
+    topology : str (default: "ring")
+        A name of :data:`..ops.topology.TOPOLOGIES`; ignored when
+        ``adjacency_matrix`` or ``weights`` is given.
+    mixing : str (default: "metropolis")
+        A name of :data:`..ops.topology.MIXINGS` (``"sdp"``: optimal weights).
+    adjacency_matrix : array-like | None (default: None)
+        Your own server graph (symmetric 0/1, zero diagonal, connected).
+    weights : array-like | None (default: None)
+        Your own mixing matrix (checked: symmetric, doubly stochastic).
+    degree, probability, rows : optional
+        Parameters of ``random-regular``, ``erdos-renyi`` and ``grid``/``torus``.
+    inner : callable | None (default: None)
+        ``inner()`` builds one server's strategy; None: the pack's
+        ``FedAvg(min_available_nodes=1, min_train_nodes=1)``. Called M times.
+    assignment : mapping | None (default: None)
+        ``{partition-id or node-id: server}``; None: from ``node_config``.
+    seed : int (default: 0)
+        Seeds the random topologies.
+    """
+
+    def __init__(
+        self,
+        *,
+        servers: int,
+        topology: str = "ring",
+        mixing: str = "metropolis",
+        adjacency_matrix: Any = None,
+        weights: Any = None,
+        degree: int | None = None,
+        probability: float | None = None,
+        rows: int | None = None,
+        inner: Callable[[], Strategy] | None = None,
+        assignment: Mapping[int, int] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+            raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+        self.servers = servers
+        if weights is not None:
+            self.weights = np.asarray(weights, dtype=np.float64)
+            self.adjacency = (np.abs(self.weights) > 0).astype(int)
+            np.fill_diagonal(self.adjacency, 0)
+            self.topology = "custom"
+        else:
+            if adjacency_matrix is not None:
+                self.adjacency = from_adjacency(adjacency_matrix)
+                self.topology = "custom"
+            elif servers == 1:
+                self.adjacency = np.zeros((1, 1), dtype=int)
+                self.topology = "single"
+            else:
+                try:
+                    self.adjacency = adjacency(
+                        topology,
+                        servers,
+                        degree=degree,
+                        probability=probability,
+                        rows=rows,
+                        seed=seed,
+                    )
+                except ValueError as err:
+                    raise ValueError(f"topology={topology!r}: {err}") from err
+                self.topology = topology
+            try:
+                self.weights = (
+                    np.ones((1, 1))
+                    if servers == 1
+                    else mixing_matrix(self.adjacency, mixing)
+                )
+            except ValueError as err:
+                raise ValueError(f"mixing={mixing!r}: {err}") from err
+        if self.weights.shape != (servers, servers):
+            raise ValueError(
+                f"weights is {self.weights.shape}, expected ({servers}, {servers})"
+            )
+        try:
+            check_mixing(self.weights, self.adjacency)
+        except ValueError as err:
+            raise ValueError(f"weights: {err}") from err
+        self.mixing = mixing if weights is None else "custom"
+        self.rho = consensus_rate(self.weights)
+        factory = inner or functools.partial(
+            FedAvg, min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1
+        )
+        self.inner: list[Strategy] = [factory() for _ in range(servers)]
+        if len({id(s) for s in self.inner}) != servers:
+            raise ValueError("inner() must build a new strategy at every call")
+        self.assignment = (
+            None
+            if assignment is None
+            else {int(k): int(v) for k, v in assignment.items()}
+        )
+        if self.assignment and not all(
+            0 <= v < servers for v in self.assignment.values()
+        ):
+            raise ValueError(f"assignment maps to servers outside 0..{servers - 1}")
+        self.groups: list[list[int]] | None = None
+        self.server_of: dict[int, int] = {}
+        self.models: list[dict[str, NDArray]] | None = None
+        self.rejections: Counter[str] = Counter()
+        self._accept_failures = True
+        self.last_round_report: dict[str, Any] = {}
+
+    @property
+    def accept_failures(self) -> bool:
+        """When False, any failed or rejected reply keeps every server's model."""
+        return self._accept_failures
+
+    @accept_failures.setter
+    def accept_failures(self, value: bool) -> None:
+        self._accept_failures = bool(value)
+        for strategy in self.inner:
+            if hasattr(strategy, "accept_failures"):
+                strategy.accept_failures = bool(value)
+
+    # ------------------------------------------------------------------ info
+    def __repr__(self) -> str:
+        """Return the class name and its main settings."""
+        return (
+            f"PFedAvg(servers={self.servers}, topology={self.topology!r}, "
+            f"mixing={self.mixing!r}, rho={self.rho:.4f})"
+        )
+
+    def summary(self) -> None:
+        """Log the servers, the graph and the mixing weights."""
+        log(
+            INFO,
+            "\t├──> P-FedAvg: %d servers, topology %s",
+            self.servers,
+            self.topology,
+        )
+        log(INFO, "\t│\t├── mixing: %s, rho(W) = %.4f", self.mixing, self.rho)
+        log(INFO, "\t│\t└── inner strategy: %s", type(self.inner[0]).__name__)
+
+    # ------------------------------------------------------------ assignment
+    def assign_nodes(self, grid: Grid) -> list[list[int]]:
+        """Split the connected nodes into M groups (once per run)."""
+        nodes = sorted(grid.get_node_ids())
+        explicit = self.assignment is not None and all(
+            n in self.assignment for n in nodes
+        )
+        configs = {} if explicit else self._query_node_configs(grid, nodes)
+        groups: list[list[int]] = [[] for _ in range(self.servers)]
+        unanswered = []
+        for node in nodes:
+            server = self._server_for(node, configs.get(node, {}))
+            if server is None:
+                unanswered.append(node)
+            else:
+                groups[server].append(node)
+        if unanswered:
+            log(
+                WARNING,
+                "P-FedAvg: %d node(s) gave no server-id/partition-id; dealt out by "
+                "node id (not reproducible across runs)",
+                len(unanswered),
+            )
+            for i, node in enumerate(unanswered):
+                groups[i % self.servers].append(node)
+        for server, group in enumerate(groups):
+            if not group:
+                raise RuntimeError(
+                    f"P-FedAvg: server {server} has no node; {len(nodes)} nodes for "
+                    f"{self.servers} servers"
+                )
+        self.server_of = {n: s for s, group in enumerate(groups) for n in group}
+        log(INFO, "P-FedAvg: group sizes %s", [len(g) for g in groups])
+        return groups
+
+    def _server_for(self, node: int, config: Mapping[str, Any]) -> int | None:
+        partition = config.get(PARTITION_ID_KEY)
+        if self.assignment is not None:
+            for key in (partition, node):
+                if key is not None and int(key) in self.assignment:
+                    return self.assignment[int(key)]
+            return None
+        if SERVER_ID_KEY in config:
+            server = int(config[SERVER_ID_KEY])
+            if not 0 <= server < self.servers:
+                raise RuntimeError(
+                    f"node {node} says server-id={server}, but there are "
+                    f"{self.servers} servers"
+                )
+            return server
+        if partition is not None:
+            return int(partition) % self.servers
+        return None
+
+    @staticmethod
+    def _query_node_configs(grid: Grid, nodes: list[int]) -> dict[int, dict[str, Any]]:
+        messages = [
+            Message(
+                content=RecordDict({"config": ConfigRecord({"query": "node-config"})}),
+                message_type=MessageType.QUERY,
+                dst_node_id=node,
+            )
+            for node in nodes
+        ]
+        configs: dict[int, dict[str, Any]] = {}
+        for reply in grid.send_and_receive(messages):
+            if reply.has_error() or "node-config" not in reply.content.metric_records:
+                continue
+            configs[reply.metadata.src_node_id] = dict(
+                reply.content.metric_records["node-config"]
+            )
+        return configs
+
+    # ----------------------------------------------------------------- train
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Each server configures its own group with its own model."""
+        if self.groups is None:
+            self.groups = self.assign_nodes(grid)
+        if self.models is None:
+            initial = record_to_dict(arrays)
+            self.models = [dict(initial) for _ in range(self.servers)]
+        messages: list[Message] = []
+        for server, strategy in enumerate(self.inner):
+            view = GroupGrid(grid, self.groups[server])
+            messages.extend(
+                strategy.configure_train(
+                    server_round,
+                    dict_to_record(self.models[server]),
+                    ConfigRecord(dict(config)),
+                    view,
+                )
+            )
+        log(
+            INFO,
+            "P-FedAvg: round %d, %d messages to %d servers' groups",
+            server_round,
+            len(messages),
+            self.servers,
+        )
+        return messages
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """Return what a reply must carry (the inner strategies' expectation)."""
+        return self.inner[0].expected_train_arrays(server_round)  # type: ignore[attr-defined]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate per server, then mix over the graph."""
+        assert self.models is not None, "configure_train must run first"
+        by_server: list[list[Message]] = [[] for _ in range(self.servers)]
+        stray = 0
+        for reply in replies:
+            server = self.server_of.get(reply.metadata.src_node_id)
+            if server is None:
+                stray += 1
+                self.rejections["aggregate_train:unsampled"] += 1
+                log(
+                    WARNING,
+                    "P-FedAvg: reply from node %d, which belongs to no server",
+                    reply.metadata.src_node_id,
+                )
+                continue
+            by_server[server].append(reply)
+        updated: list[dict[str, NDArray]] = []
+        records: list[MetricRecord] = []
+        fresh = 0
+        for server, strategy in enumerate(self.inner):
+            before = Counter(getattr(strategy, "rejections", Counter()))
+            result, metrics = strategy.aggregate_train(server_round, by_server[server])
+            after = Counter(getattr(strategy, "rejections", Counter()))
+            self.rejections.update(after - before)
+            if metrics is not None:
+                records.append(metrics)
+            if result is None:
+                updated.append(self.models[server])
+            else:
+                fresh += 1
+                updated.append(record_to_dict(result))
+        metrics = merge_metrics(records)
+        counts = {
+            key: _count(metrics.get(key, 0))
+            for key in ("replies-valid", "replies-failed", "replies-rejected")
+        }
+        counts["replies-rejected"] += stray
+        for key, value in counts.items():
+            metrics[key] = value
+        failures = counts["replies-failed"] + counts["replies-rejected"]
+        self.last_round_report = dict(metrics)
+        if fresh == 0 or (failures and not self.accept_failures):
+            log(
+                WARNING,
+                "P-FedAvg: round %d: no server updated; keeping all models",
+                server_round,
+            )
+            return None, metrics
+        self.models = self.mix(updated)
+        average = self.consensus_average()
+        distance = float(
+            sum(
+                np.sum((model[k].astype(np.float64) - average[k]) ** 2)
+                for model in self.models
+                for k in float_keys(model)
+            )
+        )
+        metrics["consensus-distance"] = distance
+        metrics["servers-updated"] = fresh
+        log(
+            INFO,
+            "P-FedAvg: round %d: %d/%d servers updated, consensus distance %.4g",
+            server_round,
+            fresh,
+            self.servers,
+            distance,
+        )
+        template = self.models[0]
+        return dict_to_record(
+            {
+                k: average[k].astype(template[k].dtype) if k in average else template[k]
+                for k in template
+            }
+        ), metrics
+
+    def mix(self, models: list[dict[str, NDArray]]) -> list[dict[str, NDArray]]:
+        r"""Return :math:`x_i = \sum_j W_{ij} y_j`, reading only neighbours' models."""
+        mixed = []
+        for i in range(self.servers):
+            neighbours = np.flatnonzero(self.weights[i])
+            out = {}
+            for key, value in models[i].items():
+                if key not in float_keys(models[i]):
+                    out[key] = value
+                    continue
+                acc = np.zeros(value.shape, dtype=np.float64)
+                for j in neighbours:
+                    acc += self.weights[i, j] * models[j][key]
+                out[key] = acc.astype(value.dtype)
+            mixed.append(out)
+        return mixed
+
+    def consensus_average(self) -> dict[str, NDArray]:
+        """Return the mean of the servers' models (float arrays, float64)."""
+        assert self.models is not None
+        keys = float_keys(self.models[0])
+        return {
+            k: np.mean([m[k].astype(np.float64) for m in self.models], axis=0)
+            for k in keys
+        }
+
+    def central_models(self) -> dict[str, ArrayRecord]:
+        """Every server's model, for central evaluation beside the consensus."""
+        if self.models is None:
+            return {}
+        return {f"server-{i}": dict_to_record(m) for i, m in enumerate(self.models)}
+
+    # -------------------------------------------------------------- evaluate
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Each group evaluates its own server's model."""
+        if self.groups is None or self.models is None:
+            return []
+        messages: list[Message] = []
+        for server, strategy in enumerate(self.inner):
+            messages.extend(
+                strategy.configure_evaluate(
+                    server_round,
+                    dict_to_record(self.models[server]),
+                    ConfigRecord(dict(config)),
+                    GroupGrid(grid, self.groups[server]),
+                )
+            )
+        return messages
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Aggregate per group, then merge (sample-weighted)."""
+        by_server: list[list[Message]] = [[] for _ in range(self.servers)]
+        for reply in replies:
+            server = self.server_of.get(reply.metadata.src_node_id)
+            if server is not None:
+                by_server[server].append(reply)
+        records = [
+            r
+            for server, strategy in enumerate(self.inner)
+            if (r := strategy.aggregate_evaluate(server_round, by_server[server]))
+            is not None
+        ]
+        return merge_metrics(records) if records else None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Servers' models, the inner strategies' states, the mixing matrix."""
+        return {
+            "strategy": "PFedAvg",
+            "servers": self.servers,
+            "weights": self.weights.copy(),
+            "models": {}
+            if self.models is None
+            else {
+                str(i): {k: v.copy() for k, v in m.items()}
+                for i, m in enumerate(self.models)
+            },
+            "inner": {
+                str(i): s.state_dict() if hasattr(s, "state_dict") else {}
+                for i, s in enumerate(self.inner)
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state.get("strategy") != "PFedAvg" or state.get("servers") != self.servers:
+            raise ValueError("checkpoint is not a P-FedAvg state with as many servers")
+        if not np.array_equal(state["weights"], self.weights):
+            raise ValueError("checkpoint was made with another mixing matrix")
+        models = state["models"]
+        self.models = (
+            [
+                {k: np.array(v) for k, v in models[str(i)].items()}
+                for i in range(self.servers)
+            ]
+            if models
+            else None
+        )
+        for i, strategy in enumerate(self.inner):
+            if hasattr(strategy, "load_state_dict"):
+                strategy.load_state_dict(state["inner"][str(i)])
+
+
+def _count(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def merge_metrics(records: list[MetricRecord]) -> MetricRecord:
+    """Sum the counts, average the rest weighted by ``num-examples``."""
+    merged = MetricRecord()
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for record in records:
+        weight = float(record.get("num-examples", 1.0))  # type: ignore[arg-type]
+        for key, value in record.items():
+            if isinstance(value, (list, bool)):
+                continue
+            if key in _SUMMED:
+                sums[key] = sums.get(key, 0.0) + float(value)
+                weights[key] = 1.0
+            else:
+                sums[key] = sums.get(key, 0.0) + weight * float(value)
+                weights[key] = weights.get(key, 0.0) + weight
+    for key, total in sums.items():
+        value = total if key in _SUMMED else total / weights[key]
+        merged[key] = int(value) if key in _SUMMED and key != "num-examples" else value
+    return merged
