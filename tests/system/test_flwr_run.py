@@ -62,6 +62,29 @@ def test_flwr_run_simulation(tmp_path: Path) -> None:
     assert results["config"]["strategy"]["mu"] == 0.1
 
 
+def test_pfedavg_through_the_engine(tmp_path: Path) -> None:
+    """The issue's override string on the real engine: the node-config query, the
+    per-group messages and the mixing all go through Flower's simulation."""
+    output = tmp_path / "out"
+    with managed_engine(tmp_path / "home") as env:
+        reply = flwr_run(
+            env,
+            "--federation-config",
+            "num-supernodes=4 client-resources-num-cpus=1",
+            "--run-config",
+            f"overrides='strategy=pfedavg topology=ring topology.servers=4 {SMALL}' "
+            f"output-dir='{output}'",
+        )
+        status = run_status(reply["run-id"], env)
+        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[
+            -3000:
+        ]
+    results = check_results(output, 3, "PFedAvg")
+    last = results["rounds"][-1]
+    assert all(f"server-{i}" in last for i in range(4))
+    assert last["train"]["consensus-distance"] > 0  # a ring of 4 is not complete
+
+
 def test_node_count_mismatch_fails_fast_with_the_fix(tmp_path: Path) -> None:
     with managed_engine(tmp_path / "home") as env:
         reply = flwr_run(
