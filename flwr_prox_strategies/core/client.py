@@ -427,6 +427,9 @@ class TorchClient(NumPyClient):
         self, parameters: list[NDArray], config: dict[str, Any]
     ) -> tuple[float, int, dict[str, Any]]:
         """Evaluate the received model (and personal ones) on local held-out data."""
+        if self.seed is not None:  # fine-tuning shuffles: reproducible as fit is
+            server_round = int(config.get(SERVER_ROUND_KEY, 0))
+            torch.manual_seed(self.seed * 1_000_003 + server_round + 500_009)
         self.set_parameters(parameters)
         loader = self.test_loader if self.test_loader is not None else self.train_loader
         loss, accuracy, count = evaluate_model(
