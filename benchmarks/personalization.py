@@ -83,6 +83,11 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--engine", choices=["inprocess", "flwr"], default="inprocess")
     parser.add_argument(
+        "--only-complete",
+        action="store_true",
+        help="tabulate the runs already complete under --out, run nothing",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/personalization")
     )
     args = parser.parse_args()
@@ -107,6 +112,9 @@ def main() -> None:
                     path.is_file()
                     and json.loads(path.read_text())["summary"].get("complete")
                 ):
+                    if args.only_complete:
+                        print(f"not run: {job.name}", flush=True)
+                        continue
                     if args.engine == "flwr":
                         flwr_run(overrides, job, num_supernodes=clients)
                     else:
