@@ -137,3 +137,35 @@ def test_invalid_settings_are_rejected(kwargs, match) -> None:
 
 
 _SHARED = FedAvg()
+
+
+def test_merged_metrics_keep_maxima_minima_and_counts() -> None:
+    from flwr.app import MetricRecord
+
+    from flwr_prox_strategies.algorithms.pfedavg import merge_metrics
+
+    merged = merge_metrics(
+        [
+            MetricRecord(
+                {
+                    "num-examples": 10,
+                    "replies-valid": 2,
+                    "loss": 1.0,
+                    "dp-epsilon-total-max": 3.0,
+                    "accuracy-worst": 0.5,
+                }
+            ),
+            MetricRecord(
+                {
+                    "num-examples": 30,
+                    "replies-valid": 3,
+                    "loss": 2.0,
+                    "dp-epsilon-total-max": 1.0,
+                    "accuracy-worst": 0.2,
+                }
+            ),
+        ]
+    )
+    assert merged["replies-valid"] == 5 and merged["num-examples"] == 40
+    assert merged["loss"] == pytest.approx(1.75)
+    assert merged["dp-epsilon-total-max"] == 3.0 and merged["accuracy-worst"] == 0.2

@@ -36,6 +36,7 @@ round had not happened).
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
@@ -517,16 +518,26 @@ def _count(value: Any) -> int:
 
 
 def merge_metrics(records: list[MetricRecord]) -> MetricRecord:
-    """Sum the counts, average the rest weighted by ``num-examples``."""
+    """Merge the servers' metrics into one record.
+
+    Counts add up, ``*-max`` takes the max, ``*-min`` / ``*-worst`` the min (a
+    privacy total or a worst client stays what it is over all servers), and
+    every other metric is averaged weighted by ``num-examples``.
+    """
     merged = MetricRecord()
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
+    extremes: dict[str, float] = {}
     for record in records:
         weight = float(record.get("num-examples", 1.0))  # type: ignore[arg-type]
         for key, value in record.items():
             if isinstance(value, (list, bool)):
                 continue
-            if key in _SUMMED:
+            if key.endswith("-max"):
+                extremes[key] = max(extremes.get(key, -math.inf), float(value))
+            elif key.endswith(("-min", "-worst")):
+                extremes[key] = min(extremes.get(key, math.inf), float(value))
+            elif key in _SUMMED:
                 sums[key] = sums.get(key, 0.0) + float(value)
                 weights[key] = 1.0
             else:
@@ -535,4 +546,6 @@ def merge_metrics(records: list[MetricRecord]) -> MetricRecord:
     for key, total in sums.items():
         value = total if key in _SUMMED else total / weights[key]
         merged[key] = int(value) if key in _SUMMED and key != "num-examples" else value
+    for key, value in extremes.items():
+        merged[key] = value
     return merged
