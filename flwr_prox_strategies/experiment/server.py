@@ -109,7 +109,9 @@ def make_evaluate_fn(
             "num-examples": count,
         }
         recorder.record(server_round, "central", metrics)
-        extra_models = strategy.central_models() if strategy is not None else {}
+        extra_models: dict[str, ArrayRecord] = getattr(
+            strategy, "central_models", dict
+        )()
         for section, extra in extra_models.items():
             model.load_state_dict(extra.to_torch_state_dict())
             extra_loss, extra_acc, _ = evaluate_model(
