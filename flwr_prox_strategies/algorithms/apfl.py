@@ -99,7 +99,7 @@ from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
-from ..core.client import ProtocolError, TorchClient, require
+from ..core.client import ProtocolError, TorchClient
 from ..core.keys import LOCAL_STEPS_KEY
 from ..core.records import RecordSpec, copy_arrays, dict_to_record, record_to_dict
 from ..core.strategy import ValidatedFedAvg, check_fraction, check_int, check_positive
@@ -412,13 +412,15 @@ class APFLClient(TorchClient):
         server's schedule replaces it).
     """
 
+    protocol = "APFL"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._round_metrics: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- state
     def _alpha(self, config: dict[str, Any]) -> float:
-        alpha = float(require(config, APFL_ALPHA_KEY, "APFLClient", "APFL"))
+        alpha = float(self.required(config, APFL_ALPHA_KEY))
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"received apfl-alpha={alpha!r}; it must be in [0, 1]")
         learned = self.state.scalar(ALPHA_STATE, math.nan)
@@ -457,10 +459,10 @@ class APFLClient(TorchClient):
         self, config: dict[str, Any], *, epochs: int, steps: int | None
     ) -> TrainReport:
         """Run the round's tau steps on theta_k and omega_k (module docstring)."""
-        steps = int(require(config, LOCAL_STEPS_KEY, "APFLClient", "APFL"))
-        first = int(require(config, APFL_FIRST_STEP_KEY, "APFLClient", "APFL"))
-        mixing = str(require(config, APFL_MIXING_KEY, "APFLClient", "APFL"))
-        gradient_form = str(require(config, APFL_GRADIENT_KEY, "APFLClient", "APFL"))
+        steps = int(self.required(config, LOCAL_STEPS_KEY))
+        first = int(self.required(config, APFL_FIRST_STEP_KEY))
+        mixing = str(self.required(config, APFL_MIXING_KEY))
+        gradient_form = str(self.required(config, APFL_GRADIENT_KEY))
         if mixing not in MIXINGS or gradient_form not in PERSONAL_GRADIENTS:
             raise ProtocolError(
                 f"unknown APFL settings mixing={mixing!r}, "
@@ -608,7 +610,7 @@ class APFLClient(TorchClient):
     def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:
         r"""Return the personalised model; with averaging, the seed's final models."""
         alpha = self._alpha(config)
-        mixing = str(require(config, APFL_MIXING_KEY, "APFLClient", "APFL"))
+        mixing = str(self.required(config, APFL_MIXING_KEY))
         omega = self._personal_params()
         models = {
             "personal": self._mixed_module(
@@ -619,7 +621,7 @@ class APFLClient(TorchClient):
         if average is None or APFL_AVERAGE_A_KEY not in config:
             return models
         a = float(config[APFL_AVERAGE_A_KEY])
-        total_steps = int(require(config, APFL_STEP_KEY, "APFLClient", "APFL"))
+        total_steps = int(self.required(config, APFL_STEP_KEY))
         personal_sum = self._caught_up_personal_sum(omega, total_steps, a)
         normaliser = averaging_weight_sum(1, total_steps, a)
         personal_average = self._personal_module(

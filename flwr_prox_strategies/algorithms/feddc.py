@@ -61,7 +61,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
-from ..core.client import ProtocolError, TorchClient, require
+from ..core.client import ProtocolError, TorchClient
 from ..core.records import (
     RecordSpec,
     copy_arrays,
@@ -236,6 +236,8 @@ class FedDCClient(TorchClient):
     the official code's :math:`\rho_i = n_i/\bar n`); ``momentum`` must be 0.
     """
 
+    protocol = "FedDC"
+
     stateful = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -259,8 +261,8 @@ class FedDCClient(TorchClient):
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
         r"""Return :math:`\alpha_i(\theta + h_i - w)` plus the correction."""
-        alpha = float(require(config, FEDDC_ALPHA_KEY, "FedDCClient", "FedDC"))
-        self._mode = str(require(config, FEDDC_CORRECTION_KEY, "FedDCClient", "FedDC"))
+        alpha = float(self.required(config, FEDDC_ALPHA_KEY))
+        self._mode = str(self.required(config, FEDDC_CORRECTION_KEY))
         if self._mode not in CORRECTIONS:
             raise ProtocolError(f"unknown feddc-correction {self._mode!r}")
         params = trainable(self.model)

@@ -62,7 +62,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
-from ..core.client import TorchClient, require
+from ..core.client import TorchClient
 from ..core.records import (
     RecordSpec,
     copy_arrays,
@@ -239,6 +239,8 @@ class FedDynClient(TorchClient):
         (``relative_size`` divides :math:`\alpha`, as the official code does).
     """
 
+    protocol = "FedDyn"
+
     stateful = True
 
     def __init__(
@@ -251,7 +253,7 @@ class FedDynClient(TorchClient):
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
         r"""Return :math:`\alpha_k(\theta - \theta^t + \lambda_k)`."""
-        alpha = float(require(config, FEDDYN_ALPHA_KEY, "FedDynClient", "FedDyn"))
+        alpha = float(self.required(config, FEDDYN_ALPHA_KEY))
         if not (np.isfinite(alpha) and alpha > 0):
             raise ValueError(f"received feddyn-alpha={alpha!r}; it must be > 0")
         self._alpha = alpha / self.relative_size

@@ -87,7 +87,7 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
-from ..core.client import TorchClient, require
+from ..core.client import TorchClient
 from ..core.keys import CLIENT_KEY_METRIC
 from ..core.privacy import EPSILON_METRIC, EPSILON_TOTAL_METRIC, spend_epsilon
 from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
@@ -339,6 +339,8 @@ class FedEPMClient(TorchClient):
         seeds the noise per round; the learning rate is not used).
     """
 
+    protocol = "FedEPM"
+
     stateful = True
 
     def __init__(self, *args: Any, ridge: float = 0.0, **kwargs: Any) -> None:
@@ -374,13 +376,13 @@ class FedEPMClient(TorchClient):
         self, config: dict[str, Any], *, epochs: int, steps: int | None
     ) -> TrainReport:
         """Run the k0 closed-form iterations and build the noisy upload."""
-        first = int(require(config, ITERATION_KEY, "FedEPMClient", "FedEPM"))
-        k0 = int(require(config, K0_KEY, "FedEPMClient", "FedEPM"))
-        lam = float(require(config, LAMBDA_KEY, "FedEPMClient", "FedEPM"))
-        eta = float(require(config, ETA_KEY, "FedEPMClient", "FedEPM"))
-        r0 = float(require(config, R0_KEY, "FedEPMClient", "FedEPM"))
-        growth = float(require(config, GROWTH_KEY, "FedEPMClient", "FedEPM"))
-        epsilon = float(require(config, NOISE_KEY, "FedEPMClient", "FedEPM"))
+        first = int(self.required(config, ITERATION_KEY))
+        k0 = int(self.required(config, K0_KEY))
+        lam = float(self.required(config, LAMBDA_KEY))
+        eta = float(self.required(config, ETA_KEY))
+        r0 = float(self.required(config, R0_KEY))
+        growth = float(self.required(config, GROWTH_KEY))
+        epsilon = float(self.required(config, NOISE_KEY))
         d = self.num_train_examples()
         value, grads = self.objective_and_gradient()
         params = trainable(self.model)

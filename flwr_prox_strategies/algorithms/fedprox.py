@@ -45,7 +45,7 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from ..core.client import TorchClient, require
+from ..core.client import TorchClient
 from ..core.strategy import ValidatedFedAvg, check_non_negative
 from ..core.training import GradientTerm, full_gradient, grad_norm, trainable
 from ..ops.proximal import ProximalTerm
@@ -117,6 +117,8 @@ class FedProxClient(TorchClient):
         ``weight_decay``, ``loss_fn``, ``seed``, ``device``.
     """
 
+    protocol = "FedProx"
+
     def __init__(self, *args: Any, gamma: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if gamma is not None and not (
@@ -128,7 +130,7 @@ class FedProxClient(TorchClient):
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
         """Return the proximal term, anchored at the model just received."""
-        mu = float(require(config, PROXIMAL_MU_KEY, "FedProxClient", "FedProx"))
+        mu = float(self.required(config, PROXIMAL_MU_KEY))
         if not math.isfinite(mu) or mu < 0:
             raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
         anchor = [p.detach().clone() for p in trainable(self.model)]

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from flwr.common.logger import log
 
-from ..core.client import require
 from ..core.strategy import (
     ValidatedFedAvg,
     check_int,
@@ -191,19 +190,21 @@ class SFedClient(FedEPMClient):
         As :class:`~flwr_prox_strategies.core.client.TorchClient`.
     """
 
+    protocol = "SFedAvg/SFedProx"
+
     stateful = False
 
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None
     ) -> TrainReport:
         """Run k0 iterations of l full-gradient steps from the server model."""
-        first = int(require(config, ITERATION_KEY, "SFedClient", "SFedAvg/SFedProx"))
-        k0 = int(require(config, K0_KEY, "SFedClient", "SFedAvg/SFedProx"))
-        inner = int(require(config, INNER_STEPS_KEY, "SFedClient", "SFedAvg/SFedProx"))
-        mu = float(require(config, PROX_MU_KEY, "SFedClient", "SFedAvg/SFedProx"))
-        r0 = float(require(config, R0_KEY, "SFedClient", "SFedAvg/SFedProx"))
-        growth = float(require(config, GROWTH_KEY, "SFedClient", "SFedAvg/SFedProx"))
-        epsilon = float(require(config, NOISE_KEY, "SFedClient", "SFedAvg/SFedProx"))
+        first = int(self.required(config, ITERATION_KEY))
+        k0 = int(self.required(config, K0_KEY))
+        inner = int(self.required(config, INNER_STEPS_KEY))
+        mu = float(self.required(config, PROX_MU_KEY))
+        r0 = float(self.required(config, R0_KEY))
+        growth = float(self.required(config, GROWTH_KEY))
+        epsilon = float(self.required(config, NOISE_KEY))
         d = self.num_train_examples()
         params = trainable(self.model)
         anchor = [p.detach().clone() for p in params]

@@ -212,6 +212,8 @@ class TorchClient(NumPyClient):
     # True when the algorithm keeps state the server sums over: the state is
     # then committed only once the server confirms the reply was aggregated.
     stateful: ClassVar[bool] = False
+    # The strategy whose config keys this client reads (named in protocol errors).
+    protocol: ClassVar[str] = "FedAvg"
 
     @property
     def client_key(self) -> int:
@@ -231,6 +233,10 @@ class TorchClient(NumPyClient):
                 self.context, state_dir=self.state_dir, client_key=str(self.client_key)
             )
         return self._state
+
+    def required(self, config: dict[str, Any], key: str) -> Any:
+        """Return ``config[key]``, or fail naming :attr:`protocol` (:func:`require`)."""
+        return require(config, key, type(self).__name__, self.protocol)
 
     def received(self, name: str, strategy: str) -> list[NDArray]:
         """Return the extra ArrayRecord ``name`` the server sent, or fail clearly."""
