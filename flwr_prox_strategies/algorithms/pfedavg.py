@@ -74,6 +74,7 @@ _SUMMED = {
     "replies-valid",
     "replies-failed",
     "replies-rejected",
+    "replies-absent",
     "bytes-sent",
     "bytes-received",
     "num-examples",

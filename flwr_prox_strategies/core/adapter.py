@@ -13,7 +13,8 @@ strategies as is. :func:`to_client_app` translates between the two worlds:
   (``"metrics"``) holding ``num-examples``;
 * an exception in client code becomes an error reply carrying its message
   (``CLIENT_APP_RAISED_EXCEPTION``; a :class:`ProtocolError` gives
-  ``MOD_FAILED_PRECONDITION``), never a dead node.
+  ``MOD_FAILED_PRECONDITION``, as does a client whose privacy budget is
+  spent: :class:`.dp.PrivacyBudgetExhausted`), never a dead node.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 import traceback
 from collections.abc import Callable
-from logging import DEBUG, ERROR
+from logging import DEBUG, ERROR, WARNING
 from typing import Any
 
 from flwr.app import (
@@ -39,6 +40,7 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from .client import ProtocolError
+from .dp import PrivacyBudgetExhausted
 from .keys import NUM_EXAMPLES_KEY
 from .records import to_ndarrays, to_record
 
@@ -81,11 +83,14 @@ def _plain(config: ConfigRecord) -> dict[str, Any]:
 def _error_reply(message: Message, err: Exception) -> Message:
     code = (
         ErrorCode.MOD_FAILED_PRECONDITION
-        if isinstance(err, ProtocolError)
+        if isinstance(err, (ProtocolError, PrivacyBudgetExhausted))
         else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     )
     reason = f"{type(err).__name__}: {err}"
-    log(ERROR, "ClientApp: %s\n%s", reason, traceback.format_exc())
+    if isinstance(err, PrivacyBudgetExhausted):  # expected: no traceback
+        log(WARNING, "ClientApp: %s", reason)
+    else:
+        log(ERROR, "ClientApp: %s\n%s", reason, traceback.format_exc())
     return Message(Error(code=code, reason=reason), reply_to=message)
 
 

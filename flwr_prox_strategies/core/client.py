@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from contextlib import nullcontext
+from typing import Any, ClassVar, ContextManager
 
 import numpy as np
 import torch
@@ -20,6 +21,16 @@ from flwr.client import NumPyClient
 from numpy.typing import NDArray
 from torch import nn
 
+from .dp import (
+    DPSGD,
+    PrivacyLedger,
+    TrainingRun,
+    dp_sgd,
+    epsilon_report,
+    log_round,
+    make_private_model,
+    sample_rate_of,
+)
 from .keys import (
     ACCEPTED_KEYS_KEY,
     ACCEPTED_ROUND_KEY,
@@ -119,6 +130,13 @@ class TorchClient(NumPyClient):
         the local training data and reports it as ``personal-*`` metrics (the
         "FedAvg + fine-tuning" baseline of personalised FL). The copy is thrown
         away; the client's state is untouched.
+    dp : DPSGD | None (default: None)
+        Sample-level differential privacy: train by DP-SGD through opacus
+        (per-sample clipping, Gaussian noise, Poisson sampling) and report
+        epsilon every round (see :mod:`.dp`). The algorithm's extra gradient
+        term is added after privatisation, neither clipped nor noised;
+        ``max_grad_norm`` then clips the total (private) gradient. Needs a
+        ``DataLoader`` with a ``batch_size``.
     device : str (default: "cpu")
         Torch device.
 
@@ -148,6 +166,7 @@ class TorchClient(NumPyClient):
         relative_size: float = 1.0,
         seed: int | None = None,
         finetune_steps: int = 0,
+        dp: DPSGD | None = None,
         device: str = "cpu",
     ) -> None:
         if (
@@ -181,7 +200,12 @@ class TorchClient(NumPyClient):
             raise ValueError(
                 f"max_grad_norm must be None or > 0, got {max_grad_norm!r}"
             )
-        self.model = model.to(device)
+        if dp is not None and not isinstance(dp, DPSGD):
+            raise TypeError(f"dp must be a DPSGD or None, got {type(dp).__name__}")
+        self.dp = dp
+        if dp is not None:
+            sample_rate_of(train_loader, dp)  # fails now on a loader DP-SGD can't use
+        self.model = make_private_model(model, dp).to(device)
         self.train_loader = train_loader
         self.test_loader = test_loader
         self.local_epochs = local_epochs
@@ -297,17 +321,42 @@ class TorchClient(NumPyClient):
         model per step (APFL) overrides this instead.
         """
         term = self.gradient_term(config)
-        return train_local(
+        with self.training_run(self.make_optimizer(), term) as run:
+            return train_local(
+                run.model,
+                run.loader,
+                epochs=epochs,
+                optimizer=run.optimizer,
+                loss_fn=self.loss_fn,
+                term=run.term,
+                stop_after_epoch=self.stop_rule(config, term),
+                max_grad_norm=run.max_grad_norm,
+                max_steps=steps,
+                device=self.device,
+            )
+
+    def training_run(
+        self, optimizer: torch.optim.Optimizer, term: GradientTerm | None
+    ) -> ContextManager[TrainingRun]:
+        """What to train with: the plain model, or its DP-SGD wrapping (``dp``).
+
+        Every local solve goes through this, so privacy never depends on the
+        algorithm remembering it.
+        """
+        if self.dp is None:
+            return nullcontext(
+                TrainingRun(
+                    self.model, self.train_loader, optimizer, term, self.max_grad_norm
+                )
+            )
+        return dp_sgd(
             self.model,
             self.train_loader,
-            epochs=epochs,
-            optimizer=self.make_optimizer(),
-            loss_fn=self.loss_fn,
+            optimizer,
+            dp=self.dp,
+            ledger=PrivacyLedger(self.dp, self.state),
             term=term,
-            stop_after_epoch=self.stop_rule(config, term),
             max_grad_norm=self.max_grad_norm,
-            max_steps=steps,
-            device=self.device,
         )
 
     def make_optimizer(self) -> torch.optim.Optimizer:
@@ -336,6 +385,11 @@ class TorchClient(NumPyClient):
         steps = config.get(LOCAL_STEPS_KEY)
         self.round_lr = self.learning_rate * float(config.get(LR_SCALE_KEY, 1.0))
         metrics: dict[str, Any] = {}
+        if self.dp is not None and config.get(REPORT_GRADIENT_KEY, False):
+            raise ProtocolError(
+                "the server asks for the exact local gradient (monitor_dissimilarity"
+                "), which is not private; turn it off when clients use DP-SGD"
+            )
         if config.get(REPORT_GRADIENT_KEY, False):
             grads = full_gradient(
                 self.model, self.train_loader, self.loss_fn, device=self.device
@@ -344,9 +398,11 @@ class TorchClient(NumPyClient):
             metrics["grad-sq-norm"] = float(
                 sum(float((g.double() ** 2).sum()) for g in grads)
             )
-        report = self.local_solve(
-            config, epochs=epochs, steps=None if steps is None else int(steps)
-        )
+        steps = None if steps is None else int(steps)
+        spent_before = self.check_privacy_budget(epochs, steps)
+        report = self.local_solve(config, epochs=epochs, steps=steps)
+        if self.dp is not None:
+            metrics.update(self.privacy_report(spent_before, report.steps))
         if report.examples_seen == 0 and (epochs > 0 or steps):
             raise ValueError("the training loader yielded no examples")
         metrics.update(
@@ -361,6 +417,31 @@ class TorchClient(NumPyClient):
             metrics[CLIENT_KEY_METRIC] = self.client_key
         self.state.flush()
         return self.get_parameters({}), self.num_train_examples(), metrics
+
+    def check_privacy_budget(self, epochs: int, steps: int | None) -> float:
+        """Return epsilon spent so far; refuse a round that would exceed the budget."""
+        if self.dp is None:
+            return 0.0
+        ledger = PrivacyLedger(self.dp, self.state)
+        rate, _ = sample_rate_of(self.train_loader, self.dp)
+        planned = steps if steps is not None else epochs * len(self.train_loader)  # type: ignore[arg-type]
+        ledger.check_budget(rate, planned)
+        return ledger.epsilon()
+
+    def privacy_report(self, spent_before: float, steps: int) -> dict[str, float]:
+        """Log and return this round's DP-SGD spending."""
+        assert self.dp is not None
+        spent = PrivacyLedger(self.dp, self.state).epsilon()
+        rate, _ = sample_rate_of(self.train_loader, self.dp)
+        log_round(
+            f"{type(self).__name__} {self.client_key}",
+            self.server_round,
+            self.dp,
+            steps,
+            rate,
+            spent,
+        )
+        return epsilon_report(spent_before, spent, self.dp)
 
     def num_train_examples(self) -> int:
         """Return the number of local training examples (the weight)."""

@@ -23,3 +23,6 @@ ACCEPTED_ROUND_KEY = "accepted-round"
 ACCEPTED_KEYS_KEY = "accepted-keys"
 ACCEPTED_ROUNDS_KEY = "accepted-rounds"
 CLIENT_KEY_METRIC = "client-key"
+# An error reply whose reason starts with this (the client's exception name) comes
+# from a client whose privacy budget is spent: absent from now on, not failed.
+BUDGET_EXHAUSTED_REASON = "PrivacyBudgetExhausted"

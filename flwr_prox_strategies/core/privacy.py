@@ -42,15 +42,23 @@ def spend_epsilon(state_records: Any, epsilon: float) -> float:
     return total
 
 
-def privacy_metrics(totals: dict[int, float]) -> dict[str, float]:
-    """Summarise per-client epsilon totals (max, mean, clients that uploaded)."""
+def privacy_metrics(totals: dict[int, float]) -> dict[str, float | list[float]]:
+    """Summarise per-client epsilon totals: max, mean, and every client's.
+
+    ``dp-epsilon-total-per-client`` lists the totals in the order of
+    ``dp-epsilon-client-keys`` (sorted client keys), so ``results.json`` holds
+    every client's epsilon every round.
+    """
     if not totals:
         return {}
-    values = list(totals.values())
+    keys = sorted(totals)
+    values = [totals[k] for k in keys]
     return {
         "dp-epsilon-total-max": max(values),
         "dp-epsilon-total-mean": sum(values) / len(values),
         "dp-clients-reporting": len(values),
+        "dp-epsilon-total-per-client": values,
+        "dp-epsilon-client-keys": [float(k) for k in keys],
     }
 
 

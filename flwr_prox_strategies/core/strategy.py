@@ -263,6 +263,9 @@ class ValidatedFedAvg(FedAvg):
         # Privacy ledger: client key (or node id) -> epsilon spent so far, as the
         # clients report it (dp-epsilon-total); one report for every strategy.
         self.epsilon_totals: dict[int, float] = {}
+        # Nodes whose privacy budget is spent (they said so): never sampled for
+        # training again, like nodes that left.
+        self.retired_nodes: set[int] = set()
 
     # ------------------------------------------------------------------ info
     def __repr__(self) -> str:
@@ -314,12 +317,13 @@ class ValidatedFedAvg(FedAvg):
         fraction: float,
         minimum: int,
         stream: int,
+        exclude: set[int] | frozenset[int] = frozenset(),
     ) -> tuple[list[int], int]:
         """Sample nodes reproducibly for ``server_round``.
 
         The generator is seeded by ``(seed, server_round, stream)``: the sample
         depends on nothing else, so a resumed run samples exactly as an
-        uninterrupted one.
+        uninterrupted one. Nodes in ``exclude`` (retired) are never drawn.
 
         Returns
         -------
@@ -329,10 +333,13 @@ class ValidatedFedAvg(FedAvg):
         probe = sorted(grid.get_node_ids())
         size = max(int(len(probe) * fraction), minimum)
         nodes = self._connected_nodes(grid, max(self.min_available_nodes, size))
-        size = max(int(len(nodes) * fraction), minimum)
+        connected = len(nodes)
+        if exclude:
+            nodes = [n for n in nodes if n not in exclude]
+        size = min(max(int(len(nodes) * fraction), minimum), len(nodes))
         rng = np.random.default_rng([self.seed, server_round, stream])
         chosen = rng.choice(len(nodes), size=size, replace=False)
-        return sorted(nodes[i] for i in chosen), len(nodes)
+        return sorted(nodes[i] for i in chosen), connected
 
     def draw_stragglers(self, node_ids: list[int], server_round: int) -> dict[int, int]:
         """Return ``{node: epochs}`` for this round's stragglers (seeded per round)."""
@@ -479,6 +486,7 @@ class ValidatedFedAvg(FedAvg):
             "accepted": dict(self.accepted),
             "num-clients": self.num_clients,
             "epsilon-totals": dict(self.epsilon_totals),
+            "retired-nodes": sorted(self.retired_nodes),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -499,6 +507,7 @@ class ValidatedFedAvg(FedAvg):
         self.epsilon_totals = {
             int(k): float(v) for k, v in state.get("epsilon-totals", {}).items()
         }
+        self.retired_nodes = {int(n) for n in state.get("retired-nodes", [])}
         self.round_offset = self.rounds_completed
 
     # -------------------------------------------------------------- training
@@ -518,6 +527,7 @@ class ValidatedFedAvg(FedAvg):
             fraction=self.fraction_train,
             minimum=self.min_train_nodes,
             stream=0,
+            exclude=self.retired_nodes,
         )
         if self.num_clients is not None and num_connected != self.num_clients:
             raise RuntimeError(
@@ -530,6 +540,12 @@ class ValidatedFedAvg(FedAvg):
         if stragglers and self.straggler_policy == "drop":
             node_ids = [n for n in node_ids if n not in stragglers]
             log(INFO, "configure_train: dropping %d straggler(s)", len(stragglers))
+        if self.retired_nodes:
+            log(
+                INFO,
+                "configure_train: %d node(s) retired (privacy budget spent)",
+                len(self.retired_nodes),
+            )
         log(
             INFO,
             "configure_train: sampled %d nodes (out of %d)%s",
@@ -591,15 +607,17 @@ class ValidatedFedAvg(FedAvg):
         sampled: set[int] | None,
         phase: str,
         defer_finite: tuple[str, ...] = (),
-    ) -> tuple[list[ValidReply], int, int]:
-        """Validate replies; return the valid ones, #failed and #rejected.
+    ) -> tuple[list[ValidReply], int, int, int]:
+        """Validate replies; return the valid ones, #failed, #rejected, #absent.
 
         Error replies count as failures; replies that arrive but fail a check
-        count as rejected. Both are logged with the node and the reason.
+        count as rejected. Both are logged with the node and the reason. A
+        client that says its privacy budget is spent is absent, not failed: it
+        is retired from training (:attr:`retired_nodes`).
         """
         valid: list[ValidReply] = []
         seen: set[int] = set()
-        failed = rejected = 0
+        failed = rejected = absent = 0
         for message in replies:
             node_id = message.metadata.src_node_id
             try:
@@ -613,6 +631,19 @@ class ValidatedFedAvg(FedAvg):
                 if expected_arrays:
                     self.check_reply(reply)
             except ReplyRejected as err:
+                if err.kind == "budget-exhausted":
+                    absent += 1
+                    if phase == "aggregate_train":
+                        self.retired_nodes.add(node_id)
+                    log(
+                        INFO,
+                        "%s: round %d: node %d retires: %s",
+                        phase,
+                        server_round,
+                        node_id,
+                        err.reason,
+                    )
+                    continue
                 if err.kind == "error-reply":
                     failed += 1
                 else:
@@ -632,14 +663,15 @@ class ValidatedFedAvg(FedAvg):
             valid.append(reply)
         log(
             INFO,
-            "%s: round %d: %d valid, %d failed, %d rejected",
+            "%s: round %d: %d valid, %d failed, %d rejected%s",
             phase,
             server_round,
             len(valid),
             failed,
             rejected,
+            f", {absent} out of privacy budget" if absent else "",
         )
-        return valid, failed, rejected
+        return valid, failed, rejected, absent
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -654,7 +686,7 @@ class ValidatedFedAvg(FedAvg):
         # The model record's NaN/inf check is deferred: NaN and inf propagate
         # through the weighted sum, so one check of the result replaces one pass
         # over every reply; only a non-finite result pays for per-reply checks.
-        valid, failed, rejected = self.collect_replies(
+        valid, failed, rejected, absent = self.collect_replies(
             server_round,
             replies,
             expected_arrays=self.expected_train_arrays(server_round),
@@ -672,6 +704,7 @@ class ValidatedFedAvg(FedAvg):
             "replies-valid": len(valid),
             "replies-failed": failed,
             "replies-rejected": rejected,
+            "replies-absent": absent,
             # Array payload bytes of this round's messages (model, extra records).
             "bytes-sent": self._bytes_sent,
             "bytes-received": sum(
@@ -705,7 +738,9 @@ class ValidatedFedAvg(FedAvg):
         self.last_round_report.update(extra)
         return arrays, metrics
 
-    def record_privacy(self, replies: list[ValidReply]) -> dict[str, float]:
+    def record_privacy(
+        self, replies: list[ValidReply]
+    ) -> dict[str, float | list[float]]:
         """Update the privacy ledger from the replies' ``dp-epsilon-total``."""
         for reply in replies:
             total = reply.metrics.get(EPSILON_TOTAL_METRIC)
@@ -714,7 +749,19 @@ class ValidatedFedAvg(FedAvg):
             key = reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)
             key = int(key) if isinstance(key, (int, float)) else reply.node_id
             self.epsilon_totals[key] = max(self.epsilon_totals.get(key, 0.0), total)
-        return privacy_metrics(self.epsilon_totals)
+        metrics = privacy_metrics(self.epsilon_totals)
+        if metrics:
+            metrics["dp-clients-retired"] = len(self.retired_nodes)
+            log(
+                INFO,
+                "privacy: epsilon spent by %d client(s): max %.4g, mean %.4g; "
+                "%d retired (budget spent)",
+                metrics["dp-clients-reporting"],
+                metrics["dp-epsilon-total-max"],
+                metrics["dp-epsilon-total-mean"],
+                len(self.retired_nodes),
+            )
+        return metrics
 
     def _average_finite(
         self, server_round: int, valid: list[ValidReply]
@@ -815,7 +862,7 @@ class ValidatedFedAvg(FedAvg):
     ) -> MetricRecord | None:
         """Validate evaluation replies and average their metrics."""
         server_round += self.round_offset
-        valid, _, _ = self.collect_replies(
+        valid, *_ = self.collect_replies(
             server_round,
             replies,
             expected_arrays={},

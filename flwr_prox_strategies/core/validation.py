@@ -15,7 +15,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from numpy.typing import NDArray
 
-from .keys import NUM_EXAMPLES_KEY
+from .keys import BUDGET_EXHAUSTED_REASON, NUM_EXAMPLES_KEY
 from .records import RecordSpec, array_view
 
 
@@ -150,7 +150,13 @@ def validate_reply(
     """
     node_id = message.metadata.src_node_id
     if message.has_error():
-        raise ReplyRejected("error-reply", f"error reply: {message.error.reason}")
+        reason = str(message.error.reason)
+        kind = (
+            "budget-exhausted"
+            if reason.startswith(BUDGET_EXHAUSTED_REASON)
+            else "error-reply"
+        )
+        raise ReplyRejected(kind, f"error reply: {reason}")
     content = message.content
     # Each *_records property builds a new dict: read each once.
     array_records = content.array_records

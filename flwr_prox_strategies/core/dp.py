@@ -1,0 +1,382 @@
+r"""Sample-level differential privacy for every client: DP-SGD through opacus.
+
+A client built with ``dp=DPSGD(...)`` trains through opacus: a
+``GradSampleModule`` computes per-sample gradients, Poisson sampling draws each
+batch (every example joins with probability :math:`q = 1/\text{batches}`), and
+each step is
+
+.. math::
+
+    g = \frac{1}{qN}\Big(\sum_{i\in B}\mathrm{clip}_C(\nabla\ell_i(w))
+        + \mathcal N(0, \sigma^2C^2 I)\Big) + \nabla r(w), \qquad
+    w \leftarrow w - \eta\, g,
+
+where :math:`\nabla r` is the algorithm's extra gradient (FedProx's proximal
+term, FedDyn's dynamic regulariser, FedDC's drift correction, SCAFFOLD's
+control-variate correction). That term reads no data, only the model and state
+the server already holds or the client already privatised, so it is added
+*after* clipping and noise: clipping it would bias the algorithm and noising it
+would spend nothing useful. What leaves the client (its model, and every extra
+record computed from its models) is then post-processing of the noisy
+gradients, covered by the accountant.
+
+The accountant (opacus' RDP or PRV, the user's choice) counts every noisy step.
+Its history lives in the client's ``context.state`` because spending is
+irreversible: steps count even when the server rejects the reply. Each reply
+reports ``dp-epsilon`` (what this round added), ``dp-epsilon-total`` and
+``dp-delta``; the strategy collects the totals into one report
+(:func:`.privacy.privacy_metrics`). With ``target_epsilon`` a client that would
+exceed its budget in this round does not train: it answers with a
+:class:`PrivacyBudgetExhausted` error, which the pack's strategies count as an
+absent client, never as a failure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any, ContextManager
+
+import numpy as np
+import torch
+from flwr.common.logger import log
+from opacus import GradSampleModule
+from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
+from opacus.data_loader import DPDataLoader
+from opacus.optimizers import DPOptimizer
+from opacus.validators import ModuleValidator
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .privacy import EPSILON_METRIC, EPSILON_TOTAL_METRIC
+from .state import ClientState
+from .training import GradientTerm
+
+ACCOUNTANTS: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
+DELTA_METRIC = "dp-delta"
+_HISTORY = "dp-accountant-history"
+
+
+class PrivacyBudgetExhausted(Exception):  # noqa: N818 (the name is the wire reason)
+    """Training this round would take the client past its target epsilon.
+
+    The adapter sends ``"PrivacyBudgetExhausted: <message>"`` as the error
+    reply's reason (:data:`.keys.BUDGET_EXHAUSTED_REASON`), which tells the
+    strategy the client is absent from now on rather than failed.
+    """
+
+
+@dataclass(frozen=True)
+class DPSGD:
+    r"""Settings of sample-level DP-SGD on a client (opacus).
+
+    Parameters
+    ----------
+    noise_multiplier : float
+        :math:`\sigma \ge 0`, noise standard deviation over the clipping norm.
+    clipping_norm : float
+        :math:`C > 0`, the bound on each example's gradient norm.
+    delta : float (default: 1e-5)
+        The :math:`\delta` at which epsilon is reported, in (0, 1).
+    accountant : str (default: "rdp")
+        ``"rdp"`` (Rényi DP, Mironov 2017) or ``"prv"`` (privacy random
+        variables, Gopi et al. 2021: tighter, slower).
+    target_epsilon : float | None (default: None)
+        The client's budget: a round that would take it past this epsilon is
+        refused (:class:`PrivacyBudgetExhausted`). None: no budget.
+    poisson_sampling : bool (default: True)
+        Draw batches by Poisson sampling, which the accountants assume. False
+        keeps the loader's own batches (the figure is then only indicative).
+    fix_model : bool (default: False)
+        Replace layers opacus cannot train privately (BatchNorm -> GroupNorm)
+        with opacus' ``ModuleValidator.fix``. This changes the model's
+        ``state_dict``: build the server's model with :func:`make_private_model`
+        too. False: such a model is refused with the layer named.
+    """
+
+    noise_multiplier: float
+    clipping_norm: float
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    target_epsilon: float | None = None
+    poisson_sampling: bool = True
+    fix_model: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(
+                f"noise_multiplier must be a finite number >= 0, "
+                f"got {self.noise_multiplier!r}"
+            )
+        if not (math.isfinite(self.clipping_norm) and self.clipping_norm > 0):
+            raise ValueError(f"clipping_norm must be > 0, got {self.clipping_norm!r}")
+        if not (0 < self.delta < 1):
+            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(
+                f"accountant must be one of {sorted(ACCOUNTANTS)}, "
+                f"got {self.accountant!r}"
+            )
+        if self.target_epsilon is not None and not (
+            math.isfinite(self.target_epsilon) and self.target_epsilon > 0
+        ):
+            raise ValueError(
+                f"target_epsilon must be None or > 0, got {self.target_epsilon!r}"
+            )
+        if self.target_epsilon is not None and self.noise_multiplier == 0:
+            raise ValueError(
+                "target_epsilon needs noise_multiplier > 0: without noise no "
+                "finite epsilon is ever reached"
+            )
+
+
+def unsupported_layers(model: nn.Module) -> list[str]:
+    """Name every layer opacus cannot train privately, with opacus' reason."""
+    problems = []
+    for name, module in model.named_modules():
+        validator = ModuleValidator.VALIDATORS.get(type(module))
+        for error in validator(module) if validator is not None else []:
+            reason = str(error).split(". ")[0]
+            problems.append(f"'{name}' ({type(module).__name__}): {reason}")
+    return problems
+
+
+def make_private_model(model: nn.Module, dp: DPSGD | None) -> nn.Module:
+    """Return ``model`` ready for DP-SGD: checked, and fixed when ``dp.fix_model``.
+
+    Raises
+    ------
+    ValueError
+        Naming each layer opacus cannot handle, when ``fix_model`` is False.
+    """
+    if dp is None:
+        return model
+    if dp.fix_model:
+        model = ModuleValidator.fix(model)
+    problems = unsupported_layers(model)
+    if problems:
+        raise ValueError(
+            "DP-SGD cannot train this model: "
+            + "; ".join(problems)
+            + ". Pass DPSGD(fix_model=True) (Hydra: privacy.dp.fix_model=true) to "
+            "replace them with opacus' ModuleValidator.fix, on the server's model too."
+        )
+    return model
+
+
+class PrivacyLedger:
+    """A client's accountant, kept in its cross-round state."""
+
+    def __init__(self, dp: DPSGD, state: ClientState) -> None:
+        self.dp = dp
+        self.state = state
+
+    def accountant(self) -> IAccountant:
+        """Return an accountant holding every step spent so far."""
+        accountant = ACCOUNTANTS[self.dp.accountant]()
+        saved = self.state.get(_HISTORY)
+        if saved:
+            accountant.history = [
+                (float(sigma), float(rate), int(steps)) for sigma, rate, steps in saved[0]
+            ]
+        return accountant
+
+    def save(self, accountant: IAccountant) -> None:
+        """Commit the accountant's history (spending is never rolled back)."""
+        rows = np.asarray(accountant.history, dtype=np.float64).reshape(-1, 3)
+        self.state.set(_HISTORY, [rows])
+
+    def epsilon(self, accountant: IAccountant | None = None) -> float:
+        """Epsilon at ``delta`` of ``accountant`` (this ledger's when None)."""
+        accountant = accountant or self.accountant()
+        if not accountant.history:
+            return 0.0
+        if any(sigma == 0 for sigma, _, _ in accountant.history):
+            return math.inf
+        return float(accountant.get_epsilon(delta=self.dp.delta))
+
+    def projected(self, sample_rate: float, steps: int) -> float:
+        """Epsilon after ``steps`` more noisy steps at ``sample_rate``."""
+        accountant = self.accountant()
+        if steps > 0:
+            accountant.history.append(
+                (self.dp.noise_multiplier, float(sample_rate), int(steps))
+            )
+        return self.epsilon(accountant)
+
+    def check_budget(self, sample_rate: float, steps: int) -> None:
+        """Refuse the round if it would take the client past ``target_epsilon``."""
+        target = self.dp.target_epsilon
+        if target is None:
+            return
+        after = self.projected(sample_rate, steps)
+        if after > target:
+            raise PrivacyBudgetExhausted(
+                f"the client has spent epsilon={self.epsilon():.4g} (delta="
+                f"{self.dp.delta:g}); this round's {steps} DP-SGD steps would bring "
+                f"it to {after:.4g} > target_epsilon={target:g}, so it stops training"
+            )
+
+
+class _DPOptimizerWithTerm(DPOptimizer):
+    """opacus' DPOptimizer that adds the algorithm's term after privatisation."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        term: GradientTerm | None,
+        max_total_norm: float | None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.term = term
+        self.max_total_norm = max_total_norm
+
+    def step(self, closure: Any = None) -> Any:
+        """Clip per sample and add noise (opacus), then add the term, then step."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if not self.pre_step():
+            return None
+        if self.term is not None:
+            self.term.add_(self.params)
+        if self.max_total_norm is not None:  # post-processing: no privacy cost
+            torch.nn.utils.clip_grad_norm_(self.params, max_norm=self.max_total_norm)
+        return self.original_optimizer.step()
+
+
+@dataclass
+class TrainingRun:
+    """What a local solve trains with: plain, or wrapped by :func:`dp_sgd`."""
+
+    model: nn.Module
+    loader: Any
+    optimizer: torch.optim.Optimizer
+    term: GradientTerm | None
+    max_grad_norm: float | None
+    steps_per_epoch: int | None = None
+
+    def untracked(self) -> ContextManager[Any]:
+        """Context in which forward/backward passes compute no per-sample grads."""
+        if isinstance(self.model, GradSampleModule):
+            return _hooks_off(self.model)
+        return nullcontext()
+
+
+@contextmanager
+def _hooks_off(model: GradSampleModule) -> Iterator[None]:
+    model.disable_hooks()
+    try:
+        yield
+    finally:
+        model.enable_hooks()
+
+
+def sample_rate_of(loader: Any, dp: DPSGD) -> tuple[float, int]:
+    """Return (q, expected batch size) DP-SGD uses on ``loader``."""
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        raise ValueError(
+            "DP-SGD needs a torch DataLoader with a batch_size (it redraws its "
+            "batches by Poisson sampling and needs the data set size)"
+        )
+    batches = len(loader)
+    size = len(loader.dataset)  # type: ignore[arg-type]
+    if dp.poisson_sampling:
+        return 1.0 / batches, max(1, int(size / batches))
+    return min(1.0, loader.batch_size / size), loader.batch_size
+
+
+@contextmanager
+def dp_sgd(
+    model: nn.Module,
+    loader: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    dp: DPSGD,
+    ledger: PrivacyLedger,
+    term: GradientTerm | None,
+    max_grad_norm: float | None,
+) -> Iterator[TrainingRun]:
+    """Wrap a local solve in opacus; on exit, commit the steps spent.
+
+    ``model`` keeps its own parameters (the wrapper shares them) and loses the
+    per-sample hooks on exit, so it is the plain model again for the reply.
+    """
+    sample_rate, expected_batch = sample_rate_of(loader, dp)
+    private_model = GradSampleModule(model, loss_reduction="mean")
+    private_loader = (
+        DPDataLoader.from_data_loader(loader) if dp.poisson_sampling else loader
+    )
+    private_optimizer = _DPOptimizerWithTerm(
+        optimizer,
+        term=term,
+        max_total_norm=max_grad_norm,
+        noise_multiplier=dp.noise_multiplier,
+        max_grad_norm=dp.clipping_norm,
+        expected_batch_size=expected_batch,
+    )
+    accountant = ledger.accountant()
+    private_optimizer.attach_step_hook(
+        accountant.get_optimizer_hook_fn(sample_rate=sample_rate)
+    )
+    try:
+        yield TrainingRun(
+            model=private_model,
+            loader=private_loader,
+            optimizer=private_optimizer,
+            term=None,  # the optimiser adds it after privatisation
+            max_grad_norm=None,
+            steps_per_epoch=len(private_loader),
+        )
+    finally:
+        ledger.save(accountant)
+        private_model._close()
+        for p in model.parameters():
+            p.grad_sample = None  # type: ignore[attr-defined]
+
+
+def epsilon_report(before: float, after: float, dp: DPSGD) -> dict[str, float]:
+    """The metrics a DP-SGD client sends every round."""
+    return {
+        EPSILON_METRIC: after - before,
+        EPSILON_TOTAL_METRIC: after,
+        DELTA_METRIC: dp.delta,
+    }
+
+
+def log_round(client: str, server_round: int, dp: DPSGD, steps: int, q: float,
+              total: float) -> None:
+    """Say what DP-SGD spent this round (Flower's logger)."""
+    log(
+        INFO,
+        "%s: round %d: DP-SGD %d steps, sample rate %.4g, noise multiplier %.4g, "
+        "clipping norm %.4g: epsilon %.4g at delta %g (%s accountant)%s",
+        client,
+        server_round,
+        steps,
+        q,
+        dp.noise_multiplier,
+        dp.clipping_norm,
+        total,
+        dp.delta,
+        dp.accountant,
+        ""
+        if dp.target_epsilon is None
+        else f", budget {dp.target_epsilon:g}",
+    )
+
+
+__all__: Sequence[str] = [
+    "DPSGD",
+    "PrivacyBudgetExhausted",
+    "PrivacyLedger",
+    "TrainingRun",
+    "dp_sgd",
+    "make_private_model",
+    "unsupported_layers",
+]
