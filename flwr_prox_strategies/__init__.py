@@ -18,11 +18,13 @@ from .algorithms.scaffold import Scaffold, ScaffoldClient
 from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient
 from .core.adapter import to_client_app
 from .core.client import ProtocolError, TorchClient
+from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.privacy import LaplaceUploadMod
 from .core.strategy import ValidatedFedAvg
 
 __all__ = [
     "APFL",
+    "DPSGD",
     "PROXIMAL_MU_KEY",
     "APFLClient",
     "FedAvg",
@@ -37,6 +39,7 @@ __all__ = [
     "FedProxClient",
     "LaplaceUploadMod",
     "PFedAvg",
+    "PrivacyBudgetExhausted",
     "ProtocolError",
     "SFedAvg",
     "SFedAvgClient",
@@ -46,6 +49,7 @@ __all__ = [
     "ScaffoldClient",
     "TorchClient",
     "ValidatedFedAvg",
+    "make_private_model",
     "to_client_app",
 ]
 

@@ -479,86 +479,91 @@ class APFLClient(TorchClient):
         personal = self._personal_module(self._personal_params())
         omega = trainable(personal)
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        opt_theta = self.make_optimizer()
-        opt_omega = torch.optim.SGD(
-            omega,
-            lr=self.round_lr,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-        )
-        theta_sum = omega_sum = None
-        if average_a is not None:
-            omega_sum = self._caught_up_personal_sum(omega, first, average_a)
-            theta_sum = [torch.zeros_like(p, dtype=torch.float64) for p in theta]
-
-        self.model.train()
-        personal.train()
-        loss_sum = personal_loss_sum = 0.0
-        seen = 0
-        for step, (inputs, targets) in enumerate(
-            cycle_batches(self.train_loader, steps)
-        ):
-            t = first + step
-            lr = (
-                self.round_lr
-                if lr_mu is None
-                else decay_rate(t, float(lr_mu), float(lr_a or 0.0))
+        with self.training_run(self.make_optimizer(), None) as run:
+            opt_theta = run.optimizer
+            opt_omega = torch.optim.SGD(
+                omega,
+                lr=self.round_lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
             )
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            # Global copy: grad f_k(theta_k^t).
-            opt_theta.zero_grad(set_to_none=True)
-            out_theta = self.model(inputs)
-            loss = self.loss_fn(out_theta, targets)
-            loss.backward()
-            # Personal model: gradient at the mixture, from the values at t.
-            if mixing == "parameters":
-                mixed = {
-                    name: (
-                        alpha * w.detach() + (1 - alpha) * th.detach()
-                    ).requires_grad_()
-                    for name, w, th in zip(names, omega, theta, strict=True)
-                }
-                out = torch.func.functional_call(self.model, mixed, (inputs,))
-                personal_loss = self.loss_fn(out, targets)
-                mixture_grad = torch.autograd.grad(personal_loss, list(mixed.values()))
-                scale = 1.0 if gradient_form == "mixture" else alpha
-                for w, g in zip(omega, mixture_grad, strict=True):
-                    w.grad = scale * g
-                alpha_grad = sum(
-                    float(((w.detach() - th.detach()) * g).sum())
-                    for w, th, g in zip(omega, theta, mixture_grad, strict=True)
+            theta_sum = omega_sum = None
+            if average_a is not None:
+                omega_sum = self._caught_up_personal_sum(omega, first, average_a)
+                theta_sum = [torch.zeros_like(p, dtype=torch.float64) for p in theta]
+
+            self.model.train()
+            personal.train()
+            loss_sum = personal_loss_sum = 0.0
+            seen = 0
+            for step, (inputs, targets) in enumerate(cycle_batches(run.loader, steps)):
+                t = first + step
+                lr = (
+                    self.round_lr
+                    if lr_mu is None
+                    else decay_rate(t, float(lr_mu), float(lr_a or 0.0))
                 )
-            else:
-                weight = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
-                out_omega = personal(inputs)
-                out = weight * out_omega + (1 - weight) * out_theta.detach()
-                personal_loss = self.loss_fn(out, targets)
-                opt_omega.zero_grad(set_to_none=True)
-                personal_loss.backward()
-                assert weight.grad is not None
-                alpha_grad = float(weight.grad)
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(theta, max_norm=self.max_grad_norm)
-                torch.nn.utils.clip_grad_norm_(omega, max_norm=self.max_grad_norm)
-            for optimizer in (opt_theta, opt_omega):
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-            if adaptive:
-                alpha = min(1.0, max(0.0, alpha - lr * alpha_grad))
-            if (
-                theta_sum is not None
-                and omega_sum is not None
-                and average_a is not None
-            ):
-                weight_t = (t + 1 + average_a) ** 2
-                for acc, p in zip(theta_sum, theta, strict=True):
-                    acc.add_(p.detach().double(), alpha=weight_t)
-                for acc, p in zip(omega_sum, omega, strict=True):
-                    acc.add_(p.detach().double(), alpha=weight_t)
-            seen += len(targets)
-            loss_sum += float(loss.detach()) * len(targets)
-            personal_loss_sum += float(personal_loss.detach()) * len(targets)
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                # Global copy: grad f_k(theta_k^t).
+                opt_theta.zero_grad(set_to_none=True)
+                out_theta = run.model(inputs)
+                loss = self.loss_fn(out_theta, targets)
+                loss.backward()
+                # Personal model: gradient at the mixture, from the values at t.
+                if mixing == "parameters":
+                    mixed = {
+                        name: (
+                            alpha * w.detach() + (1 - alpha) * th.detach()
+                        ).requires_grad_()
+                        for name, w, th in zip(names, omega, theta, strict=True)
+                    }
+                    with run.untracked():  # no per-sample grads for the local omega
+                        out = torch.func.functional_call(self.model, mixed, (inputs,))
+                        personal_loss = self.loss_fn(out, targets)
+                        mixture_grad = torch.autograd.grad(
+                            personal_loss, list(mixed.values())
+                        )
+                    scale = 1.0 if gradient_form == "mixture" else alpha
+                    for w, g in zip(omega, mixture_grad, strict=True):
+                        w.grad = scale * g
+                    alpha_grad = sum(
+                        float(((w.detach() - th.detach()) * g).sum())
+                        for w, th, g in zip(omega, theta, mixture_grad, strict=True)
+                    )
+                else:
+                    weight = torch.tensor(
+                        alpha, dtype=torch.float64, requires_grad=True
+                    )
+                    out_omega = personal(inputs)
+                    out = weight * out_omega + (1 - weight) * out_theta.detach()
+                    personal_loss = self.loss_fn(out, targets)
+                    opt_omega.zero_grad(set_to_none=True)
+                    personal_loss.backward()
+                    assert weight.grad is not None
+                    alpha_grad = float(weight.grad)
+                if run.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(theta, max_norm=run.max_grad_norm)
+                if self.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(omega, max_norm=self.max_grad_norm)
+                for optimizer in (opt_theta, opt_omega):
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    optimizer.step()
+                if adaptive:
+                    alpha = min(1.0, max(0.0, alpha - lr * alpha_grad))
+                if (
+                    theta_sum is not None
+                    and omega_sum is not None
+                    and average_a is not None
+                ):
+                    weight_t = (t + 1 + average_a) ** 2
+                    for acc, p in zip(theta_sum, theta, strict=True):
+                        acc.add_(p.detach().double(), alpha=weight_t)
+                    for acc, p in zip(omega_sum, omega, strict=True):
+                        acc.add_(p.detach().double(), alpha=weight_t)
+                seen += len(targets)
+                loss_sum += float(loss.detach()) * len(targets)
+                personal_loss_sum += float(personal_loss.detach()) * len(targets)
 
         if not math.isfinite(alpha):
             raise ValueError("the adaptive mixture weight became non-finite")

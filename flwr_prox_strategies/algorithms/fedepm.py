@@ -345,6 +345,13 @@ class FedEPMClient(TorchClient):
 
     def __init__(self, *args: Any, ridge: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.dp is not None:
+            raise ValueError(
+                f"dp: {type(self).__name__} takes full-gradient steps and privatises "
+                "its upload with the seed's Laplace mechanism (the strategy's "
+                "noise-epsilon, reported as dp-epsilon like DP-SGD's); DP-SGD does "
+                "not apply to it"
+            )
         check_non_negative("ridge", ridge)
         self.ridge = float(ridge)
         self._round_metrics: dict[str, Any] = {}

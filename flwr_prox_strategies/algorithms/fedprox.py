@@ -125,6 +125,11 @@ class FedProxClient(TorchClient):
             isinstance(gamma, (int, float)) and 0.0 <= gamma <= 1.0
         ):
             raise ValueError(f"gamma must be None or a number in [0, 1], got {gamma!r}")
+        if gamma is not None and self.dp is not None:
+            raise ValueError(
+                "gamma: the gamma-inexact test reads the exact local gradient, which "
+                "DP-SGD does not release; use a fixed number of epochs with dp"
+            )
         self.gamma = None if gamma is None else float(gamma)
         self.last_inexactness = math.nan
 

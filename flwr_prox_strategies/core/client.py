@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import nullcontext
-from typing import Any, ClassVar, ContextManager
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -337,8 +337,8 @@ class TorchClient(NumPyClient):
 
     def training_run(
         self, optimizer: torch.optim.Optimizer, term: GradientTerm | None
-    ) -> ContextManager[TrainingRun]:
-        """What to train with: the plain model, or its DP-SGD wrapping (``dp``).
+    ) -> AbstractContextManager[TrainingRun]:
+        """Return what to train with: the model, or its DP-SGD wrapping (``dp``).
 
         Every local solve goes through this, so privacy never depends on the
         algorithm remembering it.
@@ -357,7 +357,14 @@ class TorchClient(NumPyClient):
             ledger=PrivacyLedger(self.dp, self.state),
             term=term,
             max_grad_norm=self.max_grad_norm,
+            seed=self.noise_seed(),
         )
+
+    def noise_seed(self) -> int | None:
+        """Seed of this round's DP noise and Poisson draws (None: unseeded)."""
+        if self.seed is None:
+            return None
+        return (self.seed * 1_000_003 + self.server_round) * 31 + 17
 
     def make_optimizer(self) -> torch.optim.Optimizer:
         """Build this round's optimiser (plain SGD)."""

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ContextManager
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +60,7 @@ DELTA_METRIC = "dp-delta"
 _HISTORY = "dp-accountant-history"
 
 
-class PrivacyBudgetExhausted(Exception):  # noqa: N818 (the name is the wire reason)
+class PrivacyBudgetExhausted(Exception):
     """Training this round would take the client past its target epsilon.
 
     The adapter sends ``"PrivacyBudgetExhausted: <message>"`` as the error
@@ -180,7 +180,8 @@ class PrivacyLedger:
         saved = self.state.get(_HISTORY)
         if saved:
             accountant.history = [
-                (float(sigma), float(rate), int(steps)) for sigma, rate, steps in saved[0]
+                (float(sigma), float(rate), int(steps))
+                for sigma, rate, steps in saved[0]
             ]
         return accountant
 
@@ -261,7 +262,7 @@ class TrainingRun:
     max_grad_norm: float | None
     steps_per_epoch: int | None = None
 
-    def untracked(self) -> ContextManager[Any]:
+    def untracked(self) -> AbstractContextManager[Any]:
         """Context in which forward/backward passes compute no per-sample grads."""
         if isinstance(self.model, GradSampleModule):
             return _hooks_off(self.model)
@@ -301,16 +302,23 @@ def dp_sgd(
     ledger: PrivacyLedger,
     term: GradientTerm | None,
     max_grad_norm: float | None,
+    seed: int | None = None,
 ) -> Iterator[TrainingRun]:
     """Wrap a local solve in opacus; on exit, commit the steps spent.
 
     ``model`` keeps its own parameters (the wrapper shares them) and loses the
     per-sample hooks on exit, so it is the plain model again for the reply.
+    With ``seed``, the noise and the Poisson draws come from
+    ``torch.Generator().manual_seed(seed)`` (noise first drawn for the first
+    step, parameter by parameter): reproducible, and checkable by hand.
     """
     sample_rate, expected_batch = sample_rate_of(loader, dp)
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
     private_model = GradSampleModule(model, loss_reduction="mean")
     private_loader = (
-        DPDataLoader.from_data_loader(loader) if dp.poisson_sampling else loader
+        DPDataLoader.from_data_loader(loader, generator=generator)
+        if dp.poisson_sampling
+        else loader
     )
     private_optimizer = _DPOptimizerWithTerm(
         optimizer,
@@ -319,6 +327,7 @@ def dp_sgd(
         noise_multiplier=dp.noise_multiplier,
         max_grad_norm=dp.clipping_norm,
         expected_batch_size=expected_batch,
+        generator=generator,
     )
     accountant = ledger.accountant()
     private_optimizer.attach_step_hook(
@@ -341,7 +350,7 @@ def dp_sgd(
 
 
 def epsilon_report(before: float, after: float, dp: DPSGD) -> dict[str, float]:
-    """The metrics a DP-SGD client sends every round."""
+    """Return the metrics a DP-SGD client sends every round."""
     return {
         EPSILON_METRIC: after - before,
         EPSILON_TOTAL_METRIC: after,
@@ -349,8 +358,9 @@ def epsilon_report(before: float, after: float, dp: DPSGD) -> dict[str, float]:
     }
 
 
-def log_round(client: str, server_round: int, dp: DPSGD, steps: int, q: float,
-              total: float) -> None:
+def log_round(
+    client: str, server_round: int, dp: DPSGD, steps: int, q: float, total: float
+) -> None:
     """Say what DP-SGD spent this round (Flower's logger)."""
     log(
         INFO,
@@ -365,9 +375,7 @@ def log_round(client: str, server_round: int, dp: DPSGD, steps: int, q: float,
         total,
         dp.delta,
         dp.accountant,
-        ""
-        if dp.target_epsilon is None
-        else f", budget {dp.target_epsilon:g}",
+        "" if dp.target_epsilon is None else f", budget {dp.target_epsilon:g}",
     )
 
 

@@ -700,7 +700,7 @@ class ValidatedFedAvg(FedAvg):
         rejected += before - len(valid)
         if keep is None and (failed or rejected) and not self.accept_failures:
             keep = "accept_failures=False and some replies failed or were rejected"
-        counts: dict[str, int | float] = {
+        counts: dict[str, Any] = {
             "replies-valid": len(valid),
             "replies-failed": failed,
             "replies-rejected": rejected,
@@ -714,6 +714,8 @@ class ValidatedFedAvg(FedAvg):
                 for record in reply.message.content.array_records.values()
             ),
         }
+        # Privacy spent is spent, even in a round whose model is not kept.
+        counts.update(self.record_privacy(valid))
         self.last_round_report = dict(counts)
         if keep is not None or arrays is None:
             log(
@@ -731,7 +733,6 @@ class ValidatedFedAvg(FedAvg):
                 self.accepted[client] = server_round
         if self.monitor_dissimilarity:
             extra.update(self.dissimilarity_metrics(valid))
-        extra.update(self.record_privacy(valid))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
         for key, value in {**counts, **extra}.items():
             metrics[key] = value

@@ -18,6 +18,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.dp import make_private_model
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # Keys of [tool.flwr.app.config] that `flwr run --run-config` may set.
@@ -107,21 +109,34 @@ def build_strategy(cfg: DictConfig, **runtime: Any) -> Any:
 
 
 def build_model(cfg: DictConfig) -> Any:
-    """Instantiate ``cfg.model``."""
-    return hydra.utils.instantiate(cfg.model)
+    """Instantiate ``cfg.model`` (made DP-SGD ready when ``privacy.dp`` is set).
+
+    Server and clients both build their model here, so opacus' fix (when
+    ``privacy.dp.fix_model``) gives both the same ``state_dict``.
+    """
+    return make_private_model(hydra.utils.instantiate(cfg.model), build_dp(cfg))
+
+
+def build_dp(cfg: DictConfig) -> Any:
+    """Instantiate ``cfg.privacy.dp`` (None without sample-level privacy)."""
+    node = cfg.get("privacy", {}).get("dp")
+    return None if node is None else hydra.utils.instantiate(node)
 
 
 def build_client(cfg: DictConfig, **runtime: Any) -> Any:
     """Instantiate ``cfg.client`` with the ``train`` settings and runtime objects."""
     train = cfg.train
-    return hydra.utils.instantiate(
-        _kwargs(cfg.client),
+    # Runtime objects go in after Hydra: it would turn a dataclass (DPSGD)
+    # into a DictConfig.
+    factory = hydra.utils.instantiate(_kwargs(cfg.client), _partial_=True)
+    return factory(
         local_epochs=int(train["local-epochs"]),
         learning_rate=float(train["learning-rate"]),
         momentum=float(train["momentum"]),
         weight_decay=float(train["weight-decay"]),
         max_grad_norm=train.get("max-grad-norm"),
         finetune_steps=int(train.get("finetune-steps", 0) or 0),
+        dp=build_dp(cfg),
         **runtime,
     )
 
