@@ -1,0 +1,219 @@
+"""Privacy benchmark: accuracy against epsilon for FedAvg, FedProx and FedDyn.
+
+Fashion-MNIST, 100 clients, Dirichlet(0.3) label split, MLP 784-200-200-10, 10%
+participation, E=1, B=50, lr 0.1; every client trains by DP-SGD (opacus: per-sample
+clipping at C=1, Gaussian noise, Poisson sampling, RDP accountant, delta=1e-5) at
+each of the noise multipliers given, and without privacy. One script run does every
+(strategy, noise) pair on the same engine, so the cost column compares like with
+like.
+
+Reports, per run: final and best central accuracy, the largest and the mean
+per-client epsilon at the end, seconds per round and its ratio to the same strategy
+without privacy. Writes ``privacy.csv`` (one row per run), ``privacy_curves.csv``
+(accuracy and max epsilon per round) and ``privacy.png`` (accuracy against epsilon)
+into ``--out``.
+
+Run::
+
+    python benchmarks/privacy.py --rounds 50 --sigmas 0.7 1.0 1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
+
+STRATEGIES = {
+    "fedavg": ["strategy=fedavg"],
+    "fedprox": ["strategy=fedprox", "strategy.mu=0.01"],
+    "feddyn": ["strategy=feddyn", "strategy.alpha=0.01", "client.decoupled_alpha=true"],
+}
+SETTING = [
+    "dataset=fashion-mnist",
+    "model=mlp",
+    "partition=dirichlet",
+    "partition.alpha=0.3",
+    "num-clients=100",
+    "strategy.fraction_train=0.1",
+    "train.local-epochs=1",
+    "train.batch-size=50",
+    "train.learning-rate=0.1",
+]
+
+
+def dp_overrides(sigma: float | None, clipping: float) -> list[str]:
+    if sigma is None:
+        return ["privacy=none"]
+    return [
+        "privacy=dp-sgd",
+        f"privacy.dp.noise_multiplier={sigma}",
+        f"privacy.dp.clipping_norm={clipping}",
+        "privacy.dp.delta=1e-5",
+        "privacy.dp.accountant=rdp",
+    ]
+
+
+def summarise(results: dict) -> dict:
+    rounds = results["rounds"]
+    elapsed = [r["elapsed-s"] for r in rounds]
+    trained = [r for r in rounds if "train" in r]
+    last = trained[-1]["train"] if trained else {}
+    curve = [
+        (
+            r["round"],
+            r["central"]["accuracy"],
+            r.get("train", {}).get("dp-epsilon-total-max", 0.0),
+        )
+        for r in rounds
+        if r.get("central")
+    ]
+    return {
+        "final": results["summary"]["final-accuracy"],
+        "best": results["summary"]["best-accuracy"],
+        "eps-max": last.get("dp-epsilon-total-max"),
+        "eps-mean": last.get("dp-epsilon-total-mean"),
+        "s-per-round": (elapsed[-1] - elapsed[0]) / max(len(rounds) - 1, 1),
+        "curve": curve,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--sigmas", type=float, nargs="+", default=[0.7, 1.0, 1.5])
+    parser.add_argument("--clipping", type=float, default=1.0)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine",
+        choices=["inprocess", "flwr"],
+        default="inprocess",
+        help="inprocess: the strategies and ClientApp in one process (fast, "
+        "timing without simulation overhead); flwr: a real `flwr run` per run",
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/privacy"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    rows, curves = [], []
+    noise_levels: list[float | None] = [None, *args.sigmas]
+    for strategy in args.strategies:
+        for sigma in noise_levels:
+            overrides = [
+                *SETTING,
+                *STRATEGIES[strategy],
+                *dp_overrides(sigma, args.clipping),
+                f"num-rounds={args.rounds}",
+                f"seed={args.seed}",
+            ]
+            with tempfile.TemporaryDirectory() as tmp:
+                if args.engine == "flwr":
+                    path = flwr_run(overrides, Path(tmp), num_supernodes=100)
+                else:
+                    path = run_inprocess(overrides, Path(tmp), 100)
+                results = json.loads(Path(path).read_text())
+            summary = summarise(results)
+            label = "none" if sigma is None else f"{sigma:g}"
+            rows.append({"strategy": strategy, "sigma": label, **summary})
+            curves.extend(
+                {
+                    "strategy": strategy,
+                    "sigma": label,
+                    "round": r,
+                    "accuracy": a,
+                    "epsilon-max": e,
+                }
+                for r, a, e in summary["curve"]
+            )
+            print(
+                f"{strategy:8s} sigma={label:5s} final {summary['final']:.4f} "
+                f"eps-max {summary['eps-max'] or 0:.3f} "
+                f"{summary['s-per-round']:.2f} s/round",
+                flush=True,
+            )
+    baseline = {r["strategy"]: r["s-per-round"] for r in rows if r["sigma"] == "none"}
+    for row in rows:
+        row["cost-x"] = row["s-per-round"] / baseline[row["strategy"]]
+
+    fields = [
+        "strategy",
+        "sigma",
+        "final",
+        "best",
+        "eps-max",
+        "eps-mean",
+        "s-per-round",
+        "cost-x",
+    ]
+    with open(args.out / "privacy.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(args.out / "privacy_curves.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(
+            handle, fieldnames=["strategy", "sigma", "round", "accuracy", "epsilon-max"]
+        )
+        writer.writeheader()
+        writer.writerows(curves)
+
+    print(
+        f"\n{'strategy':9s}{'sigma':>6s}{'final':>8s}{'best':>8s}{'eps-max':>9s}"
+        f"{'eps-mean':>9s}{'s/rnd':>7s}{'cost':>6s}"
+    )
+    for row in rows:
+        eps_max = "-" if row["eps-max"] is None else f"{row['eps-max']:.3f}"
+        eps_mean = "-" if row["eps-mean"] is None else f"{row['eps-mean']:.3f}"
+        print(
+            f"{row['strategy']:9s}{row['sigma']:>6s}{row['final']:8.4f}"
+            f"{row['best']:8.4f}{eps_max:>9s}{eps_mean:>9s}"
+            f"{row['s-per-round']:7.2f}{row['cost-x']:5.1f}x"
+        )
+    plot(rows, args.out / "privacy.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(
+        1,
+        len({r["strategy"] for r in rows}),
+        figsize=(13, 4),
+        sharey=True,
+        squeeze=False,
+    )
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    for ax, strategy in zip(axes[0], strategies, strict=True):
+        for row in (r for r in rows if r["strategy"] == strategy):
+            rounds = [(a, e) for _, a, e in row["curve"] if e]
+            if row["sigma"] == "none":
+                ax.axhline(
+                    row["final"],
+                    color="black",
+                    linestyle="--",
+                    label="no privacy (final)",
+                )
+            elif rounds:
+                accs, eps = zip(*rounds, strict=True)
+                ax.plot(eps, accs, marker=".", label=f"sigma={row['sigma']}")
+        ax.set(xlabel="epsilon (max over clients, delta=1e-5)", title=strategy)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("central test accuracy")
+    fig.suptitle("DP-SGD on every client: Fashion-MNIST, 100 clients, Dirichlet(0.3)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
