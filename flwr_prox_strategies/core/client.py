@@ -433,12 +433,12 @@ class TorchClient(NumPyClient):
         rate, _ = sample_rate_of(self.train_loader, self.dp)
         planned = steps if steps is not None else epochs * len(self.train_loader)  # type: ignore[arg-type]
         ledger.check_budget(rate, planned)
-        return ledger.epsilon()
+        return ledger.spent()
 
     def privacy_report(self, spent_before: float, steps: int) -> dict[str, float]:
         """Log and return this round's DP-SGD spending."""
         assert self.dp is not None
-        spent = PrivacyLedger(self.dp, self.state).epsilon()
+        spent = PrivacyLedger(self.dp, self.state).spent()
         rate, _ = sample_rate_of(self.train_loader, self.dp)
         log_round(
             f"{type(self).__name__} {self.client_key}",

@@ -58,6 +58,7 @@ from .training import GradientTerm
 ACCOUNTANTS: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
 DELTA_METRIC = "dp-delta"
 _HISTORY = "dp-accountant-history"
+_SPENT = "dp-sgd-epsilon"
 
 
 class PrivacyBudgetExhausted(Exception):
@@ -186,9 +187,14 @@ class PrivacyLedger:
         return accountant
 
     def save(self, accountant: IAccountant) -> None:
-        """Commit the accountant's history (spending is never rolled back)."""
+        """Commit the accountant's history and its epsilon (never rolled back)."""
         rows = np.asarray(accountant.history, dtype=np.float64).reshape(-1, 3)
         self.state.set(_HISTORY, [rows])
+        self.state.set_scalar(_SPENT, self.epsilon(accountant))
+
+    def spent(self) -> float:
+        """Epsilon spent so far (as computed when the steps were committed)."""
+        return self.state.scalar(_SPENT, 0.0)
 
     def epsilon(self, accountant: IAccountant | None = None) -> float:
         """Epsilon at ``delta`` of ``accountant`` (this ledger's when None)."""
@@ -216,7 +222,7 @@ class PrivacyLedger:
         after = self.projected(sample_rate, steps)
         if after > target:
             raise PrivacyBudgetExhausted(
-                f"the client has spent epsilon={self.epsilon():.4g} (delta="
+                f"the client has spent epsilon={self.spent():.4g} (delta="
                 f"{self.dp.delta:g}); this round's {steps} DP-SGD steps would bring "
                 f"it to {after:.4g} > target_epsilon={target:g}, so it stops training"
             )
