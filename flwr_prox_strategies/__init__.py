@@ -17,6 +17,7 @@ from .algorithms.pfedavg import PFedAvg
 from .algorithms.scaffold import Scaffold, ScaffoldClient
 from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient
 from .core.adapter import to_client_app
+from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
 from .core.client import ProtocolError, TorchClient
 from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.privacy import LaplaceUploadMod
@@ -27,6 +28,7 @@ __all__ = [
     "DPSGD",
     "PROXIMAL_MU_KEY",
     "APFLClient",
+    "ClientSideFixedClipping",
     "FedAvg",
     "FedAvgClient",
     "FedDC",
@@ -47,6 +49,7 @@ __all__ = [
     "SFedProxClient",
     "Scaffold",
     "ScaffoldClient",
+    "ServerSideFixedClipping",
     "TorchClient",
     "ValidatedFedAvg",
     "make_private_model",

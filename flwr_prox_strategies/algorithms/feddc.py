@@ -201,6 +201,17 @@ class FedDC(ValidatedFedAvg):
         return {}
 
     # -------------------------------------------------------------- state
+    def central_dp_caveats(self) -> list[str]:
+        """Add what the server keeps from un-noised aggregates."""
+        return [
+            *super().central_dp_caveats(),
+            (
+                "FedDC's clients upload their drift and the server keeps the un- "
+                "noised mean of it in the next model: neither is clipped nor noised "
+                "by the wrapper"
+            ),
+        ]
+
     def state_dict(self) -> dict[str, Any]:
         """Add H, c and g to the base's state."""
         state = super().state_dict()

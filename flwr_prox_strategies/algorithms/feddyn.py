@@ -207,6 +207,18 @@ class FedDyn(ValidatedFedAvg):
         norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.drift_sum.values())))
         return {"feddyn-drift-norm": norm / (self.num_clients or 1)}
 
+    def central_dp_caveats(self) -> list[str]:
+        """Add what the server keeps from un-noised aggregates."""
+        return [
+            *super().central_dp_caveats(),
+            (
+                "FedDyn's server state h accumulates the un-noised mean of the "
+                "clipped client models and every later global model carries "
+                "h/alpha, so a client's contribution is released again each round: "
+                "the wrapper's per-round epsilon understates FedDyn's"
+            ),
+        ]
+
     def state_dict(self) -> dict[str, Any]:
         r"""Add :math:`\Lambda` to the base's state."""
         state = super().state_dict()

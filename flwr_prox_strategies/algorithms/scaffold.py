@@ -177,6 +177,17 @@ class Scaffold(ValidatedFedAvg):
         norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.control.c.values())))
         return {"control-norm": norm}
 
+    def central_dp_caveats(self) -> list[str]:
+        """Add what the server keeps from un-noised aggregates."""
+        return [
+            *super().central_dp_caveats(),
+            (
+                "SCAFFOLD's server control variate c is the un-noised mean of the "
+                "clients' control-variate updates and is sent to every client: the "
+                "wrapper's epsilon does not cover it"
+            ),
+        ]
+
     def state_dict(self) -> dict[str, Any]:
         """Add :math:`c` to the base's state."""
         state = super().state_dict()

@@ -49,6 +49,7 @@ from .keys import (
     ACCEPTED_KEYS_KEY,
     ACCEPTED_ROUND_KEY,
     ACCEPTED_ROUNDS_KEY,
+    BUDGET_EXHAUSTED_REASON,
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
@@ -633,7 +634,7 @@ class ValidatedFedAvg(FedAvg):
             except ReplyRejected as err:
                 if err.kind == "budget-exhausted":
                     absent += 1
-                    if phase == "aggregate_train":
+                    if phase != "aggregate_evaluate":
                         self.retired_nodes.add(node_id)
                     log(
                         INFO,
@@ -738,6 +739,60 @@ class ValidatedFedAvg(FedAvg):
             metrics[key] = value
         self.last_round_report.update(extra)
         return arrays, metrics
+
+    def screen_replies(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> list[Message]:
+        """Return the replies :meth:`aggregate_train` would use, and error replies.
+
+        For wrappers that read replies before this strategy does (Flower's
+        central-DP wrappers, :mod:`.central`): malformed replies are rejected
+        and logged here; error replies are passed on for the wrapper's own
+        policy; a client out of privacy budget is retired (absent).
+        """
+        replies = list(replies)
+        errors = [
+            m
+            for m in replies
+            if m.has_error()
+            and not str(m.error.reason).startswith(BUDGET_EXHAUSTED_REASON)
+        ]
+        valid, *_ = self.collect_replies(
+            server_round + self.round_offset,
+            [m for m in replies if not any(m is e for e in errors)],
+            expected_arrays=self.expected_train_arrays(
+                server_round + self.round_offset
+            ),
+            sampled=self._train_nodes,
+            phase="screen_train",
+        )
+        return errors + [r.message for r in valid if r.message is not None]
+
+    def extra_reply_records(self) -> list[str]:
+        """Name the ArrayRecords a train reply carries besides the model."""
+        known = self._global_spec
+        if known is None:  # before round 1: only the record names are needed
+            self._global_spec = {}
+        try:
+            names = set(self.expected_train_arrays(1))
+        finally:
+            self._global_spec = known
+        return sorted(names - {self.arrayrecord_key})
+
+    def central_dp_caveats(self) -> list[str]:
+        """Say what central DP's noise on the aggregated model does not cover.
+
+        Flower's fixed-clipping wrappers clip each update and noise the
+        aggregate; anything else a client uploads, or the server keeps from
+        un-noised aggregates, is outside their epsilon.
+        """
+        extra = self.extra_reply_records()
+        if not extra:
+            return []
+        return [
+            f"replies also carry {extra}, which central DP neither clips as "
+            "updates nor noises; its epsilon covers the model only"
+        ]
 
     def record_privacy(
         self, replies: list[ValidReply]

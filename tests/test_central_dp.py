@@ -1,0 +1,148 @@
+"""Central DP: the pack's strategies inside Flower's fixed-clipping wrappers.
+
+The contract suite again, with every strategy wrapped: a bad reply must leave the
+released model, the metrics and the strategy's state exactly as the same round
+without it (the wrapper's Gaussian noise is seeded identically for both rounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideFixedClipping,
+)
+
+from flwr_prox_strategies import (
+    ClientSideFixedClipping,
+    FedAvg,
+    FedDyn,
+    ServerSideFixedClipping,
+)
+
+from .helpers import error_reply, model_arrays, record, sampling_grid
+from .test_contract import (
+    BAD_REPLIES,
+    NUM_NODES,
+    STRATEGIES,
+    assert_same_state,
+    build_reply,
+    good_content,
+    to_np,
+)
+
+# P-FedAvg sends each server group its own model: not a single global release.
+PACK = sorted(name for name in STRATEGIES if not name.startswith("pfedavg"))
+WRAPPERS: dict[str, Callable] = {
+    "server-side": ServerSideFixedClipping,
+    "client-side": ClientSideFixedClipping,
+    # Flower's own client-side wrapper needs no screening: clipping is the
+    # clients' job, and the wrapped strategy sees every reply first.
+    "flower-client-side": DifferentialPrivacyClientSideFixedClipping,
+}
+
+
+def wrapped(wrapper: str, name: str):
+    inner = STRATEGIES[name]()
+    return WRAPPERS[wrapper](
+        inner, noise_multiplier=0.3, clipping_norm=5.0, num_sampled_clients=NUM_NODES
+    )
+
+
+def setup(wrapper: str, name: str):
+    strategy = wrapped(wrapper, name)
+    messages = list(
+        strategy.configure_train(
+            1, record(model_arrays()), ConfigRecord(), sampling_grid(NUM_NODES)
+        )
+    )
+    good = [
+        build_reply(m, good_content(strategy.strategy, i), n=10 + i)
+        for i, m in enumerate(messages)
+    ]
+    return strategy, messages, good
+
+
+def aggregate(strategy, replies):
+    np.random.seed(1234)  # Flower's noise draws from numpy's global generator
+    return strategy.aggregate_train(1, replies)
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("name", PACK)
+@pytest.mark.parametrize("kind", sorted(set(BAD_REPLIES) - {"error-reply"}))
+def test_bad_reply_is_as_if_absent_inside_the_wrapper(wrapper, name, kind) -> None:
+    if wrapper == "server-side" and STRATEGIES[name]().extra_reply_records():
+        pytest.skip("server-side clipping treats every reply record as a model")
+    with_bad, messages, good = setup(wrapper, name)
+    without_bad, _, good_b = setup(wrapper, name)
+    bad = BAD_REPLIES[kind](with_bad.strategy, messages[0], good)
+    if kind == "duplicate":
+        replies_a, replies_b = [good[0], bad, *good[1:]], good_b
+    else:
+        replies_a, replies_b = [bad, *good[1:]], good_b[1:]
+    arrays_a, metrics_a = aggregate(with_bad, replies_a)
+    arrays_b, metrics_b = aggregate(without_bad, replies_b)
+    a, b = to_np(arrays_a), to_np(arrays_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].tobytes() == b[key].tobytes(), key
+    assert_same_state(with_bad.strategy.state_dict(), without_bad.strategy.state_dict())
+    ignore = {"replies-failed", "replies-rejected"}
+    assert {k: v for k, v in metrics_a.items() if k not in ignore} == {
+        k: v for k, v in metrics_b.items() if k not in ignore
+    }
+    assert sum(with_bad.strategy.rejections.values()) == 1
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+@pytest.mark.parametrize("name", PACK)
+def test_error_reply_skips_the_round_and_touches_nothing(wrapper, name) -> None:
+    """Flower's policy: no aggregation with an error in the round (noise is
+    calibrated to the number of sampled clients)."""
+    strategy, messages, good = setup(wrapper, name)
+    reference, _, _ = setup(wrapper, name)
+    arrays, _ = aggregate(strategy, [error_reply(messages[0]), *good[1:]])
+    assert arrays is None
+    assert_same_state(reference.strategy.state_dict(), strategy.strategy.state_dict())
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_released_model_is_the_clipped_aggregate_plus_noise(wrapper) -> None:
+    strategy, _, good = setup(wrapper, "fedavg-uniform")
+    _, _, good_plain = setup(wrapper, "fedavg-uniform")
+    noisy = to_np(aggregate(strategy, good)[0])
+    # The replies' updates are far outside the clipping norm: clip by hand.
+    base = model_arrays()
+    updates = []
+    for reply in good_plain:
+        sent = {k: v.numpy() for k, v in reply.content["arrays"].items()}
+        delta = {k: sent[k] - base[k] for k in base}
+        norm = np.sqrt(
+            sum(float((d.astype(np.float64) ** 2).sum()) for d in delta.values())
+        )
+        factor = min(1.0, 5.0 / norm)
+        updates.append({k: base[k] + factor * d for k, d in delta.items()})
+    if wrapper != "server-side":  # clients clip (fixedclipping_mod): not here
+        updates = [
+            {k: v.numpy() for k, v in r.content["arrays"].items()} for r in good_plain
+        ]
+    mean = {k: np.mean([u[k] for u in updates], axis=0) for k in base}
+    np.random.seed(1234)
+    std = 0.3 * 5.0 / NUM_NODES
+    for key in base:  # Flower draws noise array by array, in record order
+        expected = mean[key] + np.random.normal(0, std, mean[key].shape)
+        np.testing.assert_allclose(noisy[key], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_caveats_name_what_central_dp_does_not_cover(caplog) -> None:
+    assert FedAvg(min_available_nodes=2).central_dp_caveats() == []
+    caveats = FedDyn(alpha=0.1, num_clients=2).central_dp_caveats()
+    assert any("h" in c and "understates" in c for c in caveats)
+    scaffold = STRATEGIES["scaffold"]()
+    assert any("control" in c for c in scaffold.central_dp_caveats())
+    ServerSideFixedClipping(scaffold, 1.0, 1.0, 5)
+    assert "SCAFFOLD" in caplog.text
