@@ -359,3 +359,6 @@ def test_every_client_trains_privately_from_the_privacy_group(
     assert len(per_client) == 3 and all(0 < e < math.inf for e in per_client)
     assert train["dp-epsilon-total-max"] == max(per_client)
     assert results["summary"]["final-accuracy"] is not None
+    assert results["summary"]["final-epsilon-max"] == max(per_client)
+    assert results["summary"]["delta"] == pytest.approx(1e-5)
+    assert (tmp_path / "privacy.png").stat().st_size > 0

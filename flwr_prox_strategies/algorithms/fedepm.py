@@ -89,7 +89,12 @@ from numpy.typing import NDArray
 
 from ..core.client import TorchClient
 from ..core.keys import CLIENT_KEY_METRIC
-from ..core.privacy import EPSILON_METRIC, EPSILON_TOTAL_METRIC, spend_epsilon
+from ..core.privacy import (
+    DELTA_METRIC,
+    EPSILON_METRIC,
+    EPSILON_TOTAL_METRIC,
+    spend_epsilon,
+)
 from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
 from ..core.strategy import (
     ValidatedFedAvg,
@@ -447,6 +452,7 @@ class FedEPMClient(TorchClient):
             "laplace-scale": scale,
             EPSILON_METRIC: epsilon,
             EPSILON_TOTAL_METRIC: spend_epsilon(self.state.records, epsilon),
+            DELTA_METRIC: 0.0,  # pure epsilon-DP
         }
 
     def after_training(

@@ -51,12 +51,11 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .privacy import EPSILON_METRIC, EPSILON_TOTAL_METRIC
+from .privacy import DELTA_METRIC, EPSILON_METRIC, EPSILON_TOTAL_METRIC
 from .state import ClientState
 from .training import GradientTerm
 
 ACCOUNTANTS: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
-DELTA_METRIC = "dp-delta"
 _HISTORY = "dp-accountant-history"
 _SPENT = "dp-sgd-epsilon"
 

@@ -29,6 +29,8 @@ from .records import to_ndarrays
 
 EPSILON_METRIC = "dp-epsilon"
 EPSILON_TOTAL_METRIC = "dp-epsilon-total"
+# 0 for pure epsilon-DP (Laplace), the accountant's delta for DP-SGD.
+DELTA_METRIC = "dp-delta"
 _SPENT = "scalar:dp-epsilon-spent"
 
 
@@ -149,6 +151,7 @@ class LaplaceUploadMod:
             reply.content["metrics"] = metrics
         metrics[EPSILON_METRIC] = self.epsilon
         metrics[EPSILON_TOTAL_METRIC] = total
+        metrics[DELTA_METRIC] = 0.0
         log(
             INFO,
             "LaplaceUploadMod: update L1 norm %.4g clipped to %.4g, Laplace scale "

@@ -54,6 +54,7 @@ def summarise(rounds: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "rounds-to-target": reached[0] if reached else None,
         "target-accuracy": target,
         **summarise_clients(rounds),
+        **summarise_privacy(rounds),
     }
 
 
@@ -64,6 +65,19 @@ CLIENT_SUMMARY = {
     "final-global-accuracy-on-clients-mean": "accuracy-clients-mean",
     "final-global-accuracy-on-clients-worst": "accuracy-worst",
 }
+
+
+def summarise_privacy(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Privacy spent by the end: the largest and the mean per-client epsilon."""
+    spent = [r["train"] for r in rounds if "dp-epsilon-total-max" in r.get("train", {})]
+    if not spent:
+        return {}
+    last = spent[-1]
+    return {
+        "final-epsilon-max": last["dp-epsilon-total-max"],
+        "final-epsilon-mean": last["dp-epsilon-total-mean"],
+        "delta": last.get("dp-delta"),
+    }
 
 
 def summarise_clients(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,10 +191,46 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     paths.append(path)
-    clients = plot_clients(results, output_dir)
-    if clients is not None:
-        paths.append(clients)
+    for extra in (plot_clients(results, output_dir), plot_privacy(results, output_dir)):
+        if extra is not None:
+            paths.append(extra)
     return paths
+
+
+def plot_privacy(results: Mapping[str, Any], output_dir: Path) -> Path | None:
+    """Central accuracy against epsilon spent, and epsilon per round."""
+    points = [
+        (
+            r["round"],
+            r["train"]["dp-epsilon-total-max"],
+            r["train"]["dp-epsilon-total-mean"],
+            (r.get("central") or {}).get("accuracy"),
+        )
+        for r in results["rounds"]
+        if "dp-epsilon-total-max" in r.get("train", {})
+    ]
+    if not points:
+        return None
+    rounds, eps_max, eps_mean, accuracy = zip(*points, strict=True)
+    fig, (ax_acc, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
+    if any(a is not None for a in accuracy):
+        ax_acc.plot(eps_max, accuracy, marker=".")
+    ax_acc.set(
+        xlabel="epsilon (largest over clients)",
+        ylabel="central accuracy",
+        title="accuracy against privacy spent",
+    )
+    ax_eps.plot(rounds, eps_max, marker=".", label="largest client")
+    ax_eps.plot(rounds, eps_mean, marker=".", label="mean over clients")
+    ax_eps.set(xlabel="round", ylabel="epsilon", title="epsilon spent")
+    for ax in (ax_acc, ax_eps):
+        ax.grid(alpha=0.3)
+    ax_eps.legend(fontsize=7)
+    fig.tight_layout()
+    path = output_dir / "privacy.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_clients(results: Mapping[str, Any], output_dir: Path) -> Path | None:

@@ -231,6 +231,14 @@ def run_experiment(
             summary.get("final-global-accuracy-on-clients-mean"),
             summary.get("final-global-accuracy-on-clients-worst"),
         )
+    if "final-epsilon-max" in summary:
+        log(
+            INFO,
+            "Privacy spent per client: epsilon max %.4g, mean %.4g (delta %s)",
+            summary["final-epsilon-max"],
+            summary["final-epsilon-mean"],
+            summary["delta"],
+        )
     log(INFO, "Results: %s", output_dir / "results.json")
     log(INFO, "Plots: %s", ", ".join(str(p) for p in plots))
     log(INFO, "Output folder: %s", output_dir)
