@@ -34,6 +34,7 @@ absent client, never as a failure.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -265,7 +266,6 @@ class TrainingRun:
     optimizer: torch.optim.Optimizer
     term: GradientTerm | None
     max_grad_norm: float | None
-    steps_per_epoch: int | None = None
 
     def untracked(self) -> AbstractContextManager[Any]:
         """Context in which forward/backward passes compute no per-sample grads."""
@@ -339,14 +339,16 @@ def dp_sgd(
         accountant.get_optimizer_hook_fn(sample_rate=sample_rate)
     )
     try:
-        yield TrainingRun(
-            model=private_model,
-            loader=private_loader,
-            optimizer=private_optimizer,
-            term=None,  # the optimiser adds it after privatisation
-            max_grad_norm=None,
-            steps_per_epoch=len(private_loader),
-        )
+        with warnings.catch_warnings():
+            # opacus' hooks on a first layer whose input needs no gradient.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            yield TrainingRun(
+                model=private_model,
+                loader=private_loader,
+                optimizer=private_optimizer,
+                term=None,  # the optimiser adds it after privatisation
+                max_grad_norm=None,
+            )
     finally:
         ledger.save(accountant)
         private_model._close()

@@ -85,6 +85,34 @@ def test_pfedavg_through_the_engine(tmp_path: Path) -> None:
     assert last["train"]["consensus-distance"] > 0  # a ring of 4 is not complete
 
 
+def test_dp_sgd_through_the_engine(tmp_path: Path) -> None:
+    """opacus inside the simulation's workers; epsilon per client in results.json;
+    a client whose budget runs out retires and the run goes on."""
+    output = tmp_path / "out"
+    with managed_engine(tmp_path / "home") as env:
+        reply = flwr_run(
+            env,
+            "--federation-config",
+            "num-supernodes=4 client-resources-num-cpus=1",
+            "--run-config",
+            f"overrides='strategy=feddyn privacy=dp-sgd privacy.dp.target_epsilon=3.3 "
+            f"{SMALL}' output-dir='{output}'",
+        )
+        status = run_status(reply["run-id"], env)
+        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[
+            -3000:
+        ]
+    results = json.loads((output / "results.json").read_text())
+    assert results["summary"]["complete"] is True
+    trained = [r["train"] for r in results["rounds"] if "train" in r]
+    spent = trained[-1]["dp-epsilon-total-per-client"]
+    assert len(spent) == 4 and max(spent) <= 3.3
+    assert sum(t["replies-absent"] for t in trained) >= 1  # someone retired
+    assert all(t["replies-failed"] == 0 for t in trained)
+    assert results["summary"]["final-epsilon-max"] == max(spent)
+    assert (output / "privacy.png").stat().st_size > 10_000
+
+
 def test_node_count_mismatch_fails_fast_with_the_fix(tmp_path: Path) -> None:
     with managed_engine(tmp_path / "home") as env:
         reply = flwr_run(
