@@ -242,7 +242,8 @@ class FedDCClient(TorchClient):
     r"""FedDC client: drift-penalised, gradient-corrected local SGD.
 
     Keeps :math:`h_i` and :math:`c_i` (official) or :math:`g_i` (seed) in
-    ``context.state``. Parameters as
+    ``context.state``. With ``dp``, the drift penalty and the gradient correction
+    read no data and are added after DP-SGD's clipping and noise. Parameters as
     :class:`~flwr_prox_strategies.core.client.TorchClient` (``relative_size`` is
     the official code's :math:`\rho_i = n_i/\bar n`); ``momentum`` must be 0.
     """

@@ -239,7 +239,9 @@ class FedDyn(ValidatedFedAvg):
 class FedDynClient(TorchClient):
     r"""FedDyn client: local SGD on the dynamically regularised objective.
 
-    Keeps :math:`\lambda_k = -g_k/\alpha` in ``context.state`` (one model).
+    Keeps :math:`\lambda_k = -g_k/\alpha` in ``context.state`` (one model). With
+    ``dp``, the regulariser's gradient reads no data and is added after DP-SGD's
+    clipping and noise; :math:`\lambda_k` is built from the private iterates.
 
     Parameters
     ----------

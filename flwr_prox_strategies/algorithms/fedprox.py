@@ -100,7 +100,11 @@ class FedProx(ValidatedFedAvg):
 
 
 class FedProxClient(TorchClient):
-    r"""FedProx client: local SGD on :math:`h_k(	heta; 	heta_t)` (module docstring).
+    r"""FedProx client: local SGD on :math:`h_k(\theta; \theta_t)` (module docstring).
+
+    With ``dp``, the proximal gradient :math:`\mu(\theta - \theta_t)` reads no data
+    and is added after DP-SGD's per-example clipping and noise: neither clipped
+    nor noised.
 
     Parameters
     ----------

@@ -203,7 +203,9 @@ class Scaffold(ValidatedFedAvg):
 class ScaffoldClient(TorchClient):
     r"""SCAFFOLD client: corrected local SGD, option-II update of :math:`c_i`.
 
-    Keeps :math:`c_i` in ``context.state`` (one model). Parameters as
+    Keeps :math:`c_i` in ``context.state`` (one model). With ``dp``, the correction
+    :math:`c - c_i` is added after DP-SGD's clipping and noise, and :math:`c_i`
+    (option II) is built from the private iterates. Parameters as
     :class:`~flwr_prox_strategies.core.client.TorchClient`; ``momentum`` must be 0.
     """
 

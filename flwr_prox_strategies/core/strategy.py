@@ -808,14 +808,16 @@ class ValidatedFedAvg(FedAvg):
         metrics = privacy_metrics(self.epsilon_totals)
         if metrics:
             metrics["dp-clients-retired"] = len(self.retired_nodes)
+            largest = sorted(self.epsilon_totals.items(), key=lambda kv: -kv[1])[:10]
             log(
                 INFO,
                 "privacy: epsilon spent by %d client(s): max %.4g, mean %.4g; "
-                "%d retired (budget spent)",
+                "%d retired (budget spent); largest (client: epsilon): %s",
                 metrics["dp-clients-reporting"],
                 metrics["dp-epsilon-total-max"],
                 metrics["dp-epsilon-total-mean"],
                 len(self.retired_nodes),
+                ", ".join(f"{key}: {value:.4g}" for key, value in largest),
             )
         return metrics
 
