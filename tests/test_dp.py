@@ -362,3 +362,14 @@ def test_every_client_trains_privately_from_the_privacy_group(
     assert results["summary"]["final-epsilon-max"] == max(per_client)
     assert results["summary"]["delta"] == pytest.approx(1e-5)
     assert (tmp_path / "privacy.png").stat().st_size > 0
+
+
+def test_an_empty_poisson_batch_is_a_noise_only_step() -> None:
+    """Three examples, q = 1/2: some of 40 batches are empty (p = 1/8 each)."""
+    data = dataset(n=3)
+    dp = DPSGD(noise_multiplier=1.0, clipping_norm=1.0)
+    client = FedProxClient(linear(), DataLoader(data, batch_size=2), dp=dp, seed=0)
+    new, _, metrics = fit_once(client, {"local-steps": 40, "proximal-mu": 0.1})
+    assert metrics["local-steps"] == 40
+    assert math.isfinite(metrics["train-loss"])
+    assert all(np.isfinite(a).all() for a in new)

@@ -410,7 +410,8 @@ class TorchClient(NumPyClient):
         report = self.local_solve(config, epochs=epochs, steps=steps)
         if self.dp is not None:
             metrics.update(self.privacy_report(spent_before, report.steps))
-        if report.examples_seen == 0 and (epochs > 0 or steps):
+        # (DP-SGD's Poisson sampling may draw only empty batches: noise steps.)
+        if report.examples_seen == 0 and (epochs > 0 or steps) and self.dp is None:
             raise ValueError("the training loader yielded no examples")
         metrics.update(
             {

@@ -139,8 +139,9 @@ def train_local(
                 torch.nn.utils.clip_grad_norm_(params, max_norm=max_grad_norm)
             optimizer.step()
             steps += 1
-            seen += len(targets)
-            loss_sum += float(loss.detach()) * len(targets)
+            if len(targets):  # DP-SGD's Poisson sampling can draw an empty batch
+                seen += len(targets)
+                loss_sum += float(loss.detach()) * len(targets)
         epochs_run = epoch
         if (
             max_steps is None
