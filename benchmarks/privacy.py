@@ -109,8 +109,18 @@ def main() -> None:
         "timing without simulation overhead); flwr: a real `flwr run` per run",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/privacy"))
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="only redraw privacy.png from the CSVs already in --out",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        rows = read_rows(args.out)
+        write_table(rows, args.out)
+        plot(rows, args.out / "privacy.png")
+        return
 
     rows, curves = [], []
     # sigma = 0: per-example clipping and Poisson sampling without noise (epsilon
@@ -154,20 +164,7 @@ def main() -> None:
     for row in rows:
         row["cost-x"] = row["s-per-round"] / baseline[row["strategy"]]
 
-    fields = [
-        "strategy",
-        "sigma",
-        "final",
-        "best",
-        "eps-max",
-        "eps-mean",
-        "s-per-round",
-        "cost-x",
-    ]
-    with open(args.out / "privacy.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_table(rows, args.out)
     with open(args.out / "privacy_curves.csv", "w", newline="") as handle:
         writer = csv.DictWriter(
             handle, fieldnames=["strategy", "sigma", "round", "accuracy", "epsilon-max"]
@@ -190,6 +187,35 @@ def main() -> None:
             f"{row['s-per-round']:7.2f}{row['cost-x']:5.1f}x"
         )
     plot(rows, args.out / "privacy.png")
+
+
+def write_table(rows: list[dict], out: Path) -> None:
+    """Write privacy.csv, one row per run."""
+    fields = ["strategy", "sigma", "final", "last5", "best", "eps-max", "eps-mean"]
+    fields += ["s-per-round", "cost-x"]
+    with open(out / "privacy.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_rows(out: Path) -> list[dict]:
+    """Rebuild the rows (with their curves) from privacy.csv and privacy_curves.csv."""
+    with open(out / "privacy_curves.csv") as handle:
+        curves = list(csv.DictReader(handle))
+    with open(out / "privacy.csv") as handle:
+        rows: list[dict] = list(csv.DictReader(handle))
+    for row in rows:
+        for key in ("final", "best", "eps-max", "eps-mean"):
+            row[key] = float(row[key]) if row[key] else None
+        row["curve"] = [
+            (int(c["round"]), float(c["accuracy"]), float(c["epsilon-max"] or 0))
+            for c in curves
+            if (c["strategy"], c["sigma"]) == (row["strategy"], row["sigma"])
+        ]
+        accuracies = [a for _, a, _ in row["curve"]]
+        row["last5"] = sum(accuracies[-5:]) / len(accuracies[-5:])
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -217,13 +243,15 @@ def plot(rows: list[dict], path: Path) -> None:
                 xytext=(4, -10),
             )
         for r in runs:
-            if r["sigma"] == "none":
+            reference = {"none": ("--", "no privacy"), "0": (":", "clipping only")}
+            if r["sigma"] in reference:
+                style, what = reference[r["sigma"]]
                 ax_trade.axhline(
                     r["last5"],
                     color=colours[strategy],
-                    linestyle="--",
+                    linestyle=style,
                     linewidth=0.8,
-                    label=f"{strategy}, no privacy",
+                    label=f"{strategy}, {what}",
                 )
         for style, r in zip(styles, runs, strict=False):
             xs = [rnd for rnd, _, _ in r["curve"]]
