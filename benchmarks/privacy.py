@@ -110,12 +110,20 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/privacy"))
     parser.add_argument(
+        "--client-cost",
+        action="store_true",
+        help="only time one client's round, with and without DP-SGD, side by side",
+    )
+    parser.add_argument(
         "--replot",
         action="store_true",
         help="only redraw privacy.png from the CSVs already in --out",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.client_cost:
+        client_cost()
+        return
     if args.replot:
         rows = read_rows(args.out)
         write_table(rows, args.out)
@@ -187,6 +195,48 @@ def main() -> None:
             f"{row['s-per-round']:7.2f}{row['cost-x']:5.1f}x"
         )
     plot(rows, args.out / "privacy.png")
+
+
+def client_cost(rounds: int = 5) -> None:
+    """Time one client's fit (600 examples, MLP, B=50, E=1, one thread), both ways."""
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from flwr_prox_strategies import DPSGD, FedAvgClient
+    from flwr_prox_strategies.core.dp import PrivacyLedger
+    from flwr_prox_strategies.task.models import MLP
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(600, 784, generator=generator),
+        torch.randint(0, 10, (600,), generator=generator),
+    )
+    for dp in (None, DPSGD(noise_multiplier=1.0, clipping_norm=1.0)):
+        client = FedAvgClient(
+            MLP(in_features=784, hidden=[200, 200], num_classes=10),
+            DataLoader(data, batch_size=50, shuffle=True),
+            dp=dp,
+            seed=0,
+        )
+        params = client.get_parameters({})
+        start = time.perf_counter()
+        for server_round in range(1, rounds + 1):
+            params, _, _ = client.fit(
+                params, {"server-round": server_round, "local-epochs": 1}
+            )
+        per_fit = (time.perf_counter() - start) / rounds
+        line = f"{'DP-SGD' if dp else 'plain':7s} {per_fit:.3f} s per fit"
+        if dp is not None:
+            ledger = PrivacyLedger(dp, client.state)
+            start = time.perf_counter()
+            ledger.epsilon()
+            line += (
+                f" (of which one RDP evaluation: {time.perf_counter() - start:.3f} s)"
+            )
+        print(line)
 
 
 def write_table(rows: list[dict], out: Path) -> None:
