@@ -750,16 +750,16 @@ class ValidatedFedAvg(FedAvg):
         and logged here; error replies are passed on for the wrapper's own
         policy; a client out of privacy budget is retired (absent).
         """
-        replies = list(replies)
-        errors = [
-            m
-            for m in replies
-            if m.has_error()
-            and not str(m.error.reason).startswith(BUDGET_EXHAUSTED_REASON)
-        ]
+        errors: list[Message] = []
+        others: list[Message] = []
+        for message in replies:
+            passed_on = message.has_error() and not str(
+                message.error.reason
+            ).startswith(BUDGET_EXHAUSTED_REASON)
+            (errors if passed_on else others).append(message)
         valid, *_ = self.collect_replies(
             server_round + self.round_offset,
-            [m for m in replies if not any(m is e for e in errors)],
+            others,
             expected_arrays=self.expected_train_arrays(
                 server_round + self.round_offset
             ),
