@@ -373,3 +373,29 @@ def test_an_empty_poisson_batch_is_a_noise_only_step() -> None:
     assert metrics["local-steps"] == 40
     assert math.isfinite(metrics["train-loss"])
     assert all(np.isfinite(a).all() for a in new)
+
+
+@pytest.mark.parametrize("mixing", ["parameters", "outputs"])
+def test_apfl_global_copy_takes_exactly_the_dp_sgd_steps_of_fedavg(mixing) -> None:
+    """APFL's theta is plain SGD on the data: under DP-SGD it must match FedAvg's
+    private steps draw for draw, untouched by the personal model's step (whose
+    forward and backward must not leave per-example gradients on theta)."""
+    from flwr_prox_strategies import APFLClient
+
+    dp = DPSGD(noise_multiplier=0.8, clipping_norm=0.5)
+    data = dataset(n=40)
+    config = {
+        "server-round": 1,
+        "local-steps": 6,
+        "apfl-alpha": 0.5,
+        "apfl-mixing": mixing,
+        "apfl-personal-gradient": "mixture",
+        "apfl-first-step": 0,
+    }
+    apfl = APFLClient(linear(), DataLoader(data, batch_size=8), dp=dp, seed=4)
+    fedavg = FedAvgClient(linear(), DataLoader(data, batch_size=8), dp=dp, seed=4)
+    theta, _, apfl_metrics = fit_once(apfl, config)
+    reference, _, fedavg_metrics = fit_once(fedavg, {"local-steps": 6})
+    for a, b in zip(theta, reference, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert apfl_metrics[EPSILON_TOTAL_METRIC] == fedavg_metrics[EPSILON_TOTAL_METRIC]

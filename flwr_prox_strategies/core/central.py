@@ -40,7 +40,9 @@ from flwr.serverapp.strategy import (
 from .strategy import ValidatedFedAvg
 
 
-def _screened(strategy: Strategy, server_round: int, replies: Iterable[Message]):
+def _screened(
+    strategy: Strategy, server_round: int, replies: Iterable[Message]
+) -> list[Message]:
     if isinstance(strategy, ValidatedFedAvg):
         return strategy.screen_replies(server_round, replies)
     return list(replies)
