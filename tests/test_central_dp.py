@@ -146,3 +146,37 @@ def test_caveats_name_what_central_dp_does_not_cover(caplog) -> None:
     assert any("control" in c for c in scaffold.central_dp_caveats())
     ServerSideFixedClipping(scaffold, 1.0, 1.0, 5)
     assert "SCAFFOLD" in caplog.text
+
+
+@pytest.mark.parametrize("clipping", ["server", "client"])
+def test_central_dp_from_the_privacy_group_clips_every_update(
+    tmp_path, clipping
+) -> None:
+    """privacy=central through the app's ServerApp/ClientApp: with a clipping norm
+    of 1e-6 and no noise, the released model cannot move from the initial one."""
+    import json
+
+    from flwr_prox_strategies.experiment.sweep import run_inprocess
+
+    overrides = [
+        "strategy=fedprox",
+        "privacy=central",
+        f"privacy.central.clipping={clipping}",
+        "privacy.central.noise_multiplier=0.0",
+        "privacy.central.clipping_norm=1e-6",
+        "num-clients=3",
+        "num-rounds=2",
+        "model=logreg",
+        "train.local-epochs=1",
+    ]
+    results = json.loads(run_inprocess(overrides, tmp_path, 3).read_text())
+    assert results["central-dp"] == f"{clipping.title()}SideFixedClipping"
+    accuracy = [r["central"]["accuracy"] for r in results["rounds"]]
+    loss = [r["central"]["loss"] for r in results["rounds"]]
+    assert accuracy[-1] == accuracy[0] and loss[-1] == pytest.approx(loss[0], abs=1e-5)
+    assert results["rounds"][-1]["train"]["replies-valid"] == 3
+    # The same run without the clipping learns: the test can fail.
+    free = json.loads(
+        run_inprocess(overrides[:1] + overrides[5:], tmp_path / "free", 3).read_text()
+    )
+    assert free["rounds"][-1]["central"]["loss"] < loss[0] - 0.1

@@ -25,17 +25,19 @@ and the subclasses here add:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Context, Message, MetricRecord
+from flwr.clientapp.mod import fixedclipping_mod
 from flwr.common.logger import log
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideFixedClipping,
     Strategy,
 )
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from .strategy import ValidatedFedAvg
 
@@ -95,4 +97,59 @@ class ClientSideFixedClipping(DifferentialPrivacyClientSideFixedClipping):
         )
 
 
-__all__ = ["ClientSideFixedClipping", "ServerSideFixedClipping"]
+WRAPPERS = {"server": ServerSideFixedClipping, "client": ClientSideFixedClipping}
+
+
+def central_dp(
+    strategy: Strategy,
+    *,
+    clipping: str,
+    noise_multiplier: float,
+    clipping_norm: float,
+    num_sampled_clients: int,
+) -> Strategy:
+    """Wrap ``strategy`` for central DP, clipping on the ``"server"`` or ``"client"``.
+
+    ``"client"`` needs :func:`clip_when_asked` (or Flower's ``fixedclipping_mod``)
+    among the ClientApp's mods.
+    """
+    if clipping not in WRAPPERS:
+        raise ValueError(
+            f"clipping must be one of {sorted(WRAPPERS)}, got {clipping!r}"
+        )
+    if not isinstance(strategy, ValidatedFedAvg):
+        raise ValueError(
+            f"central DP wraps one global model; {type(strategy).__name__} is not a "
+            "single-model strategy of the pack (P-FedAvg keeps one model per server)"
+        )
+    return WRAPPERS[clipping](
+        strategy,
+        noise_multiplier=noise_multiplier,
+        clipping_norm=clipping_norm,
+        num_sampled_clients=num_sampled_clients,
+    )
+
+
+def clip_when_asked(
+    message: Message, context: Context, call_next: Callable[[Message, Context], Message]
+) -> Message:
+    """ClientApp mod: Flower's ``fixedclipping_mod`` when the server asks for it.
+
+    The client-side wrapper puts ``clipping_norm`` in the train config; messages
+    without it (every run without central DP) pass through untouched, so one
+    ClientApp serves both.
+    """
+    config = message.content.config_records.get("config")
+    if message.metadata.message_type.split(".")[0] == "train" and (
+        config is not None and KEY_CLIPPING_NORM in config
+    ):
+        return fixedclipping_mod(message, context, call_next)
+    return call_next(message, context)
+
+
+__all__ = [
+    "ClientSideFixedClipping",
+    "ServerSideFixedClipping",
+    "central_dp",
+    "clip_when_asked",
+]

@@ -18,6 +18,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.central import central_dp
 from ..core.dp import make_private_model
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -121,6 +122,24 @@ def build_dp(cfg: DictConfig) -> Any:
     """Instantiate ``cfg.privacy.dp`` (None without sample-level privacy)."""
     node = cfg.get("privacy", {}).get("dp")
     return None if node is None else hydra.utils.instantiate(node)
+
+
+def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
+    """Return ``strategy`` in a central-DP wrapper when ``privacy.central`` is set."""
+    node = cfg.get("privacy", {}).get("central")
+    if node is None:
+        return strategy
+    sampled = max(
+        int(int(cfg["num-clients"]) * float(strategy.fraction_train)),
+        int(strategy.min_train_nodes),
+    )
+    return central_dp(
+        strategy,
+        clipping=str(node.clipping),
+        noise_multiplier=float(node.noise_multiplier),
+        clipping_norm=float(node.clipping_norm),
+        num_sampled_clients=sampled,
+    )
 
 
 def build_client(cfg: DictConfig, **runtime: Any) -> Any:

@@ -32,6 +32,7 @@ from .config import (
     build_strategy,
     compose_config,
     overrides_from_run_config,
+    wrap_central_dp,
 )
 from .data import (
     client_partition,
@@ -181,7 +182,12 @@ def run_experiment(
         if cfg.evaluate.central
         else None
     )
-    result = strategy.start(
+    # The wrapper (central DP) releases the model; the strategy keeps its state.
+    released = wrap_central_dp(cfg, strategy)
+    if released is not strategy:
+        recorder.meta["central-dp"] = type(released).__name__
+        log(INFO, "Central DP: %r around %r", released, strategy)
+    result = released.start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
         num_rounds=num_rounds,
