@@ -180,3 +180,13 @@ def test_central_dp_from_the_privacy_group_clips_every_update(
         run_inprocess(overrides[:1] + overrides[5:], tmp_path / "free", 3).read_text()
     )
     assert free["rounds"][-1]["central"]["loss"] < loss[0] - 0.1
+
+
+def test_central_dp_refuses_what_it_cannot_wrap() -> None:
+    from flwr_prox_strategies.core.central import central_dp
+
+    settings = {"noise_multiplier": 1.0, "clipping_norm": 1.0, "num_sampled_clients": 5}
+    with pytest.raises(ValueError, match="one model per server"):
+        central_dp(STRATEGIES["pfedavg-ring"](), clipping="server", **settings)
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        central_dp(STRATEGIES["fedavg"](), clipping="both", **settings)
