@@ -364,15 +364,36 @@ def test_every_client_trains_privately_from_the_privacy_group(
     assert (tmp_path / "privacy.png").stat().st_size > 0
 
 
-def test_an_empty_poisson_batch_is_a_noise_only_step() -> None:
+@pytest.mark.parametrize("mixing", [None, "parameters", "outputs"])
+def test_an_empty_poisson_batch_is_a_noise_only_step(mixing) -> None:
     """Three examples, q = 1/2: some of 40 batches are empty (p = 1/8 each)."""
+    from flwr_prox_strategies import APFLClient
+
     data = dataset(n=3)
     dp = DPSGD(noise_multiplier=1.0, clipping_norm=1.0)
-    client = FedProxClient(linear(), DataLoader(data, batch_size=2), dp=dp, seed=0)
-    new, _, metrics = fit_once(client, {"local-steps": 40, "proximal-mu": 0.1})
+    loader = DataLoader(data, batch_size=2)
+    config = {"local-steps": 40, "proximal-mu": 0.1}
+    if mixing is None:
+        client = FedProxClient(linear(), loader, dp=dp, seed=0)
+    else:
+        client = APFLClient(linear(), loader, dp=dp, seed=0)
+        config.update(
+            {
+                "apfl-alpha": 0.5,
+                "apfl-adaptive-alpha": True,
+                "apfl-mixing": mixing,
+                "apfl-personal-gradient": "mixture",
+                "apfl-first-step": 0,
+            }
+        )
+    new, _, metrics = fit_once(client, config)
     assert metrics["local-steps"] == 40
     assert math.isfinite(metrics["train-loss"])
     assert all(np.isfinite(a).all() for a in new)
+    if mixing is not None:
+        assert math.isfinite(metrics["personal-train-loss"])
+        personal = client.state.get("apfl-personal")
+        assert personal is not None and all(np.isfinite(p).all() for p in personal)
 
 
 @pytest.mark.parametrize("mixing", ["parameters", "outputs"])

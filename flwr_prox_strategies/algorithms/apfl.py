@@ -510,7 +510,13 @@ class APFLClient(TorchClient):
                 loss = self.loss_fn(out_theta, targets)
                 loss.backward()
                 # Personal model: gradient at the mixture, from the values at t.
-                if mixing == "parameters":
+                if len(targets) == 0:  # an empty Poisson batch (DP-SGD): theta
+                    # takes its noise-only step; omega sees a zero gradient.
+                    personal_loss = torch.zeros(())
+                    alpha_grad = 0.0
+                    for w in omega:
+                        w.grad = torch.zeros_like(w)
+                elif mixing == "parameters":
                     mixed = {
                         name: (
                             alpha * w.detach() + (1 - alpha) * th.detach()
@@ -561,9 +567,10 @@ class APFLClient(TorchClient):
                         acc.add_(p.detach().double(), alpha=weight_t)
                     for acc, p in zip(omega_sum, omega, strict=True):
                         acc.add_(p.detach().double(), alpha=weight_t)
-                seen += len(targets)
-                loss_sum += float(loss.detach()) * len(targets)
-                personal_loss_sum += float(personal_loss.detach()) * len(targets)
+                if len(targets):
+                    seen += len(targets)
+                    loss_sum += float(loss.detach()) * len(targets)
+                    personal_loss_sum += float(personal_loss.detach()) * len(targets)
 
         if not math.isfinite(alpha):
             raise ValueError("the adaptive mixture weight became non-finite")
