@@ -129,9 +129,10 @@ def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
     node = cfg.get("privacy", {}).get("central")
     if node is None:
         return strategy
+    # (central_dp refuses a strategy without one global model, P-FedAvg, clearly.)
     sampled = max(
-        int(int(cfg["num-clients"]) * float(strategy.fraction_train)),
-        int(strategy.min_train_nodes),
+        int(int(cfg["num-clients"]) * float(getattr(strategy, "fraction_train", 1))),
+        int(getattr(strategy, "min_train_nodes", 1)),
     )
     return central_dp(
         strategy,
