@@ -42,59 +42,55 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from .strategy import ValidatedFedAvg
 
 
-def _screened(
-    strategy: Strategy, server_round: int, replies: Iterable[Message]
-) -> list[Message]:
-    if isinstance(strategy, ValidatedFedAvg):
-        return strategy.screen_replies(server_round, replies)
-    return list(replies)
+class _ValidatedReplies(Strategy):
+    """Mixin for Flower's DP wrappers: validate replies first, name what's uncovered.
+
+    Placed before the Flower wrapper in the bases, so ``super()`` is Flower's.
+    """
+
+    strategy: Strategy
+
+    def __init__(self, strategy: Strategy, *args: Any, **kwargs: Any) -> None:
+        super().__init__(strategy, *args, **kwargs)  # type: ignore[call-arg]
+        if isinstance(strategy, ValidatedFedAvg):
+            for caveat in strategy.central_dp_caveats():
+                log(
+                    WARNING,
+                    "%s(%s): %s",
+                    type(self).__name__,
+                    type(strategy).__name__,
+                    caveat,
+                )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Drop the replies the wrapped strategy rejects, then let Flower's run."""
+        if isinstance(self.strategy, ValidatedFedAvg):
+            replies = self.strategy.screen_replies(server_round, replies)
+        # super() is the Flower wrapper after this mixin in the bases.
+        return super().aggregate_train(server_round, replies)  # type: ignore[safe-super]
 
 
-def _warn_caveats(wrapper: str, strategy: Strategy) -> None:
-    if isinstance(strategy, ValidatedFedAvg):
-        for caveat in strategy.central_dp_caveats():
-            log(WARNING, "%s(%s): %s", wrapper, type(strategy).__name__, caveat)
-
-
-class ServerSideFixedClipping(DifferentialPrivacyServerSideFixedClipping):
+class ServerSideFixedClipping(
+    _ValidatedReplies, DifferentialPrivacyServerSideFixedClipping
+):
     """Flower's server-side fixed-clipping wrapper, fed validated replies only.
 
     Parameters are those of Flower's
     ``DifferentialPrivacyServerSideFixedClipping``.
     """
 
-    def __init__(self, strategy: Strategy, *args: Any, **kwargs: Any) -> None:
-        super().__init__(strategy, *args, **kwargs)
-        _warn_caveats(type(self).__name__, strategy)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Drop malformed replies, then clip, aggregate and noise (Flower)."""
-        return super().aggregate_train(
-            server_round, _screened(self.strategy, server_round, replies)
-        )
-
-
-class ClientSideFixedClipping(DifferentialPrivacyClientSideFixedClipping):
+class ClientSideFixedClipping(
+    _ValidatedReplies, DifferentialPrivacyClientSideFixedClipping
+):
     """Flower's client-side fixed-clipping wrapper, fed validated replies only.
 
     Parameters are those of Flower's
     ``DifferentialPrivacyClientSideFixedClipping``; clients need Flower's
-    ``fixedclipping_mod`` (``to_client_app(client_fn, mods=[fixedclipping_mod])``).
+    ``fixedclipping_mod`` (or :func:`clip_when_asked`) among their mods.
     """
-
-    def __init__(self, strategy: Strategy, *args: Any, **kwargs: Any) -> None:
-        super().__init__(strategy, *args, **kwargs)
-        _warn_caveats(type(self).__name__, strategy)
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Drop malformed replies, then aggregate and noise (Flower)."""
-        return super().aggregate_train(
-            server_round, _screened(self.strategy, server_round, replies)
-        )
 
 
 WRAPPERS = {"server": ServerSideFixedClipping, "client": ClientSideFixedClipping}
