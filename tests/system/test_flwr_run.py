@@ -44,7 +44,8 @@ def check_results(output: Path, rounds: int, strategy: str) -> dict:
     return results
 
 
-def test_flwr_run_simulation(tmp_path: Path) -> None:
+def simulate(tmp_path: Path, overrides: str) -> Path:
+    """`flwr run` on 4 simulated SuperNodes; assert it completed; return its output."""
     output = tmp_path / "out"
     with managed_engine(tmp_path / "home") as env:
         reply = flwr_run(
@@ -52,12 +53,17 @@ def test_flwr_run_simulation(tmp_path: Path) -> None:
             "--federation-config",
             "num-supernodes=4 client-resources-num-cpus=1",
             "--run-config",
-            f"overrides='strategy=fedprox strategy.mu=0.1 {SMALL}' output-dir='{output}'",
+            f"overrides='{overrides}' output-dir='{output}'",
         )
         status = run_status(reply["run-id"], env)
         assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[
             -3000:
         ]
+    return output
+
+
+def test_flwr_run_simulation(tmp_path: Path) -> None:
+    output = simulate(tmp_path, f"strategy=fedprox strategy.mu=0.1 {SMALL}")
     results = check_results(output, 3, "FedProx")
     assert results["config"]["strategy"]["mu"] == 0.1
 
@@ -65,20 +71,9 @@ def test_flwr_run_simulation(tmp_path: Path) -> None:
 def test_pfedavg_through_the_engine(tmp_path: Path) -> None:
     """The issue's override string on the real engine: the node-config query, the
     per-group messages and the mixing all go through Flower's simulation."""
-    output = tmp_path / "out"
-    with managed_engine(tmp_path / "home") as env:
-        reply = flwr_run(
-            env,
-            "--federation-config",
-            "num-supernodes=4 client-resources-num-cpus=1",
-            "--run-config",
-            f"overrides='strategy=pfedavg topology=ring topology.servers=4 {SMALL}' "
-            f"output-dir='{output}'",
-        )
-        status = run_status(reply["run-id"], env)
-        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[
-            -3000:
-        ]
+    output = simulate(
+        tmp_path, f"strategy=pfedavg topology=ring topology.servers=4 {SMALL}"
+    )
     results = check_results(output, 3, "PFedAvg")
     last = results["rounds"][-1]
     assert all(f"server-{i}" in last for i in range(4))
@@ -88,20 +83,10 @@ def test_pfedavg_through_the_engine(tmp_path: Path) -> None:
 def test_dp_sgd_through_the_engine(tmp_path: Path) -> None:
     """opacus inside the simulation's workers; epsilon per client in results.json;
     a client whose budget runs out retires and the run goes on."""
-    output = tmp_path / "out"
-    with managed_engine(tmp_path / "home") as env:
-        reply = flwr_run(
-            env,
-            "--federation-config",
-            "num-supernodes=4 client-resources-num-cpus=1",
-            "--run-config",
-            f"overrides='strategy=feddyn privacy=dp-sgd privacy.dp.target_epsilon=3.3 "
-            f"{SMALL}' output-dir='{output}'",
-        )
-        status = run_status(reply["run-id"], env)
-        assert status["status"] == "finished:completed", run_log(reply["run-id"], env)[
-            -3000:
-        ]
+    output = simulate(
+        tmp_path,
+        f"strategy=feddyn privacy=dp-sgd privacy.dp.target_epsilon=3.3 {SMALL}",
+    )
     results = json.loads((output / "results.json").read_text())
     assert results["summary"]["complete"] is True
     trained = [r["train"] for r in results["rounds"] if "train" in r]
