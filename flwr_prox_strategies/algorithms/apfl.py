@@ -102,9 +102,9 @@ from torch import nn
 from ..core.client import ProtocolError, TorchClient
 from ..core.keys import LOCAL_STEPS_KEY
 from ..core.records import RecordSpec, copy_arrays, dict_to_record, record_to_dict
-from ..core.strategy import ValidatedFedAvg, check_fraction, check_int, check_positive
+from ..core.strategy import ValidatedFedAvg
 from ..core.training import TrainReport, cycle_batches, trainable
-from ..core.validation import ValidReply
+from ..core.validation import ValidReply, check_fraction, check_int, check_positive
 
 APFL_ALPHA_KEY = "apfl-alpha"
 APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"

@@ -68,9 +68,9 @@ from ..core.records import (
     dict_to_record,
     record_to_dict,
 )
-from ..core.strategy import ValidatedFedAvg, check_positive
+from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm, TrainReport, trainable
-from ..core.validation import ValidReply
+from ..core.validation import ValidReply, check_positive
 from ..ops.proximal import ProximalTerm
 from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD, ControlVariates
 

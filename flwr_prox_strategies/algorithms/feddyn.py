@@ -70,9 +70,9 @@ from ..core.records import (
     float_keys,
     record_to_dict,
 )
-from ..core.strategy import ValidatedFedAvg, check_positive
+from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm, TrainReport, trainable
-from ..core.validation import ValidReply
+from ..core.validation import ValidReply, check_positive
 from ..ops.proximal import ProximalTerm
 
 FEDDYN_ALPHA_KEY = "feddyn-alpha"

@@ -96,14 +96,15 @@ from ..core.privacy import (
     spend_epsilon,
 )
 from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
-from ..core.strategy import (
-    ValidatedFedAvg,
+from ..core.strategy import ValidatedFedAvg
+from ..core.training import TrainReport, evaluate_model, full_gradient, trainable
+from ..core.validation import (
+    ReplyRejected,
+    ValidReply,
     check_int,
     check_non_negative,
     check_positive,
 )
-from ..core.training import TrainReport, evaluate_model, full_gradient, trainable
-from ..core.validation import ReplyRejected, ValidReply
 from ..ops.elastic_net import elastic_net_center, soft_threshold
 from ..ops.privacy import add_laplace_noise
 

@@ -46,8 +46,9 @@ from typing import Any
 from flwr.common.logger import log
 
 from ..core.client import TorchClient
-from ..core.strategy import ValidatedFedAvg, check_non_negative
+from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm, full_gradient, grad_norm, trainable
+from ..core.validation import check_non_negative
 from ..ops.proximal import ProximalTerm
 
 PROXIMAL_MU_KEY = "proximal-mu"

@@ -37,13 +37,9 @@ from typing import Any
 import torch
 from flwr.common.logger import log
 
-from ..core.strategy import (
-    ValidatedFedAvg,
-    check_int,
-    check_non_negative,
-    check_positive,
-)
+from ..core.strategy import ValidatedFedAvg
 from ..core.training import TrainReport, trainable
+from ..core.validation import check_int, check_non_negative, check_positive
 from .fedepm import (
     GROWTH_KEY,
     ITERATION_KEY,

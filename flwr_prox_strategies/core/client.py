@@ -53,6 +53,7 @@ from .training import (
     train_local,
     trainable,
 )
+from .validation import check_int, check_non_negative, check_positive
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -169,31 +170,11 @@ class TorchClient(NumPyClient):
         dp: DPSGD | None = None,
         device: str = "cpu",
     ) -> None:
-        if (
-            isinstance(local_epochs, bool)
-            or not isinstance(local_epochs, int)
-            or local_epochs < 0
-        ):
-            raise ValueError(
-                f"local_epochs must be an integer >= 0, got {local_epochs!r}"
-            )
-        for name, value in (
-            ("learning_rate", learning_rate),
-            ("momentum", momentum),
-            ("weight_decay", weight_decay),
-        ):
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if learning_rate == 0:
-            raise ValueError("learning_rate must be > 0")
-        if (
-            isinstance(finetune_steps, bool)
-            or not isinstance(finetune_steps, int)
-            or finetune_steps < 0
-        ):
-            raise ValueError(
-                f"finetune_steps must be an integer >= 0, got {finetune_steps!r}"
-            )
+        check_int("local_epochs", local_epochs, 0)
+        check_positive("learning_rate", learning_rate)
+        check_non_negative("momentum", momentum)
+        check_non_negative("weight_decay", weight_decay)
+        check_int("finetune_steps", finetune_steps, 0)
         if max_grad_norm is not None and not (
             math.isfinite(max_grad_norm) and max_grad_norm > 0
         ):

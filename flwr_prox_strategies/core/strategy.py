@@ -69,38 +69,17 @@ from .records import (
     record_to_dict,
     spec_of,
 )
-from .validation import ReplyRejected, ValidReply, validate_reply
+from .validation import (
+    ReplyRejected,
+    ValidReply,
+    check_fraction,
+    check_int,
+    check_non_negative,
+    validate_reply,
+)
 
 WEIGHTINGS = ("num-examples", "uniform")
 STRAGGLER_POLICIES = ("drop", "keep-partial")
-
-
-def check_fraction(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def check_non_negative(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def check_positive(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0."""
-    if check_non_negative(name, value) == 0.0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
-
-
-def check_int(name: str, value: int, minimum: int) -> int:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class ValidatedFedAvg(FedAvg):
