@@ -418,15 +418,26 @@ class FedEPMClient(TorchClient):
             self.state.set_pending(LOCAL_STATE, local, self.server_round)
             for p, value_now in zip(params, local, strict=True):
                 p.copy_(value_now)
+        self._round_metrics = {
+            "fedepm-mu": mu,
+            **self.noisy_upload(value, grads, mu, epsilon),
+        }
+        return TrainReport(epochs=0, steps=k0, examples_seen=d, mean_loss=value)
+
+    def noisy_upload(
+        self, value: float, grads: list[torch.Tensor], mu: float, epsilon: float
+    ) -> dict[str, Any]:
+        r"""Release the model, calibrated as the seed: :math:`\Delta = 2\|g\|_1/\mu`.
+
+        ``grads`` is the gradient at the server point; returns the round's
+        metrics (objective there, :math:`\|g\|_1`, and what :meth:`release` spent).
+        """
         grad_l1 = sum(float(g.abs().sum()) for g in grads)
-        metrics: dict[str, Any] = {
+        return {
             "fedepm-objective": value,
             "fedepm-grad-l1": grad_l1,
-            "fedepm-mu": mu,
+            **self.release(2 * grad_l1 / mu, epsilon),
         }
-        metrics.update(self.release(2 * grad_l1 / mu, epsilon))
-        self._round_metrics = metrics
-        return TrainReport(epochs=0, steps=k0, examples_seen=d, mean_loss=value)
 
     def release(self, sensitivity: float, epsilon: float) -> dict[str, Any]:
         r"""Add Laplace(:math:`\Delta/\varepsilon`) noise to the model, count epsilon.

@@ -214,13 +214,10 @@ class SFedClient(FedEPMClient):
                 with torch.no_grad():
                     for p, g, a in zip(params, grads, anchor, strict=True):
                         p.sub_(gamma * (g + mu * (p - a)))
-        grad_l1 = sum(float(g.abs().sum()) for g in received_grads)
         noise_mu = r0 * growth ** (first + k0)
-        self._round_metrics = {
-            "fedepm-objective": value,
-            "fedepm-grad-l1": grad_l1,
-            **self.release(2 * grad_l1 / noise_mu, epsilon),
-        }
+        self._round_metrics = self.noisy_upload(
+            value, received_grads, noise_mu, epsilon
+        )
         return TrainReport(epochs=0, steps=k0 * inner, examples_seen=d, mean_loss=value)
 
 
