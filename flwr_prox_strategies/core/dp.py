@@ -33,22 +33,19 @@ absent client, never as a failure.
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from flwr.common.logger import log
-from opacus import GradSampleModule
-from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
-from opacus.data_loader import DPDataLoader
-from opacus.optimizers import DPOptimizer
-from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -56,9 +53,43 @@ from .privacy import DELTA_METRIC, EPSILON_METRIC, EPSILON_TOTAL_METRIC
 from .state import ClientState
 from .training import GradientTerm
 
-ACCOUNTANTS: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
+if TYPE_CHECKING:  # opacus is imported where DP-SGD runs (it configures logging)
+    from opacus import GradSampleModule
+    from opacus.accountants import IAccountant
+
+#: The accountants :class:`DPSGD` accepts (opacus' RDP and PRV accountants).
+ACCOUNTANT_NAMES = ("prv", "rdp")
 _HISTORY = "dp-accountant-history"
 _SPENT = "dp-sgd-epsilon"
+
+
+def require_opacus() -> None:
+    """Import opacus, or say which extra installs it.
+
+    opacus is imported only where DP-SGD is used: its import calls
+    ``logging.basicConfig``, which would double every Flower log line of a
+    program that merely imports this pack.
+
+    Raises
+    ------
+    ImportError
+        When opacus is not installed, naming the ``dp`` extra.
+    """
+    try:
+        import opacus  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "DP-SGD needs opacus, which is not installed: "
+            'pip install "flwr-prox-strategies[dp]"'
+        ) from err
+
+
+def _accountant(name: str) -> IAccountant:
+    """Return a new opacus accountant of kind ``name`` (``"rdp"`` or ``"prv"``)."""
+    require_opacus()
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    return {"rdp": RDPAccountant, "prv": PRVAccountant}[name]()
 
 
 class PrivacyBudgetExhausted(Exception):
@@ -116,9 +147,9 @@ class DPSGD:
             raise ValueError(f"clipping_norm must be > 0, got {self.clipping_norm!r}")
         if not (0 < self.delta < 1):
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-        if self.accountant not in ACCOUNTANTS:
+        if self.accountant not in ACCOUNTANT_NAMES:
             raise ValueError(
-                f"accountant must be one of {sorted(ACCOUNTANTS)}, "
+                f"accountant must be one of {list(ACCOUNTANT_NAMES)}, "
                 f"got {self.accountant!r}"
             )
         if self.target_epsilon is not None and not (
@@ -136,6 +167,9 @@ class DPSGD:
 
 def unsupported_layers(model: nn.Module) -> list[str]:
     """Name every layer opacus cannot train privately, with opacus' reason."""
+    require_opacus()
+    from opacus.validators import ModuleValidator
+
     problems = []
     for name, module in model.named_modules():
         validator = ModuleValidator.VALIDATORS.get(type(module))
@@ -155,6 +189,9 @@ def make_private_model(model: nn.Module, dp: DPSGD | None) -> nn.Module:
     """
     if dp is None:
         return model
+    require_opacus()
+    from opacus.validators import ModuleValidator
+
     if dp.fix_model:
         model = ModuleValidator.fix(model)
     problems = unsupported_layers(model)
@@ -177,7 +214,7 @@ class PrivacyLedger:
 
     def accountant(self) -> IAccountant:
         """Return an accountant holding every step spent so far."""
-        accountant = ACCOUNTANTS[self.dp.accountant]()
+        accountant = _accountant(self.dp.accountant)
         saved = self.state.get(_HISTORY)
         if saved:
             accountant.history = [
@@ -228,33 +265,46 @@ class PrivacyLedger:
             )
 
 
-class _DPOptimizerWithTerm(DPOptimizer):
-    """opacus' DPOptimizer that adds the algorithm's term after privatisation."""
+@functools.cache
+def _dp_optimizer_with_term() -> type[Any]:
+    """Return opacus' DPOptimizer subclass that adds the term after privatisation.
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        term: GradientTerm | None,
-        max_total_norm: float | None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(optimizer, **kwargs)
-        self.term = term
-        self.max_total_norm = max_total_norm
+    Built on first use, so that importing this module does not import opacus.
+    """
+    require_opacus()
+    from opacus.optimizers import DPOptimizer
 
-    def step(self, closure: Any = None) -> Any:
-        """Clip per sample and add noise (opacus), then add the term, then step."""
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        if not self.pre_step():
-            return None
-        if self.term is not None:
-            self.term.add_(self.params)
-        if self.max_total_norm is not None:  # post-processing: no privacy cost
-            torch.nn.utils.clip_grad_norm_(self.params, max_norm=self.max_total_norm)
-        return self.original_optimizer.step()
+    class DPOptimizerWithTerm(DPOptimizer):
+        """opacus' DPOptimizer that adds the algorithm's term after privatisation."""
+
+        def __init__(
+            self,
+            optimizer: torch.optim.Optimizer,
+            *,
+            term: GradientTerm | None,
+            max_total_norm: float | None,
+            **kwargs: Any,
+        ) -> None:
+            super().__init__(optimizer, **kwargs)
+            self.term = term
+            self.max_total_norm = max_total_norm
+
+        def step(self, closure: Any = None) -> Any:
+            """Clip per sample and add noise (opacus), then add the term, then step."""
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+            if not self.pre_step():
+                return None
+            if self.term is not None:
+                self.term.add_(self.params)
+            if self.max_total_norm is not None:  # post-processing: no privacy cost
+                torch.nn.utils.clip_grad_norm_(
+                    self.params, max_norm=self.max_total_norm
+                )
+            return self.original_optimizer.step()
+
+    return DPOptimizerWithTerm
 
 
 @dataclass
@@ -269,7 +319,8 @@ class TrainingRun:
 
     def untracked(self) -> AbstractContextManager[Any]:
         """Context in which forward/backward passes compute no per-sample grads."""
-        if isinstance(self.model, GradSampleModule):
+        opacus = sys.modules.get("opacus")  # not imported: no GradSampleModule
+        if opacus is not None and isinstance(self.model, opacus.GradSampleModule):
             return _hooks_off(self.model)
         return nullcontext()
 
@@ -317,6 +368,10 @@ def dp_sgd(
     ``torch.Generator().manual_seed(seed)`` (noise first drawn for the first
     step, parameter by parameter): reproducible, and checkable by hand.
     """
+    require_opacus()
+    from opacus import GradSampleModule
+    from opacus.data_loader import DPDataLoader
+
     sample_rate, expected_batch = sample_rate_of(loader, dp)
     generator = None if seed is None else torch.Generator().manual_seed(seed)
     private_model = GradSampleModule(model, loss_reduction="mean")
@@ -325,7 +380,7 @@ def dp_sgd(
         if dp.poisson_sampling
         else loader
     )
-    private_optimizer = _DPOptimizerWithTerm(
+    private_optimizer = _dp_optimizer_with_term()(
         optimizer,
         term=term,
         max_total_norm=max_grad_norm,
