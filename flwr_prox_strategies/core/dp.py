@@ -49,6 +49,7 @@ from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .._optional import require
 from .privacy import DELTA_METRIC, EPSILON_METRIC, EPSILON_TOTAL_METRIC
 from .state import ClientState
 from .training import GradientTerm
@@ -75,13 +76,7 @@ def require_opacus() -> None:
     ImportError
         When opacus is not installed, naming the ``dp`` extra.
     """
-    try:
-        import opacus  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            "DP-SGD needs opacus, which is not installed: "
-            'pip install "flwr-prox-strategies[dp]"'
-        ) from err
+    require("opacus", "dp", "DP-SGD")
 
 
 def _accountant(name: str) -> IAccountant:

@@ -1,1 +1,14 @@
-"""experiment."""
+"""The experiment layer: Hydra composition of ``conf/``, runs, results, sweeps.
+
+It needs the ``experiment`` extra (Hydra, flwr-datasets, scikit-learn,
+matplotlib, Flower's simulation engine): importing it without them raises an
+ImportError that says what to install.
+"""
+
+from .._optional import require_installed
+
+require_installed(
+    ("hydra", "omegaconf", "matplotlib", "sklearn", "datasets", "flwr_datasets"),
+    "experiment",
+    "flwr_prox_strategies.experiment",
+)

@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from .._optional import require
+
 TOPOLOGIES = (
     "ring",
     "star",
@@ -562,8 +564,8 @@ def _edge_sdp_weights(
 
     Clarabel's chordal decomposition then splits both cones into small blocks.
     """
-    import cvxpy as cp
-    import scipy.sparse as sp
+    cp = require("cvxpy", "sdp", "mixing 'sdp' (the optimal mixing matrix)")
+    import scipy.sparse as sp  # cvxpy depends on scipy
     from scipy.sparse.csgraph import reverse_cuthill_mckee
 
     servers = len(adj)
@@ -578,7 +580,7 @@ def _edge_sdp_weights(
     weights = cp.Variable(incidence.shape[1])
     bound = cp.Variable()
 
-    def laplacian(columns: NDArray[np.float64]) -> cp.Expression:
+    def laplacian(columns: NDArray[np.float64]) -> Any:
         n = columns.shape[0]
         return cp.reshape(_sparse_outer_products(columns) @ weights, (n, n), order="C")
 

@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._optional import require
+
 __all__ = [
     "ADULT_CATEGORICAL",
     "ADULT_COLUMNS",
@@ -214,6 +216,7 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> TrainTest:
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     # Imported lazily: scikit-learn takes a second to import.
+    require("sklearn", "experiment", "the digits data set")
     from sklearn.datasets import load_digits as sk_load_digits
     from sklearn.model_selection import train_test_split
 
@@ -333,7 +336,7 @@ def _fashion_split(
 
 def _fashion_from_hub() -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Download Fashion-MNIST with ``datasets`` (needs network access)."""
-    import datasets as hf_datasets
+    hf_datasets = require("datasets", "experiment", "downloading Fashion-MNIST")
 
     dataset_dict = hf_datasets.load_dataset(_HUB_FASHION_MNIST)
     return {
@@ -609,6 +612,7 @@ def load_adult(
         full = ArrayDataset(x, y, 2)
         train, test = full, full
     else:
+        require("sklearn", "experiment", "the Adult data set's test split")
         from sklearn.model_selection import train_test_split
 
         x_tr, x_te, y_tr, y_te = train_test_split(

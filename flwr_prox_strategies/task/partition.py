@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._optional import require_installed
 from .datasets import ArrayDataset
 
 __all__ = [
@@ -338,6 +339,9 @@ def partition_indices(
         "class_assignment_mode", class_assignment_mode, CLASS_ASSIGNMENT_MODES
     )
     min_size = _resolve_min_size(min_partition_size, len(dense), num_partitions, scheme)
+    require_installed(
+        ("datasets", "flwr_datasets"), "experiment", "partitioning (flwr-datasets)"
+    )
 
     if scheme == "iid":
         parts = _iid(dense, num_partitions, seed)

@@ -22,10 +22,9 @@ import argparse
 from collections.abc import Sequence
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from numpy.typing import NDArray
 
+from flwr_prox_strategies._optional import require
 from flwr_prox_strategies.ops.communication import (
     DELAYS,
     expected_round_times,
@@ -103,6 +102,10 @@ def plot_speedup(
     title: str,
 ) -> None:
     """Draw the speed-up against the number of clients into a PNG at ``path``."""
+    require("matplotlib", "experiment", "the speed-up plot")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(6.0, 4.0))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
