@@ -6,7 +6,17 @@ wrappers work unchanged) but replaces the parts a research user cannot trust:
 * replies are validated one by one (:mod:`.validation`) against the spec of the
   model that was sent; a bad reply is logged with its node and reason, counted,
   and otherwise ignored, exactly as if it had never arrived;
-* a round without a valid reply keeps the previous model and says so;
+* a round without a valid reply keeps the previous model and says so, in one
+  warning that counts the reasons (error texts, rejection kinds);
+* a run that aggregates no round at all raises :class:`NoRoundAggregatedError`
+  at the end of :meth:`ValidatedFedAvg.start` with the reasons, counted, and
+  ``Result.arrays`` always holds the last good model (the initial one if none);
+* a strategy whose clients must apply a rule names the metric they report
+  (:attr:`ValidatedFedAvg.rule_metric`); replies without it are named in one
+  warning per run, or rejected with ``strict=True``;
+* Flower's keyword names are accepted where the concept is the same
+  (``weighted_by_key``, FedProx's ``proximal_mu``), and an unknown keyword is a
+  ``TypeError`` naming the class called and the closest accepted name;
 * averaging streams every reply into one accumulator (:mod:`..ops.aggregate`),
   with no ``ZeroDivisionError`` and no silent broadcasting;
 * sampling is seeded per round (no global ``random`` state), so two strategies
@@ -22,10 +32,13 @@ Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
@@ -40,7 +53,7 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from numpy.typing import NDArray
 
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
@@ -75,11 +88,129 @@ from .validation import (
     check_fraction,
     check_int,
     check_non_negative,
+    check_weight,
+    reject_unknown_kwargs,
     validate_reply,
 )
 
 WEIGHTINGS = ("num-examples", "uniform")
 STRAGGLER_POLICIES = ("drop", "keep-partial")
+# Flower's error text for an exception raised in a ClientApp.
+_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
+
+
+def short_reason(text: str, limit: int = 160) -> str:
+    """Return an error text on one line, at most ``limit`` characters.
+
+    Flower's ``<class 'X'>:<'msg'>`` becomes ``X: msg``; of a long traceback
+    only the last non-empty line is kept; whitespace is collapsed.
+    """
+    text = str(text).strip()
+    match = _FLOWER_ERROR.match(text)
+    if match:
+        text = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
+        text = text.replace("Exception ClientAppException occurred. Message: ", "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    text = " ".join(" ".join(lines[-1:] if len(lines) > 3 else lines).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class ReplyTally:
+    """Why replies, or whole rounds, were not used: each reason counted.
+
+    One tally per round (in the round's warning) and one per run (in
+    :class:`NoRoundAggregatedError`).
+    """
+
+    failed: Counter[str] = field(default_factory=Counter)  # error-reply texts
+    rejected: Counter[str] = field(default_factory=Counter)  # "kind: reason"
+    kept: Counter[str] = field(default_factory=Counter)  # rounds not aggregated
+    nodes: set[int] = field(default_factory=set)
+    aggregated: int = 0
+
+    def add(self, node_id: int, err: ReplyRejected) -> None:
+        """Count one reply that was not used."""
+        if err.kind == "error-reply":
+            reason = err.reason.removeprefix("error reply: ")
+            self.failed[short_reason(reason)] += 1
+        else:
+            self.rejected[f"{err.kind}: {short_reason(err.reason)}"] += 1
+        self.nodes.add(node_id)
+
+    def update(self, other: ReplyTally) -> None:
+        """Add another tally's reply counts (not its rounds)."""
+        self.failed.update(other.failed)
+        self.rejected.update(other.rejected)
+        self.nodes |= other.nodes
+
+    def describe(self, top: int = 3) -> str:
+        """Say what was not used and why, most common reasons first."""
+        parts = []
+        for label, counter in (("failed", self.failed), ("rejected", self.rejected)):
+            total = sum(counter.values())
+            if not total:
+                continue
+            common = counter.most_common(top)
+            text = ", ".join(f"{n} x '{reason}'" for reason, n in common)
+            if len(counter) > top:
+                text += f", and {len(counter) - top} other reason(s)"
+            parts.append(f"{total} repl{'y' if total == 1 else 'ies'} {label}: {text}")
+        if not parts:
+            return "no reply arrived"
+        nodes = sorted(self.nodes)
+        shown = ", ".join(map(str, nodes[:10])) + (", ..." if len(nodes) > 10 else "")
+        return "; ".join(parts) + f" (from {len(nodes)} node(s): {shown})"
+
+
+class NoRoundAggregatedError(RuntimeError):
+    """A run ended without aggregating a single round.
+
+    Raised at the end of ``start()`` by the pack's strategies, with the reasons
+    they collected, counted.
+
+    Attributes
+    ----------
+    result : Result
+        The run's ``Result``; ``result.arrays`` is the initial model.
+    reasons : ReplyTally
+        The counted error-reply texts and rejection reasons.
+    """
+
+    def __init__(self, message: str, result: Result, reasons: ReplyTally) -> None:
+        super().__init__(message)
+        self.result = result
+        self.reasons = reasons
+
+
+def finish_run(
+    owner: str,
+    result: Result,
+    initial_arrays: ArrayRecord,
+    num_rounds: int,
+    tally: ReplyTally,
+    *,
+    trains: bool = True,
+) -> Result:
+    """End ``start()``: keep the initial model if none was aggregated, and fail loudly.
+
+    ``result.arrays`` becomes ``initial_arrays`` when no round was aggregated
+    (Flower leaves it empty); then, if the run was meant to train (``trains``
+    and ``num_rounds > 0``), :class:`NoRoundAggregatedError` is raised.
+    """
+    if tally.aggregated == 0:
+        result.arrays = initial_arrays
+        if trains and num_rounds > 0:
+            kept = ", ".join(f"{n} x {why}" for why, n in tally.kept.most_common(3))
+            raise NoRoundAggregatedError(
+                f"{owner}: no round aggregated: {num_rounds} round(s), 0 "
+                f"aggregated{f' ({kept})' if kept else ''}; {tally.describe()}. "
+                "Result.arrays holds the initial model; the log names every "
+                "reply and its reason.",
+                result,
+                tally,
+            )
+    return result
 
 
 class ValidatedFedAvg(FedAvg):
@@ -99,9 +230,16 @@ class ValidatedFedAvg(FedAvg):
         Minimum number of nodes sampled for evaluation.
     min_available_nodes : int (default: 2)
         Nodes that must be connected before sampling.
-    weighting : str (default: "num-examples")
+    weighting : str | None (default: None)
         ``"num-examples"``: average weighted by each reply's sample count;
-        ``"uniform"``: plain mean over the valid replies.
+        ``"uniform"``: plain mean over the valid replies. None: the class's
+        :attr:`default_weighting` (``"num-examples"`` here).
+    weighted_by_key : str | None (default: None)
+        Flower's name for the weighting: the reply metric whose value weights
+        the average. ``"num-examples"`` is ``weighting="num-examples"``; any
+        other key weights each reply by that metric, which must be a finite
+        number > 0 in every reply (else the reply is rejected). Give
+        ``weighting`` or ``weighted_by_key``, not both.
     local_epochs : int | None (default: None)
         Sent as ``local-epochs`` each round when set; otherwise clients use their
         own setting. Required when ``drop_percent > 0``.
@@ -116,9 +254,11 @@ class ValidatedFedAvg(FedAvg):
         lr_decay ** (t - 1)``, which clients multiply into their step size (the
         official FedDyn/FedDC codes decay by 0.998 per round).
     num_clients : int | None (default: None)
-        The federation's size ``K``. Algorithms whose update divides by the
-        number of *all* clients (FedDyn, FedDC, SCAFFOLD) require it; when set,
-        every round checks that exactly this many nodes are connected.
+        The federation's size ``K``. When set, every round checks that exactly
+        this many nodes are connected. Algorithms whose update divides by the
+        number of *all* clients (FedDyn, FedDC, SCAFFOLD, FedEPM, SFedAvg:
+        :attr:`requires_num_clients`) take None as "the number of nodes the
+        grid reports at the first round" (logged), checked in later rounds.
     seed : int (default: 0)
         Seeds node sampling and straggler draws, per round.
     monitor_dissimilarity : bool (default: False)
@@ -132,6 +272,10 @@ class ValidatedFedAvg(FedAvg):
     node_wait_timeout : float (default: 120.0)
         Seconds to wait for ``min_available_nodes`` before failing with an
         explanation (Flower's own ``FedAvg`` waits forever).
+    strict : bool (default: False)
+        For strategies whose clients must apply a rule (:attr:`rule_metric`):
+        reject train replies that do not report it (kind ``rule-not-applied``)
+        instead of warning once per run.
     arrayrecord_key, configrecord_key : str
         Record names in the messages (Flower's defaults).
     train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable | None
@@ -143,6 +287,16 @@ class ValidatedFedAvg(FedAvg):
     # True for algorithms whose clients keep state that the server sums over
     # (FedDyn, FedDC, SCAFFOLD): the two-phase commit of .state is then used.
     stateful_clients: ClassVar[bool] = False
+    # The metric a client reports (value 1) when it applied this algorithm's
+    # client rule; None: any client will do (FedAvg).
+    rule_metric: ClassVar[str | None] = None
+    # What that rule is, for the warning ("FedProx's proximal term").
+    rule_name: ClassVar[str] = "client rule"
+    # The update divides by the number of all clients: num_clients=None means
+    # "learn it from the grid at the first round".
+    requires_num_clients: ClassVar[bool] = False
+    # The weighting when neither weighting nor weighted_by_key is given.
+    default_weighting: ClassVar[str] = "num-examples"
 
     def __init__(
         self,
@@ -152,7 +306,8 @@ class ValidatedFedAvg(FedAvg):
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
-        weighting: str = "num-examples",
+        weighting: str | None = None,
+        weighted_by_key: str | None = None,
         local_epochs: int | None = None,
         local_steps: int | None = None,
         drop_percent: float = 0.0,
@@ -162,22 +317,22 @@ class ValidatedFedAvg(FedAvg):
         monitor_dissimilarity: bool = False,
         accept_failures: bool = True,
         node_wait_timeout: float = 120.0,
+        strict: bool = False,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
         | None = None,
         evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
         | None = None,
+        **unknown: Any,
     ) -> None:
+        reject_unknown_kwargs(type(self).__name__, unknown, self.accepted_kwargs())
+        weighting, weight_key = self._resolve_weighting(weighting, weighted_by_key)
         check_fraction("fraction_train", fraction_train)
         check_fraction("fraction_evaluate", fraction_evaluate)
         check_int("min_train_nodes", min_train_nodes, 0)
         check_int("min_evaluate_nodes", min_evaluate_nodes, 0)
         check_int("min_available_nodes", min_available_nodes, 0)
-        if weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"weighting must be one of {WEIGHTINGS}, got {weighting!r}"
-            )
         if local_epochs is not None:
             check_int("local_epochs", local_epochs, 1)
         if local_steps is not None:
@@ -205,7 +360,7 @@ class ValidatedFedAvg(FedAvg):
             min_train_nodes=min_train_nodes,
             min_evaluate_nodes=min_evaluate_nodes,
             min_available_nodes=min_available_nodes,
-            weighted_by_key=NUM_EXAMPLES_KEY,
+            weighted_by_key=weight_key,
             arrayrecord_key=arrayrecord_key,
             configrecord_key=configrecord_key,
             train_metrics_aggr_fn=train_metrics_aggr_fn,
@@ -219,13 +374,19 @@ class ValidatedFedAvg(FedAvg):
         self.drop_percent = float(drop_percent)
         self.lr_decay = float(lr_decay)
         self.num_clients = num_clients
+        self.num_clients_source = "given" if num_clients is not None else "not set"
         self.seed = seed
         self.monitor_dissimilarity = bool(monitor_dissimilarity)
         self.accept_failures = accept_failures
         self.node_wait_timeout = float(node_wait_timeout)
+        self.strict = bool(strict)
         # Diagnostics, not algorithm state: never part of state_dict().
         self.rejections: Counter[str] = Counter()
         self.last_round_report: dict[str, Any] = {}
+        # Why replies and rounds were not used: this run's, the last round's.
+        self.run_tally = ReplyTally()
+        self.round_tally = ReplyTally()
+        self._rule_warned = False
         # Set by configure_train, read by aggregate_train.
         self._global_arrays: ArrayRecord | None = None
         self._global_spec: RecordSpec | None = None
@@ -248,17 +409,74 @@ class ValidatedFedAvg(FedAvg):
         self.retired_nodes: set[int] = set()
 
     # ------------------------------------------------------------------ info
+    @classmethod
+    def accepted_kwargs(cls) -> set[str]:
+        """Return the keyword arguments ``cls(...)`` accepts (its bases' included)."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                names.update(
+                    name
+                    for name, param in inspect.signature(init).parameters.items()
+                    if name != "self"
+                    and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+                )
+            if klass is ValidatedFedAvg:
+                break
+        return names
+
+    def _resolve_weighting(
+        self, weighting: str | None, weighted_by_key: str | None
+    ) -> tuple[str, str]:
+        """Return ``(weighting, metric key)`` from ours and Flower's names."""
+        owner = type(self).__name__
+        if weighting is not None and weighted_by_key is not None:
+            raise TypeError(
+                f"{owner}() got both weighting={weighting!r} and "
+                f"weighted_by_key={weighted_by_key!r}; weighted_by_key is Flower's "
+                "name for the weighting: give one"
+            )
+        if weighted_by_key is not None:
+            if not isinstance(weighted_by_key, str) or not weighted_by_key:
+                raise ValueError(
+                    "weighted_by_key must be a non-empty metric name, got "
+                    f"{weighted_by_key!r}"
+                )
+            if weighted_by_key == NUM_EXAMPLES_KEY:
+                return "num-examples", NUM_EXAMPLES_KEY
+            return "metric", weighted_by_key
+        weighting = self.default_weighting if weighting is None else weighting
+        if weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"weighting must be one of {WEIGHTINGS}, got {weighting!r} (to "
+                "weight by a metric of the replies, give weighted_by_key=<metric>)"
+            )
+        return weighting, NUM_EXAMPLES_KEY
+
+    def _weighting_text(self) -> str:
+        if self.weighting == "metric":
+            return f"by metric '{self.weighted_by_key}'"
+        return self.weighting
+
     def __repr__(self) -> str:
         """Return the class name and its main settings."""
         return (
             f"{type(self).__name__}(fraction_train={self.fraction_train}, "
-            f"weighting={self.weighting!r}, seed={self.seed})"
+            f"weighting={self._weighting_text()!r}, seed={self.seed})"
         )
 
     def summary(self) -> None:
         """Log the configuration of the strategy."""
         log(INFO, "\t├──> Validation and sampling (flwr-prox-strategies):")
-        log(INFO, "\t│\t├── Weighting: %s", self.weighting)
+        log(INFO, "\t│\t├── Weighting: %s", self._weighting_text())
+        if self.rule_metric is not None:
+            log(
+                INFO,
+                "\t│\t├── Clients must report: '%s' (%s)",
+                self.rule_metric,
+                "replies without it rejected" if self.strict else "else warned",
+            )
         log(INFO, "\t│\t├── Seed: %d", self.seed)
         log(INFO, "\t│\t├── Local epochs: %s", self.local_epochs or "client's own")
         if self.local_steps is not None:
@@ -270,6 +488,50 @@ class ValidatedFedAvg(FedAvg):
             self.straggler_policy,
         )
         super().summary()
+
+    # ------------------------------------------------------------------- run
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run Flower's ``Strategy.start``, then fail loudly if nothing was aggregated.
+
+        ``Result.arrays`` is the last aggregated model, or ``initial_arrays``
+        when no round was aggregated (Flower leaves it empty); in that case
+        (with ``num_rounds > 0`` and ``fraction_train > 0``)
+        :class:`NoRoundAggregatedError` is raised, with the counted reasons
+        and the ``Result`` (``err.result``).
+        """
+        self.reset_run()
+        result = super().start(
+            grid=grid,
+            initial_arrays=initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+        return finish_run(
+            type(self).__name__,
+            result,
+            initial_arrays,
+            num_rounds,
+            self.run_tally,
+            trains=self.fraction_train > 0,
+        )
+
+    def reset_run(self) -> None:
+        """Start a new run's diagnostics (reasons tally, the once-per-run warning)."""
+        self.run_tally = ReplyTally()
+        self.round_tally = ReplyTally()
+        self._rule_warned = False
 
     # -------------------------------------------------------------- sampling
     def _connected_nodes(self, grid: Grid, needed: int) -> list[int]:
@@ -385,6 +647,14 @@ class ValidatedFedAvg(FedAvg):
 
     def check_reply(self, reply: ValidReply) -> None:
         """Extra checks on a structurally valid reply; raise ``ReplyRejected``."""
+        if self.strict and not self.rule_applied(reply):
+            raise ReplyRejected(
+                "rule-not-applied",
+                f"no '{self.rule_metric}' metric: the client is not applying "
+                f"{self.rule_name} (strict=True)",
+            )
+        if self.weighting == "metric":
+            check_weight(reply.metrics, self.weighted_by_key, kind="weight")
         if self.stateful_clients:
             key = reply.metrics.get(CLIENT_KEY_METRIC)
             if isinstance(key, bool) or not isinstance(key, int):
@@ -393,6 +663,51 @@ class ValidatedFedAvg(FedAvg):
                     f"no integer '{CLIENT_KEY_METRIC}' metric: is the client a "
                     f"{type(self).__name__} client?",
                 )
+
+    def rule_applied(self, reply: ValidReply) -> bool:
+        """Return True when the reply reports :attr:`rule_metric` (or none is due)."""
+        if self.rule_metric is None:
+            return True
+        value = reply.metrics.get(self.rule_metric)
+        return (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value != 0
+        )
+
+    def warn_rule_not_applied(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> None:
+        """Warn once per run, naming the nodes whose replies lack the rule metric."""
+        if self._rule_warned or self.rule_metric is None:
+            return
+        nodes = sorted(r.node_id for r in replies if not self.rule_applied(r))
+        if not nodes:
+            return
+        self._rule_warned = True
+        name = type(self).__name__
+        log(
+            WARNING,
+            "%s: round %d: nodes %s do not report '%s': their clients are not "
+            "applying %s; the run is FedAvg for them. Use the pack's %sClient or "
+            "add %sRule to your client, or strict=True to reject such replies "
+            "(this warning is given once per run)",
+            name,
+            server_round,
+            nodes,
+            self.rule_metric,
+            self.rule_name,
+            name,
+            name,
+        )
+
+    def learn_num_clients(self, num_clients: int) -> None:
+        """Adopt ``num_clients`` learned from the grid or a checkpoint.
+
+        Subclasses that derive settings from it (FedEPM's sampling) extend this.
+        """
+        check_int("num_clients", num_clients, 1)
+        self.num_clients = num_clients
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
         """Return the ArrayRecords (name -> spec) a train reply must carry."""
@@ -404,6 +719,8 @@ class ValidatedFedAvg(FedAvg):
 
     def reply_weight(self, reply: ValidReply) -> float:
         """Return the weight of a valid reply in the average."""
+        if self.weighting == "metric":  # checked finite and > 0 in check_reply
+            return float(reply.metrics[self.weighted_by_key])  # type: ignore[arg-type]
         return reply.num_examples if self.weighting == "num-examples" else 1.0
 
     def weighted_mean(
@@ -476,10 +793,21 @@ class ValidatedFedAvg(FedAvg):
                 f"checkpoint is for {state.get('strategy')!r}, "
                 f"not {type(self).__name__}"
             )
-        for key, mine in (("seed", self.seed), ("num-clients", self.num_clients)):
-            if state.get(key) != mine:
+        saved_k = state.get("num-clients")
+        if self.requires_num_clients and None in (saved_k, self.num_clients):
+            # Learned from the grid: a checkpoint's K is adopted, and a strategy
+            # built with K resumes a checkpoint made before K was learned.
+            if saved_k is not None and self.num_clients is None:
+                self.learn_num_clients(int(saved_k))
+                self.num_clients_source = "from the checkpoint"
+            saved_k = self.num_clients
+        for key, mine, saved in (
+            ("seed", self.seed, state.get("seed")),
+            ("num-clients", self.num_clients, saved_k),
+        ):
+            if saved != mine:
                 raise ValueError(
-                    f"checkpoint was made with {key}={state.get(key)!r}, the strategy "
+                    f"checkpoint was made with {key}={saved!r}, the strategy "
                     f"has {mine!r}: the run would not resume identically"
                 )
         self.rounds_completed = int(state["rounds-completed"])
@@ -501,6 +829,17 @@ class ValidatedFedAvg(FedAvg):
         if self.fraction_train == 0.0:
             self._train_nodes = set()
             return []
+        if self.num_clients is None and self.requires_num_clients:
+            known = len(self._connected_nodes(grid, self.min_available_nodes))
+            self.learn_num_clients(known)
+            self.num_clients_source = f"learned from the grid at round {server_round}"
+            log(
+                INFO,
+                "%s: num_clients not given: using the %d nodes connected at round %d",
+                type(self).__name__,
+                known,
+                server_round,
+            )
         node_ids, num_connected = self.sample_nodes(
             grid,
             server_round,
@@ -511,10 +850,11 @@ class ValidatedFedAvg(FedAvg):
         )
         if self.num_clients is not None and num_connected != self.num_clients:
             raise RuntimeError(
-                f"{type(self).__name__} was configured for num_clients="
-                f"{self.num_clients} but {num_connected} nodes are connected; its "
-                "update divides by the number of all clients, so they must agree "
-                "(size the federation with --federation-config 'num-supernodes=N')."
+                f"{type(self).__name__} has num_clients={self.num_clients} "
+                f"({self.num_clients_source}) but {num_connected} nodes are "
+                "connected; its update divides by the number of all clients, so "
+                "they must agree (size the federation with --federation-config "
+                "'num-supernodes=N')."
             )
         stragglers = self.draw_stragglers(node_ids, server_round)
         if stragglers and self.straggler_policy == "drop":
@@ -587,17 +927,27 @@ class ValidatedFedAvg(FedAvg):
         sampled: set[int] | None,
         phase: str,
         defer_finite: tuple[str, ...] = (),
+        tally: ReplyTally | None = None,
     ) -> tuple[list[ValidReply], int, int, int]:
         """Validate replies; return the valid ones, #failed, #rejected, #absent.
 
         Error replies count as failures; replies that arrive but fail a check
-        count as rejected. Both are logged with the node and the reason. A
-        client that says its privacy budget is spent is absent, not failed: it
-        is retired from training (:attr:`retired_nodes`).
+        count as rejected. Both are counted by reason in a :class:`ReplyTally`
+        (``tally``, or a new one; the round's, for training, is
+        :attr:`round_tally`) and logged: one line per reply naming the node
+        when some reply is valid, else one warning with the counted reasons
+        (for ``aggregate_train``, the caller's). A client that says its
+        privacy budget is spent is absent, not failed: it is retired from
+        training (:attr:`retired_nodes`).
         """
         valid: list[ValidReply] = []
         seen: set[int] = set()
         failed = rejected = absent = 0
+        training = phase != "aggregate_evaluate"
+        tally = ReplyTally() if tally is None else tally
+        if training:
+            self.round_tally = tally
+        unused: list[tuple[int, ReplyRejected]] = []
         for message in replies:
             node_id = message.metadata.src_node_id
             try:
@@ -629,18 +979,32 @@ class ValidatedFedAvg(FedAvg):
                 else:
                     rejected += 1
                 self.rejections[f"{phase}:{err.kind}"] += 1
+                tally.add(node_id, err)
+                unused.append((node_id, err))
+                continue
+            seen.add(node_id)
+            valid.append(reply)
+        if training:
+            self.run_tally.update(tally)
+        if valid:
+            for node_id, why in unused:
                 log(
                     WARNING,
                     "%s: round %d: reply from node %d not used (%s): %s",
                     phase,
                     server_round,
                     node_id,
-                    err.kind,
-                    err.reason,
+                    why.kind,
+                    why.reason,
                 )
-                continue
-            seen.add(node_id)
-            valid.append(reply)
+        elif phase != "aggregate_train":  # aggregate_train says it with the model
+            log(
+                WARNING,
+                "%s: round %d: no valid reply: %s",
+                phase,
+                server_round,
+                tally.describe(),
+            )
         log(
             INFO,
             "%s: round %d: %d valid, %d failed, %d rejected%s",
@@ -680,6 +1044,9 @@ class ValidatedFedAvg(FedAvg):
         rejected += before - len(valid)
         if keep is None and (failed or rejected) and not self.accept_failures:
             keep = "accept_failures=False and some replies failed or were rejected"
+        if keep is None and arrays is not None:
+            self.run_tally.aggregated += 1
+            self.warn_rule_not_applied(server_round, valid)
         counts: dict[str, Any] = {
             "replies-valid": len(valid),
             "replies-failed": failed,
@@ -698,11 +1065,13 @@ class ValidatedFedAvg(FedAvg):
         counts.update(self.record_privacy(valid))
         self.last_round_report = dict(counts)
         if keep is not None or arrays is None:
+            self.run_tally.kept[keep or "no model"] += 1
             log(
                 WARNING,
-                "aggregate_train: round %d: %s; keeping the previous model",
+                "aggregate_train: round %d: %s; %s; keeping the previous model",
                 server_round,
                 keep,
+                self.round_tally.describe(),
             )
             return None, MetricRecord(dict(counts.items()))
         extra = self.on_valid_replies(server_round, valid)
@@ -731,11 +1100,17 @@ class ValidatedFedAvg(FedAvg):
         """
         errors: list[Message] = []
         others: list[Message] = []
+        tally = ReplyTally()
         for message in replies:
             passed_on = message.has_error() and not str(
                 message.error.reason
             ).startswith(BUDGET_EXHAUSTED_REASON)
             (errors if passed_on else others).append(message)
+            if passed_on:  # counted here: the wrapper skips the round unseen
+                tally.add(
+                    message.metadata.src_node_id,
+                    ReplyRejected("error-reply", str(message.error.reason)),
+                )
         valid, *_ = self.collect_replies(
             server_round + self.round_offset,
             others,
@@ -744,6 +1119,7 @@ class ValidatedFedAvg(FedAvg):
             ),
             sampled=self._train_nodes,
             phase="screen_train",
+            tally=tally,
         )
         return errors + [r.message for r in valid if r.message is not None]
 
@@ -825,6 +1201,11 @@ class ValidatedFedAvg(FedAvg):
                 if bad:
                     reply.finite = False
                     self.rejections["aggregate_train:non-finite"] += 1
+                    why = ReplyRejected(
+                        "non-finite", f"{', '.join(bad)} hold NaN or inf"
+                    )
+                    self.round_tally.add(reply.node_id, why)
+                    self.run_tally.add(reply.node_id, why)
                     log(
                         WARNING,
                         "aggregate_train: round %d: reply from node %d not used "
@@ -936,7 +1317,8 @@ class ValidatedFedAvg(FedAvg):
     ) -> MetricRecord:
         if custom is not None:
             contents = [r.message.content for r in replies if r.message is not None]
-            return custom(contents, NUM_EXAMPLES_KEY)
+            key = self.weighted_by_key if custom is self._custom_train_metrics else None
+            return custom(contents, key or NUM_EXAMPLES_KEY)
         return weighted_metric_mean(replies)
 
 

@@ -7,9 +7,11 @@ rejected reply leaves a round exactly as if it had never arrived.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -45,6 +47,45 @@ def check_int(name: str, value: int, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def reject_unknown_kwargs(
+    owner: str, unknown: Mapping[str, Any], accepted: Iterable[str]
+) -> None:
+    """Raise ``TypeError`` naming ``owner``, the bad keyword and the closest name.
+
+    ``owner`` is the class the user called (not the base whose ``__init__``
+    happened to receive the keyword).
+    """
+    if not unknown:
+        return
+    names = sorted(set(accepted))
+    bad = sorted(unknown)
+    hints = []
+    for name in bad:
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise TypeError(
+        f"{owner}() got unexpected keyword argument(s) {', '.join(hints)}; "
+        f"{owner} accepts: {', '.join(names)}"
+    )
+
+
+def resolve_alias(
+    owner: str, name: str, value: Any, alias: str, alias_value: Any, default: Any
+) -> Any:
+    """Return the value of a parameter that also has a Flower name (``alias``).
+
+    None means "not given" for both; giving both is an error naming both.
+    """
+    if value is not None and alias_value is not None:
+        raise TypeError(
+            f"{owner}() got both {name}={value!r} and {alias}={alias_value!r}; "
+            f"they are the same parameter ({alias} is Flower's name): give one"
+        )
+    if value is not None:
+        return value
+    return default if alias_value is None else alias_value
 
 
 class ReplyRejected(Exception):
@@ -89,16 +130,17 @@ class ValidReply:
         ]
 
 
-def _check_num_examples(metrics: MetricRecord, key: str) -> float:
+def check_weight(metrics: MetricRecord, key: str, kind: str = "num-examples") -> float:
+    """Return ``metrics[key]`` if it is a finite number > 0; else reject (``kind``)."""
     if key not in metrics:
-        raise ReplyRejected("num-examples", f"MetricRecord has no '{key}'")
+        raise ReplyRejected(kind, f"MetricRecord has no '{key}'")
     value = metrics[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ReplyRejected("num-examples", f"'{key}' is {value!r}, not a number")
+        raise ReplyRejected(kind, f"'{key}' is {value!r}, not a number")
     if not math.isfinite(value):
-        raise ReplyRejected("num-examples", f"'{key}' is not finite ({value!r})")
+        raise ReplyRejected(kind, f"'{key}' is not finite ({value!r})")
     if value <= 0:
-        raise ReplyRejected("num-examples", f"'{key}' is {value!r}; it must be > 0")
+        raise ReplyRejected(kind, f"'{key}' is {value!r}; it must be > 0")
     return float(value)
 
 
@@ -206,7 +248,7 @@ def validate_reply(
             f"unexpected ConfigRecords {sorted(content.config_records.keys())}",
         )
     metrics = next(iter(metric_records.values()))
-    num_examples = _check_num_examples(metrics, weight_key)
+    num_examples = check_weight(metrics, weight_key)
     arrays = {
         name: _check_array_record(
             name,
