@@ -9,18 +9,19 @@ taking your ``torch.nn.Module`` and data loaders), and the adapter that mounts a
 
 from .algorithms.apfl import APFL, APFLClient
 from .algorithms.fedavg import FedAvg, FedAvgClient
-from .algorithms.feddc import FedDC, FedDCClient
-from .algorithms.feddyn import FedDyn, FedDynClient
+from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
+from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
 from .algorithms.fedepm import FedEPM, FedEPMClient
-from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient
+from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient, FedProxRule
 from .algorithms.pfedavg import PFedAvg
-from .algorithms.scaffold import Scaffold, ScaffoldClient
+from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
 from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient
 from .core.adapter import to_client_app
 from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
-from .core.client import ProtocolError, TorchClient
+from .core.client import TorchClient
 from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.privacy import LaplaceUploadMod
+from .core.rule import ClientRule, ProtocolError
 from .core.strategy import ValidatedFedAvg
 
 __all__ = [
@@ -28,17 +29,21 @@ __all__ = [
     "DPSGD",
     "PROXIMAL_MU_KEY",
     "APFLClient",
+    "ClientRule",
     "ClientSideFixedClipping",
     "FedAvg",
     "FedAvgClient",
     "FedDC",
     "FedDCClient",
+    "FedDCRule",
     "FedDyn",
     "FedDynClient",
+    "FedDynRule",
     "FedEPM",
     "FedEPMClient",
     "FedProx",
     "FedProxClient",
+    "FedProxRule",
     "LaplaceUploadMod",
     "PFedAvg",
     "PrivacyBudgetExhausted",
@@ -49,6 +54,7 @@ __all__ = [
     "SFedProxClient",
     "Scaffold",
     "ScaffoldClient",
+    "ScaffoldRule",
     "ServerSideFixedClipping",
     "TorchClient",
     "ValidatedFedAvg",

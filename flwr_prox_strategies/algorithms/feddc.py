@@ -61,21 +61,25 @@ from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
-from ..core.client import ProtocolError, TorchClient
+from ..core.client import TorchClient
+from ..core.keys import LOCAL_EPOCHS_KEY, LR_SCALE_KEY
 from ..core.records import (
     RecordSpec,
     copy_arrays,
     dict_to_record,
     record_to_dict,
 )
+from ..core.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
-from ..core.training import GradientTerm, TrainReport, trainable
+from ..core.training import GradientTerm
 from ..core.validation import ValidReply, check_positive
 from ..ops.proximal import ProximalTerm
 from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD, ControlVariates
 
 FEDDC_ALPHA_KEY = "feddc-alpha"
 FEDDC_CORRECTION_KEY = "feddc-correction"
+# Reported by clients that apply FedDC's rule (FedDCRule).
+FEDDC_APPLIED_KEY = "feddc-applied"
 GLOBAL_UPDATE_RECORD = "feddc-g"
 LOCAL_UPDATE_RECORD = "feddc-update"
 CORRECTIONS = ("official", "seed")
@@ -92,26 +96,37 @@ class FedDC(ValidatedFedAvg):
     ----------
     alpha : float (default: 0.1)
         Weight :math:`\alpha > 0` of the drift penalty.
-    num_clients : int
-        :math:`N`, the number of all clients (required; checked every round).
+    num_clients : int | None (default: None)
+        :math:`N`, the number of all clients, checked every round. None: the
+        number of nodes connected at the first round (logged).
     correction : str (default: "official")
         ``"official"`` (official code, partial participation) or ``"seed"``.
     weighting : str | None (default: None)
         Average over participants: ``"uniform"`` for ``official`` (``np.mean`` in
-        the official code), ``"num-examples"`` for ``seed`` (Eq. (12)).
+        the official code), ``"num-examples"`` for ``seed`` (Eq. (12)); or
+        Flower's ``weighted_by_key``.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+
+    Notes
+    -----
+    Clients report ``feddc-applied`` (value 1, :data:`FEDDC_APPLIED_KEY`);
+    replies without it are named in a warning once per run (rejected with
+    ``strict=True``).
     """
 
     straggler_policy = "keep-partial"
     stateful_clients = True
+    requires_num_clients = True
+    rule_metric = FEDDC_APPLIED_KEY
+    rule_name = "FedDC's drift penalty and gradient correction"
 
     def __init__(
         self,
         *,
         alpha: float = 0.1,
-        num_clients: int,
+        num_clients: int | None = None,
         correction: str = "official",
         weighting: str | None = None,
         **kwargs: Any,
@@ -121,7 +136,7 @@ class FedDC(ValidatedFedAvg):
             raise ValueError(
                 f"correction must be one of {CORRECTIONS}, got {correction!r}"
             )
-        if weighting is None:
+        if weighting is None and kwargs.get("weighted_by_key") is None:
             weighting = "uniform" if correction == "official" else "num-examples"
         super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
         self.alpha = float(alpha)
@@ -238,8 +253,88 @@ class FedDC(ValidatedFedAvg):
         self.global_update = copy_arrays(state["global-update"])
 
 
+class FedDCRule(ClientRule):
+    r"""FedDC's client rule: drift penalty plus gradient correction, both semantics.
+
+    Adds :math:`\alpha_i(\theta + h_i - w)` and the correction to every step;
+    after the round, :math:`h_i \mathrel{+}= \theta - w` (Eq. (11)) and the
+    correction state (pending until the server confirms the reply). Plain SGD
+    steps (:meth:`attach` refuses momentum). The seed's correction divides by
+    the round's planned steps and step size, known before training: give
+    ``planned_steps`` and ``lr`` for ``correction="seed"``.
+    """
+
+    protocol = "FedDC"
+    applied_metric = FEDDC_APPLIED_KEY
+    stateful = True
+    plain_sgd = True
+
+    def __init__(
+        self,
+        *args: Any,
+        planned_steps: int | None = None,
+        lr: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.planned_steps = planned_steps
+        self.planned_lr = lr
+        super().__init__(*args, **kwargs)
+
+    def setup(self) -> GradientTerm:
+        r"""Return :math:`\alpha_i(\theta + h_i - w)` plus the correction."""
+        alpha = float(self.required(FEDDC_ALPHA_KEY))
+        self.mode = str(self.required(FEDDC_CORRECTION_KEY))
+        if self.mode not in CORRECTIONS:
+            raise ProtocolError(f"unknown feddc-correction {self.mode!r}")
+        self.h = self.state.get_tensors(DRIFT_STATE, self.params)
+        anchor = [w - h for w, h in zip(self.anchor, self.h, strict=True)]
+        rho = self.relative_size
+        if self.mode == "official":
+            self.c = self.received_params(CONTROL_RECORD)
+            self.ci = self.state.get_tensors(CONTROL_STATE, self.params)
+            shift = [c / rho - ci for c, ci in zip(self.c, self.ci, strict=True)]
+            return ProximalTerm(alpha / rho, anchor, shift)
+        if self.planned_steps is None or self.planned_lr is None:
+            raise ProtocolError(
+                "FedDC's seed correction needs the round's planned steps and step "
+                "size before training (planned_steps=, lr=; the pack's client "
+                "takes them from len(train_loader))"
+            )
+        g = self.received_params(GLOBAL_UPDATE_RECORD)
+        g_i = self.state.get_tensors(UPDATE_STATE, self.params)
+        scale = 1.0 / (self.planned_steps * self.planned_lr)
+        shift = [(gi - gg) * scale for gi, gg in zip(g_i, g, strict=True)]
+        return ProximalTerm(alpha, anchor, shift)
+
+    def finish(
+        self, steps: int, lr: float
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        """Update :math:`h_i` (11) and the correction state; prepare the upload."""
+        update = [p.detach() - w for p, w in zip(self.params, self.anchor, strict=True)]
+        drift = [h + u for h, u in zip(self.h, update, strict=True)]
+        self.state.set_pending(DRIFT_STATE, drift, self.server_round)
+        if self.mode == "official":
+            rho = self.relative_size
+            lr0 = self.base_lr
+            if lr0 is None:  # the step size before the server's decay
+                lr0 = lr / float(self.config.get(LR_SCALE_KEY, 1.0))
+            beta = 1.0 / (max(steps, 1) * lr0)
+            new_ci = [
+                ci - c / rho - beta * u
+                for ci, c, u in zip(self.ci, self.c, update, strict=True)
+            ]
+            delta = [(n - ci) * rho for n, ci in zip(new_ci, self.ci, strict=True)]
+            self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
+            return {CONTROL_DELTA_RECORD: arrays_from_params(self.model, delta)}, {}
+        self.state.set_pending(UPDATE_STATE, update, self.server_round)
+        with torch.no_grad():  # the seed uploads theta^+ + h_i^{t+1}
+            for p, h in zip(self.params, drift, strict=True):
+                p.add_(h)
+        return {LOCAL_UPDATE_RECORD: arrays_from_params(self.model, update)}, {}
+
+
 class FedDCClient(TorchClient):
-    r"""FedDC client: drift-penalised, gradient-corrected local SGD.
+    r"""FedDC client: :class:`FedDCRule` in the pack's training loop.
 
     Keeps :math:`h_i` and :math:`c_i` (official) or :math:`g_i` (seed) in
     ``context.state``. With ``dp``, the drift penalty and the gradient correction
@@ -249,72 +344,23 @@ class FedDCClient(TorchClient):
     """
 
     protocol = "FedDC"
-
+    rule_class = FedDCRule
     stateful = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.momentum != 0.0:
             raise ValueError("momentum must be 0: FedDC's correction assumes plain SGD")
-        self._mode = "official"
-        self._w: list[torch.Tensor] = []
-        self._h: list[torch.Tensor] = []
-        self._c: list[torch.Tensor] = []
-        self._ci: list[torch.Tensor] = []
 
-    def _planned_steps(self, config: dict[str, Any]) -> int:
-        epochs = int(config.get("local-epochs", self.local_epochs))
+    def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Give the seed form its planned steps (``epochs * len(train_loader)``)."""
+        if config.get(FEDDC_CORRECTION_KEY) != "seed":
+            return {}
+        epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
         try:
-            return epochs * len(self.train_loader)  # type: ignore[arg-type]
+            planned = epochs * len(self.train_loader)
         except TypeError as err:
             raise ProtocolError(
                 "FedDC's seed form needs len(train_loader) to know K in advance"
             ) from err
-
-    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        r"""Return :math:`\alpha_i(\theta + h_i - w)` plus the correction."""
-        alpha = float(self.required(config, FEDDC_ALPHA_KEY))
-        self._mode = str(self.required(config, FEDDC_CORRECTION_KEY))
-        if self._mode not in CORRECTIONS:
-            raise ProtocolError(f"unknown feddc-correction {self._mode!r}")
-        params = trainable(self.model)
-        self._w = [p.detach().clone() for p in params]
-        self._h = self.state.get_tensors(DRIFT_STATE, params)
-        anchor = [w - h for w, h in zip(self._w, self._h, strict=True)]
-        rho = self.relative_size
-        if self._mode == "official":
-            self._c = self.from_state_order(self.received(CONTROL_RECORD, "FedDC"))
-            self._ci = self.state.get_tensors(CONTROL_STATE, params)
-            shift = [c / rho - ci for c, ci in zip(self._c, self._ci, strict=True)]
-            return ProximalTerm(alpha / rho, anchor, shift)
-        g = self.from_state_order(self.received(GLOBAL_UPDATE_RECORD, "FedDC"))
-        g_i = self.state.get_tensors(UPDATE_STATE, params)
-        scale = 1.0 / (self._planned_steps(config) * self.round_lr)
-        shift = [(gi - gg) * scale for gi, gg in zip(g_i, g, strict=True)]
-        return ProximalTerm(alpha, anchor, shift)
-
-    def after_training(
-        self, config: dict[str, Any], report: TrainReport
-    ) -> dict[str, Any]:
-        """Update :math:`h_i` (11) and the correction state; prepare the upload."""
-        params = trainable(self.model)
-        update = [p.detach() - w for p, w in zip(params, self._w, strict=True)]
-        drift = [h + u for h, u in zip(self._h, update, strict=True)]
-        self.state.set_pending(DRIFT_STATE, drift, self.server_round)
-        if self._mode == "official":
-            rho = self.relative_size
-            beta = 1.0 / (max(report.steps, 1) * self.learning_rate)
-            new_ci = [
-                ci - c / rho - beta * u
-                for ci, c, u in zip(self._ci, self._c, update, strict=True)
-            ]
-            delta = [(n - ci) * rho for n, ci in zip(new_ci, self._ci, strict=True)]
-            self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
-            self.reply_arrays[CONTROL_DELTA_RECORD] = self.to_state_order(delta)
-            return {}
-        self.state.set_pending(UPDATE_STATE, update, self.server_round)
-        self.reply_arrays[LOCAL_UPDATE_RECORD] = self.to_state_order(update)
-        with torch.no_grad():  # the seed uploads theta^+ + h_i^{t+1}
-            for p, h in zip(params, drift, strict=True):
-                p.add_(h)
-        return {}
+        return {"planned_steps": planned, "lr": self.round_lr}

@@ -70,12 +70,15 @@ from ..core.records import (
     float_keys,
     record_to_dict,
 )
+from ..core.rule import ClientRule, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
-from ..core.training import GradientTerm, TrainReport, trainable
+from ..core.training import GradientTerm
 from ..core.validation import ValidReply, check_positive
 from ..ops.proximal import ProximalTerm
 
 FEDDYN_ALPHA_KEY = "feddyn-alpha"
+# Reported by clients that apply FedDyn's rule (FedDynRule).
+FEDDYN_APPLIED_KEY = "feddyn-applied"
 TRACK_LATEST_KEY = "feddyn-track-latest"
 INITIAL_MODEL_RECORD = "initial-model"
 MODEL_DELTA_RECORD = "model-delta"
@@ -90,33 +93,43 @@ class FedDyn(ValidatedFedAvg):
     ----------
     alpha : float (default: 0.01)
         The penalty :math:`\alpha > 0` (the seed's :math:`\mu`).
-    num_clients : int
-        :math:`K`, the number of all clients (required; checked every round).
+    num_clients : int | None (default: None)
+        :math:`K`, the number of all clients, checked every round. None: the
+        number of nodes connected at the first round (logged).
     weighting : str (default: "uniform")
         The seed's and the official code's plain mean over :math:`S_t`;
-        ``"num-examples"`` weights it by sample counts.
+        ``"num-examples"`` weights it by sample counts (or ``weighted_by_key``).
     track_all_clients : bool (default: False)
         Keep the mean of all clients' latest models (the official code's second
         evaluated model); see the module docstring.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+
+    Notes
+    -----
+    Clients report ``feddyn-applied`` (value 1, :data:`FEDDYN_APPLIED_KEY`);
+    replies without it are named in a warning once per run (rejected with
+    ``strict=True``).
     """
 
     straggler_policy = "keep-partial"
     stateful_clients = True
+    requires_num_clients = True
+    default_weighting = "uniform"
+    rule_metric = FEDDYN_APPLIED_KEY
+    rule_name = "FedDyn's dynamic regulariser"
 
     def __init__(
         self,
         *,
         alpha: float = 0.01,
-        num_clients: int,
-        weighting: str = "uniform",
+        num_clients: int | None = None,
         track_all_clients: bool = False,
         **kwargs: Any,
     ) -> None:
         check_positive("alpha", alpha)
-        super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
+        super().__init__(num_clients=num_clients, **kwargs)
         self.alpha = float(alpha)
         self.track_all_clients = bool(track_all_clients)
         self.drift_sum: dict[str, NDArray] | None = None  # Lambda = sum_k lambda_k
@@ -236,12 +249,63 @@ class FedDyn(ValidatedFedAvg):
         self.latest_sum = copy_arrays(state.get("latest-sum"))
 
 
+class FedDynRule(ClientRule):
+    r"""FedDyn's client rule: add :math:`\alpha_k(\theta - \theta^t + \lambda_k)`.
+
+    Keeps :math:`\lambda_k = -g_k/\alpha` in the client's state (one model),
+    advanced by :math:`\theta_k - \theta^t` once the server confirms the reply.
+    Any optimiser works. ``decoupled=True`` leaves out the :math:`\alpha\theta`
+    part, for an optimiser whose weight decay carries it (the official code).
+    """
+
+    protocol = "FedDyn"
+    applied_metric = FEDDYN_APPLIED_KEY
+    stateful = True
+
+    def __init__(self, *args: Any, decoupled: bool = False, **kwargs: Any) -> None:
+        self.decoupled = bool(decoupled)
+        super().__init__(*args, **kwargs)
+
+    def setup(self) -> GradientTerm:
+        r"""Read ``feddyn-alpha`` and :math:`\lambda_k`."""
+        alpha = float(self.required(FEDDYN_ALPHA_KEY))
+        if not (np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"received feddyn-alpha={alpha!r}; it must be > 0")
+        self.alpha = alpha / self.relative_size
+        self.drift = self.state.get_tensors(DRIFT_STATE, self.params)
+        shift = [self.alpha * d for d in self.drift]
+        return ProximalTerm(self.alpha, self.anchor, shift, decoupled=self.decoupled)
+
+    def finish(
+        self, steps: int, lr: float
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        r"""Set :math:`\lambda_k + \theta_k - \theta^t` pending."""
+        updated = [
+            d + (p.detach() - a)
+            for d, p, a in zip(self.drift, self.params, self.anchor, strict=True)
+        ]
+        self.state.set_pending(DRIFT_STATE, updated, self.server_round)
+        if not self.config.get(TRACK_LATEST_KEY, False):
+            return {}, {}
+        latest = self.state.get(LATEST_STATE)
+        if latest is not None:
+            previous = [torch.as_tensor(v) for v in latest]
+        elif INITIAL_MODEL_RECORD in self.received:
+            previous = self.received_params(INITIAL_MODEL_RECORD)
+        else:  # round 1: the received model is theta^0
+            previous = self.anchor
+        now = [p.detach().clone() for p in self.params]
+        change = [n - q.to(n.dtype) for n, q in zip(now, previous, strict=True)]
+        self.state.set_pending(LATEST_STATE, now, self.server_round)
+        return {MODEL_DELTA_RECORD: arrays_from_params(self.model, change)}, {}
+
+
 class FedDynClient(TorchClient):
     r"""FedDyn client: local SGD on the dynamically regularised objective.
 
-    Keeps :math:`\lambda_k = -g_k/\alpha` in ``context.state`` (one model). With
-    ``dp``, the regulariser's gradient reads no data and is added after DP-SGD's
-    clipping and noise; :math:`\lambda_k` is built from the private iterates.
+    Runs :class:`FedDynRule` in the pack's training loop. With ``dp``, the
+    regulariser's gradient reads no data and is added after DP-SGD's clipping
+    and noise; :math:`\lambda_k` is built from the private iterates.
 
     Parameters
     ----------
@@ -254,7 +318,7 @@ class FedDynClient(TorchClient):
     """
 
     protocol = "FedDyn"
-
+    rule_class = FedDynRule
     stateful = True
 
     def __init__(
@@ -262,55 +326,16 @@ class FedDynClient(TorchClient):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.decoupled_alpha = decoupled_alpha
-        self._alpha = 0.0
-        self._anchor: list[Any] = []
 
-    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        r"""Return :math:`\alpha_k(\theta - \theta^t + \lambda_k)`."""
-        alpha = float(self.required(config, FEDDYN_ALPHA_KEY))
-        if not (np.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"received feddyn-alpha={alpha!r}; it must be > 0")
-        self._alpha = alpha / self.relative_size
-        params = trainable(self.model)
-        self._anchor = [p.detach().clone() for p in params]
-        drift = self.state.get_tensors(DRIFT_STATE, params)
-        shift = [self._alpha * d for d in drift]
-        return ProximalTerm(
-            self._alpha, self._anchor, shift, decoupled=self.decoupled_alpha
-        )
+    def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Pass ``decoupled_alpha`` to the rule."""
+        return {"decoupled": self.decoupled_alpha}
 
     def make_optimizer(self) -> Any:
         """SGD; with ``decoupled_alpha`` its weight decay also carries alpha."""
         optimizer = super().make_optimizer()
         if self.decoupled_alpha:
+            assert isinstance(self.rule, FedDynRule)  # built by gradient_term
             for group in optimizer.param_groups:
-                group["weight_decay"] = self.weight_decay + self._alpha
+                group["weight_decay"] = self.weight_decay + self.rule.alpha
         return optimizer
-
-    def after_training(
-        self, config: dict[str, Any], report: TrainReport
-    ) -> dict[str, Any]:
-        r"""Update :math:`\lambda_k \mathrel{+}= \theta_k - \theta^t` (pending)."""
-        params = trainable(self.model)
-        drift = self.state.get_tensors(DRIFT_STATE, params)
-        updated = [
-            d + (p.detach() - a)
-            for d, p, a in zip(drift, params, self._anchor, strict=True)
-        ]
-        self.state.set_pending(DRIFT_STATE, updated, self.server_round)
-        if config.get(TRACK_LATEST_KEY, False):
-            self._report_latest_change(params)
-        return {}
-
-    def _report_latest_change(self, params: list[Any]) -> None:
-        latest = self.state.get(LATEST_STATE)
-        if latest is not None:
-            previous = [torch.as_tensor(v) for v in latest]
-        elif INITIAL_MODEL_RECORD in self.received_arrays:
-            previous = self.from_state_order(self.received_arrays[INITIAL_MODEL_RECORD])
-        else:  # round 1: the received model is theta^0
-            previous = self._anchor
-        now = [p.detach().clone() for p in params]
-        change = [n - q.to(n.dtype) for n, q in zip(now, previous, strict=True)]
-        self.reply_arrays[MODEL_DELTA_RECORD] = self.to_state_order(change)
-        self.state.set_pending(LATEST_STATE, now, self.server_round)

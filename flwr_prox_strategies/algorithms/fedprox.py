@@ -46,12 +46,15 @@ from typing import Any
 from flwr.common.logger import log
 
 from ..core.client import TorchClient
+from ..core.rule import ClientRule
 from ..core.strategy import ValidatedFedAvg
-from ..core.training import GradientTerm, full_gradient, grad_norm, trainable
-from ..core.validation import check_non_negative
+from ..core.training import GradientTerm, full_gradient, grad_norm
+from ..core.validation import check_non_negative, resolve_alias
 from ..ops.proximal import ProximalTerm
 
 PROXIMAL_MU_KEY = "proximal-mu"
+# Reported by clients that add the proximal term (FedProxRule).
+PROXIMAL_MU_APPLIED_KEY = "proximal-mu-applied"
 
 
 class FedProx(ValidatedFedAvg):
@@ -59,8 +62,11 @@ class FedProx(ValidatedFedAvg):
 
     Parameters
     ----------
-    mu : float (default: 0.01)
+    mu : float | None (default: None, i.e. 0.01)
         Proximal penalty constant :math:`\mu \ge 0`. 0 gives FedAvg.
+    proximal_mu : float | None (default: None)
+        Flower's name for ``mu`` (``flwr.serverapp.strategy.FedProx``); give
+        one of the two.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`
@@ -76,11 +82,26 @@ class FedProx(ValidatedFedAvg):
         for p, p_global in zip(params, global_params):
             p.grad += mu * (p - p_global)     # gradient of (mu/2)||w - w_t||^2
         optimizer.step()
+
+    and reports ``proximal-mu-applied`` (value 1) in its reply's metrics: replies
+    without it are named in a warning (once per run), or rejected with
+    ``strict=True``.
     """
 
     straggler_policy = "keep-partial"
+    rule_metric = PROXIMAL_MU_APPLIED_KEY
+    rule_name = "FedProx's proximal term"
 
-    def __init__(self, *, mu: float = 0.01, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        mu: float | None = None,
+        proximal_mu: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        mu = resolve_alias(
+            type(self).__name__, "mu", mu, "proximal_mu", proximal_mu, 0.01
+        )
         check_non_negative("mu", mu)
         super().__init__(**kwargs)
         self.mu = float(mu)
@@ -98,6 +119,30 @@ class FedProx(ValidatedFedAvg):
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send ``proximal-mu`` every round."""
         return {PROXIMAL_MU_KEY: self.mu}
+
+
+class FedProxRule(ClientRule):
+    r"""FedProx's client rule: add :math:`\mu(\theta - \theta_t)` at every step.
+
+    Works with any optimiser (momentum, Adam, ...): the term is part of the
+    gradient of :math:`h_k`, whatever follows it. In your own ClientApp::
+
+        rule = FedProxRule.from_message(msg, context, model)
+        rule.attach(optimizer)           # or rule.add_gradient() before step()
+        ...                              # your training loop
+        return rule.reply(num_examples=n, metrics={"train_loss": loss})
+    """
+
+    protocol = "FedProx"
+    applied_metric = PROXIMAL_MU_APPLIED_KEY
+
+    def setup(self) -> GradientTerm:
+        """Read ``proximal-mu``; anchor the term at the model just received."""
+        mu = float(self.required(PROXIMAL_MU_KEY))
+        if not math.isfinite(mu) or mu < 0:
+            raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
+        self.mu = mu
+        return ProximalTerm(mu, self.anchor)
 
 
 class FedProxClient(TorchClient):
@@ -123,6 +168,7 @@ class FedProxClient(TorchClient):
     """
 
     protocol = "FedProx"
+    rule_class = FedProxRule
 
     def __init__(self, *args: Any, gamma: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -137,14 +183,6 @@ class FedProxClient(TorchClient):
             )
         self.gamma = None if gamma is None else float(gamma)
         self.last_inexactness = math.nan
-
-    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        """Return the proximal term, anchored at the model just received."""
-        mu = float(self.required(config, PROXIMAL_MU_KEY))
-        if not math.isfinite(mu) or mu < 0:
-            raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
-        anchor = [p.detach().clone() for p in trainable(self.model)]
-        return ProximalTerm(mu, anchor)
 
     def stop_rule(
         self, config: dict[str, Any], term: GradientTerm | None
@@ -183,4 +221,10 @@ class FedProxClient(TorchClient):
         return {}
 
 
-__all__ = ["PROXIMAL_MU_KEY", "FedProx", "FedProxClient"]
+__all__ = [
+    "PROXIMAL_MU_APPLIED_KEY",
+    "PROXIMAL_MU_KEY",
+    "FedProx",
+    "FedProxClient",
+    "FedProxRule",
+]

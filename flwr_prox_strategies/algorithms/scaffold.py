@@ -49,14 +49,17 @@ from ..core.records import (
     float_keys,
     record_to_dict,
 )
+from ..core.rule import ClientRule, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
-from ..core.training import GradientTerm, TrainReport, trainable
+from ..core.training import GradientTerm
 from ..core.validation import ValidReply, check_positive
 from ..ops.proximal import ProximalTerm
 
 CONTROL_RECORD = "control"
 CONTROL_DELTA_RECORD = "control-delta"
 CONTROL_STATE = "scaffold-control"
+# Reported by clients that apply SCAFFOLD's rule (ScaffoldRule).
+SCAFFOLD_APPLIED_KEY = "scaffold-applied"
 
 
 class ControlVariates:
@@ -102,30 +105,40 @@ class Scaffold(ValidatedFedAvg):
 
     Parameters
     ----------
-    num_clients : int
-        :math:`N`, the number of all clients (required; checked every round).
+    num_clients : int | None (default: None)
+        :math:`N`, the number of all clients, checked every round. None: the
+        number of nodes connected at the first round (logged).
     server_learning_rate : float (default: 1.0)
-        :math:`\eta_g`.
+        :math:`\eta_g` (the name of Flower's ``FedAvgM``).
     weighting : str (default: "uniform")
         The paper's plain mean of :math:`\Delta y_i`; ``"num-examples"`` weights it.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+
+    Notes
+    -----
+    Clients report ``scaffold-applied`` (value 1, :data:`SCAFFOLD_APPLIED_KEY`);
+    replies without it are named in a warning once per run (rejected with
+    ``strict=True``).
     """
 
     straggler_policy = "keep-partial"
     stateful_clients = True
+    requires_num_clients = True
+    default_weighting = "uniform"
+    rule_metric = SCAFFOLD_APPLIED_KEY
+    rule_name = "SCAFFOLD's control-variate correction"
 
     def __init__(
         self,
         *,
-        num_clients: int,
+        num_clients: int | None = None,
         server_learning_rate: float = 1.0,
-        weighting: str = "uniform",
         **kwargs: Any,
     ) -> None:
         check_positive("server_learning_rate", server_learning_rate)
-        super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)
+        super().__init__(num_clients=num_clients, **kwargs)
         self.server_learning_rate = float(server_learning_rate)
         self.control = ControlVariates()
 
@@ -200,8 +213,51 @@ class Scaffold(ValidatedFedAvg):
         self.control.c = copy_arrays(state["control"])
 
 
+class ScaffoldRule(ClientRule):
+    r"""SCAFFOLD's client rule: corrected steps, option-II update of :math:`c_i`.
+
+    Adds the correction :math:`c - c_i` to every step's gradient; after the
+    round, :math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)` (pending until the
+    server confirms the reply) and the reply carries
+    :math:`\Delta c_i` (``control-delta``). Option II assumes plain SGD steps:
+    :meth:`attach` refuses momentum and other optimisers. With a step size
+    that changes within the round, :math:`K\eta_l` is the sum of the steps'
+    sizes, the same formula's exact generalisation.
+    """
+
+    protocol = "Scaffold"
+    applied_metric = SCAFFOLD_APPLIED_KEY
+    stateful = True
+    plain_sgd = True
+
+    def setup(self) -> GradientTerm:
+        """Return the correction :math:`c - c_i` (a constant gradient shift)."""
+        self.c = self.received_params(CONTROL_RECORD)
+        self.ci = self.state.get_tensors(CONTROL_STATE, self.params)
+        shift = [c - ci for c, ci in zip(self.c, self.ci, strict=True)]
+        return ProximalTerm(0.0, self.anchor, shift)
+
+    def finish(
+        self, steps: int, lr: float
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        r"""Apply option II, :math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)`."""
+        if steps == 0:
+            delta = [torch.zeros_like(p) for p in self.params]
+        else:
+            scale = 1.0 / (steps * lr)
+            new_ci = [
+                ci - c + (x - p.detach()) * scale
+                for ci, c, x, p in zip(
+                    self.ci, self.c, self.anchor, self.params, strict=True
+                )
+            ]
+            delta = [n - ci for n, ci in zip(new_ci, self.ci, strict=True)]
+            self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
+        return {CONTROL_DELTA_RECORD: arrays_from_params(self.model, delta)}, {}
+
+
 class ScaffoldClient(TorchClient):
-    r"""SCAFFOLD client: corrected local SGD, option-II update of :math:`c_i`.
+    r"""SCAFFOLD client: :class:`ScaffoldRule` in the pack's training loop.
 
     Keeps :math:`c_i` in ``context.state`` (one model). With ``dp``, the correction
     :math:`c - c_i` is added after DP-SGD's clipping and noise, and :math:`c_i`
@@ -209,6 +265,8 @@ class ScaffoldClient(TorchClient):
     :class:`~flwr_prox_strategies.core.client.TorchClient`; ``momentum`` must be 0.
     """
 
+    protocol = "Scaffold"
+    rule_class = ScaffoldRule
     stateful = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -217,33 +275,3 @@ class ScaffoldClient(TorchClient):
             raise ValueError(
                 "momentum must be 0: SCAFFOLD's option II assumes plain SGD"
             )
-        self._x: list[Any] = []
-        self._c: list[Any] = []
-        self._ci: list[Any] = []
-
-    def gradient_term(self, config: dict[str, Any]) -> GradientTerm:
-        """Return the correction :math:`c - c_i` (a constant gradient shift)."""
-        params = trainable(self.model)
-        self._x = [p.detach().clone() for p in params]
-        self._c = self.from_state_order(self.received(CONTROL_RECORD, "Scaffold"))
-        self._ci = self.state.get_tensors(CONTROL_STATE, params)
-        shift = [c - ci for c, ci in zip(self._c, self._ci, strict=True)]
-        return ProximalTerm(0.0, self._x, shift)
-
-    def after_training(
-        self, config: dict[str, Any], report: TrainReport
-    ) -> dict[str, Any]:
-        r"""Apply option II, :math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)`."""
-        params = trainable(self.model)
-        if report.steps == 0:
-            delta = [torch.zeros_like(p) for p in params]
-        else:
-            scale = 1.0 / (report.steps * self.round_lr)
-            new_ci = [
-                ci - c + (x - p.detach()) * scale
-                for ci, c, x, p in zip(self._ci, self._c, self._x, params, strict=True)
-            ]
-            delta = [n - ci for n, ci in zip(new_ci, self._ci, strict=True)]
-            self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
-        self.reply_arrays[CONTROL_DELTA_RECORD] = self.to_state_order(delta)
-        return {}

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,9 +33,6 @@ from .dp import (
     sample_rate_of,
 )
 from .keys import (
-    ACCEPTED_KEYS_KEY,
-    ACCEPTED_ROUND_KEY,
-    ACCEPTED_ROUNDS_KEY,
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
@@ -43,11 +41,24 @@ from .keys import (
     REPORT_GRADIENT_KEY,
     SERVER_ROUND_KEY,
 )
+from .rule import (
+    ClientRule,
+    ProtocolError,
+    accepted_round,
+    arrays_from_params,
+    client_key_of,
+    params_from_arrays,
+    require,
+)
 from .state import ClientState
 from .training import (
+    BatchFn,
     GradientTerm,
     LossFn,
+    PairLoader,
     TrainReport,
+    batch_unpacker,
+    check_batches,
     evaluate_model,
     full_gradient,
     train_local,
@@ -57,53 +68,39 @@ from .validation import check_int, check_non_negative, check_positive
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
-
-class ProtocolError(Exception):
-    """The server sent something this client cannot work with.
-
-    The adapter turns it into an error reply with code
-    ``MOD_FAILED_PRECONDITION``, so the server logs a failed node with the
-    reason instead of averaging in a meaningless model.
-    """
+# The train-config key Flower's examples send the learning rate under.
+SERVER_LR_KEY = "lr"
 
 
-def require(config: dict[str, Any], key: str, client: str, strategy: str) -> Any:
-    """Return ``config[key]`` or raise a ProtocolError naming the strategy needed."""
-    if key not in config:
-        raise ProtocolError(
-            f"{client} needs '{key}' in the train config, which {strategy} sends; "
-            f"is the ServerApp running {strategy}? Received keys: {sorted(config)}"
-        )
-    return config[key]
-
-
-def accepted_round(config: dict[str, Any], client_key: int) -> int | None:
-    """Return the last round whose reply was aggregated (None: not said)."""
-    if ACCEPTED_ROUND_KEY in config:
-        return int(config[ACCEPTED_ROUND_KEY])
-    if ACCEPTED_KEYS_KEY in config:
-        table = dict(
-            zip(config[ACCEPTED_KEYS_KEY], config[ACCEPTED_ROUNDS_KEY], strict=True)
-        )
-        return int(table.get(client_key, -1))
-    return None
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Return ``device``; ``"auto"`` is CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 class TorchClient(NumPyClient):
     """Local SGD on a user's torch model and data: the FedAvg client.
 
+    The algorithm's client side is its :class:`~.rule.ClientRule`
+    (:attr:`rule_class`), the same object a user's own Message-API client
+    uses; this class runs it inside the pack's training loop.
+
     Parameters
     ----------
     model : torch.nn.Module
         The model; its ``state_dict`` order is the wire order of the arrays.
-    train_loader : Iterable[tuple[Tensor, Tensor]]
-        Local training data (e.g. a ``torch.utils.data.DataLoader``).
-    test_loader : Iterable[tuple[Tensor, Tensor]] | None (default: None)
+    train_loader : Iterable
+        Local training data (e.g. a ``torch.utils.data.DataLoader``) yielding
+        ``(inputs, targets)`` pairs or mappings (see ``input_key``).
+    test_loader : Iterable | None (default: None)
         Local held-out data for ``evaluate``; the training data when None.
     local_epochs : int (default: 1)
         Epochs per round unless the server sends ``local-epochs``.
     learning_rate : float (default: 0.01)
-        SGD step size.
+        SGD step size. A server that sends ``lr`` in the train config (as
+        Flower's examples do) overrides it unless ``use_server_lr=False``; the
+        server's ``lr-scale`` (decay) multiplies either.
     momentum : float (default: 0.0)
         SGD momentum (reset each round: the optimiser is rebuilt per fit).
     weight_decay : float (default: 0.0)
@@ -138,8 +135,18 @@ class TorchClient(NumPyClient):
         term is added after privatisation, neither clipped nor noised;
         ``max_grad_norm`` then clips the total (private) gradient. Needs a
         ``DataLoader`` with a ``batch_size``.
-    device : str (default: "cpu")
-        Torch device.
+    input_key, label_key : str | None, str (default: None, "label")
+        Where a mapping batch (flwr-datasets, Flower's examples) keeps inputs
+        and targets; ``input_key=None`` takes ``"img"`` or ``"image"``.
+    batch_fn : callable | None (default: None)
+        ``batch_fn(batch) -> (inputs, targets)`` for any other batch format
+        (replaces ``input_key`` / ``label_key``). The first batch of each
+        loader is unpacked at construction, so a format the client cannot
+        read fails here, naming what it got.
+    use_server_lr : bool (default: True)
+        Take the step size from a server-sent ``lr`` when there is one.
+    device : str (default: "auto")
+        Torch device; ``"auto"`` is CUDA when available, else the CPU.
 
     Notes
     -----
@@ -168,7 +175,11 @@ class TorchClient(NumPyClient):
         seed: int | None = None,
         finetune_steps: int = 0,
         dp: DPSGD | None = None,
-        device: str = "cpu",
+        input_key: str | None = None,
+        label_key: str = "label",
+        batch_fn: BatchFn | None = None,
+        use_server_lr: bool = True,
+        device: str = "auto",
     ) -> None:
         check_int("local_epochs", local_epochs, 0)
         check_positive("learning_rate", learning_rate)
@@ -186,9 +197,19 @@ class TorchClient(NumPyClient):
         self.dp = dp
         if dp is not None:
             sample_rate_of(train_loader, dp)  # fails now on a loader DP-SGD can't use
-        self.model = make_private_model(model, dp).to(device)
-        self.train_loader = train_loader
-        self.test_loader = test_loader
+        self.device = resolve_device(device)
+        self.model = make_private_model(model, dp).to(self.device)
+        self.batch_fn = batch_fn or batch_unpacker(input_key, label_key)
+        check_batches(train_loader, self.batch_fn, "train_loader")
+        if test_loader is not None:
+            check_batches(test_loader, self.batch_fn, "test_loader")
+        # What the user gave (DP-SGD resamples it), and the same seen as pairs.
+        self.train_data = train_loader
+        self.train_loader = PairLoader(train_loader, self.batch_fn)
+        self.test_loader = (
+            None if test_loader is None else PairLoader(test_loader, self.batch_fn)
+        )
+        self.use_server_lr = bool(use_server_lr)
         self.local_epochs = local_epochs
         self.learning_rate = float(learning_rate)
         self.momentum = float(momentum)
@@ -201,7 +222,6 @@ class TorchClient(NumPyClient):
         self.state_dir = state_dir
         self.seed = seed
         self.finetune_steps = finetune_steps
-        self.device = device
         self.context: Context | None = None
         self._state: ClientState | None = None
         # This round's step size (learning_rate times the server's lr-scale).
@@ -213,7 +233,12 @@ class TorchClient(NumPyClient):
         # Extra ArrayRecords for the reply (name -> arrays in model order),
         # filled by fit and read by the adapter.
         self.reply_arrays: dict[str, list[NDArray]] = {}
+        # This round's rule (built by gradient_term from what the server sent).
+        self.rule: ClientRule | None = None
+        self._base_lr = self.learning_rate
 
+    # The algorithm's client rule: what this client adds to plain local SGD.
+    rule_class: ClassVar[type[ClientRule]] = ClientRule
     # True when the algorithm keeps state the server sums over: the state is
     # then committed only once the server confirms the reply was aggregated.
     stateful: ClassVar[bool] = False
@@ -223,12 +248,7 @@ class TorchClient(NumPyClient):
     @property
     def client_key(self) -> int:
         """Stable integer id of this client: its partition id, else its node id."""
-        if self.context is None:
-            return 0
-        partition = self.context.node_config.get("partition-id")
-        if partition is not None:
-            return int(partition)
-        return int(self.context.node_id) % (1 << 52)  # exact as a float metric
+        return client_key_of(self.context)
 
     @property
     def state(self) -> ClientState:
@@ -278,9 +298,23 @@ class TorchClient(NumPyClient):
         self.model.load_state_dict(new_state, strict=True)
 
     # ---------------------------------------------------------------- hooks
+    def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Return the rule's own options (beyond what every rule takes)."""
+        return {}
+
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm | None:
-        """Return the extra gradient term of this round's local objective."""
-        return None
+        """Build this round's rule; return its gradient term."""
+        self.rule = self.rule_class(
+            self.model,
+            config,
+            received=self.received_arrays,
+            state=self.state,
+            client_key=self.client_key,
+            relative_size=self.relative_size,
+            base_lr=self._base_lr,
+            **self.rule_options(config),
+        )
+        return self.rule.term
 
     def stop_rule(self, config: dict[str, Any], term: GradientTerm | None):
         """Return a ``stop_after_epoch(epoch) -> bool`` callable, or None."""
@@ -289,8 +323,12 @@ class TorchClient(NumPyClient):
     def after_training(
         self, config: dict[str, Any], report: TrainReport
     ) -> dict[str, Any]:
-        """Update client state after the local solve; return extra metrics."""
-        return {}
+        """Finish the round's rule (state, extra records); return its metrics."""
+        if self.rule is None:
+            return {}
+        extra, metrics = self.rule.finish(report.steps, self.round_lr)
+        self.reply_arrays.update(extra)
+        return {**metrics, **self.rule.metrics()}
 
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None
@@ -330,16 +368,24 @@ class TorchClient(NumPyClient):
                     self.model, self.train_loader, optimizer, term, self.max_grad_norm
                 )
             )
-        return dp_sgd(
+        return self._private_run(optimizer, term)
+
+    @contextmanager
+    def _private_run(
+        self, optimizer: torch.optim.Optimizer, term: GradientTerm | None
+    ) -> Iterator[TrainingRun]:
+        assert self.dp is not None
+        with dp_sgd(
             self.model,
-            self.train_loader,
+            self.train_data,
             optimizer,
             dp=self.dp,
             ledger=PrivacyLedger(self.dp, self.state),
             term=term,
             max_grad_norm=self.max_grad_norm,
             seed=self.noise_seed(),
-        )
+        ) as run:
+            yield replace(run, loader=PairLoader(run.loader, self.batch_fn))
 
     def noise_seed(self) -> int | None:
         """Seed of this round's DP noise and Poisson draws (None: unseeded)."""
@@ -362,6 +408,7 @@ class TorchClient(NumPyClient):
     ) -> tuple[list[NDArray], int, dict[str, Any]]:
         """Train from the global model; return the local model and metrics."""
         self.reply_arrays = {}
+        self.rule = None
         server_round = int(config.get(SERVER_ROUND_KEY, 0))
         self.server_round = server_round
         if self.stateful:
@@ -371,7 +418,12 @@ class TorchClient(NumPyClient):
         self.set_parameters(parameters)
         epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
         steps = config.get(LOCAL_STEPS_KEY)
-        self.round_lr = self.learning_rate * float(config.get(LR_SCALE_KEY, 1.0))
+        self._base_lr = (
+            float(config[SERVER_LR_KEY])
+            if self.use_server_lr and SERVER_LR_KEY in config
+            else self.learning_rate
+        )
+        self.round_lr = self._base_lr * float(config.get(LR_SCALE_KEY, 1.0))
         metrics: dict[str, Any] = {}
         if self.dp is not None and config.get(REPORT_GRADIENT_KEY, False):
             raise ProtocolError(
@@ -412,7 +464,7 @@ class TorchClient(NumPyClient):
         if self.dp is None:
             return 0.0
         ledger = PrivacyLedger(self.dp, self.state)
-        rate, _ = sample_rate_of(self.train_loader, self.dp)
+        rate, _ = sample_rate_of(self.train_data, self.dp)
         planned = steps if steps is not None else epochs * len(self.train_loader)  # type: ignore[arg-type]
         ledger.check_budget(rate, planned)
         return ledger.spent()
@@ -421,7 +473,7 @@ class TorchClient(NumPyClient):
         """Log and return this round's DP-SGD spending."""
         assert self.dp is not None
         spent = PrivacyLedger(self.dp, self.state).spent()
-        rate, _ = sample_rate_of(self.train_loader, self.dp)
+        rate, _ = sample_rate_of(self.train_data, self.dp)
         log_round(
             f"{type(self).__name__} {self.client_key}",
             self.server_round,
@@ -434,42 +486,18 @@ class TorchClient(NumPyClient):
 
     def num_train_examples(self) -> int:
         """Return the number of local training examples (the weight)."""
-        dataset = getattr(self.train_loader, "dataset", None)
+        dataset = getattr(self.train_data, "dataset", None)
         if dataset is not None:
             return len(dataset)
         return sum(len(targets) for _, targets in self.train_loader)
 
     def from_state_order(self, arrays: Sequence[NDArray]) -> list[torch.Tensor]:
-        """Return the trainable parameters. entries of ``state_dict``-ordered arrays."""
-        keys = list(self.model.state_dict(keep_vars=True))
-        if len(arrays) != len(keys):
-            raise ProtocolError(f"received {len(arrays)} arrays, expected {len(keys)}")
-        by_key = dict(zip(keys, arrays, strict=True))
-        named = dict(self.model.named_parameters())
-        ids = {id(p): name for name, p in named.items()}
-        return [
-            torch.as_tensor(
-                np.asarray(by_key[ids[id(p)]]), dtype=p.dtype, device=p.device
-            )
-            for p in trainable(self.model)
-        ]
+        """Return the trainable parameters' entries of ``state_dict``-ordered arrays."""
+        return params_from_arrays(self.model, arrays)
 
     def to_state_order(self, grads: Sequence[torch.Tensor]) -> list[NDArray]:
         """Lay out per-parameter tensors like ``state_dict`` (zeros for buffers)."""
-        by_id = {id(p): g for p, g in zip(trainable(self.model), grads, strict=True)}
-        named = dict(self.model.named_parameters())
-        out = []
-        for key, value in self.model.state_dict(keep_vars=True).items():
-            param = named.get(key)
-            grad = by_id.get(id(param)) if param is not None else None
-            out.append(
-                grad.detach().cpu().numpy().astype(value.detach().cpu().numpy().dtype)
-                if grad is not None
-                else np.zeros(
-                    tuple(value.shape), dtype=value.detach().cpu().numpy().dtype
-                )
-            )
-        return out
+        return arrays_from_params(self.model, grads)
 
     # ------------------------------------------------------------- evaluate
     def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:

@@ -11,14 +11,132 @@ the data gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchFn = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
+
+# Keys a mapping batch's inputs are looked up under when none is given: the
+# names flwr-datasets' image data sets (and Flower's examples) use.
+DEFAULT_INPUT_KEYS = ("img", "image")
+
+
+def batch_unpacker(input_key: str | None = None, label_key: str = "label") -> BatchFn:
+    """Return a function turning one batch into ``(inputs, targets)``.
+
+    A batch may be a pair (a tuple or list of two tensors, what a
+    ``TensorDataset`` yields) or a mapping (what flwr-datasets and Flower's
+    examples yield), read under ``input_key`` (by default the first of
+    ``"img"``, ``"image"`` present) and ``label_key``.
+    """
+
+    def unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, Mapping):
+            keys = [input_key] if input_key is not None else DEFAULT_INPUT_KEYS
+            found = next((k for k in keys if k in batch), None)
+            if found is None or label_key not in batch:
+                raise BatchFormatError(
+                    "must yield (inputs, targets) or a mapping with keys "
+                    f"{_either(keys)} and {label_key!r}; got "
+                    f"{type(batch).__name__} with keys {sorted(map(str, batch))} "
+                    "(set input_key= / label_key=, or batch_fn=)"
+                )
+            return batch[found], batch[label_key]
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return batch[0], batch[1]
+        kind = (
+            f"{type(batch).__name__} of length {len(batch)}"
+            if isinstance(batch, (tuple, list))
+            else type(batch).__name__
+        )
+        raise BatchFormatError(
+            "must yield (inputs, targets) or a mapping with keys "
+            f"{_either([input_key] if input_key else DEFAULT_INPUT_KEYS)} and "
+            f"{label_key!r}; got {kind} (set batch_fn= to unpack it)"
+        )
+
+    return unpack
+
+
+def _either(keys: Sequence[str]) -> str:
+    return " or ".join(repr(k) for k in keys)
+
+
+class BatchFormatError(TypeError):
+    """A data loader yields batches the client cannot unpack."""
+
+
+class PairLoader:
+    """A loader seen through a batch function: it yields ``(inputs, targets)``.
+
+    Everything else (``len``, ``dataset``, ``batch_size``, ...) is the wrapped
+    loader's, so DP-SGD's Poisson sampling and the sample counts still see it.
+    """
+
+    def __init__(self, loader: Iterable[Any], batch_fn: BatchFn) -> None:
+        self.loader = loader
+        self.batch_fn = batch_fn
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.loader:
+            yield self.batch_fn(batch)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loader", "batch_fn"):  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def _generators_of(loader: Any) -> list[torch.Generator]:
+    """Return the distinct torch generators a DataLoader draws from."""
+    found: dict[int, torch.Generator] = {}
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, sampler, getattr(batch_sampler, "sampler", None)):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found[id(generator)] = generator
+    return list(found.values())
+
+
+def check_batches(loader: Iterable[Any], batch_fn: BatchFn, name: str) -> None:
+    """Unpack ``loader``'s first batch now; fail naming ``name`` and what it got.
+
+    The peek runs with torch's random state (and the loader's own generators)
+    saved and restored, so a shuffling loader draws the same batches
+    afterwards as it would have without it.
+    """
+    generators = _generators_of(loader)
+    states = [g.get_state() for g in generators]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            first = next(iter(loader), None)
+    except TypeError as err:
+        raise BatchFormatError(f"{name} is not iterable: {err}") from err
+    finally:
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
+    if first is None:
+        return  # an empty loader is reported when it is trained on
+    try:
+        inputs, targets = batch_fn(first)
+    except BatchFormatError as err:
+        raise BatchFormatError(f"{name} {err}") from None
+    for part, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise BatchFormatError(
+                f"{name}'s batches give {part} of type {type(value).__name__}, "
+                "not a torch.Tensor (add a transform that makes tensors, or "
+                "set batch_fn=)"
+            )
 
 
 class GradientTerm(Protocol):

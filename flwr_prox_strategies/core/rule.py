@@ -1,0 +1,477 @@
+r"""Client rules: an algorithm's client side, as pieces for any training loop.
+
+Every algorithm of the pack changes local training in the same three places:
+
+1. **read** what its strategy sent (config values, extra ArrayRecords) and the
+   client's own state from earlier rounds (``context.state``);
+2. **add** its gradient term to the data gradient at every optimiser step
+   (FedProx's :math:`\mu(w - w_t)`, FedDyn's regulariser, SCAFFOLD's and
+   FedDC's corrections);
+3. **reply** with the trained model, the extra records its strategy expects,
+   and its state advanced (committed only once the server confirms the reply
+   was aggregated: the two-phase commit of :mod:`.state`).
+
+A :class:`ClientRule` holds one algorithm's version of the three, and nothing
+else: the training loop, the optimiser, the loss, the batch format and the
+device stay the user's. The pack's own ``XxxClient`` NumPyClients run the very
+same rule inside :func:`.training.train_local`, so there is one implementation
+of each client rule.
+
+In a Message-API ``ClientApp`` (Flower's quickstart, for instance)::
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model = Net()
+        rule = FedProxRule.from_message(msg, context, model)  # loads the model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        rule.attach(optimizer)  # adds the term before every optimizer.step()
+        ...  # your loop, your loss, your batches, your device
+        return rule.reply(num_examples=len(trainloader.dataset),
+                          metrics={"train_loss": loss})
+
+``attach`` adds the term in a step pre-hook of the optimiser, so it comes after
+anything the loop does between ``backward()`` and ``step()`` (gradient
+clipping, say). To have the term clipped with the data gradient, as the pack's
+own loop does with ``max_grad_norm``, call :meth:`ClientRule.add_gradient`
+yourself before clipping instead of attaching.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from numpy.typing import NDArray
+from torch import nn
+
+from .keys import (
+    ACCEPTED_KEYS_KEY,
+    ACCEPTED_ROUND_KEY,
+    ACCEPTED_ROUNDS_KEY,
+    CLIENT_KEY_METRIC,
+    NUM_EXAMPLES_KEY,
+    SERVER_ROUND_KEY,
+)
+from .records import to_ndarrays, to_record
+from .state import ClientState
+from .training import GradientTerm, trainable
+
+# Metric every rule's reply carries: the local optimiser steps it counted.
+LOCAL_STEPS_METRIC = "local-steps"
+
+
+class ProtocolError(Exception):
+    """The server sent something this client cannot work with.
+
+    The adapter turns it into an error reply with code
+    ``MOD_FAILED_PRECONDITION``, so the server logs a failed node with the
+    reason instead of averaging in a meaningless model.
+    """
+
+
+def require(config: Mapping[str, Any], key: str, client: str, strategy: str) -> Any:
+    """Return ``config[key]`` or raise a ProtocolError naming the strategy needed."""
+    if key not in config:
+        raise ProtocolError(
+            f"{client} needs '{key}' in the train config, which {strategy} sends; "
+            f"is the ServerApp running {strategy}? Received keys: {sorted(config)}"
+        )
+    return config[key]
+
+
+def accepted_round(config: Mapping[str, Any], client_key: int) -> int | None:
+    """Return the last round whose reply was aggregated (None: not said)."""
+    if ACCEPTED_ROUND_KEY in config:
+        return int(config[ACCEPTED_ROUND_KEY])
+    if ACCEPTED_KEYS_KEY in config:
+        table = dict(
+            zip(config[ACCEPTED_KEYS_KEY], config[ACCEPTED_ROUNDS_KEY], strict=True)
+        )
+        return int(table.get(client_key, -1))
+    return None
+
+
+def client_key_of(context: Context | None) -> int:
+    """Stable integer id of a client: its partition id, else its node id."""
+    if context is None:
+        return 0
+    partition = context.node_config.get("partition-id")
+    if partition is not None:
+        return int(partition)
+    return int(context.node_id) % (1 << 52)  # exact as a float metric
+
+
+def params_from_arrays(
+    model: nn.Module, arrays: Sequence[NDArray]
+) -> list[torch.Tensor]:
+    """Pick the trainable parameters' entries out of ``state_dict``-ordered arrays."""
+    keys = list(model.state_dict(keep_vars=True))
+    if len(arrays) != len(keys):
+        raise ProtocolError(f"received {len(arrays)} arrays, expected {len(keys)}")
+    by_key = dict(zip(keys, arrays, strict=True))
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [
+        torch.as_tensor(
+            np.asarray(by_key[names[id(p)]]), dtype=p.dtype, device=p.device
+        )
+        for p in trainable(model)
+    ]
+
+
+def arrays_from_params(
+    model: nn.Module, tensors: Sequence[torch.Tensor]
+) -> list[NDArray]:
+    """Lay out per-parameter tensors like ``state_dict`` (zeros for buffers)."""
+    by_id = {id(p): t for p, t in zip(trainable(model), tensors, strict=True)}
+    named = dict(model.named_parameters())
+    out = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        dtype = value.detach().cpu().numpy().dtype
+        param = named.get(key)
+        tensor = by_id.get(id(param)) if param is not None else None
+        out.append(
+            tensor.detach().cpu().numpy().astype(dtype)
+            if tensor is not None
+            else np.zeros(tuple(value.shape), dtype=dtype)
+        )
+    return out
+
+
+def _single(records: Mapping[str, Any], kind: str, preferred: str) -> Any:
+    if preferred in records:
+        return records[preferred]
+    if len(records) == 1:
+        return next(iter(records.values()))
+    raise ProtocolError(
+        f"message carries {len(records)} {kind}s, none named '{preferred}'"
+    )
+
+
+class ClientRule:
+    """One algorithm's client side: read, add the gradient term, reply.
+
+    The base is FedAvg's rule: no term, no state, the model as the reply.
+    An algorithm overrides :meth:`setup` (read what it needs, return its
+    :class:`~.training.GradientTerm`) and :meth:`finish` (advance its state,
+    return its extra reply records and metrics).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model, already loaded with the received global model (the rule
+        anchors at its current parameters).
+    config : Mapping[str, Any]
+        This round's train config (the ``ConfigRecord`` as a dict).
+    received : Mapping[str, Sequence[NDArray]] | None (default: None)
+        The extra ArrayRecords the server sent (name -> arrays in the model's
+        ``state_dict`` order).
+    state : ClientState | None (default: None)
+        The client's cross-round state (in-memory when None).
+    client_key : int (default: 0)
+        The client's stable id (its partition id; see :func:`client_key_of`).
+    relative_size : float (default: 1.0)
+        ``n_k / mean_j n_j``; the FedDyn and FedDC official codes divide their
+        penalty by it.
+    base_lr : float | None (default: None)
+        The learning rate before the server's per-round decay (FedDC's
+        official beta = 1/(K lr0) uses it); when None, the step
+        size seen in training divided by the server's ``lr-scale``.
+    """
+
+    protocol: ClassVar[str] = "FedAvg"
+    # The metric the reply carries to say the rule was applied (the strategy
+    # warns about, or with strict=True rejects, replies without it).
+    applied_metric: ClassVar[str | None] = None
+    # Clients keep state the server sums over: commit it in two phases.
+    stateful: ClassVar[bool] = False
+    # The update assumes plain SGD steps (SCAFFOLD's and FedDC's option II).
+    plain_sgd: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Mapping[str, Any],
+        *,
+        received: Mapping[str, Sequence[NDArray]] | None = None,
+        state: ClientState | None = None,
+        client_key: int = 0,
+        relative_size: float = 1.0,
+        base_lr: float | None = None,
+    ) -> None:
+        if not (math.isfinite(relative_size) and relative_size > 0):
+            raise ValueError(f"relative_size must be > 0, got {relative_size!r}")
+        self.model = model
+        self.config = dict(config)
+        self.received = dict(received or {})
+        self.state = state if state is not None else ClientState(None)
+        self.client_key = int(client_key)
+        self.relative_size = float(relative_size)
+        self.base_lr = base_lr
+        self.server_round = int(self.config.get(SERVER_ROUND_KEY, 0))
+        if self.stateful:
+            self.state.resolve(accepted_round(self.config, self.client_key))
+        self.params = trainable(model)
+        # The received global model, the point every rule measures from.
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.steps = 0
+        self.lr_sum = 0.0
+        self.last_lr: float | None = None
+        self._handles: list[Any] = []
+        self._message: Message | None = None
+        self._keys: list[str] = []
+        self.term: GradientTerm | None = self.setup()
+
+    # ---------------------------------------------------------- the algorithm
+    def setup(self) -> GradientTerm | None:
+        """Read this round's values and state; return the gradient term."""
+        return None
+
+    def finish(
+        self, steps: int, lr: float
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        """Advance the state after ``steps`` steps of size ``lr``.
+
+        Returns the extra reply records (name -> arrays in ``state_dict``
+        order) and the rule's metrics. Called once, after training.
+        """
+        return {}, {}
+
+    def required(self, key: str) -> Any:
+        """Return ``config[key]``, or fail naming the strategy this rule needs."""
+        return require(self.config, key, type(self).__name__, self.protocol)
+
+    def received_params(self, name: str) -> list[torch.Tensor]:
+        """Return the extra ArrayRecord ``name`` as tensors like the parameters."""
+        if name not in self.received:
+            raise ProtocolError(
+                f"{type(self).__name__} needs the ArrayRecord '{name}' that "
+                f"{self.protocol} sends; is the ServerApp running {self.protocol}? "
+                f"Received: {sorted(self.received)}"
+            )
+        return params_from_arrays(self.model, self.received[name])
+
+    def metrics(self) -> dict[str, Any]:
+        """Return the metrics every reply of this rule carries."""
+        metrics: dict[str, Any] = {}
+        if self.applied_metric is not None:
+            metrics[self.applied_metric] = 1
+        if self.stateful:
+            metrics[CLIENT_KEY_METRIC] = self.client_key
+        return metrics
+
+    # ------------------------------------------------------ in the user's loop
+    def add_gradient(self, lr: float | None = None) -> None:
+        """Add the term's gradient to every ``p.grad``; count one step.
+
+        Call it between ``loss.backward()`` and ``optimizer.step()`` (once per
+        step). ``lr`` is the step size about to be taken (needed by the
+        rules whose state divides by it, e.g. SCAFFOLD, when not attached).
+        """
+        if self.term is not None:
+            self.term.add_(self.params)
+        self.steps += 1
+        if lr is not None:
+            self.last_lr = float(lr)
+            self.lr_sum += float(lr)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Add the term before every ``optimizer.step()``; return the optimiser.
+
+        The hook also counts the steps and reads their step size. Rules that
+        assume plain SGD (SCAFFOLD, FedDC) refuse other optimisers here.
+        """
+        if self.plain_sgd:
+            self.check_plain_sgd(optimizer)
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in optimized]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}.attach: the optimizer does not update "
+                f"{len(missing)} of the model's trainable parameters; build it "
+                "from model.parameters() of the model given to the rule"
+            )
+
+        def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.add_gradient(float(opt.param_groups[0]["lr"]))
+
+        self._handles.append(optimizer.register_step_pre_hook(before_step))
+        return optimizer
+
+    def check_plain_sgd(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimiser whose steps are not plain SGD steps."""
+        if type(optimizer) is not torch.optim.SGD:
+            raise ValueError(
+                f"{type(self).__name__} needs torch.optim.SGD without momentum "
+                f"({self.protocol}'s control-variate update assumes plain SGD "
+                f"steps); got {type(optimizer).__name__}"
+            )
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0.0) != 0.0 or group.get("nesterov", False):
+                raise ValueError(
+                    f"{type(self).__name__} needs momentum=0 ({self.protocol}'s "
+                    "control-variate update assumes plain SGD steps); got "
+                    f"momentum={group.get('momentum')}"
+                )
+
+    def detach(self) -> None:
+        """Remove the optimiser hooks :meth:`attach` installed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------ Message API, both ends
+    @classmethod
+    def from_message(
+        cls,
+        message: Message,
+        context: Context,
+        model: nn.Module,
+        *,
+        state_dir: str | None = None,
+        **options: Any,
+    ) -> ClientRule:
+        """Read a train message: load its model into ``model``, build the rule.
+
+        Parameters
+        ----------
+        message : Message
+            The train message of the pack's strategy.
+        context : Context
+            The node's context (``context.state`` keeps the rule's state).
+        model : torch.nn.Module
+            Your model; the received arrays are loaded into it (on its device).
+        state_dir : str | None (default: None)
+            Mirror the rule's state to ``<state_dir>/<client key>.npz`` so a
+            restarted node resumes it (see :class:`.state.ClientState`).
+        **options
+            The rule's own options (``relative_size``, ...).
+        """
+        content = message.content
+        arrays: ArrayRecord = _single(
+            dict(content.array_records), "ArrayRecord", "arrays"
+        )
+        config: ConfigRecord = (
+            _single(dict(content.config_records), "ConfigRecord", "config")
+            if content.config_records
+            else ConfigRecord()
+        )
+        load_arrays(model, arrays)
+        key = client_key_of(context)
+        rule = cls(
+            model,
+            {str(k): v for k, v in config.items()},
+            received={
+                name: to_ndarrays(record)
+                for name, record in content.array_records.items()
+                if record is not arrays
+            },
+            state=ClientState(context, state_dir=state_dir, client_key=str(key)),
+            client_key=key,
+            **options,
+        )
+        rule._message = message
+        rule._keys = list(arrays.keys())
+        return rule
+
+    def lr_of_round(self, lr: float | None) -> float:
+        """Return the step size of this round's steps (for :meth:`finish`)."""
+        if lr is not None:
+            return float(lr)
+        if self.steps and self.last_lr is not None:
+            return self.lr_sum / self.steps  # their mean: lr itself when constant
+        if self.steps == 0:
+            return 1.0  # no step taken: no rule divides by it
+        raise ValueError(
+            f"{type(self).__name__}: give reply(lr=...) or attach the optimizer; "
+            f"{self.protocol}'s update divides by the step size"
+        )
+
+    def reply_records(
+        self, *, steps: int | None = None, lr: float | None = None
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        """Finish the round; return the extra records and metrics to send."""
+        self.detach()
+        steps = self.steps if steps is None else int(steps)
+        extra, metrics = self.finish(steps, self.lr_of_round(lr))
+        self.state.flush()
+        return extra, {**metrics, **self.metrics(), LOCAL_STEPS_METRIC: steps}
+
+    def reply(
+        self,
+        *,
+        num_examples: int,
+        metrics: Mapping[str, Any] | None = None,
+        steps: int | None = None,
+        lr: float | None = None,
+    ) -> Message:
+        """Build the train reply: the model, the records and metrics expected.
+
+        Parameters
+        ----------
+        num_examples : int
+            The local training set's size (the average's weight).
+        metrics : Mapping[str, Any] | None (default: None)
+            Your own numeric metrics (e.g. ``train_loss``).
+        steps, lr : int | float | None (default: None)
+            The optimiser steps taken and their step size; counted by
+            :meth:`attach` / :meth:`add_gradient` when not given.
+        """
+        if self._message is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.reply needs a rule built by from_message"
+            )
+        extra, rule_metrics = self.reply_records(steps=steps, lr=lr)
+        record = MetricRecord()
+        for key, value in {**dict(metrics or {}), **rule_metrics}.items():
+            record[key] = int(value) if isinstance(value, bool) else value
+        record[NUM_EXAMPLES_KEY] = int(num_examples)
+        state = [v.detach().cpu().numpy() for v in self.model.state_dict().values()]
+        content = RecordDict({"arrays": to_record(state, self._keys or None)})
+        for name, arrays in extra.items():
+            content[name] = to_record(arrays, self._keys or None)
+        content["metrics"] = record
+        return Message(content, reply_to=self._message)
+
+
+def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
+    """Load an ArrayRecord into ``model`` (by position, checking every shape)."""
+    values = to_ndarrays(arrays)
+    state = model.state_dict()
+    if len(values) != len(state):
+        raise ProtocolError(
+            f"received {len(values)} arrays, the model has {len(state)} tensors"
+        )
+    new_state = {}
+    for (key, current), value in zip(state.items(), values, strict=True):
+        if tuple(current.shape) != tuple(np.shape(value)):
+            raise ProtocolError(
+                f"array for '{key}' has shape {np.shape(value)}, "
+                f"model expects {tuple(current.shape)}"
+            )
+        new_state[key] = torch.as_tensor(
+            np.asarray(value), dtype=current.dtype, device=current.device
+        )
+    model.load_state_dict(new_state, strict=True)
+
+
+__all__ = [
+    "ClientRule",
+    "ProtocolError",
+    "accepted_round",
+    "arrays_from_params",
+    "client_key_of",
+    "load_arrays",
+    "params_from_arrays",
+    "require",
+]
