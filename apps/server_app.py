@@ -1,14 +1,8 @@
-"""The ServerApp `flwr run .` starts: compose conf/, run, write results."""
+"""The ServerApp `flwr run .` starts: compose conf/, run, write results.
 
-from flwr.app import Context
-from flwr.serverapp import Grid, ServerApp
+The app's code lives in the package (:mod:`flwr_prox_strategies.experiment.apps`).
+"""
 
-from flwr_prox_strategies.experiment.server import run_experiment
+from flwr_prox_strategies.experiment.apps import server_app as app
 
-app = ServerApp()
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """Run the experiment described by ``context.run_config`` (see pyproject)."""
-    run_experiment(grid, context.run_config)
+__all__ = ["app"]

@@ -21,7 +21,32 @@ from omegaconf import DictConfig, OmegaConf
 from ..core.central import central_dp
 from ..core.dp import make_private_model
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def find_conf_dir() -> Path:
+    """Return the Hydra tree: package data when installed, else the checkout's.
+
+    A wheel ships the tree as ``flwr_prox_strategies/conf``; a checkout, an
+    editable install and the FAB that ``flwr run .`` ships hold it at the top
+    level, beside ``flwr_prox_strategies/``.
+
+    Raises
+    ------
+    FileNotFoundError
+        When neither holds ``config.yaml``.
+    """
+    candidates = (_PACKAGE / "conf", _PACKAGE.parent / "conf")
+    for candidate in candidates:
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        "the Hydra tree (conf/config.yaml) is missing: looked in "
+        + ", ".join(str(c) for c in candidates)
+    )
+
+
+CONF_DIR = find_conf_dir()
 
 # Keys of [tool.flwr.app.config] that `flwr run --run-config` may set.
 RUN_OVERRIDES = "overrides"

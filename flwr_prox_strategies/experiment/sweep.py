@@ -15,11 +15,13 @@ and ``comparison.png`` beside the job folders.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from logging import INFO
@@ -32,30 +34,67 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .apps import write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
 from .results import RESULTS_FILE, plt
 
 JOB_SUMMARY = "job.json"
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
 ENGINES = ("flwr", "inprocess")
+# Project names of this pack's Flower apps: the repository's, and the one
+# apps.write_app_dir writes for an installed pack.
+_APP_NAMES = ("flwr-prox-strategies", "flwr-prox-strategies-app")
+
+
+def _is_app(folder: Path, *, ours: bool) -> bool:
+    """Whether ``folder`` holds a Flower app (this pack's own when ``ours``)."""
+    pyproject = folder / "pyproject.toml"
+    if not pyproject.is_file():
+        return False
+    text = pyproject.read_text()
+    if "[tool.flwr.app]" not in text:
+        return False
+    return not ours or any(f'name = "{name}"' in text for name in _APP_NAMES)
+
+
+@functools.cache
+def _written_app_dir() -> Path:
+    folder = write_app_dir(Path(tempfile.mkdtemp(prefix="flwr-prox-app-")))
+    log(
+        INFO,
+        "No checkout of flwr-prox-strategies here: running the installed pack's "
+        "Flower app, written to %s (set %s to use another app folder)",
+        folder,
+        APP_DIR_ENV,
+    )
+    return folder
 
 
 def app_dir() -> Path:
-    """Return the Flower app folder (``pyproject.toml``) given to ``flwr run``."""
-    candidates = [
-        os.environ.get(APP_DIR_ENV, ""),
-        str(Path(__file__).resolve().parents[2]),
-        ".",
-    ]
-    for candidate in filter(None, candidates):
-        pyproject = Path(candidate) / "pyproject.toml"
-        if pyproject.is_file() and "[tool.flwr.app]" in pyproject.read_text():
-            return Path(candidate).resolve()
-    raise FileNotFoundError(
-        "engine=flwr needs the Flower app folder (pyproject.toml with "
-        "[tool.flwr.app]); "
-        f"run from a checkout of flwr-prox-strategies or set {APP_DIR_ENV}"
-    )
+    """Return the Flower app folder (``pyproject.toml``) given to ``flwr run``.
+
+    In order: ``$FLWR_PROX_APP_DIR``; the checkout this module lives in; the
+    current folder when it is a checkout of the pack; else a folder written once
+    per process whose ``pyproject.toml`` names the installed package's apps
+    (:func:`~.apps.write_app_dir`), so a pip-installed pack sweeps too.
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``$FLWR_PROX_APP_DIR`` is set but holds no Flower app.
+    """
+    explicit = os.environ.get(APP_DIR_ENV, "")
+    if explicit:
+        if not _is_app(Path(explicit), ours=False):
+            raise FileNotFoundError(
+                f"{APP_DIR_ENV}={explicit} holds no Flower app (a pyproject.toml "
+                "with [tool.flwr.app])"
+            )
+        return Path(explicit).resolve()
+    for candidate in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if _is_app(candidate, ours=True):
+            return candidate.resolve()
+    return _written_app_dir()
 
 
 def flwr_run(
@@ -121,9 +160,8 @@ def flwr_run(
 
 def run_inprocess(overrides: Sequence[str], output_dir: Path, num_clients: int) -> Path:
     """Run one experiment on an in-process grid with the app's ClientApp."""
-    from apps.client_app import app as client_app
-
     from ..core.inprocess import InProcessGrid
+    from .apps import client_app
     from .server import run_experiment
 
     run_config: dict[str, int | float | str | bool] = {
