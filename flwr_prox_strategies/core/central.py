@@ -29,17 +29,19 @@ from collections.abc import Callable, Iterable
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.common.logger import log
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideFixedClipping,
+    Result,
     Strategy,
 )
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from .strategy import ValidatedFedAvg
+from .strategy import ValidatedFedAvg, finish_run
 
 
 class _ValidatedReplies(Strategy):
@@ -61,6 +63,40 @@ class _ValidatedReplies(Strategy):
                     type(strategy).__name__,
                     caveat,
                 )
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run Flower's ``start``; fail loudly, as the wrapped strategy would."""
+        inner = self.strategy if isinstance(self.strategy, ValidatedFedAvg) else None
+        if inner is not None:
+            inner.reset_run()
+        result = super().start(
+            grid=grid,
+            initial_arrays=initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+        if inner is None:
+            return result
+        return finish_run(
+            f"{type(self).__name__}({type(inner).__name__})",
+            result,
+            initial_arrays,
+            num_rounds,
+            inner.run_tally,
+            trains=inner.fraction_train > 0,
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -205,8 +205,8 @@ def finish_run(
             raise NoRoundAggregatedError(
                 f"{owner}: no round aggregated: {num_rounds} round(s), 0 "
                 f"aggregated{f' ({kept})' if kept else ''}; {tally.describe()}. "
-                "Result.arrays holds the initial model; the log names every "
-                "reply and its reason.",
+                "Result.arrays holds the initial model; each round's warning in "
+                "the log says why that round was not aggregated.",
                 result,
                 tally,
             )
@@ -997,7 +997,8 @@ class ValidatedFedAvg(FedAvg):
                     why.kind,
                     why.reason,
                 )
-        elif phase != "aggregate_train":  # aggregate_train says it with the model
+        elif phase != "aggregate_train" and (unused or tally.failed or sampled):
+            # (aggregate_train says it with the model it keeps)
             log(
                 WARNING,
                 "%s: round %d: no valid reply: %s",

@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import Result
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.client import ProtocolError
+from ..core.strategy import NoRoundAggregatedError, ReplyTally
 from ..core.training import evaluate_model
 from .config import (
     RUN_OUTPUT_DIR,
@@ -187,12 +188,16 @@ def run_experiment(
     if released is not strategy:
         recorder.meta["central-dp"] = type(released).__name__
         log(INFO, "Central DP: %r around %r", released, strategy)
-    result = released.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=num_rounds,
-        evaluate_fn=evaluate_fn,
-    )
+    failure: NoRoundAggregatedError | None = None
+    try:
+        result = released.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=num_rounds,
+            evaluate_fn=evaluate_fn,
+        )
+    except NoRoundAggregatedError as err:  # recorded below, then raised again
+        failure, result = err, err.result
     for rnd, metrics in result.train_metrics_clientapp.items():
         recorder.record(rnd, "train", dict(metrics))
     for rnd, metrics in result.evaluate_metrics_clientapp.items():
@@ -204,13 +209,27 @@ def run_experiment(
     ]
     recorder.meta["rounds-without-valid-reply"] = idle
     recorder.meta["rejections"] = dict(getattr(strategy, "rejections", {}))
-    if num_rounds and len(idle) == num_rounds:
-        recorder.flush()
-        raise RuntimeError(
+    if failure is None and num_rounds and len(idle) == num_rounds:
+        failure = NoRoundAggregatedError(
             f"no round aggregated a single valid reply (reasons: "
-            f"{dict(getattr(strategy, 'rejections', {}))}); see the log above for "
-            "the clients' errors. Results so far: " + str(output_dir / "results.json")
+            f"{dict(getattr(strategy, 'rejections', {}))})",
+            result,
+            ReplyTally(),
         )
+    if failure is not None:
+        # The ServerApp must fail (`flwr ls` then shows the run as failed), but
+        # only after results.json and the plots say what happened.
+        recorder.meta["failure"] = str(failure)
+        recorder.flush()
+        try:
+            plot_run(recorder.as_dict(), output_dir)
+        except Exception as err:  # the failure is the news, not the plot
+            log(WARNING, "Plots of the failed run not written: %s", err)
+        raise NoRoundAggregatedError(
+            f"{failure} Results so far: {output_dir / 'results.json'}",
+            failure.result,
+            failure.reasons,
+        ) from failure
     if idle:
         log(WARNING, "Rounds without a valid reply (model kept): %s", idle)
     recorder.complete = True
