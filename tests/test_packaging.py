@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 from torch import nn
 
 from flwr_prox_strategies import DPSGD, make_private_model
@@ -109,3 +113,82 @@ def test_require_passes_on_an_import_error_from_inside_an_installed_package(
     require_installed(("brokenpkg",), "dp", "a feature")  # installed: no error
     with pytest.raises(ImportError, match="surely_not_a_module_xyz"):
         require_installed(("surely_not_a_module_xyz",), "sdp", "a feature")
+
+
+# ------------------------------------------------------------ layout: conf/, the app
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_conf_tree_is_package_data_when_installed_else_the_checkouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flwr_prox_strategies.experiment import config
+
+    assert config.CONF_DIR == REPO / "conf"  # this checkout
+    installed = tmp_path / "site-packages" / "flwr_prox_strategies"
+    monkeypatch.setattr(config, "_PACKAGE", installed)
+    with pytest.raises(FileNotFoundError, match=r"conf/config\.yaml"):
+        config.find_conf_dir()
+    (installed / "conf").mkdir(parents=True)
+    (installed / "conf" / "config.yaml").write_text("seed: 0\n")
+    assert config.find_conf_dir() == installed / "conf"
+
+
+def test_written_app_declares_the_repository_apps_config_and_components() -> None:
+    import importlib
+
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    from apps.client_app import app as repo_client_app
+    from apps.server_app import app as repo_server_app
+    from flwr_prox_strategies.experiment.apps import app_pyproject
+
+    repo = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    written = tomllib.loads(app_pyproject())["tool"]["flwr"]["app"]
+    assert written["config"] == repo["config"]
+    objects = {}
+    for kind, ref in written["components"].items():
+        module, attr = ref.split(":")
+        objects[kind] = getattr(importlib.import_module(module), attr)
+    assert isinstance(objects["serverapp"], ServerApp)
+    assert isinstance(objects["clientapp"], ClientApp)
+    # apps/ only re-exports the package's objects: one app.
+    assert objects["serverapp"] is repo_server_app
+    assert objects["clientapp"] is repo_client_app
+
+
+def test_sweep_outside_a_checkout_runs_its_own_written_app(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flwr_prox_strategies.experiment import sweep
+    from flwr_prox_strategies.experiment.sweep import APP_DIR_ENV, app_dir
+
+    assert app_dir() == REPO  # in a checkout: the checkout
+    site = tmp_path / "site-packages" / "flwr_prox_strategies" / "experiment"
+    monkeypatch.setattr(sweep, "__file__", str(site / "sweep.py"))
+    users_app = tmp_path / "users-own-app"  # another Flower app: not ours to run
+    users_app.mkdir()
+    (users_app / "pyproject.toml").write_text(
+        '[project]\nname = "quickstart"\n[tool.flwr.app]\npublisher = "me"\n'
+    )
+    monkeypatch.chdir(users_app)
+    monkeypatch.delenv(APP_DIR_ENV, raising=False)
+    sweep._written_app_dir.cache_clear()
+    try:
+        written = app_dir()
+        assert written != users_app and written.parent == Path(tempfile.gettempdir())
+        components = tomllib.loads((written / "pyproject.toml").read_text())["tool"][
+            "flwr"
+        ]["app"]["components"]
+        assert components["serverapp"].startswith("flwr_prox_strategies.experiment.")
+        assert app_dir() == written  # written once per process
+        monkeypatch.setenv(APP_DIR_ENV, str(users_app))  # explicit: honoured
+        assert app_dir() == users_app
+        monkeypatch.setenv(APP_DIR_ENV, str(tmp_path))
+        with pytest.raises(FileNotFoundError, match=APP_DIR_ENV):
+            app_dir()
+    finally:
+        sweep._written_app_dir.cache_clear()
+        shutil.rmtree(written, ignore_errors=True)
