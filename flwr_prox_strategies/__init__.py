@@ -11,11 +11,17 @@ from .algorithms.apfl import APFL, APFLClient
 from .algorithms.fedavg import FedAvg, FedAvgClient
 from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
 from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
-from .algorithms.fedepm import FedEPM, FedEPMClient
+from .algorithms.fedepm import FedEPM, FedEPMClient, FedEPMRule
 from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient, FedProxRule
 from .algorithms.pfedavg import PFedAvg
 from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
-from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient
+from .algorithms.sfed import (
+    SFedAvg,
+    SFedAvgClient,
+    SFedProx,
+    SFedProxClient,
+    SFedRule,
+)
 from .core.adapter import to_client_app
 from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
 from .core.client import TorchClient
@@ -41,6 +47,7 @@ __all__ = [
     "FedDynRule",
     "FedEPM",
     "FedEPMClient",
+    "FedEPMRule",
     "FedProx",
     "FedProxClient",
     "FedProxRule",
@@ -52,6 +59,7 @@ __all__ = [
     "SFedAvgClient",
     "SFedProx",
     "SFedProxClient",
+    "SFedRule",
     "Scaffold",
     "ScaffoldClient",
     "ScaffoldRule",

@@ -35,6 +35,9 @@ from flwr_prox_strategies import (
     FedDyn,
     FedDynClient,
     FedDynRule,
+    FedEPM,
+    FedEPMClient,
+    FedEPMRule,
     FedProx,
     FedProxClient,
     FedProxRule,
@@ -42,6 +45,9 @@ from flwr_prox_strategies import (
     Scaffold,
     ScaffoldClient,
     ScaffoldRule,
+    SFedProx,
+    SFedProxClient,
+    SFedRule,
     to_client_app,
 )
 from flwr_prox_strategies.core.inprocess import InProcessGrid
@@ -105,10 +111,9 @@ def pack_client_app(problem: LeastSquares, client_cls, **kwargs) -> ClientApp:
         return client_cls(
             model,
             dict_loader(problem, k),
-            loss_fn=half_sse,
+            **{"loss_fn": half_sse, **kwargs},
             local_epochs=EPOCHS,
             learning_rate=LR,
-            **kwargs,
         )
 
     return to_client_app(client_fn)
@@ -382,3 +387,60 @@ def test_construction_peek_leaves_a_loader_generator_unchanged(problem):
     expected = [b["label"].tolist() for b in loader()]
     client = FedAvgClient(torch.nn.Linear(problem.dim, 1), loader())
     assert [t.tolist() for _, t in client.train_loader] == expected
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.squeeze(-1), y)
+
+
+def own_solver_app(problem: LeastSquares, rule_cls) -> ClientApp:
+    """A user's client for the full-gradient methods: own objective, dict data."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        model = torch.nn.Linear(problem.dim, 1, bias=False)
+        data = DictData(problem.a[k], problem.b[k])
+        rule = rule_cls.from_message(
+            msg, context, model, num_examples=len(data), seed=7
+        )
+
+        def objective():
+            batch = next(iter(DataLoader(data, batch_size=len(data))))
+            loss = mse(model(batch["img"]), batch["label"])
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            return float(loss), [g.detach() for g in grads]
+
+        rule.solve(objective)
+        return rule.reply(num_examples=len(data))
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("strategy", "rule", "client"),
+    [
+        (
+            lambda: FedEPM(num_clients=4, k0=3, noise=0.5, fraction_evaluate=0.0),
+            FedEPMRule,
+            FedEPMClient,
+        ),
+        (
+            lambda: SFedProx(num_clients=4, k0=2, noise=0.0, fraction_evaluate=0.0),
+            SFedRule,
+            SFedProxClient,
+        ),
+    ],
+)
+def test_full_gradient_rules_in_own_client(problem, strategy, rule, client):
+    """FedEPM's and SFedProx's rules in a user's client give the pack's models."""
+    own, _ = run(problem, strategy(), own_solver_app(problem, rule), rounds=3)
+    pack, _ = run(
+        problem,
+        strategy(),
+        pack_client_app(problem, client, seed=7, loss_fn=mse),
+        rounds=3,
+    )
+    np.testing.assert_allclose(own, pack, rtol=1e-5, atol=1e-6)
+    assert np.linalg.norm(pack) > 0.1

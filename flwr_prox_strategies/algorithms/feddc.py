@@ -268,6 +268,7 @@ class FedDCRule(ClientRule):
     applied_metric = FEDDC_APPLIED_KEY
     stateful = True
     plain_sgd = True
+    needs_lr = True
 
     def __init__(
         self,

@@ -77,7 +77,7 @@ Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from logging import INFO
 from typing import Any
 
@@ -96,6 +96,7 @@ from ..core.privacy import (
     spend_epsilon,
 )
 from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
+from ..core.rule import ClientRule
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import TrainReport, evaluate_model, full_gradient, trainable
 from ..core.validation import (
@@ -115,7 +116,12 @@ ETA_KEY = "fedepm-eta"
 R0_KEY = "fedepm-r0"
 GROWTH_KEY = "fedepm-growth"
 NOISE_KEY = "fedepm-noise"
+# Reported by clients that apply FedEPM's rule (FedEPMRule).
+FEDEPM_APPLIED_KEY = "fedepm-applied"
 LOCAL_STATE = "fedepm-local"
+
+# f_i and its full gradient at the model's current point.
+Objective = Callable[[], tuple[float, list[torch.Tensor]]]
 
 
 def default_eta(num_clients: int, rho: float) -> float:
@@ -153,14 +159,16 @@ class FedEPM(ValidatedFedAvg):
 
     Parameters
     ----------
-    num_clients : int
-        :math:`m`, all clients (required; each keeps one upload slot).
+    num_clients : int | None (default: None)
+        :math:`m`, all clients (each keeps one upload slot), checked every
+        round. None: the number of nodes connected at the first round (logged);
+        the sampling and the default ``eta`` then follow from it.
     rho : float (default: 0.5)
         Fraction of clients sampled per communication (:math:`\lceil\rho m\rceil`).
     k0 : int (default: 10)
         Local iterations between communications.
     eta : float | None (default: None)
-        :math:`\eta > 0`; None: :func:`default_eta`.
+        :math:`\eta > 0`; None: :func:`default_eta` (of ``num_clients``).
     lam : float | None (default: None)
         :math:`\lambda \ge 0`; None: :math:`\eta/2`.
     r0 : float (default: 0.05)
@@ -173,14 +181,23 @@ class FedEPM(ValidatedFedAvg):
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (sampling
         is set by ``rho``).
+
+    Notes
+    -----
+    Clients report ``fedepm-applied`` (value 1, :data:`FEDEPM_APPLIED_KEY`);
+    replies without it are named in a warning once per run (rejected with
+    ``strict=True``).
     """
 
     stateful_clients = True
+    requires_num_clients = True
+    rule_metric = FEDEPM_APPLIED_KEY
+    rule_name = "FedEPM's local proximal iterations and noisy upload"
 
     def __init__(
         self,
         *,
-        num_clients: int,
+        num_clients: int | None = None,
         rho: float = 0.5,
         k0: int = 10,
         eta: float | None = None,
@@ -190,14 +207,15 @@ class FedEPM(ValidatedFedAvg):
         noise: float = 0.1,
         **kwargs: Any,
     ) -> None:
-        check_int("num_clients", num_clients, 1)
+        if num_clients is not None:
+            check_int("num_clients", num_clients, 1)
         if not (isinstance(rho, (int, float)) and 0.0 < rho <= 1.0):
             raise ValueError(f"rho must be in (0, 1], got {rho!r}")
         check_int("k0", k0, 1)
-        eta = default_eta(num_clients, rho) if eta is None else eta
-        check_positive("eta", eta)
-        lam = eta / 2 if lam is None else lam
-        check_non_negative("lam", lam)
+        if eta is not None:
+            check_positive("eta", eta)
+        if lam is not None:
+            check_non_negative("lam", lam)
         check_positive("r0", r0)
         if not (isinstance(growth, (int, float)) and growth >= 1.0):
             raise ValueError(f"growth must be >= 1, got {growth!r}")
@@ -207,28 +225,45 @@ class FedEPM(ValidatedFedAvg):
             "min_train_nodes",
             "local_epochs",
             "local_steps",
+            "weighting",
+            "weighted_by_key",
         ):
             if name in kwargs:
                 raise ValueError(
-                    f"FedEPM sets {name} itself (rho, k0); got {name}={kwargs[name]!r}"
+                    f"FedEPM sets {name} itself (rho, k0; the elastic-net centre "
+                    f"weighs every slot alike); got {name}={kwargs[name]!r}"
                 )
         super().__init__(
             num_clients=num_clients,
             fraction_train=float(rho),
-            min_train_nodes=math.ceil(rho * num_clients),
+            min_train_nodes=1,  # ceil(rho * m), set with m (learn_num_clients)
             weighting="uniform",
             **kwargs,
         )
         self.rho = float(rho)
         self.k0 = k0
-        self.eta = float(eta)
-        self.lam = float(lam)
+        self._eta_given, self._lam_given = eta, lam
+        self.eta = math.nan  # set with m when not given
+        self.lam = math.nan
+        if num_clients is not None:
+            self.learn_num_clients(num_clients)
         self.r0 = float(r0)
         self.growth = float(growth)
         self.noise = float(noise)
         self.uploads: dict[str, NDArray] | None = None  # key -> (m, *shape)
         self.slots: dict[int, int] = {}  # client key -> row of self.uploads
         self._next: tuple[dict[str, NDArray], dict[int, int]] | None = None
+
+    def learn_num_clients(self, num_clients: int) -> None:
+        """Set m, and what follows from it: the sample size, eta and lambda."""
+        super().learn_num_clients(num_clients)
+        self.min_train_nodes = math.ceil(self.rho * num_clients)
+        eta = self._eta_given
+        self.eta = float(default_eta(num_clients, self.rho) if eta is None else eta)
+        check_positive("eta", self.eta)
+        lam = self._lam_given
+        self.lam = float(self.eta / 2 if lam is None else lam)
+        check_non_negative("lam", self.lam)
 
     def __repr__(self) -> str:
         """Return the class name and its main settings."""
@@ -242,6 +277,8 @@ class FedEPM(ValidatedFedAvg):
         log(INFO, "\t├──> FedEPM settings:")
         log(INFO, "\t│\t├── m=%s, rho=%s, k0=%d", self.num_clients, self.rho, self.k0)
         log(INFO, "\t│\t├── eta=%.4g, lambda=%.4g, r0=%s", self.eta, self.lam, self.r0)
+        if self.num_clients is None:
+            log(INFO, "\t│\t├── m, eta, lambda: set from the nodes at round 1")
         log(INFO, "\t│\t└── noise (epsilon per upload): %s", self.noise or "off")
         super().summary()
 
@@ -332,6 +369,130 @@ class FedEPM(ValidatedFedAvg):
         self.slots = {int(k): int(v) for k, v in state["slots"].items()}
 
 
+class FedEPMRule(ClientRule):
+    r"""FedEPM's client rule: k0 closed-form prox-linear steps, noisy upload.
+
+    FedEPM takes no SGD steps, so it has no gradient term for a training loop:
+    give :meth:`solve` your objective, a function returning :math:`f_i` and
+    its full gradient at the model's current point (your loss, your data,
+    any batch format), and it runs the round's iterations from the server
+    point and the client's last local point (kept in the state), then adds
+    the seed's Laplace noise to the upload::
+
+        rule = FedEPMRule.from_message(msg, context, model, num_examples=n)
+        rule.solve(lambda: my_loss_and_full_gradient(model))
+        return rule.reply(num_examples=n)
+
+    Parameters
+    ----------
+    num_examples : int
+        :math:`d_i`, the local data size (the step scale :math:`\mu/d_i`).
+    seed : int | None (default: None)
+        Seeds the upload noise per (seed, client, round).
+    *args, **kwargs
+        As :class:`~flwr_prox_strategies.core.rule.ClientRule`.
+    """
+
+    protocol = "FedEPM"
+    applied_metric = FEDEPM_APPLIED_KEY
+    stateful = True
+
+    def __init__(
+        self, *args: Any, num_examples: int, seed: int | None = None, **kwargs: Any
+    ) -> None:
+        check_int("num_examples", num_examples, 1)
+        self.num_examples = int(num_examples)
+        self.seed = seed
+        self.round_metrics: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def setup(self) -> None:
+        """Read the round's iteration counter, k0 and the penalty settings."""
+        self.first = int(self.required(ITERATION_KEY))
+        self.k0 = int(self.required(K0_KEY))
+        self.r0 = float(self.required(R0_KEY))
+        self.growth = float(self.required(GROWTH_KEY))
+        self.epsilon = float(self.required(NOISE_KEY))
+        return None
+
+    def solve(self, objective: Objective) -> TrainReport:
+        """Run the k0 closed-form iterations and build the noisy upload."""
+        lam = float(self.required(LAMBDA_KEY))
+        eta = float(self.required(ETA_KEY))
+        d = self.num_examples
+        value, grads = objective()
+        with torch.no_grad():
+            x = [p.detach().clone() for p in self.params]
+            local = self.state.get_tensors(LOCAL_STATE, self.params)
+            if self.state.get(LOCAL_STATE) is None:
+                local = [v.clone() for v in x]
+            mu = self.r0
+            for iteration in range(self.first, self.first + self.k0):
+                distance = sum(
+                    float(((a - b) ** 2).sum()) for a, b in zip(local, x, strict=True)
+                )
+                mu = self.r0 * (1 + 1e-8 * distance) * self.growth ** (iteration + 1)
+                scaled = mu / d
+                local = [
+                    xv + soft_threshold(scaled * (lv - xv) - g, lam) / (scaled + eta)
+                    for xv, lv, g in zip(x, local, grads, strict=True)
+                ]
+            self.state.set_pending(LOCAL_STATE, local, self.server_round)
+            for p, value_now in zip(self.params, local, strict=True):
+                p.copy_(value_now)
+        self.round_metrics = {"fedepm-mu": mu, **self.noisy_upload(value, grads, mu)}
+        self.steps = self.k0
+        return TrainReport(epochs=0, steps=self.k0, examples_seen=d, mean_loss=value)
+
+    def noisy_upload(
+        self, value: float, grads: list[torch.Tensor], mu: float
+    ) -> dict[str, Any]:
+        r"""Release the model, calibrated as the seed: :math:`\Delta = 2\|g\|_1/\mu`.
+
+        ``grads`` is the gradient at the server point; returns the round's
+        metrics (objective there, :math:`\|g\|_1`, and what :meth:`release` spent).
+        """
+        grad_l1 = sum(float(g.abs().sum()) for g in grads)
+        return {
+            "fedepm-objective": value,
+            "fedepm-grad-l1": grad_l1,
+            **self.release(2 * grad_l1 / mu, self.epsilon),
+        }
+
+    def release(self, sensitivity: float, epsilon: float) -> dict[str, Any]:
+        r"""Add Laplace(:math:`\Delta/\varepsilon`) noise to the model, count epsilon.
+
+        ``epsilon = 0`` releases the model as it is. Privacy is spent at release,
+        whether or not the server then uses the upload.
+        """
+        if epsilon == 0:
+            return {}
+        scale = sensitivity / epsilon
+        rng = np.random.default_rng(
+            None
+            if self.seed is None
+            else [self.seed, self.client_key % (1 << 31), self.server_round]
+        )
+        noisy = add_laplace_noise(
+            [p.detach().cpu().numpy() for p in self.params], scale, rng
+        )
+        with torch.no_grad():
+            for p, upload in zip(self.params, noisy, strict=True):
+                p.copy_(torch.as_tensor(upload))
+        return {
+            "laplace-scale": scale,
+            EPSILON_METRIC: epsilon,
+            EPSILON_TOTAL_METRIC: spend_epsilon(self.state.records, epsilon),
+            DELTA_METRIC: 0.0,  # pure epsilon-DP
+        }
+
+    def finish(
+        self, steps: int, lr: float
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        """Report f_i at the server point, the noise scale and epsilon spent."""
+        return {}, dict(self.round_metrics)
+
+
 class FedEPMClient(TorchClient):
     r"""FedEPM client: k0 closed-form prox-linear steps from one gradient, noisy upload.
 
@@ -346,7 +507,7 @@ class FedEPMClient(TorchClient):
     """
 
     protocol = "FedEPM"
-
+    rule_class = FedEPMRule
     stateful = True
 
     def __init__(self, *args: Any, ridge: float = 0.0, **kwargs: Any) -> None:
@@ -360,7 +521,6 @@ class FedEPMClient(TorchClient):
             )
         check_non_negative("ridge", ridge)
         self.ridge = float(ridge)
-        self._round_metrics: dict[str, Any] = {}
 
     def objective_and_gradient(
         self, *, with_value: bool = True
@@ -385,90 +545,14 @@ class FedEPMClient(TorchClient):
             ]
         return value, grads
 
+    def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Give the rule :math:`d_i` and the noise seed."""
+        return {"num_examples": self.num_train_examples(), "seed": self.seed}
+
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None
     ) -> TrainReport:
-        """Run the k0 closed-form iterations and build the noisy upload."""
-        first = int(self.required(config, ITERATION_KEY))
-        k0 = int(self.required(config, K0_KEY))
-        lam = float(self.required(config, LAMBDA_KEY))
-        eta = float(self.required(config, ETA_KEY))
-        r0 = float(self.required(config, R0_KEY))
-        growth = float(self.required(config, GROWTH_KEY))
-        epsilon = float(self.required(config, NOISE_KEY))
-        d = self.num_train_examples()
-        value, grads = self.objective_and_gradient()
-        params = trainable(self.model)
-        with torch.no_grad():
-            x = [p.detach().clone() for p in params]
-            local = self.state.get_tensors(LOCAL_STATE, params)
-            if self.state.get(LOCAL_STATE) is None:
-                local = [v.clone() for v in x]
-            mu = r0
-            for iteration in range(first, first + k0):
-                distance = sum(
-                    float(((a - b) ** 2).sum()) for a, b in zip(local, x, strict=True)
-                )
-                mu = r0 * (1 + 1e-8 * distance) * growth ** (iteration + 1)
-                scaled = mu / d
-                local = [
-                    xv + soft_threshold(scaled * (lv - xv) - g, lam) / (scaled + eta)
-                    for xv, lv, g in zip(x, local, grads, strict=True)
-                ]
-            self.state.set_pending(LOCAL_STATE, local, self.server_round)
-            for p, value_now in zip(params, local, strict=True):
-                p.copy_(value_now)
-        self._round_metrics = {
-            "fedepm-mu": mu,
-            **self.noisy_upload(value, grads, mu, epsilon),
-        }
-        return TrainReport(epochs=0, steps=k0, examples_seen=d, mean_loss=value)
-
-    def noisy_upload(
-        self, value: float, grads: list[torch.Tensor], mu: float, epsilon: float
-    ) -> dict[str, Any]:
-        r"""Release the model, calibrated as the seed: :math:`\Delta = 2\|g\|_1/\mu`.
-
-        ``grads`` is the gradient at the server point; returns the round's
-        metrics (objective there, :math:`\|g\|_1`, and what :meth:`release` spent).
-        """
-        grad_l1 = sum(float(g.abs().sum()) for g in grads)
-        return {
-            "fedepm-objective": value,
-            "fedepm-grad-l1": grad_l1,
-            **self.release(2 * grad_l1 / mu, epsilon),
-        }
-
-    def release(self, sensitivity: float, epsilon: float) -> dict[str, Any]:
-        r"""Add Laplace(:math:`\Delta/\varepsilon`) noise to the model, count epsilon.
-
-        ``epsilon = 0`` releases the model as it is. Privacy is spent at release,
-        whether or not the server then uses the upload.
-        """
-        if epsilon == 0:
-            return {}
-        scale = sensitivity / epsilon
-        rng = np.random.default_rng(
-            None
-            if self.seed is None
-            else [self.seed, self.client_key % (1 << 31), self.server_round]
-        )
-        params = trainable(self.model)
-        noisy = add_laplace_noise(
-            [p.detach().cpu().numpy() for p in params], scale, rng
-        )
-        with torch.no_grad():
-            for p, upload in zip(params, noisy, strict=True):
-                p.copy_(torch.as_tensor(upload))
-        return {
-            "laplace-scale": scale,
-            EPSILON_METRIC: epsilon,
-            EPSILON_TOTAL_METRIC: spend_epsilon(self.state.records, epsilon),
-            DELTA_METRIC: 0.0,  # pure epsilon-DP
-        }
-
-    def after_training(
-        self, config: dict[str, Any], report: TrainReport
-    ) -> dict[str, Any]:
-        """Report f_i at the server point, the noise scale and epsilon spent."""
-        return dict(self._round_metrics)
+        """Run the rule's iterations on this client's objective."""
+        rule = self.make_rule(config)
+        assert isinstance(rule, FedEPMRule)
+        return rule.solve(self.objective_and_gradient)

@@ -229,6 +229,7 @@ class ScaffoldRule(ClientRule):
     applied_metric = SCAFFOLD_APPLIED_KEY
     stateful = True
     plain_sgd = True
+    needs_lr = True
 
     def setup(self) -> GradientTerm:
         """Return the correction :math:`c - c_i` (a constant gradient shift)."""

@@ -31,6 +31,7 @@ plus ``sfed-inner-steps`` and ``sfed-mu``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from logging import INFO
 from typing import Any
 
@@ -38,8 +39,13 @@ import torch
 from flwr.common.logger import log
 
 from ..core.strategy import ValidatedFedAvg
-from ..core.training import TrainReport, trainable
-from ..core.validation import check_int, check_non_negative, check_positive
+from ..core.training import TrainReport
+from ..core.validation import (
+    check_int,
+    check_non_negative,
+    check_positive,
+    resolve_alias,
+)
 from .fedepm import (
     GROWTH_KEY,
     ITERATION_KEY,
@@ -47,10 +53,15 @@ from .fedepm import (
     NOISE_KEY,
     R0_KEY,
     FedEPMClient,
+    FedEPMRule,
+    Objective,
 )
 
 INNER_STEPS_KEY = "sfed-inner-steps"
 PROX_MU_KEY = "sfed-mu"
+# Reported by clients that apply SFedAvg's / SFedProx's rule.
+SFEDAVG_APPLIED_KEY = "sfedavg-applied"
+SFEDPROX_APPLIED_KEY = "sfedprox-applied"
 
 
 def step_size(num_examples: int, iteration: int, k0: int) -> float:
@@ -63,8 +74,9 @@ class SFedAvg(ValidatedFedAvg):
 
     Parameters
     ----------
-    num_clients : int
+    num_clients : int | None (default: None)
         :math:`m` (sampling takes :math:`\lceil\rho m\rceil`; checked each round).
+        None: the number of nodes connected at the first round (logged).
     rho : float (default: 0.5)
         Fraction of clients sampled per communication.
     k0 : int (default: 10)
@@ -73,27 +85,39 @@ class SFedAvg(ValidatedFedAvg):
         :math:`\varepsilon` per upload; 0 turns the noise off.
     r0, growth : float (default: 0.05, 1.001)
         Calibrate the noise as FedEPM's (module docstring).
+    weighting : str (default: "uniform")
+        The seed's plain mean over the sampled clients.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+
+    Notes
+    -----
+    Clients report ``sfedavg-applied`` (``sfedprox-applied`` for SFedProx),
+    value 1; replies without it are named in a warning once per run (rejected
+    with ``strict=True``).
     """
 
     inner_steps = 1
     default_mu = 0.0
+    requires_num_clients = True
+    default_weighting = "uniform"
+    rule_metric = SFEDAVG_APPLIED_KEY
+    rule_name = "SFedAvg's full-gradient local steps and noisy upload"
 
     def __init__(
         self,
         *,
-        num_clients: int,
+        num_clients: int | None = None,
         rho: float = 0.5,
         k0: int = 10,
         noise: float = 0.1,
         r0: float = 0.05,
         growth: float = 1.001,
-        weighting: str = "uniform",
         **kwargs: Any,
     ) -> None:
-        check_int("num_clients", num_clients, 1)
+        if num_clients is not None:
+            check_int("num_clients", num_clients, 1)
         if not (isinstance(rho, (int, float)) and 0.0 < rho <= 1.0):
             raise ValueError(f"rho must be in (0, 1], got {rho!r}")
         check_int("k0", k0, 1)
@@ -115,8 +139,7 @@ class SFedAvg(ValidatedFedAvg):
         super().__init__(
             num_clients=num_clients,
             fraction_train=float(rho),
-            min_train_nodes=math.ceil(rho * num_clients),
-            weighting=weighting,
+            min_train_nodes=math.ceil(rho * (num_clients or 1)),
             **kwargs,
         )
         self.rho = float(rho)
@@ -133,6 +156,11 @@ class SFedAvg(ValidatedFedAvg):
             f"k0={self.k0}, inner_steps={self.inner_steps}, mu={self.mu}, "
             f"noise={self.noise})"
         )
+
+    def learn_num_clients(self, num_clients: int) -> None:
+        """Set m and the sample size it gives, ceil(rho * m)."""
+        super().learn_num_clients(num_clients)
+        self.min_train_nodes = math.ceil(self.rho * num_clients)
 
     def summary(self) -> None:
         """Log the settings, then the base's."""
@@ -157,17 +185,30 @@ class SFedProx(SFedAvg):
 
     Parameters
     ----------
-    mu : float (default: 1e-5)
+    mu : float | None (default: None, i.e. 1e-5)
         Proximal weight :math:`\mu \ge 0`.
+    proximal_mu : float | None (default: None)
+        Flower's name for ``mu``; give one of the two.
     inner_steps : int (default: 3)
         :math:`\ell`, gradient steps per iteration.
     **kwargs
         As :class:`SFedAvg`.
     """
 
+    rule_metric = SFEDPROX_APPLIED_KEY
+    rule_name = "SFedProx's proximal local steps and noisy upload"
+
     def __init__(
-        self, *, mu: float = 1e-5, inner_steps: int = 3, **kwargs: Any
+        self,
+        *,
+        mu: float | None = None,
+        proximal_mu: float | None = None,
+        inner_steps: int = 3,
+        **kwargs: Any,
     ) -> None:
+        mu = resolve_alias(
+            type(self).__name__, "mu", mu, "proximal_mu", proximal_mu, 1e-5
+        )
         check_non_negative("mu", mu)
         check_int("inner_steps", inner_steps, 1)
         super().__init__(**kwargs)
@@ -175,8 +216,57 @@ class SFedProx(SFedAvg):
         self.inner_steps = inner_steps  # type: ignore[misc]
 
 
+class SFedRule(FedEPMRule):
+    r"""The client rule of SFedAvg and SFedProx: k0 x l full-gradient steps.
+
+    Each step :math:`x \leftarrow x - \gamma(\nabla f_i(x) + \mu(x - x_t))`
+    (:math:`\mu = 0` for SFedAvg), then FedEPM's Laplace upload. :meth:`solve`
+    takes your objective (value and full gradient at the model's current
+    point); ``gradient`` (the gradient alone, cheaper) serves the later steps
+    when given. It reports both strategies' ``-applied`` metrics: one client
+    serves both.
+    """
+
+    protocol = "SFedAvg/SFedProx"
+    applied_metric = SFEDAVG_APPLIED_KEY
+    stateful = False
+
+    def setup(self) -> None:
+        """Read the iteration counter, k0, l, mu and the noise settings."""
+        super().setup()
+        self.inner = int(self.required(INNER_STEPS_KEY))
+        self.mu = float(self.required(PROX_MU_KEY))
+
+    def metrics(self) -> dict[str, Any]:
+        """Say that both SFedAvg's and SFedProx's rule were applied."""
+        return {**super().metrics(), SFEDPROX_APPLIED_KEY: 1}
+
+    def solve(
+        self,
+        objective: Objective,
+        gradient: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> TrainReport:
+        """Run k0 iterations of l full-gradient steps from the server model."""
+        gradient = gradient or (lambda: objective()[1])
+        d = self.num_examples
+        value, received_grads = objective()
+        grads = received_grads
+        for iteration in range(self.first, self.first + self.k0):
+            gamma = step_size(d, iteration, self.k0)
+            for step in range(self.inner):
+                if not (iteration == self.first and step == 0):
+                    grads = gradient()
+                with torch.no_grad():
+                    for p, g, a in zip(self.params, grads, self.anchor, strict=True):
+                        p.sub_(gamma * (g + self.mu * (p - a)))
+        noise_mu = self.r0 * self.growth ** (self.first + self.k0)
+        self.round_metrics = self.noisy_upload(value, received_grads, noise_mu)
+        self.steps = self.k0 * self.inner
+        return TrainReport(epochs=0, steps=self.steps, examples_seen=d, mean_loss=value)
+
+
 class SFedClient(FedEPMClient):
-    r"""Client of SFedAvg and SFedProx: full-gradient (prox) steps, noisy upload.
+    r"""Client of SFedAvg and SFedProx: :class:`SFedRule` on this client's data.
 
     Parameters
     ----------
@@ -187,38 +277,19 @@ class SFedClient(FedEPMClient):
     """
 
     protocol = "SFedAvg/SFedProx"
-
+    rule_class = SFedRule
     stateful = False
 
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None
     ) -> TrainReport:
-        """Run k0 iterations of l full-gradient steps from the server model."""
-        first = int(self.required(config, ITERATION_KEY))
-        k0 = int(self.required(config, K0_KEY))
-        inner = int(self.required(config, INNER_STEPS_KEY))
-        mu = float(self.required(config, PROX_MU_KEY))
-        r0 = float(self.required(config, R0_KEY))
-        growth = float(self.required(config, GROWTH_KEY))
-        epsilon = float(self.required(config, NOISE_KEY))
-        d = self.num_train_examples()
-        params = trainable(self.model)
-        anchor = [p.detach().clone() for p in params]
-        value, received_grads = self.objective_and_gradient()
-        grads = received_grads
-        for iteration in range(first, first + k0):
-            gamma = step_size(d, iteration, k0)
-            for step in range(inner):
-                if not (iteration == first and step == 0):
-                    _, grads = self.objective_and_gradient(with_value=False)
-                with torch.no_grad():
-                    for p, g, a in zip(params, grads, anchor, strict=True):
-                        p.sub_(gamma * (g + mu * (p - a)))
-        noise_mu = r0 * growth ** (first + k0)
-        self._round_metrics = self.noisy_upload(
-            value, received_grads, noise_mu, epsilon
+        """Run the rule's k0 x l steps on this client's objective."""
+        rule = self.make_rule(config)
+        assert isinstance(rule, SFedRule)
+        return rule.solve(
+            self.objective_and_gradient,
+            lambda: self.objective_and_gradient(with_value=False)[1],
         )
-        return TrainReport(epochs=0, steps=k0 * inner, examples_seen=d, mean_loss=value)
 
 
 SFedAvgClient = SFedClient

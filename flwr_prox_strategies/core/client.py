@@ -304,6 +304,10 @@ class TorchClient(NumPyClient):
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm | None:
         """Build this round's rule; return its gradient term."""
+        return self.make_rule(config).term
+
+    def make_rule(self, config: dict[str, Any]) -> ClientRule:
+        """Build this round's rule from what the server sent and the state."""
         self.rule = self.rule_class(
             self.model,
             config,
@@ -314,7 +318,7 @@ class TorchClient(NumPyClient):
             base_lr=self._base_lr,
             **self.rule_options(config),
         )
-        return self.rule.term
+        return self.rule
 
     def stop_rule(self, config: dict[str, Any], term: GradientTerm | None):
         """Return a ``stop_after_epoch(epoch) -> bool`` callable, or None."""

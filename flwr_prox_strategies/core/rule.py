@@ -197,6 +197,8 @@ class ClientRule:
     stateful: ClassVar[bool] = False
     # The update assumes plain SGD steps (SCAFFOLD's and FedDC's option II).
     plain_sgd: ClassVar[bool] = False
+    # The state update divides by the step size (reply needs it).
+    needs_lr: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -390,8 +392,8 @@ class ClientRule:
             return float(lr)
         if self.steps and self.last_lr is not None:
             return self.lr_sum / self.steps  # their mean: lr itself when constant
-        if self.steps == 0:
-            return 1.0  # no step taken: no rule divides by it
+        if self.steps == 0 or not self.needs_lr:
+            return math.nan  # no step taken, or no state divides by it
         raise ValueError(
             f"{type(self).__name__}: give reply(lr=...) or attach the optimizer; "
             f"{self.protocol}'s update divides by the step size"
