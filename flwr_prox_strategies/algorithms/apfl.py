@@ -115,6 +115,8 @@ APFL_AVERAGE_A_KEY = "apfl-average-a"
 APFL_LR_MU_KEY = "apfl-lr-mu"
 APFL_LR_A_KEY = "apfl-lr-a"
 APFL_STEP_KEY = "apfl-step"
+# Reported by clients that apply APFL's rule (APFLRule).
+APFL_APPLIED_KEY = "apfl-applied"
 WEIGHTED_THETA_RECORD = "apfl-weighted-theta"
 AVERAGE_MODEL_RECORD = "apfl-average-model"
 
@@ -189,13 +191,23 @@ class APFL(ValidatedFedAvg):
         personalised models (costs one more model per upload).
     weighting : str (default: "uniform")
         The seed's plain mean over the sampled clients; ``"num-examples"``
-        weights by sample counts.
+        weights by sample counts (or Flower's ``weighted_by_key``).
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (not
         ``local_epochs``, ``local_steps`` or ``drop_percent``: APFL counts its
         local work in steps, ``sync_gap``).
+
+    Notes
+    -----
+    Clients report ``apfl-applied`` (value 1, :data:`APFL_APPLIED_KEY`);
+    replies without it are named in a warning once per run (rejected with
+    ``strict=True``).
     """
+
+    default_weighting = "uniform"
+    rule_metric = APFL_APPLIED_KEY
+    rule_name = "APFL's personalised mixture"
 
     def __init__(
         self,
@@ -209,7 +221,6 @@ class APFL(ValidatedFedAvg):
         strong_convexity: float | None = None,
         condition_number: float = 1.0,
         weighted_average: bool = True,
-        weighting: str = "uniform",
         **kwargs: Any,
     ) -> None:
         check_fraction("alpha", alpha)
@@ -244,7 +255,7 @@ class APFL(ValidatedFedAvg):
                     f"(got {name}={kwargs[name]!r})"
                 )
             kwargs.pop(name, None)
-        super().__init__(local_steps=sync_gap, weighting=weighting, **kwargs)
+        super().__init__(local_steps=sync_gap, **kwargs)
         self.alpha = float(alpha)
         self.adaptive_alpha = bool(adaptive_alpha)
         self.sync_gap = sync_gap

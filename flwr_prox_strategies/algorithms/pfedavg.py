@@ -30,12 +30,15 @@ node id (reproducible only within a run: the log says so).
 
 A server whose group sent no valid reply keeps :math:`y_i = x_i`; a round in
 which no group has a valid reply keeps every model and mixes nothing (as if the
-round had not happened).
+round had not happened), and says why in one warning; a run in which no round
+mixed raises :class:`~flwr_prox_strategies.core.strategy.NoRoundAggregatedError`
+at the end of :meth:`PFedAvg.start`, with the reasons of every server, counted.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -53,11 +56,13 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from ..core.grid import GroupGrid
 from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
+from ..core.strategy import ReplyTally, ValidatedFedAvg, finish_run
+from ..core.validation import reject_unknown_kwargs
 from ..ops.topology import (
     adjacency,
     check_mixing,
@@ -122,7 +127,17 @@ class PFedAvg(Strategy):
         inner: Callable[[], Strategy] | None = None,
         assignment: Mapping[int, int] | None = None,
         seed: int = 0,
+        **unknown: Any,
     ) -> None:
+        reject_unknown_kwargs(
+            type(self).__name__,
+            unknown,
+            [
+                name
+                for name in inspect.signature(PFedAvg.__init__).parameters
+                if name not in ("self", "unknown")
+            ],
+        )
         if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
             raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
         self.servers = servers
@@ -190,6 +205,8 @@ class PFedAvg(Strategy):
         self.rejections: Counter[str] = Counter()
         self._accept_failures = True
         self.last_round_report: dict[str, Any] = {}
+        # This run's rounds mixed, stray replies, and rounds kept (and why).
+        self.run_tally = ReplyTally()
 
     @property
     def accept_failures(self) -> bool:
@@ -221,6 +238,48 @@ class PFedAvg(Strategy):
         )
         log(INFO, "\t│\t├── mixing: %s, rho(W) = %.4f", self.mixing, self.rho)
         log(INFO, "\t│\t└── inner strategy: %s", type(self.inner[0]).__name__)
+
+    # ------------------------------------------------------------------- run
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run Flower's ``Strategy.start``; fail loudly if no round mixed.
+
+        As :meth:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg.start`:
+        ``Result.arrays`` is the last consensus model, or ``initial_arrays``;
+        when no round updated any server, ``NoRoundAggregatedError`` carries
+        the reasons of every server's strategy, counted.
+        """
+        self.run_tally = ReplyTally()
+        for strategy in self.inner:
+            if isinstance(strategy, ValidatedFedAvg):
+                strategy.reset_run()
+        result = super().start(
+            grid=grid,
+            initial_arrays=initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+        tally = ReplyTally(
+            kept=Counter(self.run_tally.kept), aggregated=self.run_tally.aggregated
+        )
+        tally.update(self.run_tally)
+        for strategy in self.inner:
+            if isinstance(strategy, ValidatedFedAvg):
+                tally.update(strategy.run_tally)
+        return finish_run(
+            type(self).__name__, result, initial_arrays, num_rounds, tally
+        )
 
     # ------------------------------------------------------------ assignment
     def assign_nodes(self, grid: Grid) -> list[list[int]]:
@@ -341,6 +400,7 @@ class PFedAvg(Strategy):
             if server is None:
                 stray += 1
                 self.rejections["aggregate_train:unsampled"] += 1
+                self.run_tally.rejected["unsampled: node belongs to no server"] += 1
                 log(
                     WARNING,
                     "P-FedAvg: reply from node %d, which belongs to no server",
@@ -374,13 +434,26 @@ class PFedAvg(Strategy):
         failures = counts["replies-failed"] + counts["replies-rejected"]
         self.last_round_report = dict(metrics)
         if fresh == 0 or (failures and not self.accept_failures):
+            why = (
+                "no server updated"
+                if fresh == 0
+                else "accept_failures=False and some replies failed or were rejected"
+            )
+            self.run_tally.kept[why] += 1
+            round_tally = ReplyTally()
+            for strategy in self.inner:
+                if isinstance(strategy, ValidatedFedAvg):
+                    round_tally.update(strategy.round_tally)
             log(
                 WARNING,
-                "P-FedAvg: round %d: no server updated; keeping all models",
+                "P-FedAvg: round %d: %s (%s); keeping all models",
                 server_round,
+                why,
+                round_tally.describe(),
             )
             return None, metrics
         self.models = self.mix(updated)
+        self.run_tally.aggregated += 1
         average = self.consensus_average()
         distance = float(
             sum(
