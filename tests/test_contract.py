@@ -87,11 +87,26 @@ def good_content(strategy: ValidatedFedAvg, i: int) -> dict[str, dict[str, np.nd
     }
 
 
+def rule_metric_of(strategy) -> str | None:
+    """The metric the strategy's clients must report (P-FedAvg: its servers')."""
+    if isinstance(strategy, PFedAvg):
+        strategy = strategy.inner[0]
+    return getattr(strategy, "rule_metric", None)
+
+
 def build_reply(
-    to: Message, content: dict[str, dict[str, np.ndarray]], n=10, metrics=None
+    to: Message,
+    content: dict[str, dict[str, np.ndarray]],
+    n=10,
+    metrics=None,
+    *,
+    strategy=None,
 ):
+    assert metrics is not None or strategy is not None, "say whose reply it is"
     if metrics is None:  # stateful strategies need the client's key
         metrics = {"train-loss": 1.0, "client-key": to.metadata.dst_node_id - 1000}
+        if (rule := rule_metric_of(strategy)) is not None:
+            metrics[rule] = 1  # what the pack's clients report
     records = dict(content)
     arrays = records.pop("arrays", None)
     return reply(
@@ -110,7 +125,7 @@ def setup_round(name: str):
     messages = list(strategy.configure_train(1, record(arrays), ConfigRecord(), grid))
     assert len(messages) == NUM_NODES
     good = [
-        build_reply(m, good_content(strategy, i), n=10 + i)
+        build_reply(m, good_content(strategy, i), strategy=strategy, n=10 + i)
         for i, m in enumerate(messages)
     ]
     return strategy, messages, good
@@ -125,14 +140,16 @@ def npy_bytes(a: np.ndarray) -> bytes:
 def with_arrays(strategy, to, mutate, n=10):
     content = good_content(strategy, 7)
     mutate(content["arrays"])
-    return build_reply(to, content, n=n)
+    return build_reply(to, content, n=n, strategy=strategy)
 
 
 BAD_REPLIES: dict[str, Callable] = {
     "error-reply": lambda s, m, good: error_reply(m),
     "no-arrays": lambda s, m, good: reply(m, None, 10),
     "extra-record": lambda s, m, good: build_reply(
-        m, {**good_content(s, 7), "junk": {"x": np.zeros(2, np.float32)}}
+        m,
+        {**good_content(s, 7), "junk": {"x": np.zeros(2, np.float32)}},
+        strategy=s,
     ),
     "two-metric-records": lambda s, m, good: _two_metric_records(s, m),
     "config-record": lambda s, m, good: _with_config(s, m),
@@ -156,42 +173,48 @@ BAD_REPLIES: dict[str, Callable] = {
         s, m, lambda a: a["b"].__setitem__(1, -np.inf)
     ),
     "num-examples-missing": lambda s, m, good: build_reply(
-        m, good_content(s, 7), n=None
+        m, good_content(s, 7), strategy=s, n=None
     ),
-    "num-examples-zero": lambda s, m, good: build_reply(m, good_content(s, 7), n=0),
+    "num-examples-zero": lambda s, m, good: build_reply(
+        m, good_content(s, 7), strategy=s, n=0
+    ),
     "num-examples-negative": lambda s, m, good: build_reply(
-        m, good_content(s, 7), n=-5
+        m, good_content(s, 7), strategy=s, n=-5
     ),
     "num-examples-nan": lambda s, m, good: build_reply(
-        m, good_content(s, 7), n=float("nan")
+        m, good_content(s, 7), strategy=s, n=float("nan")
     ),
     "num-examples-inf": lambda s, m, good: build_reply(
-        m, good_content(s, 7), n=float("inf")
+        m, good_content(s, 7), strategy=s, n=float("inf")
     ),
     "num-examples-list": lambda s, m, good: build_reply(
-        m, good_content(s, 7), n=[1, 2]
+        m, good_content(s, 7), strategy=s, n=[1, 2]
     ),
     "payload-lies": lambda s, m, good: _lying_payload(s, m),
     "payload-truncated": lambda s, m, good: _truncated_payload(s, m),
-    "duplicate": lambda s, m, good: build_reply(m, good_content(s, 9), n=50),
-    "unsampled-node": lambda s, m, good: build_reply(_foreign(m), good_content(s, 7)),
+    "duplicate": lambda s, m, good: build_reply(
+        m, good_content(s, 9), strategy=s, n=50
+    ),
+    "unsampled-node": lambda s, m, good: build_reply(
+        _foreign(m), good_content(s, 7), strategy=s
+    ),
 }
 
 
 def _two_metric_records(s, m):
-    msg = build_reply(m, good_content(s, 7))
+    msg = build_reply(m, good_content(s, 7), strategy=s)
     msg.content["more"] = MetricRecord({"num-examples": 3})
     return msg
 
 
 def _with_config(s, m):
-    msg = build_reply(m, good_content(s, 7))
+    msg = build_reply(m, good_content(s, 7), strategy=s)
     msg.content["cfg"] = ConfigRecord({"a": 1})
     return msg
 
 
 def _lying_payload(s, m):
-    msg = build_reply(m, good_content(s, 7))
+    msg = build_reply(m, good_content(s, 7), strategy=s)
     wrong = np.zeros((3, 4), np.float32)  # same size, other shape than declared
     msg.content["arrays"]["w"] = Array(
         "float32", (4, 3), "numpy.ndarray", npy_bytes(wrong)
@@ -200,7 +223,7 @@ def _lying_payload(s, m):
 
 
 def _truncated_payload(s, m):
-    msg = build_reply(m, good_content(s, 7))
+    msg = build_reply(m, good_content(s, 7), strategy=s)
     data = npy_bytes(np.zeros((4, 3), np.float32))[:-8]
     msg.content["arrays"]["w"] = Array("float32", (4, 3), "numpy.ndarray", data)
     return msg
@@ -305,7 +328,8 @@ def test_accept_failures_false_keeps_the_model(name: str) -> None:
         strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid)
     )
     replies = [error_reply(messages[0])] + [
-        build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages[1:])
+        build_reply(m, good_content(strategy, i), strategy=strategy)
+        for i, m in enumerate(messages[1:])
     ]
     arrays, _ = strategy.aggregate_train(1, replies)
     assert arrays is None
@@ -331,7 +355,8 @@ def test_zero_total_weight_is_logged_not_raised() -> None:
         strategy.configure_train(1, record(model_arrays()), ConfigRecord(), grid)
     )
     replies = [
-        build_reply(m, good_content(strategy, i)) for i, m in enumerate(messages)
+        build_reply(m, good_content(strategy, i), strategy=strategy)
+        for i, m in enumerate(messages)
     ]
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics is not None
@@ -343,3 +368,40 @@ def test_not_enough_nodes_fails_fast_with_the_fix() -> None:
         strategy.configure_train(
             1, record(model_arrays()), ConfigRecord(), sampling_grid(3)
         )
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n in STRATEGIES if rule_metric_of(STRATEGIES[n]()))
+)
+def test_reply_without_the_rule_metric_is_warned_once_or_rejected_if_strict(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    rule = rule_metric_of(STRATEGIES[name]())
+
+    def round_without_rule(strategy):
+        messages = list(
+            strategy.configure_train(
+                1, record(model_arrays()), ConfigRecord(), sampling_grid(NUM_NODES)
+            )
+        )
+        replies = [
+            build_reply(m, good_content(strategy, i), strategy=strategy)
+            for i, m in enumerate(messages)
+        ]
+        del replies[0].content["metrics"][rule]
+        return strategy.aggregate_train(1, replies)
+
+    lenient = STRATEGIES[name]()
+    with caplog.at_level("WARNING"):
+        arrays, metrics = round_without_rule(lenient)
+    assert arrays is not None and metrics["replies-valid"] == NUM_NODES
+    warned = [r.getMessage() for r in caplog.records if f"'{rule}'" in r.getMessage()]
+    assert len(warned) == 1 and "[1001]" in warned[0], warned
+
+    strict = STRATEGIES[name]()
+    for strategy in getattr(strict, "inner", [strict]):
+        strategy.strict = True
+    _, metrics = round_without_rule(strict)
+    assert metrics["replies-valid"] == NUM_NODES - 1
+    assert metrics["replies-rejected"] == 1
+    assert sum(v for k, v in strict.rejections.items() if "rule-not-applied" in k) == 1

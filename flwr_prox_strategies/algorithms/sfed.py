@@ -103,6 +103,7 @@ class SFedAvg(ValidatedFedAvg):
     requires_num_clients = True
     default_weighting = "uniform"
     rule_metric = SFEDAVG_APPLIED_KEY
+    rule_pieces = ("SFedAvgClient", "SFedRule")
     rule_name = "SFedAvg's full-gradient local steps and noisy upload"
 
     def __init__(
@@ -196,6 +197,7 @@ class SFedProx(SFedAvg):
     """
 
     rule_metric = SFEDPROX_APPLIED_KEY
+    rule_pieces = ("SFedProxClient", "SFedRule")
     rule_name = "SFedProx's proximal local steps and noisy upload"
 
     def __init__(

@@ -290,8 +290,10 @@ class ValidatedFedAvg(FedAvg):
     # The metric a client reports (value 1) when it applied this algorithm's
     # client rule; None: any client will do (FedAvg).
     rule_metric: ClassVar[str | None] = None
-    # What that rule is, for the warning ("FedProx's proximal term").
+    # What that rule is, for the warning ("FedProx's proximal term"), and the
+    # pack's pieces that apply it: (client, rule); None: <Class>Client, <Class>Rule.
     rule_name: ClassVar[str] = "client rule"
+    rule_pieces: ClassVar[tuple[str, str] | None] = None
     # The update divides by the number of all clients: num_clients=None means
     # "learn it from the grid at the first round".
     requires_num_clients: ClassVar[bool] = False
@@ -686,19 +688,20 @@ class ValidatedFedAvg(FedAvg):
             return
         self._rule_warned = True
         name = type(self).__name__
+        client, rule = self.rule_pieces or (f"{name}Client", f"{name}Rule")
         log(
             WARNING,
             "%s: round %d: nodes %s do not report '%s': their clients are not "
-            "applying %s; the run is FedAvg for them. Use the pack's %sClient or "
-            "add %sRule to your client, or strict=True to reject such replies "
+            "applying %s; the run is FedAvg for them. Use the pack's %s or "
+            "add %s to your client, or strict=True to reject such replies "
             "(this warning is given once per run)",
             name,
             server_round,
             nodes,
             self.rule_metric,
             self.rule_name,
-            name,
-            name,
+            client,
+            rule,
         )
 
     def learn_num_clients(self, num_clients: int) -> None:
