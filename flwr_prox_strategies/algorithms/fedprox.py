@@ -215,10 +215,11 @@ class FedProxClient(TorchClient):
         return stop_after_epoch
 
     def after_training(self, config: dict[str, Any], report: Any) -> dict[str, Any]:
-        """Report the achieved inexactness when it was measured."""
+        """Finish the rule (its metrics), and report the inexactness if measured."""
+        metrics = super().after_training(config, report)
         if math.isfinite(self.last_inexactness):
-            return {"inexactness": self.last_inexactness}
-        return {}
+            metrics["inexactness"] = self.last_inexactness
+        return metrics
 
 
 __all__ = [
