@@ -7,7 +7,7 @@ taking your ``torch.nn.Module`` and data loaders), and the adapter that mounts a
 >>> from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
 """
 
-from .algorithms.apfl import APFL, APFLClient
+from .algorithms.apfl import APFL, APFLClient, APFLRule
 from .algorithms.fedavg import FedAvg, FedAvgClient
 from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
 from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
@@ -35,6 +35,7 @@ __all__ = [
     "DPSGD",
     "PROXIMAL_MU_KEY",
     "APFLClient",
+    "APFLRule",
     "ClientRule",
     "ClientSideFixedClipping",
     "FedAvg",

@@ -26,6 +26,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import DataLoader, Dataset
 
 from flwr_prox_strategies import (
+    APFL,
+    APFLClient,
+    APFLRule,
     ClientRule,
     FedAvg,
     FedAvgClient,
@@ -444,3 +447,76 @@ def test_full_gradient_rules_in_own_client(problem, strategy, rule, client):
     )
     np.testing.assert_allclose(own, pack, rtol=1e-5, atol=1e-6)
     assert np.linalg.norm(pack) > 0.1
+
+
+def own_apfl_app(problem: LeastSquares) -> ClientApp:
+    """A user's APFL client: own loop over dict batches, the rule beside it."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        model = torch.nn.Linear(problem.dim, 1, bias=False)
+        rule = APFLRule.from_message(msg, context, model)
+        optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=LR))
+        loader = dict_loader(problem, k)
+        steps = 0
+        while steps < rule.local_steps:
+            for batch in loader:
+                if steps == rule.local_steps:
+                    break
+                optimizer.zero_grad()
+                loss = half_sse(model(batch["img"]), batch["label"])
+                loss.backward()
+                rule.personal_step(batch["img"], batch["label"], half_sse)
+                optimizer.step()
+                steps += 1
+        return rule.reply(num_examples=len(loader.dataset))
+
+    return app
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"mixing": "parameters", "adaptive_alpha": True},
+        {"mixing": "outputs", "adaptive_alpha": True},
+        {
+            "mixing": "parameters",
+            "lr_schedule": "decay",
+            "strong_convexity": 4.0,
+            "condition_number": 0.01,
+        },
+    ],
+)
+def test_apfl_rule_in_own_loop_equals_apfl_client(problem, settings):
+    """theta, omega, alpha and the weighted averages agree with APFLClient."""
+
+    def strategy():
+        return APFL(alpha=0.4, sync_gap=6, fraction_evaluate=0.0, **settings)
+
+    own_grid = InProcessGrid(own_apfl_app(problem), num_nodes=4)
+    own = strategy().start(
+        grid=own_grid, initial_arrays=problem.initial(), num_rounds=3
+    )
+    pack_grid = InProcessGrid(pack_client_app(problem, APFLClient), num_nodes=4)
+    pack = strategy().start(
+        grid=pack_grid, initial_arrays=problem.initial(), num_rounds=3
+    )
+    np.testing.assert_allclose(
+        own.arrays.to_numpy_ndarrays()[0], pack.arrays.to_numpy_ndarrays()[0], rtol=1e-6
+    )
+    for node in own_grid.contexts:  # each client's omega_k and alpha_k
+        mine, theirs = own_grid.contexts[node].state, pack_grid.contexts[node].state
+        for name in ("apfl-personal", "scalar:apfl-alpha"):
+            np.testing.assert_allclose(
+                mine.array_records[name]["0"].numpy(),
+                theirs.array_records[name]["0"].numpy(),
+                rtol=1e-6,
+            )
+    alphas = [
+        float(g.state.array_records["scalar:apfl-alpha"]["0"].numpy())
+        for g in own_grid.contexts.values()
+    ]
+    if settings.get("adaptive_alpha"):
+        assert any(abs(a - 0.4) > 1e-3 for a in alphas)  # alpha was learned

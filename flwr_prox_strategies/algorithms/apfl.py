@@ -88,7 +88,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from logging import INFO
 from typing import Any
 
@@ -99,11 +100,13 @@ from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
-from ..core.client import ProtocolError, TorchClient
+from ..core.client import TorchClient
 from ..core.keys import LOCAL_STEPS_KEY
 from ..core.records import RecordSpec, copy_arrays, dict_to_record, record_to_dict
+from ..core.rule import ClientRule, ProtocolError, arrays_from_params
+from ..core.state import ClientState
 from ..core.strategy import ValidatedFedAvg
-from ..core.training import TrainReport, cycle_batches, trainable
+from ..core.training import LossFn, TrainReport, cycle_batches, trainable
 from ..core.validation import ValidReply, check_fraction, check_int, check_positive
 
 APFL_ALPHA_KEY = "apfl-alpha"
@@ -412,8 +415,295 @@ class OutputMixture(nn.Module):
         )
 
 
+def current_alpha(config: Mapping[str, Any], state: ClientState, require: Any) -> float:
+    """Return this client's mixture weight: learned (adaptive) or the server's."""
+    alpha = float(require(APFL_ALPHA_KEY))
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"received apfl-alpha={alpha!r}; it must be in [0, 1]")
+    learned = state.scalar(ALPHA_STATE, math.nan)
+    return alpha if math.isnan(learned) else learned
+
+
+def personal_params(
+    state: ClientState, params: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Return omega_k (the received global model before the first fit)."""
+    if state.get(PERSONAL_STATE) is None:
+        return [p.detach().clone() for p in params]
+    return state.get_tensors(PERSONAL_STATE, params)
+
+
+def module_with(model: nn.Module, params: list[torch.Tensor]) -> nn.Module:
+    """Return a copy of ``model`` whose trainable parameters are ``params``."""
+    module = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, value in zip(trainable(module), params, strict=True):
+            p.copy_(value)
+    return module
+
+
+def caught_up_personal_sum(
+    state: ClientState, omega: list[torch.Tensor], up_to: int, a: float
+) -> list[torch.Tensor]:
+    r"""Return :math:`\sum_{t\le up\_to} p_t\omega_k^t` (idle steps included)."""
+    saved = state.get(PERSONAL_SUM_STATE)
+    last = int(state.scalar(LAST_STEP_STATE, 0.0)) if saved is not None else 0
+    if saved is None:
+        total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
+    else:
+        total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
+    idle = averaging_weight_sum(last + 1, up_to, a)
+    return [
+        acc + idle * w.detach().double() for acc, w in zip(total, omega, strict=True)
+    ]
+
+
+class APFLRule(ClientRule):
+    r"""APFL's client rule: the personal model :math:`\omega_k` beside your loop.
+
+    Your model and optimiser train the global copy :math:`\theta_k` as usual;
+    the rule keeps :math:`\omega_k` and :math:`\alpha_k` in the client's state
+    and, at each step, takes :math:`\omega_k`'s step along the gradient at the
+    mixture (from the values at :math:`t`, so call :meth:`personal_step`
+    after ``backward()`` and before ``step()``), sets the server's step-size
+    schedule on your optimiser, learns :math:`\alpha_k` when adaptive and
+    keeps the weighted averages the seed's final models need::
+
+        rule = APFLRule.from_message(msg, context, model)
+        optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        for inputs, targets in batches(loader, rule.local_steps):  # exactly tau
+            optimizer.zero_grad()
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            rule.personal_step(inputs, targets, loss_fn)
+            optimizer.step()
+        return rule.reply(num_examples=n)
+
+    Parameters
+    ----------
+    learning_rate : float | None (default: None)
+        :math:`\omega_k`'s step size when the server sends no schedule; None
+        takes the attached optimiser's.
+    momentum, weight_decay : float (default: 0.0)
+        :math:`\omega_k`'s SGD settings (the pack's client uses its own).
+    max_grad_norm : float | None (default: None)
+        Clip :math:`\omega_k`'s gradient to this norm.
+    *args, **kwargs
+        As :class:`~flwr_prox_strategies.core.rule.ClientRule`.
+    """
+
+    protocol = "APFL"
+    applied_metric = APFL_APPLIED_KEY
+
+    def __init__(
+        self,
+        *args: Any,
+        learning_rate: float | None = None,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.learning_rate = learning_rate
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.max_grad_norm = max_grad_norm
+        super().__init__(*args, **kwargs)
+
+    def setup(self) -> None:
+        """Read the round's settings; restore omega_k, alpha_k and the sums."""
+        self.local_steps = int(self.required(LOCAL_STEPS_KEY))
+        self.first = int(self.required(APFL_FIRST_STEP_KEY))
+        self.mixing = str(self.required(APFL_MIXING_KEY))
+        self.gradient_form = str(self.required(APFL_GRADIENT_KEY))
+        if self.mixing not in MIXINGS or self.gradient_form not in PERSONAL_GRADIENTS:
+            raise ProtocolError(
+                f"unknown APFL settings mixing={self.mixing!r}, "
+                f"personal-gradient={self.gradient_form!r}"
+            )
+        self.adaptive = bool(self.config.get(APFL_ADAPTIVE_KEY, False))
+        self.alpha = current_alpha(self.config, self.state, self.required)
+        self.average_a = (
+            float(self.config[APFL_AVERAGE_A_KEY])
+            if APFL_AVERAGE_A_KEY in self.config
+            else None
+        )
+        self.lr_mu = self.config.get(APFL_LR_MU_KEY)
+        self.lr_a = self.config.get(APFL_LR_A_KEY)
+        self.personal = module_with(
+            self.model, personal_params(self.state, self.params)
+        )
+        self.personal.train()
+        self.omega = trainable(self.personal)
+        self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        self.omega_optimizer: torch.optim.Optimizer | None = None
+        self.theta_sum: list[torch.Tensor] | None = None
+        self.omega_sum: list[torch.Tensor] | None = None
+        if self.average_a is not None:
+            self.omega_sum = caught_up_personal_sum(
+                self.state, self.omega, self.first, self.average_a
+            )
+            self.theta_sum = [
+                torch.zeros_like(p, dtype=torch.float64) for p in self.params
+            ]
+        self.alpha_grad = 0.0
+        self.personal_loss_sum = 0.0
+        self.seen = 0
+        return None
+
+    def step_size(self, base: float) -> float:
+        """Return step :math:`t`'s size: the server's schedule, else ``base``."""
+        if self.lr_mu is None:
+            return base
+        t = self.first + self.steps
+        return decay_rate(t, float(self.lr_mu), float(self.lr_a or 0.0))
+
+    def personal_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        theta_outputs: torch.Tensor | None = None,
+        untracked: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
+        """Compute omega_k's gradient at the mixture (and alpha's), at step t.
+
+        ``theta_outputs`` (your model's outputs on ``inputs``) saves a forward
+        pass in ``mixing="outputs"``; ``untracked`` is a context in which the
+        model's forward computes no per-sample gradients (DP-SGD).
+        """
+        if self.omega_optimizer is None:
+            self.omega_optimizer = torch.optim.SGD(
+                self.omega,
+                lr=self.learning_rate or 0.0,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+            )
+        alpha = self.alpha
+        if len(targets) == 0:  # an empty Poisson batch (DP-SGD): theta takes its
+            # noise-only step; omega sees a zero gradient.
+            personal_loss = torch.zeros(())
+            self.alpha_grad = 0.0
+            for w in self.omega:
+                w.grad = torch.zeros_like(w)
+        elif self.mixing == "parameters":
+            mixed = {
+                name: (alpha * w.detach() + (1 - alpha) * th.detach()).requires_grad_()
+                for name, w, th in zip(self.names, self.omega, self.params, strict=True)
+            }
+            with untracked():  # no per-sample grads for the local omega
+                out = torch.func.functional_call(self.model, mixed, (inputs,))
+                personal_loss = loss_fn(out, targets)
+                mixture_grad = torch.autograd.grad(personal_loss, list(mixed.values()))
+            scale = 1.0 if self.gradient_form == "mixture" else alpha
+            for w, g in zip(self.omega, mixture_grad, strict=True):
+                w.grad = scale * g
+            self.alpha_grad = sum(
+                float(((w.detach() - th.detach()) * g).sum())
+                for w, th, g in zip(self.omega, self.params, mixture_grad, strict=True)
+            )
+        else:
+            if theta_outputs is None:
+                with torch.no_grad(), untracked():
+                    theta_outputs = self.model(inputs)
+            weight = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
+            out = weight * self.personal(inputs) + (1 - weight) * theta_outputs.detach()
+            personal_loss = loss_fn(out, targets)
+            self.omega_optimizer.zero_grad(set_to_none=True)
+            personal_loss.backward()
+            assert weight.grad is not None
+            self.alpha_grad = float(weight.grad)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.omega, max_norm=self.max_grad_norm)
+        if len(targets):
+            self.seen += len(targets)
+            self.personal_loss_sum += float(personal_loss.detach()) * len(targets)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set step t's size on both models and take omega_k's step."""
+        base = self.learning_rate
+        if base is None:
+            base = float(optimizer.param_groups[0]["lr"])
+            self.learning_rate = base
+        lr = self.step_size(base)
+        if self.omega_optimizer is None:
+            raise RuntimeError(
+                "APFLRule: call rule.personal_step(inputs, targets, loss_fn) after "
+                "backward() and before optimizer.step()"
+            )
+        for opt in (optimizer, self.omega_optimizer):
+            for group in opt.param_groups:
+                group["lr"] = lr
+        self.omega_optimizer.step()
+        self._lr = lr
+
+    def after_step(self) -> None:
+        """Learn alpha_k (adaptive); add step t's models to the weighted sums."""
+        t = self.first + self.steps
+        if self.adaptive:
+            self.alpha = min(1.0, max(0.0, self.alpha - self._lr * self.alpha_grad))
+        if self.theta_sum is not None and self.omega_sum is not None:
+            assert self.average_a is not None
+            weight_t = (t + 1 + self.average_a) ** 2
+            for acc, p in zip(self.theta_sum, self.params, strict=True):
+                acc.add_(p.detach().double(), alpha=weight_t)
+            for acc, p in zip(self.omega_sum, self.omega, strict=True):
+                acc.add_(p.detach().double(), alpha=weight_t)
+        self.add_gradient(self._lr)  # counts the step (APFL adds no term to theta)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Step omega_k with every ``optimizer.step()`` and schedule both sizes."""
+        super().attach(optimizer)
+        self.detach()  # the base's pre-hook would count steps before they end
+
+        def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.before_step(opt)
+
+        def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.after_step()
+
+        self._handles += [
+            optimizer.register_step_pre_hook(before),
+            optimizer.register_step_post_hook(after),
+        ]
+        return optimizer
+
+    def finish(
+        self, steps: int, lr: float
+    ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
+        """Keep omega_k and alpha_k; upload the weighted average when asked."""
+        if steps != self.local_steps:
+            raise ValueError(
+                f"APFL runs exactly local-steps={self.local_steps} steps per round "
+                f"(one synchronisation period); this round took {steps}"
+            )
+        if not math.isfinite(self.alpha):
+            raise ValueError("the adaptive mixture weight became non-finite")
+        self.state.set(PERSONAL_STATE, [w.detach() for w in self.omega])
+        self.state.set_scalar(ALPHA_STATE, self.alpha)
+        extra: dict[str, list[NDArray]] = {}
+        if self.theta_sum is not None and self.omega_sum is not None:
+            assert self.average_a is not None
+            round_weight = averaging_weight_sum(
+                self.first + 1, self.first + steps, self.average_a
+            )
+            weighted = [
+                (acc / round_weight).to(p.dtype)
+                for acc, p in zip(self.theta_sum, self.params, strict=True)
+            ]
+            extra[WEIGHTED_THETA_RECORD] = arrays_from_params(self.model, weighted)
+            self.state.set(PERSONAL_SUM_STATE, self.omega_sum)
+            self.state.set_scalar(LAST_STEP_STATE, float(self.first + steps))
+        seen = self.seen
+        return extra, {
+            "apfl-alpha": self.alpha,
+            "personal-train-loss": self.personal_loss_sum / seen if seen else math.nan,
+        }
+
+
 class APFLClient(TorchClient):
-    r"""APFL client: trains the global copy and the personal model side by side.
+    r"""APFL client: :class:`APFLRule` beside the pack's own training loop.
 
     Parameters
     ----------
@@ -424,33 +714,67 @@ class APFLClient(TorchClient):
     """
 
     protocol = "APFL"
+    rule_class = APFLRule
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._round_metrics: dict[str, Any] = {}
+    def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Give the personal model the client's SGD settings."""
+        return {
+            "learning_rate": self.round_lr,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+        }
+
+    # ----------------------------------------------------------------- train
+    def local_solve(
+        self, config: dict[str, Any], *, epochs: int, steps: int | None
+    ) -> TrainReport:
+        """Run the round's tau steps on theta_k and omega_k (module docstring)."""
+        rule = self.make_rule(config)
+        assert isinstance(rule, APFLRule)
+        self.model.train()
+        loss_sum = 0.0
+        seen = 0
+        with self.training_run(self.make_optimizer(), None) as run:
+            for inputs, targets in cycle_batches(run.loader, rule.local_steps):
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                run.optimizer.zero_grad(set_to_none=True)
+                out_theta = run.model(inputs)
+                loss = self.loss_fn(out_theta, targets)
+                loss.backward()
+                rule.personal_step(
+                    inputs,
+                    targets,
+                    self.loss_fn,
+                    theta_outputs=out_theta,
+                    untracked=run.untracked,
+                )
+                if run.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(
+                        rule.params, max_norm=run.max_grad_norm
+                    )
+                rule.before_step(run.optimizer)
+                run.optimizer.step()
+                rule.after_step()
+                if len(targets):
+                    seen += len(targets)
+                    loss_sum += float(loss.detach()) * len(targets)
+        return TrainReport(
+            epochs=1,
+            steps=rule.steps,
+            examples_seen=seen,
+            mean_loss=loss_sum / seen if seen else math.nan,
+        )
 
     # ---------------------------------------------------------------- state
     def _alpha(self, config: dict[str, Any]) -> float:
-        alpha = float(self.required(config, APFL_ALPHA_KEY))
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"received apfl-alpha={alpha!r}; it must be in [0, 1]")
-        learned = self.state.scalar(ALPHA_STATE, math.nan)
-        return alpha if math.isnan(learned) else learned
+        return current_alpha(config, self.state, lambda key: self.required(config, key))
 
     def _personal_params(self) -> list[torch.Tensor]:
-        """Return omega_k (the received global model before the first fit)."""
-        params = trainable(self.model)
-        saved = self.state.get(PERSONAL_STATE)
-        if saved is None:
-            return [p.detach().clone() for p in params]
-        return self.state.get_tensors(PERSONAL_STATE, params)
+        return personal_params(self.state, trainable(self.model))
 
     def _personal_module(self, params: list[torch.Tensor]) -> nn.Module:
-        module = copy.deepcopy(self.model)
-        with torch.no_grad():
-            for p, value in zip(trainable(module), params, strict=True):
-                p.copy_(value)
-        return module
+        return module_with(self.model, params)
 
     def _mixed_module(
         self, personal: nn.Module, shared: nn.Module, alpha: float, mixing: str
@@ -464,170 +788,6 @@ class APFLClient(TorchClient):
             ):
                 m.copy_(alpha * w + (1 - alpha) * th)
         return mixed
-
-    # ----------------------------------------------------------------- train
-    def local_solve(
-        self, config: dict[str, Any], *, epochs: int, steps: int | None
-    ) -> TrainReport:
-        """Run the round's tau steps on theta_k and omega_k (module docstring)."""
-        steps = int(self.required(config, LOCAL_STEPS_KEY))
-        first = int(self.required(config, APFL_FIRST_STEP_KEY))
-        mixing = str(self.required(config, APFL_MIXING_KEY))
-        gradient_form = str(self.required(config, APFL_GRADIENT_KEY))
-        if mixing not in MIXINGS or gradient_form not in PERSONAL_GRADIENTS:
-            raise ProtocolError(
-                f"unknown APFL settings mixing={mixing!r}, "
-                f"personal-gradient={gradient_form!r}"
-            )
-        adaptive = bool(config.get(APFL_ADAPTIVE_KEY, False))
-        alpha = self._alpha(config)
-        average_a = (
-            float(config[APFL_AVERAGE_A_KEY]) if APFL_AVERAGE_A_KEY in config else None
-        )
-        lr_mu, lr_a = config.get(APFL_LR_MU_KEY), config.get(APFL_LR_A_KEY)
-
-        theta = trainable(self.model)
-        personal = self._personal_module(self._personal_params())
-        omega = trainable(personal)
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        with self.training_run(self.make_optimizer(), None) as run:
-            opt_theta = run.optimizer
-            opt_omega = torch.optim.SGD(
-                omega,
-                lr=self.round_lr,
-                momentum=self.momentum,
-                weight_decay=self.weight_decay,
-            )
-            theta_sum = omega_sum = None
-            if average_a is not None:
-                omega_sum = self._caught_up_personal_sum(omega, first, average_a)
-                theta_sum = [torch.zeros_like(p, dtype=torch.float64) for p in theta]
-
-            self.model.train()
-            personal.train()
-            loss_sum = personal_loss_sum = 0.0
-            seen = 0
-            for step, (inputs, targets) in enumerate(cycle_batches(run.loader, steps)):
-                t = first + step
-                lr = (
-                    self.round_lr
-                    if lr_mu is None
-                    else decay_rate(t, float(lr_mu), float(lr_a or 0.0))
-                )
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
-                # Global copy: grad f_k(theta_k^t).
-                opt_theta.zero_grad(set_to_none=True)
-                out_theta = run.model(inputs)
-                loss = self.loss_fn(out_theta, targets)
-                loss.backward()
-                # Personal model: gradient at the mixture, from the values at t.
-                if len(targets) == 0:  # an empty Poisson batch (DP-SGD): theta
-                    # takes its noise-only step; omega sees a zero gradient.
-                    personal_loss = torch.zeros(())
-                    alpha_grad = 0.0
-                    for w in omega:
-                        w.grad = torch.zeros_like(w)
-                elif mixing == "parameters":
-                    mixed = {
-                        name: (
-                            alpha * w.detach() + (1 - alpha) * th.detach()
-                        ).requires_grad_()
-                        for name, w, th in zip(names, omega, theta, strict=True)
-                    }
-                    with run.untracked():  # no per-sample grads for the local omega
-                        out = torch.func.functional_call(self.model, mixed, (inputs,))
-                        personal_loss = self.loss_fn(out, targets)
-                        mixture_grad = torch.autograd.grad(
-                            personal_loss, list(mixed.values())
-                        )
-                    scale = 1.0 if gradient_form == "mixture" else alpha
-                    for w, g in zip(omega, mixture_grad, strict=True):
-                        w.grad = scale * g
-                    alpha_grad = sum(
-                        float(((w.detach() - th.detach()) * g).sum())
-                        for w, th, g in zip(omega, theta, mixture_grad, strict=True)
-                    )
-                else:
-                    weight = torch.tensor(
-                        alpha, dtype=torch.float64, requires_grad=True
-                    )
-                    out_omega = personal(inputs)
-                    out = weight * out_omega + (1 - weight) * out_theta.detach()
-                    personal_loss = self.loss_fn(out, targets)
-                    opt_omega.zero_grad(set_to_none=True)
-                    personal_loss.backward()
-                    assert weight.grad is not None
-                    alpha_grad = float(weight.grad)
-                if run.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(theta, max_norm=run.max_grad_norm)
-                if self.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(omega, max_norm=self.max_grad_norm)
-                for optimizer in (opt_theta, opt_omega):
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
-                    optimizer.step()
-                if adaptive:
-                    alpha = min(1.0, max(0.0, alpha - lr * alpha_grad))
-                if (
-                    theta_sum is not None
-                    and omega_sum is not None
-                    and average_a is not None
-                ):
-                    weight_t = (t + 1 + average_a) ** 2
-                    for acc, p in zip(theta_sum, theta, strict=True):
-                        acc.add_(p.detach().double(), alpha=weight_t)
-                    for acc, p in zip(omega_sum, omega, strict=True):
-                        acc.add_(p.detach().double(), alpha=weight_t)
-                if len(targets):
-                    seen += len(targets)
-                    loss_sum += float(loss.detach()) * len(targets)
-                    personal_loss_sum += float(personal_loss.detach()) * len(targets)
-
-        if not math.isfinite(alpha):
-            raise ValueError("the adaptive mixture weight became non-finite")
-        self.state.set(PERSONAL_STATE, [w.detach() for w in omega])
-        self.state.set_scalar(ALPHA_STATE, alpha)
-        if theta_sum is not None and omega_sum is not None and average_a is not None:
-            round_weight = averaging_weight_sum(first + 1, first + steps, average_a)
-            weighted = [
-                (acc / round_weight).to(p.dtype)
-                for acc, p in zip(theta_sum, theta, strict=True)
-            ]
-            self.reply_arrays[WEIGHTED_THETA_RECORD] = self.to_state_order(weighted)
-            self.state.set(PERSONAL_SUM_STATE, omega_sum)
-            self.state.set_scalar(LAST_STEP_STATE, float(first + steps))
-        self._round_metrics = {
-            "apfl-alpha": alpha,
-            "personal-train-loss": personal_loss_sum / seen if seen else math.nan,
-        }
-        return TrainReport(
-            epochs=1,
-            steps=steps,
-            examples_seen=seen,
-            mean_loss=loss_sum / seen if seen else math.nan,
-        )
-
-    def _caught_up_personal_sum(
-        self, omega: list[torch.Tensor], up_to: int, a: float
-    ) -> list[torch.Tensor]:
-        r"""Return :math:`\sum_{t\le up\_to} p_t\omega_k^t` (idle steps included)."""
-        saved = self.state.get(PERSONAL_SUM_STATE)
-        last = int(self.state.scalar(LAST_STEP_STATE, 0.0)) if saved is not None else 0
-        if saved is None:
-            total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
-        else:
-            total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
-        idle = averaging_weight_sum(last + 1, up_to, a)
-        return [
-            acc + idle * w.detach().double()
-            for acc, w in zip(total, omega, strict=True)
-        ]
-
-    def after_training(
-        self, config: dict[str, Any], report: TrainReport
-    ) -> dict[str, Any]:
-        """Report the mixture weight and the personalised model's training loss."""
-        return dict(self._round_metrics)
 
     # -------------------------------------------------------------- evaluate
     def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:
@@ -645,7 +805,7 @@ class APFLClient(TorchClient):
             return models
         a = float(config[APFL_AVERAGE_A_KEY])
         total_steps = int(self.required(config, APFL_STEP_KEY))
-        personal_sum = self._caught_up_personal_sum(omega, total_steps, a)
+        personal_sum = caught_up_personal_sum(self.state, omega, total_steps, a)
         normaliser = averaging_weight_sum(1, total_steps, a)
         personal_average = self._personal_module(
             [
