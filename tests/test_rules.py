@@ -520,3 +520,18 @@ def test_apfl_rule_in_own_loop_equals_apfl_client(problem, settings):
     ]
     if settings.get("adaptive_alpha"):
         assert any(abs(a - 0.4) > 1e-3 for a in alphas)  # alpha was learned
+
+
+def test_reply_takes_numpy_and_tensor_metrics():
+    model = torch.nn.Linear(3, 1, bias=False)
+    msg = train_message(ArrayRecord([np.ones((1, 3), np.float32)]), {"lr": 0.1})
+    rule = ClientRule.from_message(msg, context(), model)
+    np.testing.assert_array_equal(model.weight.detach().numpy(), np.ones((1, 3)))
+    reply = rule.reply(
+        num_examples=np.int64(7),
+        metrics={"train_loss": torch.tensor(0.5), "acc": np.float32(0.25), "ok": True},
+    )
+    metrics = reply.content["metrics"]
+    assert (metrics["train_loss"], metrics["acc"], metrics["ok"]) == (0.5, 0.25, 1)
+    assert metrics["num-examples"] == 7 and metrics["local-steps"] == 0
+    assert "client-key" not in metrics  # FedAvg's rule keeps no state

@@ -436,7 +436,11 @@ class ClientRule:
         extra, rule_metrics = self.reply_records(steps=steps, lr=lr)
         record = MetricRecord()
         for key, value in {**dict(metrics or {}), **rule_metrics}.items():
-            record[key] = int(value) if isinstance(value, bool) else value
+            if isinstance(value, (bool, np.bool_)):
+                value = int(value)
+            elif isinstance(value, (np.generic, torch.Tensor)):
+                value = value.item()  # MetricRecord holds Python numbers
+            record[key] = value
         record[NUM_EXAMPLES_KEY] = int(num_examples)
         state = [v.detach().cpu().numpy() for v in self.model.state_dict().values()]
         content = RecordDict({"arrays": to_record(state, self._keys or None)})
