@@ -49,13 +49,26 @@ def check_int(name: str, value: int, minimum: int) -> int:
     return value
 
 
+# Names of Flower's legacy strategies (flwr.server.strategy) -> the Message
+# API's (and the pack's) name of the same parameter.
+LEGACY_NAMES = {
+    "fraction_fit": "fraction_train",
+    "min_fit_clients": "min_train_nodes",
+    "min_evaluate_clients": "min_evaluate_nodes",
+    "min_available_clients": "min_available_nodes",
+    "fit_metrics_aggregation_fn": "train_metrics_aggr_fn",
+    "evaluate_metrics_aggregation_fn": "evaluate_metrics_aggr_fn",
+}
+
+
 def reject_unknown_kwargs(
     owner: str, unknown: Mapping[str, Any], accepted: Iterable[str]
 ) -> None:
     """Raise ``TypeError`` naming ``owner``, the bad keyword and the closest name.
 
     ``owner`` is the class the user called (not the base whose ``__init__``
-    happened to receive the keyword).
+    happened to receive the keyword). Flower's legacy names point to their
+    Message-API names; others to the closest accepted name, if any.
     """
     if not unknown:
         return
@@ -63,6 +76,9 @@ def reject_unknown_kwargs(
     bad = sorted(unknown)
     hints = []
     for name in bad:
+        if LEGACY_NAMES.get(name) in names:
+            hints.append(f"{name!r} (Flower's legacy name: use {LEGACY_NAMES[name]!r})")
+            continue
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
         hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
     raise TypeError(
