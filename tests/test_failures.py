@@ -325,3 +325,29 @@ def test_strict_names_the_rule_before_the_client_key() -> None:
             num_rounds=1,
         )
     assert "rule-not-applied: no 'feddyn-applied' metric" in str(info.value)
+
+
+# ------------------------------------------------------------- the pack's app
+def test_the_packs_app_records_the_failure_then_raises(tmp_path) -> None:
+    import json
+
+    from apps.client_app import app as client_app
+    from flwr_prox_strategies.experiment.server import run_experiment
+
+    run_config = {
+        # Every client refuses its settings: no reply can be aggregated.
+        "overrides": "num-clients=3 num-rounds=2 model=logreg train.local-epochs=1 "
+        "train.learning-rate=-1",
+        "output-dir": str(tmp_path),
+    }
+    grid = InProcessGrid(client_app, num_nodes=3, run_config=run_config)
+    with pytest.raises(NoRoundAggregatedError) as info:
+        run_experiment(grid, run_config)
+    reason = "ValueError: learning_rate must be a finite number >= 0, got -1.0"
+    assert f"6 replies failed: 6 x '{reason}'" in str(info.value)
+    assert str(tmp_path / "results.json") in str(info.value)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["summary"]["complete"] is False
+    assert results["rounds-without-valid-reply"] == [1, 2]
+    assert f"6 x '{reason}'" in results["failure"]
+    assert (tmp_path / "metrics.png").stat().st_size > 1000

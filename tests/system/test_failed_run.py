@@ -1,0 +1,41 @@
+"""System test: a run that aggregates nothing is *failed* for Flower.
+
+`flwr run --stream` exits 0 whatever happens to the ServerApp; the run's status
+(`flwr ls --run-id <id> --format json`) is what says it failed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .engine import managed_engine, run_log, run_status
+from .test_flwr_run import flwr_run
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_run_without_an_aggregated_round_is_failed_in_flwr_ls(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    overrides = (
+        "num-clients=4 num-rounds=2 model=logreg train.local-epochs=1 "
+        "train.learning-rate=-1"  # every client refuses it: nothing to aggregate
+    )
+    with managed_engine(tmp_path / "home") as env:
+        reply = flwr_run(
+            env,
+            "--federation-config",
+            "num-supernodes=4 client-resources-num-cpus=1",
+            "--run-config",
+            f"overrides='{overrides}' output-dir='{output}'",
+        )
+        status = run_status(reply["run-id"], env)
+        log = run_log(reply["run-id"], env)
+    assert status["status"] == "finished:failed", (status, log[-3000:])
+    assert "NoRoundAggregatedError" in log and "0 aggregated" in log
+    results = json.loads((output / "results.json").read_text())
+    assert results["summary"]["complete"] is False
+    assert "8 replies failed" in results["failure"]
+    assert (output / "metrics.png").stat().st_size > 1000
