@@ -60,7 +60,9 @@ def setup(wrapper: str, name: str):
         )
     )
     good = [
-        build_reply(m, good_content(strategy.strategy, i), n=10 + i)
+        build_reply(
+            m, good_content(strategy.strategy, i), n=10 + i, strategy=strategy.strategy
+        )
         for i, m in enumerate(messages)
     ]
     return strategy, messages, good

@@ -174,7 +174,7 @@ def test_num_clients_is_learned_at_round_one_and_checked_later(
 ) -> None:
     strategy = LEARNERS[name]()
     assert strategy.num_clients is None
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="flwr"):
         configure(strategy, model_arrays(), sampling_grid(5))
     assert strategy.num_clients == 5
     assert any(
@@ -224,7 +224,7 @@ def test_a_learned_num_clients_is_saved_and_adopted_on_resume(
     assert resumed.num_clients_source == "from the checkpoint"
     assert resumed.min_train_nodes == strategy.min_train_nodes
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="flwr"):
         configure(resumed, model_arrays(), sampling_grid(5), server_round=1)
     assert not any("num_clients not given" in r.getMessage() for r in caplog.records)
     with pytest.raises(RuntimeError, match="from the checkpoint"):
