@@ -26,8 +26,11 @@ wrappers work unchanged) but replaces the parts a research user cannot trust:
   then the run fails with the fix in the message, instead of waiting forever.
 
 Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`,
-:meth:`expected_train_arrays`, :meth:`aggregate_arrays`, :meth:`on_valid_replies`,
-:meth:`state_dict` / :meth:`load_state_dict`.
+:meth:`expected_train_arrays`, :meth:`check_reply`, :meth:`aggregate_arrays`,
+:meth:`on_valid_replies`, :meth:`learn_num_clients`, :meth:`state_dict` /
+:meth:`load_state_dict`; and declare class attributes: ``rule_metric`` and
+``rule_name`` (what their clients must report), ``requires_num_clients``,
+``default_weighting``, ``stateful_clients``, ``straggler_policy``.
 """
 
 from __future__ import annotations
