@@ -26,8 +26,6 @@ from logging import DEBUG, ERROR, WARNING
 from typing import Any
 
 from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
     Context,
     Error,
     Message,
@@ -39,22 +37,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
-from .client import ProtocolError
 from .dp import PrivacyBudgetExhausted
 from .keys import NUM_EXAMPLES_KEY
 from .records import to_ndarrays, to_record
+from .rule import ProtocolError, read_message
 
 ClientFn = Callable[[Context], NumPyClient]
-
-
-def _first(records: dict[str, Any], kind: str, preferred: str) -> Any:
-    if preferred in records:
-        return records[preferred]
-    if len(records) == 1:
-        return next(iter(records.values()))
-    raise ProtocolError(
-        f"message carries {len(records)} {kind}s, none named '{preferred}'"
-    )
 
 
 def _metric_record(metrics: dict[str, Any], num_examples: int) -> MetricRecord:
@@ -73,11 +61,6 @@ def _metric_record(metrics: dict[str, Any], num_examples: int) -> MetricRecord:
         raise ValueError(f"the client returned num_examples={num_examples!r}")
     record[NUM_EXAMPLES_KEY] = num_examples
     return record
-
-
-def _plain(config: ConfigRecord) -> dict[str, Any]:
-    # NumPyClient's config is a plain dict (its type says scalars; lists pass through).
-    return {str(key): value for key, value in config.items()}
 
 
 def _error_reply(message: Message, err: Exception) -> Message:
@@ -105,35 +88,21 @@ def _build(client_fn: ClientFn, context: Context) -> NumPyClient:
     return client
 
 
-def _give_extra_records(
-    client: NumPyClient, content: RecordDict, model: ArrayRecord
-) -> None:
+def _give_extra_records(client: NumPyClient, extra: dict[str, list[Any]]) -> None:
     # The server's extra ArrayRecords (all but the model) for clients that read them.
     if hasattr(client, "received_arrays"):
-        client.received_arrays = {
-            name: to_ndarrays(record)
-            for name, record in content.array_records.items()
-            if record is not model
-        }
+        client.received_arrays = extra
 
 
 def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
     try:
-        content = message.content
-        arrays: ArrayRecord = _first(
-            dict(content.array_records), "ArrayRecord", "arrays"
-        )
-        config: ConfigRecord = (
-            _first(dict(content.config_records), "ConfigRecord", "config")
-            if content.config_records
-            else ConfigRecord()
-        )
-        keys = list(arrays.keys())
+        received = read_message(message)
+        keys = list(received.arrays.keys())
         client = _build(client_fn, context)
-        _give_extra_records(client, content, arrays)
+        _give_extra_records(client, received.extra)
         new_arrays, num_examples, metrics = client.fit(
-            to_ndarrays(arrays), _plain(config)
+            to_ndarrays(received.arrays), received.config
         )
         reply = RecordDict(
             {
@@ -153,19 +122,11 @@ def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Mes
 def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> Message:
     """Run ``evaluate`` for one evaluate message and build the reply."""
     try:
-        content = message.content
-        arrays: ArrayRecord = _first(
-            dict(content.array_records), "ArrayRecord", "arrays"
-        )
-        config = (
-            _first(dict(content.config_records), "ConfigRecord", "config")
-            if content.config_records
-            else ConfigRecord()
-        )
+        received = read_message(message)
         client = _build(client_fn, context)
-        _give_extra_records(client, content, arrays)
+        _give_extra_records(client, received.extra)
         loss, num_examples, metrics = client.evaluate(
-            to_ndarrays(arrays), _plain(config)
+            to_ndarrays(received.arrays), received.config
         )
         record = _metric_record({"loss": float(loss), **metrics}, num_examples)
         return Message(RecordDict({"metrics": record}), reply_to=message)

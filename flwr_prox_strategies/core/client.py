@@ -15,7 +15,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from flwr.app import Context
 from flwr.client import NumPyClient
@@ -47,6 +46,7 @@ from .rule import (
     accepted_round,
     arrays_from_params,
     client_key_of,
+    load_arrays,
     params_from_arrays,
     require,
 )
@@ -282,20 +282,7 @@ class TorchClient(NumPyClient):
 
     def set_parameters(self, parameters: Sequence[NDArray]) -> None:
         """Load numpy arrays (``state_dict`` order) into the model."""
-        state = self.model.state_dict()
-        if len(parameters) != len(state):
-            raise ProtocolError(
-                f"received {len(parameters)} arrays, the model has {len(state)} tensors"
-            )
-        new_state = {}
-        for (key, current), value in zip(state.items(), parameters, strict=True):
-            if tuple(current.shape) != tuple(np.shape(value)):
-                raise ProtocolError(
-                    f"array for '{key}' has shape {np.shape(value)}, "
-                    f"model expects {tuple(current.shape)}"
-                )
-            new_state[key] = torch.as_tensor(np.asarray(value), dtype=current.dtype)
-        self.model.load_state_dict(new_state, strict=True)
+        load_arrays(self.model, parameters)
 
     # ---------------------------------------------------------------- hooks
     def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -155,6 +156,35 @@ def _single(records: Mapping[str, Any], kind: str, preferred: str) -> Any:
         return next(iter(records.values()))
     raise ProtocolError(
         f"message carries {len(records)} {kind}s, none named '{preferred}'"
+    )
+
+
+@dataclass
+class Received:
+    """What a train or evaluate message carries, in plain Python."""
+
+    arrays: ArrayRecord  # the model
+    config: dict[str, Any]  # the ConfigRecord as a dict
+    extra: dict[str, list[NDArray]]  # every other ArrayRecord, name -> arrays
+
+
+def read_message(message: Message) -> Received:
+    """Split a message into the model, its config and the extra ArrayRecords."""
+    content = message.content
+    arrays: ArrayRecord = _single(dict(content.array_records), "ArrayRecord", "arrays")
+    config: ConfigRecord = (
+        _single(dict(content.config_records), "ConfigRecord", "config")
+        if content.config_records
+        else ConfigRecord()
+    )
+    return Received(
+        arrays=arrays,
+        config={str(key): value for key, value in config.items()},
+        extra={
+            name: to_ndarrays(record)
+            for name, record in content.array_records.items()
+            if record is not arrays
+        },
     )
 
 
@@ -359,31 +389,19 @@ class ClientRule:
         **options
             The rule's own options (``relative_size``, ...).
         """
-        content = message.content
-        arrays: ArrayRecord = _single(
-            dict(content.array_records), "ArrayRecord", "arrays"
-        )
-        config: ConfigRecord = (
-            _single(dict(content.config_records), "ConfigRecord", "config")
-            if content.config_records
-            else ConfigRecord()
-        )
-        load_arrays(model, arrays)
+        received = read_message(message)
+        load_arrays(model, received.arrays)
         key = client_key_of(context)
         rule = cls(
             model,
-            {str(k): v for k, v in config.items()},
-            received={
-                name: to_ndarrays(record)
-                for name, record in content.array_records.items()
-                if record is not arrays
-            },
+            received.config,
+            received=received.extra,
             state=ClientState(context, state_dir=state_dir, client_key=str(key)),
             client_key=key,
             **options,
         )
         rule._message = message
-        rule._keys = list(arrays.keys())
+        rule._keys = list(received.arrays.keys())
         return rule
 
     def lr_of_round(self, lr: float | None) -> float:
@@ -450,9 +468,9 @@ class ClientRule:
         return Message(content, reply_to=self._message)
 
 
-def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
-    """Load an ArrayRecord into ``model`` (by position, checking every shape)."""
-    values = to_ndarrays(arrays)
+def load_arrays(model: nn.Module, arrays: ArrayRecord | Sequence[NDArray]) -> None:
+    """Load arrays into ``model`` (``state_dict`` order, every shape checked)."""
+    values = to_ndarrays(arrays) if isinstance(arrays, ArrayRecord) else arrays
     state = model.state_dict()
     if len(values) != len(state):
         raise ProtocolError(
@@ -479,5 +497,6 @@ __all__ = [
     "client_key_of",
     "load_arrays",
     "params_from_arrays",
+    "read_message",
     "require",
 ]
