@@ -12,7 +12,7 @@ app = ServerApp()
 
 
 def make_strategy(context: Context, fraction_evaluate: float):
-    """Return the strategy the run config's `algorithm` names."""
+    """Return the pack's strategy that the run config's `algorithm` names."""
     config = context.run_config
     strategies = {
         "fedavg": lambda: FedAvg(fraction_evaluate=fraction_evaluate),
@@ -27,6 +27,10 @@ def make_strategy(context: Context, fraction_evaluate: float):
             alpha=config["feddc-alpha"], fraction_evaluate=fraction_evaluate
         ),
     }
+    if config["algorithm"] not in strategies:
+        raise ValueError(
+            f"algorithm={config['algorithm']!r}; choose one of {list(strategies)}"
+        )
     return strategies[config["algorithm"]]()
 
 
