@@ -54,6 +54,7 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.strategy import NoRoundAggregatedError
 from flwr_prox_strategies.core.training import BatchFormatError
 
 from .lsq import LeastSquares, half_sse
@@ -535,3 +536,31 @@ def test_reply_takes_numpy_and_tensor_metrics():
     assert (metrics["train_loss"], metrics["acc"], metrics["ok"]) == (0.5, 0.25, 1)
     assert metrics["num-examples"] == 7 and metrics["local-steps"] == 0
     assert "client-key" not in metrics  # FedAvg's rule keeps no state
+
+
+def test_rule_refuses_a_model_moved_after_it_was_built():
+    model = torch.nn.Linear(3, 1, bias=False)
+    msg = train_message(
+        ArrayRecord([np.zeros((1, 3), np.float32)]), {"proximal-mu": 0.1}
+    )
+    rule = FedProxRule.from_message(msg, context(), model)
+    model.to("meta")
+    with pytest.raises(RuntimeError, match=r"call model.to\(device\) before"):
+        rule.add_gradient()
+
+
+def test_a_refused_setting_fails_the_run_with_its_reason(problem):
+    """SCAFFOLD's rule refuses momentum in every node: the run says so, once, and fails."""
+    app = own_client_app(
+        problem,
+        ScaffoldRule,
+        lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9),
+    )
+    with pytest.raises(NoRoundAggregatedError) as failure:
+        run(problem, Scaffold(fraction_evaluate=0.0), app, rounds=2)
+    message = str(failure.value)
+    assert "8 x 'ValueError: ScaffoldRule needs momentum=0" in message
+    np.testing.assert_array_equal(
+        failure.value.result.arrays.to_numpy_ndarrays()[0],
+        problem.initial().to_numpy_ndarrays()[0],
+    )

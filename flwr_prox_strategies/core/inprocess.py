@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -106,7 +107,14 @@ class InProcessGrid(Grid):
         if node_id not in self.contexts:
             raise ValueError(f"no node {node_id} in this grid")
         self.messages_sent += 1
-        return self.client_app(message, self.contexts[node_id])
+        try:
+            return self.client_app(message, self.contexts[node_id])
+        except Exception as err:  # as Flower's engine: an error reply, no crash
+            reason = f"{type(err).__name__}: {err}"
+            return Message(
+                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                reply_to=message,
+            )
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
         ids = []

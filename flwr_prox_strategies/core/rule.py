@@ -103,6 +103,11 @@ def accepted_round(config: Mapping[str, Any], client_key: int) -> int | None:
     return None
 
 
+def node_key(node_id: int) -> int:
+    """Return a node id made exact as a float metric (Flower's ids are 64-bit)."""
+    return int(node_id) % (1 << 52)
+
+
 def client_key_of(context: Context | None) -> int:
     """Stable integer id of a client: its partition id, else its node id."""
     if context is None:
@@ -110,7 +115,7 @@ def client_key_of(context: Context | None) -> int:
     partition = context.node_config.get("partition-id")
     if partition is not None:
         return int(partition)
-    return int(context.node_id) % (1 << 52)  # exact as a float metric
+    return node_key(context.node_id)
 
 
 def params_from_arrays(
@@ -310,12 +315,28 @@ class ClientRule:
         step). ``lr`` is the step size about to be taken (needed by the
         rules whose state divides by it, e.g. SCAFFOLD, when not attached).
         """
+        if self.steps == 0:
+            self.check_model_unmoved()
         if self.term is not None:
             self.term.add_(self.params)
         self.steps += 1
         if lr is not None:
             self.last_lr = float(lr)
             self.lr_sum += float(lr)
+
+    def check_model_unmoved(self) -> None:
+        """Fail if the model's parameters changed object or device since setup."""
+        current = trainable(self.model)
+        moved = len(current) != len(self.params) or any(
+            p is not q or p.device != a.device
+            for p, q, a in zip(current, self.params, self.anchor, strict=False)
+        )
+        if moved:
+            raise RuntimeError(
+                f"{type(self).__name__}: the model's parameters were moved or "
+                "replaced after the rule anchored them; call model.to(device) "
+                "before building the rule"
+            )
 
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Add the term before every ``optimizer.step()``; return the optimiser.

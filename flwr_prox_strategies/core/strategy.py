@@ -85,6 +85,7 @@ from .records import (
     record_to_dict,
     spec_of,
 )
+from .rule import node_key
 from .validation import (
     ReplyRejected,
     ValidReply,
@@ -1164,8 +1165,8 @@ class ValidatedFedAvg(FedAvg):
             total = reply.metrics.get(EPSILON_TOTAL_METRIC)
             if isinstance(total, bool) or not isinstance(total, (int, float)):
                 continue
-            key = reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)
-            key = int(key) if isinstance(key, (int, float)) else reply.node_id
+            key = reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))
+            key = int(key) if isinstance(key, (int, float)) else node_key(reply.node_id)
             self.epsilon_totals[key] = max(self.epsilon_totals.get(key, 0.0), total)
         metrics = privacy_metrics(self.epsilon_totals)
         if metrics:
@@ -1366,7 +1367,10 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
     """
     rows = sorted(
         (
-            (_number(reply.metrics.get(CLIENT_KEY_METRIC, reply.node_id)), reply)
+            (
+                _number(reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))),
+                reply,
+            )
             for reply in replies
         ),
         key=lambda row: row[0],

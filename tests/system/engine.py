@@ -84,6 +84,9 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
         FLWR_HOME=str(flwr_home),
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
         FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+        # Two managed SuperLinks (another test, another checkout) must not share
+        # the fixed control port either.
+        FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
         # Ray's socket paths must stay under 107 bytes: keep its folder short.
         RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
     )
