@@ -696,7 +696,8 @@ class ValidatedFedAvg(FedAvg):
         log(
             WARNING,
             "%s: round %d: nodes %s do not report '%s': their clients are not "
-            "applying %s; the run is FedAvg for them. Use the pack's %s or "
+            "applying %s, and their updates are averaged in without it. Use "
+            "the pack's %s or "
             "add %s to your client, or strict=True to reject such replies "
             "(this warning is given once per run)",
             name,
