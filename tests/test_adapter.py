@@ -17,7 +17,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedAvg, FedProxClient, to_client_app
-from flwr_prox_strategies.core.adapter import handle_train
+from flwr_prox_strategies.core.adapter import ErrorLog, handle_train
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 
 from .helpers import model_arrays, record
@@ -153,3 +153,21 @@ def test_protocol_mismatch_names_the_strategy() -> None:
     assert out.has_error()
     assert out.error.code == ErrorCode.MOD_FAILED_PRECONDITION
     assert "proximal-mu" in out.error.reason and "FedProx" in out.error.reason
+
+
+def test_a_repeated_client_error_logs_its_traceback_once(caplog) -> None:
+    """A refused setting fails every message alike: one traceback, then one line each."""
+    errors = ErrorLog()
+    message = train_message(record(model_arrays()), {})
+    with caplog.at_level("ERROR", logger="flwr"):
+        replies = [
+            handle_train(lambda c: Crashing(), message, context(), errors)
+            for _ in range(3)
+        ]
+    assert all(r.has_error() and "disk on fire" in r.error.reason for r in replies)
+    logged = [
+        r.getMessage() for r in caplog.records if "disk on fire" in r.getMessage()
+    ]
+    assert len(logged) == 3
+    assert sum("Traceback" in line for line in logged) == 1
+    assert sum("again; its traceback was logged" in line for line in logged) == 2

@@ -63,7 +63,31 @@ def _metric_record(metrics: dict[str, Any], num_examples: int) -> MetricRecord:
     return record
 
 
-def _error_reply(message: Message, err: Exception) -> Message:
+class ErrorLog:
+    """Log a client exception's traceback once; repeats get one line.
+
+    A setting the client refuses fails the same way on every node in every
+    round: the log shows its traceback once per ClientApp process, not once
+    per message. (The server counts every such error reply either way.)
+    """
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.shown: set[str] = set()
+        self.limit = limit
+
+    def __call__(self, reason: str) -> None:
+        """Log one client exception (inside its ``except`` block)."""
+        if reason in self.shown:
+            log(ERROR, "ClientApp: %s (again; its traceback was logged)", reason)
+            return
+        if len(self.shown) < self.limit:
+            self.shown.add(reason)
+        log(ERROR, "ClientApp: %s\n%s", reason, traceback.format_exc())
+
+
+def _error_reply(
+    message: Message, err: Exception, errors: ErrorLog | None = None
+) -> Message:
     code = (
         ErrorCode.MOD_FAILED_PRECONDITION
         if isinstance(err, (ProtocolError, PrivacyBudgetExhausted))
@@ -73,7 +97,7 @@ def _error_reply(message: Message, err: Exception) -> Message:
     if isinstance(err, PrivacyBudgetExhausted):  # expected: no traceback
         log(WARNING, "ClientApp: %s", reason)
     else:
-        log(ERROR, "ClientApp: %s\n%s", reason, traceback.format_exc())
+        (errors or ErrorLog())(reason)
     return Message(Error(code=code, reason=reason), reply_to=message)
 
 
@@ -94,7 +118,12 @@ def _give_extra_records(client: NumPyClient, extra: dict[str, list[Any]]) -> Non
         client.received_arrays = extra
 
 
-def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Message:
+def handle_train(
+    client_fn: ClientFn,
+    message: Message,
+    context: Context,
+    errors: ErrorLog | None = None,
+) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
     try:
         received = read_message(message)
@@ -116,10 +145,15 @@ def handle_train(client_fn: ClientFn, message: Message, context: Context) -> Mes
         reply["metrics"] = _metric_record(metrics, num_examples)
         return Message(reply, reply_to=message)
     except Exception as err:
-        return _error_reply(message, err)
+        return _error_reply(message, err, errors)
 
 
-def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> Message:
+def handle_evaluate(
+    client_fn: ClientFn,
+    message: Message,
+    context: Context,
+    errors: ErrorLog | None = None,
+) -> Message:
     """Run ``evaluate`` for one evaluate message and build the reply."""
     try:
         received = read_message(message)
@@ -131,7 +165,7 @@ def handle_evaluate(client_fn: ClientFn, message: Message, context: Context) -> 
         record = _metric_record({"loss": float(loss), **metrics}, num_examples)
         return Message(RecordDict({"metrics": record}), reply_to=message)
     except Exception as err:
-        return _error_reply(message, err)
+        return _error_reply(message, err, errors)
 
 
 def handle_query(message: Message, context: Context) -> Message:
@@ -174,14 +208,15 @@ def to_client_app(
     >>> app = to_client_app(client_fn)
     """
     app = ClientApp(mods=mods)  # type: ignore[arg-type]
+    errors = ErrorLog()
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        return handle_train(client_fn, message, context)
+        return handle_train(client_fn, message, context, errors)
 
     @app.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
-        return handle_evaluate(client_fn, message, context)
+        return handle_evaluate(client_fn, message, context, errors)
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
