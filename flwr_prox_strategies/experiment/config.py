@@ -2,11 +2,32 @@
 
 Every Flower app of the pack (and the sweep launcher) goes through these
 functions, so an experiment means the same thing however it is started.
+
+Whoever submits a run writes its ``overrides`` (Flower's run config), and the
+config is composed and instantiated on the SuperLink host and on every
+SuperNode. So a composition may only select from the pack's tree:
+
+* every ``_target_`` (also nested ones, under ``_args_``, with ``_partial_``)
+  must be on the allow-list: the pack's own classes and functions
+  (``flwr_prox_strategies.*``, except the ``experiment`` glue that starts
+  processes and writes files) plus what the operator of *that* process adds
+  with :data:`ALLOWED_TARGETS_ENV` or :func:`allow_targets`. Not a run-config
+  key: the run's submitter writes the run config.
+* overrides may not touch Hydra's own config (``hydra.*``, ``hydra/...``: e.g.
+  ``hydra.searchpath`` would load YAML from any folder), a config group takes
+  only the options of ``conf/`` (``dataset=../../x`` would read any YAML file),
+  and no value may call a resolver (``${oc.env:SECRET}`` would copy the host's
+  environment into logs and results); plain references like ``${seed}`` work.
+
+Anything else raises :class:`ConfigNotAllowedError` before anything is
+imported or instantiated.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,8 +36,9 @@ from typing import Any
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..core.central import central_dp
 from ..core.dp import make_private_model
@@ -54,9 +76,216 @@ RUN_NUM_ROUNDS = "num-rounds"
 RUN_SEED = "seed"
 RUN_OUTPUT_DIR = "output-dir"
 RUN_OUTPUT_ROOT = "output-root"
+# A run's output folder to continue from its checkpoint (experiment/checkpoint.py).
+RUN_RESUME = "resume"
 
 # Keys only Hydra's own machinery or the sweep use; stripped before building.
 _UNUSED = "_unused_"
+
+
+#: Environment variable that adds to the ``_target_`` allow-list of this process:
+#: entries separated by commas or spaces; ``pkg.module.Name`` allows exactly that
+#: name, ``pkg.`` (trailing dot) everything under ``pkg``, ``*`` everything.
+#: Set it where the config is instantiated: the SuperLink (ServerApp) host and
+#: every SuperNode (for ``flwr run`` simulations: the shell that starts the
+#: managed SuperLink).
+ALLOWED_TARGETS_ENV = "FLWR_PROX_ALLOWED_TARGETS"
+PACK_PREFIX = "flwr_prox_strategies."
+# The pack's glue (sweep launcher, app writer, results): it starts processes and
+# writes files, and no config needs it. Allowed only when added explicitly.
+_GLUE_PREFIXES = ("flwr_prox_strategies.experiment.",)
+_added_targets: list[str] = []
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# A resolver call inside an interpolation: ${oc.env:X}, ${now:...}, ${a.${oc.env:X}}.
+_RESOLVER = re.compile(r"\$\{\s*[A-Za-z_][\w.\-]*\s*:")
+_GROUP_OPTION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]*")
+
+
+class ConfigNotAllowedError(ValueError):
+    """A composition that a run's ``overrides`` may not ask for (see the module doc)."""
+
+
+def allow_targets(*entries: str) -> None:
+    """Add entries to this process's ``_target_`` allow-list.
+
+    For your own Flower app (call it where the app module is imported, on the
+    server and in the ClientApp) or scripts; operators of the pack's app use
+    :data:`ALLOWED_TARGETS_ENV`. ``"mypkg.models.Net"`` allows exactly that name,
+    ``"mypkg."`` everything under ``mypkg``, ``"*"`` everything.
+    """
+    for entry in entries:
+        entry = entry.strip()
+        if entry != "*" and not _DOTTED.fullmatch(entry.rstrip(".")):
+            raise ValueError(
+                f"allow-list entry {entry!r} is not a dotted name (pkg.module.Name), "
+                "a prefix ending in '.' (pkg.), or '*'"
+            )
+        _added_targets.append(entry)
+
+
+def allowed_targets() -> tuple[str, ...]:
+    """Return what this process adds to the pack's own targets (env, then calls)."""
+    from_env = re.split(r"[,\s]+", os.environ.get(ALLOWED_TARGETS_ENV, ""))
+    return tuple(e for e in (*from_env, *_added_targets) if e)
+
+
+def _matches(name: str, entries: Sequence[str], *, exact_only: bool = False) -> bool:
+    for entry in entries:
+        if entry == "*" or name == entry:
+            return True
+        if not exact_only and entry.endswith(".") and name.startswith(entry):
+            return True
+    return False
+
+
+def _pack_default(name: str) -> bool:
+    return name.startswith(PACK_PREFIX) and not name.startswith(_GLUE_PREFIXES)
+
+
+def _how_to_allow(target: str) -> str:
+    return (
+        "A run's overrides may only instantiate the pack's own classes and "
+        f"functions ({PACK_PREFIX}*, but not its glue {_GLUE_PREFIXES[0]}*) "
+        "and what the operator allows: to allow "
+        f"it, set {ALLOWED_TARGETS_ENV}='{target}' (an exact name, or a prefix "
+        "ending in '.'; comma-separated) in the environment of every process "
+        "that builds the config (the SuperLink/ServerApp host and every "
+        "SuperNode; in a simulation, the shell that starts the SuperLink), or "
+        f"call flwr_prox_strategies.experiment.config.allow_targets('{target}') "
+        "in your own app."
+    )
+
+
+def check_target(target: object, where: str = "_target_") -> None:
+    """Refuse a ``_target_`` that is not on the allow-list (nothing is imported first).
+
+    The dotted name must be allowed, and, unless it is listed exactly, so must
+    the module and name the object really has once located (so that
+    ``flwr_prox_strategies.experiment.server.os.system`` is not ``os.system``
+    in disguise). Names with a ``_private`` part must be listed exactly.
+
+    Raises
+    ------
+    ConfigNotAllowedError
+        Naming ``where``, the target and how to allow it.
+    """
+    if not isinstance(target, str) or not _DOTTED.fullmatch(target):
+        raise ConfigNotAllowedError(
+            f"{where}={target!r} is not a dotted name of a class or function."
+        )
+    extra = allowed_targets()
+    if _matches(target, extra, exact_only=True):
+        return  # listed exactly: the operator asked for this very name
+    private = any(part.startswith("_") for part in target.split("."))
+    if private or not (_pack_default(target) or _matches(target, extra)):
+        raise ConfigNotAllowedError(
+            f"{where}={target!r} is not allowed. {_how_to_allow(target)}"
+        )
+    try:
+        obj = hydra.utils.get_object(target)
+    except Exception as err:  # Hydra raises ImportError or ValueError
+        raise ValueError(f"{where}={target!r} cannot be located: {err}") from err
+    module, qualname = (
+        getattr(obj, "__module__", None),
+        getattr(obj, "__qualname__", None),
+    )
+    actual = f"{module}.{qualname}" if module and qualname else repr(obj)
+    if not (
+        module
+        and qualname
+        and "<" not in qualname
+        and (_pack_default(actual) or _matches(actual, extra))
+    ):
+        raise ConfigNotAllowedError(
+            f"{where}={target!r} is {actual}, which is not allowed. "
+            f"{_how_to_allow(target)}"
+        )
+
+
+def check_targets(node: Any, where: str = "") -> None:
+    """Check every ``_target_`` in a config (any depth, lists and ``_args_`` too).
+
+    ``node`` is a ``DictConfig``/``ListConfig`` (read as it is, not resolved) or
+    plain containers.
+    """
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=False)
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key == "_target_":
+                check_target(value, path)
+            else:
+                check_targets(value, path)
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            check_targets(value, f"{where}[{index}]")
+
+
+def _check_no_resolvers(node: Any, where: str = "") -> None:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            _check_no_resolvers(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            _check_no_resolvers(value, f"{where}[{index}]")
+    elif isinstance(node, str) and _RESOLVER.search(node):
+        raise ConfigNotAllowedError(
+            f"{where}={node!r} calls a resolver: a run's overrides may refer to "
+            "other keys (${seed}) but not call resolvers (${oc.env:...} would "
+            "read the host's environment). Write the value itself."
+        )
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Refuse overrides of Hydra's own config and config-group options not in conf/.
+
+    Raises
+    ------
+    ConfigNotAllowedError
+        For ``hydra.*`` / ``hydra/...`` keys (``hydra.searchpath`` loads YAML from
+        any folder) and for a group option that is not a file of ``conf/<group>/``
+        (``dataset=../../x`` reads any YAML file).
+    ValueError
+        When Hydra cannot parse an override.
+    """
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as err:  # Hydra's OverrideParseException and friends
+        raise ValueError(f"cannot parse overrides {list(overrides)!r}: {err}") from err
+    for override in parsed:
+        key = override.key_or_group
+        text = override.input_line or key
+        package = override.package or ""
+        if key.split(".")[0].split("/")[0] == "hydra" or package.startswith("hydra"):
+            raise ConfigNotAllowedError(
+                f"override {text!r} changes Hydra's own configuration, which a "
+                "run's overrides may not do (e.g. hydra.searchpath would load YAML "
+                "from any folder). Use the groups and keys of conf/."
+            )
+        if "." in key or not (CONF_DIR / key.split("/")[0]).is_dir():
+            continue  # a value, not a config group
+        parts = key.split("/")
+        group_dir = CONF_DIR.joinpath(*parts)
+        if not all(_GROUP_OPTION.fullmatch(p) for p in parts) or not group_dir.is_dir():
+            raise ConfigNotAllowedError(
+                f"override {text!r}: {key!r} is not a config group of conf/."
+            )
+        if override.is_delete() and override.value() is None:
+            continue
+        value = override.value()
+        options = value if isinstance(value, list) else [value]
+        choices = sorted(p.stem for p in group_dir.glob("*.yaml"))
+        for option in options:
+            if not (
+                isinstance(option, str)
+                and _GROUP_OPTION.fullmatch(option)
+                and (group_dir / f"{option}.yaml").is_file()
+            ):
+                raise ConfigNotAllowedError(
+                    f"override {text!r}: {option!r} is not an option of {key} "
+                    f"(conf/{key}/: {', '.join(choices)})."
+                )
 
 
 def split_overrides(overrides: str | Sequence[str]) -> list[str]:
@@ -87,6 +316,7 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
 def _compose_cached(overrides: tuple[str, ...]) -> DictConfig:
     # Inside a @hydra.main job (a sweep) Hydra is already initialised: compose
     # with a private instance and give the job's own back afterwards.
+    check_overrides(overrides)
     backup = get_gh_backup()
     GlobalHydra.instance().clear()
     try:
@@ -94,7 +324,11 @@ def _compose_cached(overrides: tuple[str, ...]) -> DictConfig:
             cfg = compose(config_name="config", overrides=list(overrides))
     finally:
         restore_gh_from_backup(backup)
+    _check_no_resolvers(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.resolve(cfg)
+    # Again once resolved: "$${a}" with a="{oc.env:X}" resolves to a resolver
+    # call, which a later OmegaConf.create (a YAML round trip) would run.
+    _check_no_resolvers(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -109,15 +343,30 @@ def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
 
     Raises
     ------
+    ConfigNotAllowedError
+        When the overrides ask for what a run may not (a ``_target_`` off the
+        allow-list, Hydra's own config, a group option outside conf/, a
+        resolver call): see the module docstring.
     ValueError
         With Hydra's message when an override names an unknown group or key.
     """
     try:
-        return _compose_cached(tuple(split_overrides(overrides)))
+        cfg = _compose_cached(tuple(split_overrides(overrides)))
+    except ConfigNotAllowedError:
+        raise
     except Exception as err:  # Hydra raises several unrelated exception types
         raise ValueError(
             f"cannot compose conf/ with overrides {overrides!r}: {err}"
         ) from err
+    # Outside the cache: the allow-list may change between calls.
+    check_targets(cfg)
+    return cfg
+
+
+def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` after :func:`check_targets` on ``node``."""
+    check_targets(node)
+    return hydra.utils.instantiate(node, *args, **kwargs)
 
 
 def _kwargs(node: DictConfig) -> dict[str, Any]:
@@ -131,7 +380,7 @@ def _kwargs(node: DictConfig) -> dict[str, Any]:
 
 def build_strategy(cfg: DictConfig, **runtime: Any) -> Any:
     """Instantiate ``cfg.strategy`` (keys listed in ``_unused_`` are dropped)."""
-    return hydra.utils.instantiate(_kwargs(cfg.strategy), **runtime)
+    return instantiate(_kwargs(cfg.strategy), **runtime)
 
 
 def build_model(cfg: DictConfig) -> Any:
@@ -140,13 +389,13 @@ def build_model(cfg: DictConfig) -> Any:
     Server and clients both build their model here, so opacus' fix (when
     ``privacy.dp.fix_model``) gives both the same ``state_dict``.
     """
-    return make_private_model(hydra.utils.instantiate(cfg.model), build_dp(cfg))
+    return make_private_model(instantiate(cfg.model), build_dp(cfg))
 
 
 def build_dp(cfg: DictConfig) -> Any:
     """Instantiate ``cfg.privacy.dp`` (None without sample-level privacy)."""
     node = cfg.get("privacy", {}).get("dp")
-    return None if node is None else hydra.utils.instantiate(node)
+    return None if node is None else instantiate(node)
 
 
 def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
@@ -173,7 +422,7 @@ def build_client(cfg: DictConfig, **runtime: Any) -> Any:
     train = cfg.train
     # Runtime objects go in after Hydra: it would turn a dataclass (DPSGD)
     # into a DictConfig.
-    factory = hydra.utils.instantiate(_kwargs(cfg.client), _partial_=True)
+    factory = instantiate(_kwargs(cfg.client), _partial_=True)
     return factory(
         local_epochs=int(train["local-epochs"]),
         learning_rate=float(train["learning-rate"]),

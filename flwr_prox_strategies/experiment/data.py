@@ -5,18 +5,18 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..task.datasets import ArrayDataset, TrainTest
+from .config import instantiate
 
 
 @functools.lru_cache(maxsize=4)
 def _load(loader_yaml: str) -> TrainTest:
-    return hydra.utils.instantiate(OmegaConf.create(loader_yaml))
+    return instantiate(OmegaConf.create(loader_yaml))
 
 
 def load_data(cfg: DictConfig) -> TrainTest:
@@ -29,7 +29,7 @@ def _partitions(
     loader_yaml: str, partition_yaml: str, num_partitions: int, seed: int
 ) -> tuple[np.ndarray, ...]:
     data = _load(loader_yaml)
-    split = hydra.utils.instantiate(OmegaConf.create(partition_yaml))
+    split = instantiate(OmegaConf.create(partition_yaml))
     return tuple(split(data.train.y, num_partitions=num_partitions, seed=seed))
 
 
