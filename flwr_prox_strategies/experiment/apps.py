@@ -20,6 +20,7 @@ from .config import (
     RUN_OUTPUT_DIR,
     RUN_OUTPUT_ROOT,
     RUN_OVERRIDES,
+    RUN_RESUME,
     RUN_SEED,
 )
 from .server import make_client, run_experiment
@@ -43,6 +44,7 @@ APP_CONFIG: dict[str, str | int] = {
     RUN_SEED: -1,
     RUN_OUTPUT_ROOT: "",
     RUN_OUTPUT_DIR: "",
+    RUN_RESUME: "",
 }
 
 

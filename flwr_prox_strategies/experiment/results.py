@@ -92,8 +92,10 @@ def summarise_clients(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 class RunRecorder:
     """Collects per-round metrics and keeps ``results.json`` current.
 
-    The file is rewritten after every round, so a long or interrupted run can
-    be inspected while it goes.
+    The file is rewritten as every round ends (:meth:`end_round`), so a long
+    or interrupted run can be inspected while it goes. A round's
+    ``elapsed-s`` is the time at which it ended, counted from the start of
+    the run (a resumed run goes on from the time its checkpoint recorded).
     """
 
     def __init__(
@@ -104,8 +106,13 @@ class RunRecorder:
         self.meta = dict(meta)
         self.target = target
         self.start = time.monotonic()
+        self.elapsed_before = 0.0  # run time before a resume
         self.rounds: dict[int, dict[str, Any]] = {}
         self.complete = False  # set when the last round's results are in
+
+    def elapsed(self) -> float:
+        """Return the run's time so far (before a resume included)."""
+        return self.elapsed_before + time.monotonic() - self.start
 
     def record(
         self, server_round: int, section: str, metrics: Mapping[str, Any]
@@ -113,8 +120,36 @@ class RunRecorder:
         """Store ``metrics`` of ``section`` (central, train, evaluate) for a round."""
         entry = self.rounds.setdefault(server_round, {"round": server_round})
         entry[section] = dict(metrics)
-        entry["elapsed-s"] = time.monotonic() - self.start
-        self.flush()
+
+    def end_round(self, server_round: int) -> Path:
+        """Stamp the round's ``elapsed-s`` (when it has results); rewrite the file."""
+        entry = self.rounds.get(server_round)
+        if entry is not None:
+            entry["elapsed-s"] = self.elapsed()
+        return self.flush()
+
+    def state(self) -> dict[str, Any]:
+        """Return what a checkpoint keeps: meta, rounds so far, time so far."""
+        return {
+            "meta": dict(self.meta),
+            "rounds": [self.rounds[r] for r in sorted(self.rounds)],
+            "elapsed-s": self.elapsed(),
+        }
+
+    def restore(self, state: Mapping[str, Any], up_to: int) -> None:
+        """Take back a checkpoint's :meth:`state`, rounds after ``up_to`` dropped.
+
+        The meta given to the constructor wins over the saved one (the resumed
+        run's ``num-rounds``, say); saved keys it lacks are kept.
+        """
+        self.meta = {**dict(state.get("meta", {})), **self.meta}
+        self.rounds = {
+            int(entry["round"]): dict(entry)
+            for entry in state.get("rounds", [])
+            if int(entry["round"]) <= up_to
+        }
+        self.elapsed_before = float(state.get("elapsed-s", 0.0))
+        self.start = time.monotonic()
 
     def as_dict(self) -> dict[str, Any]:
         """Return the whole results document."""
@@ -124,7 +159,7 @@ class RunRecorder:
             "rounds": rounds,
             "summary": {
                 **summarise(rounds, self.target),
-                "wall-time-s": time.monotonic() - self.start,
+                "wall-time-s": self.elapsed(),
                 "complete": self.complete,
             },
         }

@@ -25,6 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 from ..core.client import ProtocolError
 from ..core.strategy import NoRoundAggregatedError, ReplyTally
 from ..core.training import evaluate_model
+from .checkpoint import (
+    CHECKPOINT_FILE,
+    RoundEnd,
+    check_checkpointing,
+    client_state_dir,
+    load_resume,
+    mirrors_client_state,
+    refuse_used_folder,
+    restore_rng,
+    resume_blockers,
+    resume_folder,
+)
 from .config import (
     RUN_OUTPUT_DIR,
     RUN_OUTPUT_ROOT,
@@ -150,8 +162,15 @@ def run_experiment(
     num_clients = int(cfg["num-clients"])
     num_rounds = int(cfg["num-rounds"])
     wait_for_clients(grid, num_clients, float(cfg["node-wait-timeout"]))
-    output_dir = output_dir_for(cfg, run_config)
+    resume_dir = resume_folder(run_config)
+    output_dir = resume_dir or output_dir_for(cfg, run_config)
     strategy = build_strategy(cfg)
+    every = check_checkpointing(cfg, strategy)
+    resume = None
+    if resume_dir is not None:  # the strategy's state is loaded here
+        resume = load_resume(resume_dir, cfg, strategy, run_config)
+    else:
+        refuse_used_folder(output_dir)
     torch.manual_seed(int(cfg.seed))
     model = build_model(cfg)
     sizes = partition_sizes(cfg, num_clients)
@@ -167,6 +186,15 @@ def run_experiment(
         },
         target=float(cfg["target-accuracy"]),
     )
+    recorder.meta["checkpoint-every"] = every
+    done = 0
+    if resume is not None:
+        done = resume.round
+        recorder.restore(resume.results, up_to=done)
+        recorder.meta.setdefault("resumed", []).append(
+            {"from-round": done, "at": dt.datetime.now().isoformat(timespec="seconds")}
+        )
+        recorder.flush()  # drop what the crashed run recorded after its checkpoint
     (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     log(
         INFO,
@@ -178,34 +206,78 @@ def run_experiment(
     )
     log(INFO, "Partition sizes: min %d, max %d", min(sizes), max(sizes))
     log(INFO, "Output folder: %s", output_dir)
-    evaluate_fn = (
-        make_evaluate_fn(cfg, recorder, num_rounds, strategy)
+    states = client_state_dir(cfg, run_config)
+    if every:
+        log(
+            INFO,
+            "Checkpoint every %d round(s): %s; client state: %s",
+            every,
+            output_dir / CHECKPOINT_FILE,
+            states or "in memory only",
+        )
+        if mirrors_client_state(cfg) and states is None:
+            log(
+                WARNING,
+                "%s's clients keep their state in memory only (no output-dir in the "
+                "run config, so they cannot know this run's folder): this run "
+                "cannot be resumed after a crash; give output-dir to make it so",
+                type(strategy).__name__,
+            )
+        for reason in resume_blockers(cfg, strategy):
+            log(WARNING, "This run cannot be resumed after a crash: %s", reason)
+    round_end = RoundEnd(
+        recorder=recorder,
+        central=make_evaluate_fn(cfg, recorder, num_rounds, strategy)
         if cfg.evaluate.central
-        else None
+        else None,
+        strategy=strategy,
+        every=every,
+        num_rounds=num_rounds,
+        offset=done,
+        document={
+            "config": OmegaConf.to_container(cfg, resolve=True),
+            "client-state": states,
+        },
     )
     # The wrapper (central DP) releases the model; the strategy keeps its state.
     released = wrap_central_dp(cfg, strategy)
     if released is not strategy:
         recorder.meta["central-dp"] = type(released).__name__
         log(INFO, "Central DP: %r around %r", released, strategy)
+    initial = resume.arrays if resume is not None else ArrayRecord(model.state_dict())
+    if resume is not None:  # last: building models above drew from torch's RNG
+        restore_rng(resume.rng)
     failure: NoRoundAggregatedError | None = None
     try:
-        result = released.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(model.state_dict()),
-            num_rounds=num_rounds,
-            evaluate_fn=evaluate_fn,
-        )
+        if done < num_rounds:
+            with round_end.observing(released):
+                result = released.start(
+                    grid=grid,
+                    initial_arrays=initial,
+                    num_rounds=num_rounds - done,
+                    evaluate_fn=round_end,
+                )
+        else:
+            log(INFO, "The run in %s had done all %d rounds", output_dir, num_rounds)
+            result = Result(arrays=initial)
     except NoRoundAggregatedError as err:  # recorded below, then raised again
         failure, result = err, err.result
-    for rnd, metrics in result.train_metrics_clientapp.items():
-        recorder.record(rnd, "train", dict(metrics))
-    for rnd, metrics in result.evaluate_metrics_clientapp.items():
-        recorder.record(rnd, "evaluate", dict(metrics))
+    except BaseException as err:  # a crash: say so in results.json, then raise
+        recorder.meta["failure"] = f"{type(err).__name__}: {err}"
+        recorder.flush()
+        raise
+    if round_end.checkpoints:
+        log(
+            INFO,
+            "%d checkpoint(s) written, %.3f s in all",
+            round_end.checkpoints,
+            round_end.checkpoint_seconds,
+        )
     idle = [
         rnd
         for rnd in range(1, num_rounds + 1)
-        if int(result.train_metrics_clientapp.get(rnd, {}).get("replies-valid", 0)) == 0
+        if int(recorder.rounds.get(rnd, {}).get("train", {}).get("replies-valid", 0))
+        == 0
     ]
     recorder.meta["rounds-without-valid-reply"] = idle
     recorder.meta["rejections"] = dict(getattr(strategy, "rejections", {}))
@@ -311,4 +383,7 @@ def make_client(context: Context) -> Any:
         ),
         relative_size=len(data) / (sum(sizes) / len(sizes)),
         seed=seed,
+        # Stateful clients mirror their state into the run's output folder, so
+        # a resumed run (a new Flower run: empty context.state) gets it back.
+        state_dir=client_state_dir(cfg, context.run_config),
     )

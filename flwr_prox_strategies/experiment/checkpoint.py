@@ -1,0 +1,641 @@
+"""Run checkpoints: one file per output folder, written atomically, read safely.
+
+A checkpoint is ``<output folder>/checkpoint.npz``: numpy's zip of every array
+(the model, the strategy's arrays, the RNG states) plus, under ``__meta__``, a
+JSON document of everything else in which each array is a reference
+(``{"$array": "a3"}``). It is read with ``allow_pickle=False``, so loading a
+checkpoint named by a run config never runs code, and a SHA-256 over the JSON
+and every array detects a damaged file. It is written to a temporary file,
+flushed to disk, then renamed over the previous one (``os.replace``): a crash
+leaves the previous checkpoint or the new one, never half of one.
+
+What the encoding keeps exactly: ``None``, ``bool``, ``int``, ``float``
+(NaN and infinities included), ``str``, lists, tuples, sets, dicts with any
+of these as keys (a dict with non-string keys keeps them, ``{3: 7}`` comes back
+as ``{3: 7}``), numpy arrays and scalars (dtype and bits), torch tensors (as
+CPU tensors). Anything else is refused when the checkpoint is written, naming
+where it was found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import random
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.common.logger import log
+from omegaconf import DictConfig, OmegaConf
+
+from .config import RUN_OUTPUT_DIR, RUN_RESUME
+from .results import RunRecorder
+
+CHECKPOINT_FILE = "checkpoint.npz"
+FORMAT = "flwr-prox-strategies checkpoint"
+VERSION = 1
+_META = "__meta__"
+_DIGEST = "__sha256__"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged, or cannot resume this run."""
+
+
+def _encode(value: Any, arrays: dict[str, np.ndarray], where: str) -> Any:
+    if isinstance(value, np.generic):  # before float: np.float64 is a float
+        ref = f"a{len(arrays)}"
+        arrays[ref] = _plain(np.asarray(value), where)
+        return {"$scalar": ref}
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, torch.Tensor):
+        ref = f"a{len(arrays)}"
+        arrays[ref] = _plain(value.detach().cpu().numpy(), where)
+        return {"$tensor": ref}
+    if isinstance(value, np.ndarray):
+        ref = f"a{len(arrays)}"
+        arrays[ref] = _plain(value, where)
+        return {"$array": ref}
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: _encode(v, arrays, f"{where}.{k}") for k, v in value.items()}
+        return {
+            "$dict": [
+                [
+                    _encode(k, arrays, f"{where}[key]"),
+                    _encode(v, arrays, f"{where}.{k}"),
+                ]
+                for k, v in value.items()
+            ]
+        }
+    if isinstance(value, list):
+        return [_encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {
+            "$tuple": [_encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
+        }
+    if isinstance(value, (set, frozenset)):
+        return {"$set": [_encode(v, arrays, f"{where}[item]") for v in value]}
+    raise TypeError(
+        f"cannot checkpoint {where}: a {type(value).__name__} (checkpoints hold "
+        "numbers, strings, containers, numpy arrays and torch tensors)"
+    )
+
+
+def _plain(array: np.ndarray, where: str) -> np.ndarray:
+    if array.dtype.hasobject:
+        raise TypeError(f"cannot checkpoint {where}: an array of Python objects")
+    return np.asarray(array, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+
+
+def _decode(value: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, arrays) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        ((tag, body),) = value.items()
+        if tag == "$array":
+            return np.array(arrays[body])
+        if tag == "$scalar":
+            return np.array(arrays[body])[()]
+        if tag == "$tensor":
+            return torch.from_numpy(np.array(arrays[body]))
+        if tag == "$float":
+            return float(body)
+        if tag == "$tuple":
+            return tuple(_decode(v, arrays) for v in body)
+        if tag == "$set":
+            return {_decode(v, arrays) for v in body}
+        if tag == "$dict":
+            return {_decode(k, arrays): _decode(v, arrays) for k, v in body}
+    return {k: _decode(v, arrays) for k, v in value.items()}
+
+
+def _digest(meta: bytes, arrays: Mapping[str, np.ndarray]) -> bytes:
+    hasher = hashlib.sha256(meta)
+    for name in sorted(arrays):
+        array = arrays[name]
+        hasher.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        hasher.update(array.tobytes())
+    return hasher.digest()
+
+
+def write_checkpoint(folder: Path, document: Mapping[str, Any]) -> Path:
+    """Write ``document`` to ``<folder>/checkpoint.npz`` atomically; return the path.
+
+    Raises
+    ------
+    TypeError
+        When ``document`` holds a value the format cannot keep exactly.
+    """
+    arrays: dict[str, np.ndarray] = {}
+    body = _encode(dict(document), arrays, "checkpoint")
+    meta = json.dumps({"format": FORMAT, "version": VERSION, "document": body})
+    meta_bytes = meta.encode()
+    payload = dict(arrays)
+    payload[_META] = np.frombuffer(meta_bytes, dtype=np.uint8)
+    payload[_DIGEST] = np.frombuffer(_digest(meta_bytes, arrays), dtype=np.uint8)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / CHECKPOINT_FILE
+    tmp = folder / (CHECKPOINT_FILE + ".tmp")
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **payload)  # type: ignore[arg-type]
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_checkpoint(folder: Path) -> dict[str, Any]:
+    """Read ``<folder>/checkpoint.npz``.
+
+    Raises
+    ------
+    CheckpointError
+        When the folder or the file is missing, or the file is damaged (not a
+        zip, a failed CRC or SHA-256, not this format, a newer version).
+    """
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} does not exist (or is not a folder)")
+    path = folder / CHECKPOINT_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder} holds no {CHECKPOINT_FILE}: the run wrote none (it ended "
+            "before its first checkpoint, or had checkpoint-every=0)"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+        meta_bytes = arrays.pop(_META).tobytes()
+        digest = arrays.pop(_DIGEST).tobytes()
+        if _digest(meta_bytes, arrays) != digest:
+            raise ValueError("SHA-256 mismatch")
+        meta = json.loads(meta_bytes.decode())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
+        raise CheckpointError(
+            f"{path} is damaged ({type(err).__name__}: {err}); it cannot be resumed"
+        ) from err
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT}")
+    if int(meta.get("version", 0)) > VERSION:
+        raise CheckpointError(
+            f"{path} has format version {meta['version']}; this pack reads up to "
+            f"{VERSION}: resume it with the version of the pack that wrote it"
+        )
+    result = _decode(meta["document"], arrays)
+    assert isinstance(result, dict)
+    return result
+
+
+# ------------------------------------------------------------------ the run's side
+#: conf key: write a checkpoint every N rounds (and after the last); 0: never.
+CHECKPOINT_EVERY = "checkpoint-every"
+#: Sub-folder of the output folder where the app's clients mirror their state.
+CLIENT_STATE_DIR = "client-state"
+#: conf keys that may differ between a run and its resume: they change neither
+#: the model nor a round's results (``num-rounds`` may grow: extend a run).
+RESUME_FREE_KEYS = frozenset(
+    {
+        "num-rounds",
+        CHECKPOINT_EVERY,
+        "node-wait-timeout",
+        "engine",
+        "num-cpus-per-client",
+        "target-accuracy",
+        "hydra",
+    }
+)
+#: Strategies whose runs cannot continue exactly, and why.
+NOT_RESUMABLE = {
+    "APFL": (
+        "APFL's clients update their personal model and mixing weight in place at "
+        "every fit (no two-phase commit): a round redone after a crash would train "
+        "them twice"
+    ),
+}
+
+
+def checkpoint_every(cfg: DictConfig) -> int:
+    """Return ``checkpoint-every`` (validated: an integer >= 0)."""
+    value = cfg.get(CHECKPOINT_EVERY, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{CHECKPOINT_EVERY} must be an integer >= 0 (0: no checkpoints), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def resume_folder(run_config: Mapping[str, Any]) -> Path | None:
+    """Return the folder of the run to resume (run config ``resume``), or None."""
+    folder = str(run_config.get(RUN_RESUME, "") or "")
+    return Path(folder).expanduser().resolve() if folder else None
+
+
+def client_class(cfg: DictConfig) -> type:
+    """Return the class ``cfg.client`` builds."""
+    cls = hydra.utils.get_class(str(cfg.client._target_))
+    assert isinstance(cls, type)
+    return cls
+
+
+def mirrors_client_state(cfg: DictConfig) -> bool:
+    """Return True when the app's clients keep state a resumed run needs on disk.
+
+    Stateful clients (two-phase state: SCAFFOLD, FedDyn, FedDC, FedEPM) and
+    DP-SGD clients (their privacy ledger), when checkpoints are written.
+    """
+    if checkpoint_every(cfg) == 0:
+        return False
+    dp = cfg.get("privacy", {}).get("dp")
+    return bool(getattr(client_class(cfg), "stateful", False)) or dp is not None
+
+
+def client_state_dir(cfg: DictConfig, run_config: Mapping[str, Any]) -> str | None:
+    """Return where this run's clients mirror their state, or None.
+
+    ``<folder>/client-state`` of the folder the run config names (``resume``,
+    else ``output-dir``), when :func:`mirrors_client_state`. A run that lets
+    the ServerApp name its folder (a timestamp) has none: the clients cannot
+    know that name.
+    """
+    if not mirrors_client_state(cfg):
+        return None
+    folder = resume_folder(run_config)
+    if folder is None:
+        explicit = str(run_config.get(RUN_OUTPUT_DIR, "") or "")
+        if not explicit:
+            return None
+        folder = Path(explicit).expanduser().resolve()
+    return str(folder / CLIENT_STATE_DIR)
+
+
+def _inner_strategies(strategy: Any) -> list[Any]:
+    return list(getattr(strategy, "inner", [])) or [strategy]
+
+
+def check_checkpointing(cfg: DictConfig, strategy: Any) -> int:
+    """Return ``checkpoint-every``; refuse a value a resume could not honour.
+
+    A stateful client commits its round-``r`` state when it is next trained;
+    with checkpoints more than one round apart, a client may commit a round
+    after the last checkpoint, which a resume cannot undo.
+    """
+    every = checkpoint_every(cfg)
+    stateful = getattr(client_class(cfg), "stateful", False) or any(
+        getattr(s, "stateful_clients", False) for s in _inner_strategies(strategy)
+    )
+    if every > 1 and stateful:
+        raise ValueError(
+            f"{CHECKPOINT_EVERY}={every}: {type(strategy).__name__}'s clients keep "
+            "state that a resume can only roll back by one round (a client commits "
+            "round r's state when it is next trained), so it needs a checkpoint "
+            f"every round: set {CHECKPOINT_EVERY}=1, or 0 for none"
+        )
+    return every
+
+
+def resume_blockers(cfg: DictConfig, strategy: Any) -> list[str]:
+    """Say why a run of this configuration cannot be resumed exactly (empty: it can)."""
+    reasons = []
+    for inner in _inner_strategies(strategy):
+        name = type(inner).__name__
+        if name in NOT_RESUMABLE:
+            reasons.append(NOT_RESUMABLE[name])
+        elif not hasattr(inner, "state_dict") or not hasattr(inner, "load_state_dict"):
+            reasons.append(f"{name} has no state_dict()/load_state_dict()")
+    if not hasattr(strategy, "state_dict"):
+        reasons.append(f"{type(strategy).__name__} has no state_dict()")
+    return sorted(set(reasons))
+
+
+def refuse_used_folder(folder: Path) -> None:
+    """Refuse to start a new run in a folder holding another run's checkpoint/state.
+
+    Its clients would read the other run's state files.
+    """
+    checkpoint = folder / CHECKPOINT_FILE
+    states = folder / CLIENT_STATE_DIR
+    if checkpoint.exists():
+        try:
+            saved = read_checkpoint(folder)
+            what = f"a checkpoint at round {saved['round']} of {saved['num-rounds']}"
+        except CheckpointError:
+            what = "a (damaged) checkpoint"
+        raise CheckpointError(
+            f"output folder {folder} already holds a run ({what}): continue it with "
+            f"--run-config \"resume='{folder}'\" (the same run config otherwise), or "
+            "choose another output-dir"
+        )
+    if states.is_dir() and any(states.iterdir()):
+        raise CheckpointError(
+            f"output folder {folder} already holds client state of another run "
+            f"({states}), which this run's clients would read: choose another "
+            "output-dir, or delete that folder"
+        )
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, Mapping):
+        flat: dict[str, Any] = {}
+        for key, value in node.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: node}
+
+
+def config_differences(
+    saved: Mapping[Any, Any], current: Mapping[Any, Any]
+) -> list[str]:
+    """Return ``key: saved there, current here`` for every result-relevant key."""
+    before, now = _flatten(saved), _flatten(current)
+    missing = object()
+    lines = []
+    for key in sorted(set(before) | set(now)):
+        if key.split(".", 1)[0] in RESUME_FREE_KEYS:
+            continue
+        old, new = before.get(key, missing), now.get(key, missing)
+        if old != new or type(old) is not type(new):
+            lines.append(
+                f"{key}: {'(absent)' if old is missing else repr(old)} there, "
+                f"{'(absent)' if new is missing else repr(new)} here"
+            )
+    return lines
+
+
+def rng_state() -> dict[str, Any]:
+    """Return the ServerApp process's global RNG states (Python, numpy, torch).
+
+    The pack's sampling is seeded per round and needs none of them; Flower's
+    central-DP wrappers draw their noise from numpy's global generator.
+    """
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def record_to_saved(arrays: ArrayRecord) -> dict[str, Any]:
+    """Return an ArrayRecord as names and numpy arrays (order kept)."""
+    return {
+        "names": list(arrays.keys()),
+        "arrays": [a.numpy() for a in arrays.values()],
+    }
+
+
+def saved_to_record(saved: Mapping[str, Any]) -> ArrayRecord:
+    """Return the ArrayRecord :func:`record_to_saved` described."""
+    return ArrayRecord(
+        array_dict={
+            str(name): Array(np.asarray(value))
+            for name, value in zip(saved["names"], saved["arrays"], strict=True)
+        }
+    )
+
+
+@dataclasses.dataclass
+class Resume:
+    """What a run resumes from: its checkpoint, checked against this run."""
+
+    folder: Path
+    round: int
+    arrays: ArrayRecord
+    rng: dict[str, Any]
+    results: dict[str, Any]
+
+
+def load_resume(
+    folder: Path,
+    cfg: DictConfig,
+    strategy: Any,
+    run_config: Mapping[str, Any],
+) -> Resume:
+    """Read ``folder``'s checkpoint, check it fits this run, load the strategy's state.
+
+    Raises
+    ------
+    CheckpointError
+        When the checkpoint is missing or damaged, the configuration differs in
+        anything that changes the result, the run config names another output
+        folder, the strategy cannot be resumed exactly (:func:`resume_blockers`),
+        or its clients' state was not kept on disk.
+    """
+    explicit = str(run_config.get(RUN_OUTPUT_DIR, "") or "")
+    if explicit and Path(explicit).expanduser().resolve() != folder:
+        raise CheckpointError(
+            f"resume='{folder}' continues that folder's run there, but output-dir="
+            f"'{explicit}' names another folder: give the same one, or only resume"
+        )
+    where = f"resume='{folder}'"
+    try:
+        saved = read_checkpoint(folder)
+    except CheckpointError as err:
+        raise CheckpointError(f"{where}: {err}") from err
+    current = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(current, dict)
+    differences = config_differences(saved["config"], current)
+    if differences:
+        raise CheckpointError(
+            f"{where}: the run there had another configuration, so this one would "
+            "not continue it: "
+            + "; ".join(differences)
+            + f". Resume with the crashed run's --run-config plus {where} "
+            f"({folder / 'config.yaml'} is its configuration)"
+        )
+    done = int(saved["round"])
+    num_rounds = int(cfg["num-rounds"])
+    if num_rounds < done:
+        raise CheckpointError(
+            f"{where}: its checkpoint is at round {done}, beyond num-rounds="
+            f"{num_rounds}"
+        )
+    reasons = resume_blockers(cfg, strategy)
+    if mirrors_client_state(cfg) and saved.get("client-state") is None:
+        reasons.append(
+            "its clients kept their state in memory only (the run had no "
+            "output-dir, so they could not mirror it to <output-dir>/client-state)"
+        )
+    if reasons:
+        raise CheckpointError(
+            f"{where}: {type(strategy).__name__} cannot be resumed exactly: "
+            + "; ".join(reasons)
+        )
+    try:
+        strategy.load_state_dict(saved["strategy"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{where}: the strategy's state does not fit: {err}"
+        ) from err
+    rejections = getattr(strategy, "rejections", None)
+    if rejections is not None:  # diagnostics: the whole run's count in results
+        rejections.update(saved.get("rejections", {}))
+    if cfg.get("privacy", {}).get("dp") is not None:
+        log(
+            WARNING,
+            "Resume with DP-SGD clients: a client's privacy ledger is never rolled "
+            "back, so the DP-SGD steps a client took in a round the crash cut short "
+            "stay counted: epsilon may exceed an uninterrupted run's by that "
+            "round's (conservative), and a client may run out of budget a round "
+            "earlier",
+        )
+    log(
+        INFO,
+        "Resuming %s from round %d of %d (checkpoint of %s)",
+        folder,
+        done,
+        num_rounds,
+        saved.get("saved-at", "?"),
+    )
+    return Resume(
+        folder=folder,
+        round=done,
+        arrays=saved_to_record(saved["model"]),
+        rng=saved["rng"],
+        results=saved["results"],
+    )
+
+
+class RoundEnd:
+    """The end of every round: central evaluation, ``results.json``, checkpoint.
+
+    Passed to ``Strategy.start`` as ``evaluate_fn`` (Flower calls it after
+    every round, and once before the first), with :meth:`observing` around
+    ``start`` so each round's client metrics reach ``results.json`` as the
+    round ends. Round numbers here are the run's: a resumed ``start`` counts
+    from 1 again, ``offset`` (the checkpoint's round) is added.
+    """
+
+    def __init__(
+        self,
+        *,
+        recorder: RunRecorder,
+        central: Callable[[int, ArrayRecord], MetricRecord] | None,
+        strategy: Any,
+        every: int,
+        num_rounds: int,
+        offset: int,
+        document: Mapping[str, Any],
+    ) -> None:
+        self.recorder = recorder
+        self.central = central
+        self.strategy = strategy
+        self.every = every
+        self.num_rounds = num_rounds
+        self.offset = offset
+        self.document = dict(document)
+        self.checkpoint_seconds = 0.0
+        self.checkpoints = 0
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """End round ``server_round`` of ``start`` (Flower's ``evaluate_fn``)."""
+        rnd = server_round + self.offset
+        if server_round == 0 and self.offset:
+            return None  # the checkpoint's round: evaluated before the crash
+        metrics = self.central(rnd, arrays) if self.central is not None else None
+        self.recorder.end_round(rnd)
+        if self.every and rnd > 0 and (rnd % self.every == 0 or rnd == self.num_rounds):
+            self.save(rnd, arrays)
+        return metrics
+
+    def save(self, rnd: int, arrays: ArrayRecord) -> Path:
+        """Write the checkpoint of round ``rnd`` (model, state, RNG, results)."""
+        start = dt.datetime.now()
+        path = write_checkpoint(
+            self.recorder.output_dir,
+            {
+                **self.document,
+                "round": rnd,
+                "num-rounds": self.num_rounds,
+                "model": record_to_saved(arrays),
+                "strategy": self.strategy.state_dict(),
+                "rejections": dict(getattr(self.strategy, "rejections", {})),
+                "rng": rng_state(),
+                "results": self.recorder.state(),
+                "saved-at": start.isoformat(timespec="seconds"),
+            },
+        )
+        self.checkpoint_seconds += (dt.datetime.now() - start).total_seconds()
+        self.checkpoints += 1
+        return path
+
+    def on_train(self, server_round: int, metrics: MetricRecord | None) -> None:
+        """Record a round's aggregated train metrics as it is aggregated."""
+        if metrics is not None:
+            self.recorder.record(server_round + self.offset, "train", dict(metrics))
+
+    def on_evaluate(self, server_round: int, metrics: MetricRecord | None) -> None:
+        """Record a round's aggregated federated-evaluation metrics."""
+        if metrics is not None:
+            self.recorder.record(server_round + self.offset, "evaluate", dict(metrics))
+
+    @contextlib.contextmanager
+    def observing(self, strategy: Any) -> Iterator[None]:
+        """Route ``strategy``'s aggregate_train/aggregate_evaluate results here.
+
+        The strategy's methods are shadowed on the instance for the duration
+        (``Strategy.start`` calls them through ``self``), then restored.
+        """
+        train = strategy.aggregate_train
+        evaluate = strategy.aggregate_evaluate
+
+        def aggregate_train(server_round: int, replies: Any) -> Any:
+            arrays, metrics = train(server_round, replies)
+            self.on_train(server_round, metrics)
+            return arrays, metrics
+
+        def aggregate_evaluate(server_round: int, replies: Any) -> Any:
+            metrics = evaluate(server_round, replies)
+            self.on_evaluate(server_round, metrics)
+            return metrics
+
+        setattr(strategy, "aggregate_train", aggregate_train)  # noqa: B010
+        setattr(strategy, "aggregate_evaluate", aggregate_evaluate)  # noqa: B010
+        try:
+            yield
+        finally:
+            del strategy.aggregate_train
+            del strategy.aggregate_evaluate
+
+
+__all__ = [
+    "CHECKPOINT_EVERY",
+    "CHECKPOINT_FILE",
+    "CLIENT_STATE_DIR",
+    "CheckpointError",
+    "Resume",
+    "RoundEnd",
+    "check_checkpointing",
+    "client_state_dir",
+    "load_resume",
+    "read_checkpoint",
+    "refuse_used_folder",
+    "resume_blockers",
+    "resume_folder",
+    "write_checkpoint",
+]
