@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
+from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -25,6 +26,26 @@ NodeConfigFn = Callable[[int], dict[str, int | float | str | bool]]
 def default_node_config(num_nodes: int) -> NodeConfigFn:
     """Node configs as Flower's simulation gives them: partition-id, num-partitions."""
     return lambda index: {"partition-id": index, "num-partitions": num_nodes}
+
+
+def node_unavailable_reply(message: Message) -> Message:
+    """Return what the SuperLink answers for a node that died: Flower's own reply.
+
+    Built by Flower's ``create_message_error_unavailable_res_message``: an
+    error reply (``NODE_UNAVAILABLE``) from the SuperLink's node id (1), whose
+    ``reply_to_message_id`` is ``message``'s id (set here if the message was
+    never pushed).
+    """
+    # Flower's SuperLink code, imported here: it takes a second or two.
+    from flwr.server.superlink.linkstate.utils import (
+        create_message_error_unavailable_res_message,
+    )
+
+    if not message.metadata.message_id:
+        message.metadata.__dict__["_message_id"] = str(uuid4())
+    return create_message_error_unavailable_res_message(
+        message.metadata, "node_unavail"
+    )
 
 
 class InProcessGrid(Grid):
@@ -43,6 +64,17 @@ class InProcessGrid(Grid):
         The ``run_config`` every context sees.
     run_id : int
         Run id stamped on the messages.
+
+    Attributes
+    ----------
+    dead_nodes : set[int]
+        Nodes that died: they stay listed (as a node that died mid-round), and
+        a message to one is answered as the SuperLink answers it, with
+        Flower's own "node unavailable" error reply from the SuperLink's node
+        id (1), replying to the message's id.
+
+    Like Flower's grids, pushing a message sets its ``metadata.message_id``
+    (the ``Message`` objects the strategy built carry it afterwards).
     """
 
     def __init__(
@@ -75,6 +107,7 @@ class InProcessGrid(Grid):
         self._pending: dict[str, Message] = {}
         self._ids = itertools.count(1)
         self.messages_sent = 0
+        self.dead_nodes: set[int] = set()
 
     def set_run(self, run: Run) -> None:  # noqa: D102
         self._run = run
@@ -106,6 +139,10 @@ class InProcessGrid(Grid):
         node_id = message.metadata.dst_node_id
         if node_id not in self.contexts:
             raise ValueError(f"no node {node_id} in this grid")
+        # As Flower's InMemoryGrid, on the caller's Message object.
+        message.metadata.__dict__["_message_id"] = str(uuid4())
+        if node_id in self.dead_nodes:
+            return node_unavailable_reply(message)
         self.messages_sent += 1
         try:
             return self.client_app(message, self.contexts[node_id])

@@ -126,7 +126,10 @@ class ValidReply:
     metrics : MetricRecord
         The reply's only ``MetricRecord``.
     num_examples : float
-        The validated ``num-examples`` value (finite, > 0).
+        The validated ``num-examples`` value (finite, > 0); after the strategy's
+        cap (``max_weight_ratio``, ``max_num_examples``), the capped value.
+    capped_from : float | None
+        The claimed ``num-examples`` when it was capped, else None.
     """
 
     node_id: int
@@ -136,6 +139,7 @@ class ValidReply:
     message: Message | None = field(default=None, repr=False)
     # False once a deferred NaN/inf check found this reply's model non-finite.
     finite: bool = True
+    capped_from: float | None = None
 
     def non_finite_keys(self, name: str) -> list[str]:
         """Keys of record ``name`` whose arrays hold NaN or inf."""
@@ -208,12 +212,40 @@ def all_finite(x: NDArray) -> bool:
     return bool(np.isfinite(x).all())
 
 
+def expected_bytes(expected_arrays: Mapping[str, RecordSpec]) -> int:
+    """Bytes of the payloads an honest reply carries (``.npy`` headers excluded)."""
+    return sum(
+        int(np.prod(spec.shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+        for specs in expected_arrays.values()
+        for spec in specs.values()
+    )
+
+
+def check_reply_size(message: Message, max_bytes: int) -> int:
+    """Return the bytes of the reply's ArrayRecords; reject above ``max_bytes``.
+
+    Reads only the stored payload lengths (``ArrayRecord.count_bytes``): no
+    array is decoded.
+    """
+    size = sum(
+        record.count_bytes() for record in message.content.array_records.values()
+    )
+    if size > max_bytes:
+        raise ReplyRejected(
+            "too-large",
+            f"ArrayRecords hold {size:,} bytes, above the limit of {max_bytes:,} "
+            "(max_reply_bytes)",
+        )
+    return size
+
+
 def validate_reply(
     message: Message,
     *,
     expected_arrays: Mapping[str, RecordSpec],
     weight_key: str = NUM_EXAMPLES_KEY,
     defer_finite: tuple[str, ...] = (),
+    max_bytes: int | None = None,
 ) -> ValidReply:
     """Validate one reply and return its parsed content.
 
@@ -228,6 +260,9 @@ def validate_reply(
         Key of the sample count in the ``MetricRecord``.
     defer_finite : tuple[str, ...]
         Records whose NaN/inf check the caller does itself (after averaging).
+    max_bytes : int | None
+        Largest size of the reply's ArrayRecords, checked before anything
+        else of the content is read (:func:`check_reply_size`); None: no limit.
 
     Raises
     ------
@@ -243,6 +278,8 @@ def validate_reply(
             else "error-reply"
         )
         raise ReplyRejected(kind, f"error reply: {reason}")
+    if max_bytes is not None:
+        check_reply_size(message, max_bytes)
     content = message.content
     # Each *_records property builds a new dict: read each once.
     array_records = content.array_records

@@ -4,6 +4,15 @@ Pure numpy: nothing here knows Flower. The strategies validate replies first and
 then stream each reply's arrays into :class:`WeightedMean`, which holds exactly
 one accumulator the size of the model. No per-reply copy is kept, so memory is
 independent of the number of clients.
+
+Overflow. When the total weight is known in advance (``total=``, as the
+strategies know it), every contribution is added as ``(w / total) * x``: the
+accumulator then holds a convex combination, never larger in magnitude than the
+largest input, so finite inputs cannot overflow it (one client's finite 3e38 in
+float32 gives the true mean, as Flower's ``FedAvg``, which also normalises the
+weights first). Without ``total``, weights are applied as given and the sum is
+divided once at the end. ``accumulate_in=np.float64`` accumulates narrower
+floats in float64 and rounds once at the end (the strategies' exact fallback).
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import DTypeLike, NDArray
 
 # Blocks of this many elements bound the scaled temporary to 1-2 MB, so
 # `acc += w * x` needs no model-sized temporary; smaller blocks cost Python
@@ -57,8 +66,21 @@ class WeightedMean:
 
     ``add(arrays, w)`` folds one contribution into the accumulator;
     ``result()`` divides by the total weight. Float arrays are accumulated in
-    their own dtype (as Flower's ``FedAvg`` does); integer arrays in float64 and
-    rounded back, so integer buffers (e.g. counters) keep their dtype.
+    their own dtype (as Flower's ``FedAvg`` does) unless ``accumulate_in`` says
+    otherwise; integer arrays in float64 and rounded back, so integer buffers
+    (e.g. counters) keep their dtype.
+
+    Parameters
+    ----------
+    total : float | None (default: None)
+        The sum of the weights that will be added, when known. Each
+        contribution is then scaled by ``w / total`` as it is added, so the
+        accumulator never exceeds the largest input in magnitude (no overflow
+        while the inputs are finite). ``result()`` divides by the share of
+        ``total`` actually added (1 when every promised weight came).
+    accumulate_in : numpy dtype | None (default: None)
+        Dtype of the accumulator of float arrays (e.g. ``np.float64``: the mean
+        of float32 arrays rounded once, at the end); None: each array's own.
 
     Examples
     --------
@@ -69,11 +91,26 @@ class WeightedMean:
     array([2.5, 3.5])
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, total: float | None = None, accumulate_in: DTypeLike | None = None
+    ) -> None:
+        if total is not None and (not np.isfinite(total) or total < 0):
+            raise ValueError(f"total must be finite and >= 0, got {total!r}")
         self._acc: dict[str, NDArray] | None = None
         self._dtypes: dict[str, np.dtype] = {}
+        # Weights are divided by this as they are added (1: as given).
+        self._scale = float(total) if total else 1.0
+        self._accumulate_in = None if accumulate_in is None else np.dtype(accumulate_in)
         self.total_weight = 0.0
         self.count = 0
+
+    def _acc_dtype(self, dtype: np.dtype) -> np.dtype:
+        if not np.issubdtype(dtype, np.floating):
+            return np.dtype(np.float64)
+        wide = self._accumulate_in
+        if wide is not None and np.finfo(wide).bits > np.finfo(dtype).bits:
+            return wide
+        return dtype
 
     def add(
         self, arrays: Mapping[str, NDArray] | Sequence[NDArray], weight: float
@@ -82,22 +119,27 @@ class WeightedMean:
         if not np.isfinite(weight) or weight < 0:
             raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
         items = _as_items(arrays)
+        scaled = float(weight) / self._scale
+        # NaN, inf and overflow propagate to the result, which callers check.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._fold(items, scaled)
+        self.total_weight += float(weight)
+        self.count += 1
+
+    def _fold(self, items: list[tuple[str, NDArray]], scaled: float) -> None:
         if self._acc is None:
             self._acc = {}
             for key, x in items:
-                floating = np.issubdtype(x.dtype, np.floating)
-                acc_dtype = x.dtype if floating else np.dtype(np.float64)
+                acc_dtype = self._acc_dtype(x.dtype)
                 self._dtypes[key] = x.dtype
                 acc = np.empty(x.shape, dtype=acc_dtype)
-                np.multiply(x, acc_dtype.type(weight), out=acc, casting="unsafe")
+                np.multiply(x, acc_dtype.type(scaled), out=acc, casting="unsafe")
                 self._acc[key] = acc
         else:
             if [k for k, _ in items] != list(self._acc):
                 raise ValueError("contribution keys differ from the first contribution")
             for key, x in items:
-                add_scaled_(self._acc[key], x, weight)
-        self.total_weight += float(weight)
-        self.count += 1
+                add_scaled_(self._acc[key], x, scaled)
 
     def result(self) -> dict[str, NDArray]:
         """Return the weighted mean, keyed as the contributions were.
@@ -112,11 +154,19 @@ class WeightedMean:
                 f"weighted mean of {self.count} contribution(s) with total weight "
                 f"{self.total_weight}: nothing to average"
             )
+        share = self.total_weight / self._scale
         out: dict[str, NDArray] = {}
         for key, acc in self._acc.items():
-            acc /= acc.dtype.type(self.total_weight)
+            if share != 1.0:
+                acc /= acc.dtype.type(share)
             dtype = self._dtypes[key]
-            out[key] = acc if acc.dtype == dtype else np.rint(acc).astype(dtype)
+            if acc.dtype == dtype:
+                out[key] = acc
+            elif np.issubdtype(dtype, np.floating):
+                with np.errstate(over="ignore"):  # not representable: inf, checked
+                    out[key] = acc.astype(dtype)
+            else:
+                out[key] = np.rint(acc).astype(dtype)
         return out
 
 
@@ -145,7 +195,8 @@ def weighted_average(
     list[NDArray]
         ``sum_i w_i x_i / sum_i w_i``.
     """
-    mean = WeightedMean()
+    weights = [float(w) for w in weights]
+    mean = WeightedMean(total=sum(weights))
     for arrays, weight in zip(contributions, weights, strict=True):
         mean.add(list(arrays), weight)
     return list(mean.result().values())
