@@ -8,6 +8,9 @@ agents ignore SIGTERM).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
+import ipaddress
 import json
 import os
 import shutil
@@ -129,26 +132,211 @@ def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class TlsCredentials:
+    """What a TLS deployment with SuperNode authentication needs (PEM/OpenSSH files).
+
+    ``node_keys[i]`` is SuperNode i's private key (OpenSSH format, NIST P-384, as
+    ``flower-supernode --auth-supernode-private-key`` reads it); its public key,
+    what ``flwr supernode register`` takes, is beside it with ``.pub``.
+    """
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    node_keys: tuple[Path, ...]
+
+
+def make_tls_credentials(folder: Path, num_node_keys: int) -> TlsCredentials:
+    """Generate a CA, a server certificate for 127.0.0.1/localhost, and node keys.
+
+    The same as the README's openssl/ssh-keygen commands, with ``cryptography``
+    (a dependency of flwr). Valid for one day.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    def pem_key(key: ec.EllipticCurvePrivateKey, fmt) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM, fmt, serialization.NoEncryption()
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("flwr-prox-strategies test CA"))
+        .issuer_name(name("flwr-prox-strategies test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(validity[0])
+        .not_valid_after(validity[1])
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("localhost"))
+        .issuer_name(ca_cert.subject)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(validity[0])
+        .not_valid_after(validity[1])
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [
+                    x509.DNSName("localhost"),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                ]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    creds = TlsCredentials(
+        ca_cert=folder / "ca.crt",
+        server_cert=folder / "server.pem",
+        server_key=folder / "server.key",
+        node_keys=tuple(folder / f"supernode{i}" for i in range(num_node_keys)),
+    )
+    creds.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    creds.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    creds.server_key.write_bytes(pem_key(server_key, serialization.PrivateFormat.PKCS8))
+    for path in creds.node_keys:
+        key = ec.generate_private_key(ec.SECP384R1())
+        path.write_bytes(pem_key(key, serialization.PrivateFormat.OpenSSH))
+        path.with_suffix(".pub").write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+        )
+    for path in (creds.server_key, *creds.node_keys):
+        path.chmod(0o600)
+    return creds
+
+
+@dataclasses.dataclass
+class Deployment:
+    """A SuperLink and its SuperNodes on 127.0.0.1, all under ``flwr_home``."""
+
+    flwr_home: Path
+    env: dict[str, str]
+    connection: str
+    link_port: int
+    tls: TlsCredentials | None = None
+    procs: list[subprocess.Popen] = dataclasses.field(default_factory=list)
+
+    def start_supernode(
+        self,
+        index: int,
+        num_partitions: int,
+        *,
+        key: Path | None = None,
+        root_certificates: Path | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> subprocess.Popen:
+        """Start SuperNode ``index`` (TLS: ``key`` and ``root_certificates``,
+        by default its own key and the deployment's CA); teardown stops it."""
+        node_dir = self.flwr_home / f"supernode{index}"
+        node_dir.mkdir()
+        if self.tls is None:
+            security = ["--insecure"]
+        else:
+            key = key if key is not None else self.tls.node_keys[index]
+            ca = root_certificates or self.tls.ca_cert
+            security = ["--root-certificates", str(ca)]
+            security += ["--auth-supernode-private-key", str(key)]
+        proc = subprocess.Popen(
+            [
+                "flower-supernode",
+                *security,
+                "--superlink",
+                f"127.0.0.1:{self.link_port}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                f"partition-id={index} num-partitions={num_partitions}",
+                *extra,
+            ],
+            cwd=node_dir,
+            env={**self.env, "FLWR_HOME": str(node_dir)},
+            start_new_session=True,
+            stdout=open(node_dir / "supernode.out", "w"),
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def register(self, public_key: Path) -> str:
+        """``flwr supernode register``: allow the SuperNode holding this key in."""
+        out = subprocess.run(
+            [
+                *("flwr", "supernode", "register", str(public_key)),
+                *(self.connection, "--format", "json"),
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=60,
+            check=False,
+        )
+        reply = json.loads(out.stdout) if out.returncode == 0 else {}
+        assert reply.get("success"), out.stdout + out.stderr
+        return str(reply["node-id"])
+
+
 @contextlib.contextmanager
-def loopback_deployment(
-    flwr_home: Path, num_nodes: int
-) -> Iterator[tuple[dict[str, str], str]]:
-    """Run a SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; yield env, name."""
+def _deployment(
+    flwr_home: Path, num_nodes: int, tls: TlsCredentials | None
+) -> Iterator[Deployment]:
     env = flwr_env(flwr_home)
     link_port = free_port()
     link_dir = flwr_home / "superlink"
     link_dir.mkdir(parents=True)
-    (flwr_home / "config.toml").write_text(
-        '[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
-        f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
+    name = "loopback" if tls is None else "loopback-tls"
+    security = (
+        "insecure = true\n"
+        if tls is None
+        else f'root-certificates = "{tls.ca_cert.resolve()}"\n'
     )
-    procs: list[subprocess.Popen] = []
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
+        f'address = "127.0.0.1:{link_port}"\n{security}'
+    )
+    if tls is None:
+        link_security = ["--insecure"]
+    else:
+        link_security = [
+            "--ssl-ca-certfile",
+            str(tls.ca_cert),
+            "--ssl-certfile",
+            str(tls.server_cert),
+            "--ssl-keyfile",
+            str(tls.server_key),
+            "--enable-supernode-auth",
+        ]
+    deployment = Deployment(flwr_home, env, name, link_port, tls)
     try:
-        procs.append(
+        deployment.procs.append(
             subprocess.Popen(
                 [
                     "flower-superlink",
-                    "--insecure",
+                    *link_security,
                     "--host",
                     "127.0.0.1",
                     "--port",
@@ -164,46 +352,83 @@ def loopback_deployment(
                 stderr=subprocess.STDOUT,
             )
         )
+        if tls is not None:
+            # --enable-supernode-auth: only registered public keys may connect.
+            _wait_listening(env, name)
+            for i in range(num_nodes):
+                deployment.register(tls.node_keys[i].with_suffix(".pub"))
         for i in range(num_nodes):
-            node_dir = flwr_home / f"supernode{i}"
-            node_dir.mkdir()
-            procs.append(
-                subprocess.Popen(
-                    [
-                        "flower-supernode",
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{link_port}",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        f"partition-id={i} num-partitions={num_nodes}",
-                    ],
-                    cwd=node_dir,
-                    env={**env, "FLWR_HOME": str(node_dir)},
-                    start_new_session=True,
-                    stdout=open(node_dir / "supernode.out", "w"),
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        _wait_online(env, num_nodes)
-        yield env, "loopback"
+            deployment.start_supernode(i, num_nodes)
+        _wait_online(env, num_nodes, name)
+        yield deployment
     finally:
-        groups = groups_started_under(flwr_home, [p.pid for p in procs])
+        groups = groups_started_under(flwr_home, [p.pid for p in deployment.procs])
         kill_groups(groups)
-        for proc in procs:
+        for proc in deployment.procs:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=5)
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
-def _wait_online(env: dict[str, str], num_nodes: int, timeout: float = 90) -> None:
+@contextlib.contextmanager
+def loopback_deployment(
+    flwr_home: Path, num_nodes: int
+) -> Iterator[tuple[dict[str, str], str]]:
+    """Run a SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; yield env, name."""
+    with _deployment(flwr_home, num_nodes, None) as deployment:
+        yield deployment.env, deployment.connection
+
+
+@contextlib.contextmanager
+def tls_loopback_deployment(
+    flwr_home: Path, num_nodes: int, tls: TlsCredentials
+) -> Iterator[Deployment]:
+    """:func:`loopback_deployment` over TLS with SuperNode authentication.
+
+    The SuperLink serves its one port (Fleet, Control and Runtime APIs) with
+    ``tls``'s server certificate and ``--enable-supernode-auth``; the public keys
+    of SuperNodes 0..num_nodes-1 are registered with ``flwr supernode register``
+    before those SuperNodes start; the ``flwr`` CLI connection (``$FLWR_HOME/
+    config.toml``) verifies the SuperLink with ``root-certificates``. ``tls`` must
+    hold at least ``num_nodes`` node keys.
+    """
+    if len(tls.node_keys) < num_nodes:
+        raise ValueError(f"{num_nodes} SuperNodes need as many keys in {tls}")
+    with _deployment(flwr_home, num_nodes, tls) as deployment:
+        yield deployment
+
+
+def _wait_listening(env: dict[str, str], connection: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(
+            ["flwr", "supernode", "list", connection, "--format", "json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            check=False,
+        )
+        # (--format json exits 0 on failure too: read "success".)
+        if out.returncode == 0 and '"success": true' in out.stdout:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the SuperLink did not answer: {out.stdout} {out.stderr}"
+            )
+        time.sleep(0.5)
+
+
+def _wait_online(
+    env: dict[str, str],
+    num_nodes: int,
+    connection: str = "loopback",
+    timeout: float = 90,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         out = subprocess.run(
-            ["flwr", "supernode", "list", "loopback", "--format", "json"],
+            ["flwr", "supernode", "list", connection, "--format", "json"],
             capture_output=True,
             text=True,
             env=env,
