@@ -147,7 +147,9 @@ def test_resume_extends_a_finished_run(tmp_path: Path) -> None:
     short = SMALL.replace("num-rounds=4", "num-rounds=2")
     app_run(tmp_path / "b", short)
     resumed, _ = app_run(
-        tmp_path / "b", short.replace("num-rounds=2", "num-rounds=3"), resume=str(tmp_path / "b")
+        tmp_path / "b",
+        short.replace("num-rounds=2", "num-rounds=3"),
+        resume=str(tmp_path / "b"),
     )
     for x, y in zip(
         straight.arrays.to_numpy_ndarrays(),
@@ -162,7 +164,7 @@ def test_checkpoint_every_n_rounds_and_the_last(tmp_path: Path) -> None:
     overrides = f"{SMALL} strategy=fedavg checkpoint-every=3"
     with pytest.raises(SimulatedCrash):
         app_run(tmp_path, overrides, crash_round=3)
-    with pytest.raises(CheckpointError, match="holds no checkpoint.npz"):
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint\.npz"):
         app_run(tmp_path, overrides, resume=str(tmp_path))
     app_run(tmp_path / "full", overrides.replace("num-rounds=4", "num-rounds=5"))
     assert read_checkpoint(tmp_path / "full")["round"] == 5  # 3, then the last
