@@ -217,6 +217,7 @@ RESUME_FREE_KEYS = frozenset(
         "num-rounds",
         CHECKPOINT_EVERY,
         "node-wait-timeout",
+        "round-timeout",
         "engine",
         "num-cpus-per-client",
         "target-accuracy",
