@@ -3,12 +3,18 @@
 All three aggregate the same train replies (float32 models):
 
 * ``pack``: ``FedAvg.aggregate_train`` of flwr-prox-strategies, validation
-  included (keys, dtypes, shapes, payload headers, finiteness, num-examples);
+  included (keys, dtypes, shapes, payload headers, finiteness, num-examples),
+  weights normalised as they are applied (overflow-safe); two variants for
+  comparison: the weights divided out at the end (the pack before it was made
+  overflow-safe) and a float64 accumulator (the strategies' fallback when a
+  float32 average of finite replies still overflows);
 * ``flower``: ``flwr.serverapp.strategy.FedAvg.aggregate_train``;
 * ``floor``: an in-place weighted sum ``acc += w * x`` over arrays already in
   memory (no validation, no deserialisation): the cost of the arithmetic alone.
 
 Run: ``python benchmarks/aggregate.py`` (add ``--quick`` for a small smoke run).
+Each size also checks one hostile round: a reply holding 3e38 (finite float32)
+among the others, whose true mean fits float32.
 """
 
 from __future__ import annotations
@@ -25,9 +31,33 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedAvg
 from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.ops.aggregate import WeightedMean
 
 
-def make_replies(num_clients: int, size: int, seed: int = 0):
+class WeightsAtTheEnd(FedAvg):
+    """The pack's average before it was overflow-safe: divide by the total last."""
+
+    def weighted_mean(self, replies, record=None):
+        mean = WeightedMean()
+        for reply in replies:
+            mean.add(
+                reply.arrays[record or self.arrayrecord_key], self.reply_weight(reply)
+            )
+        return mean.result()
+
+
+class Float64Accumulator(FedAvg):
+    """The pack's average with a float64 accumulator on every round."""
+
+    def weighted_mean(self, replies, record=None):
+        self._accumulate_in = np.float64
+        try:
+            return super().weighted_mean(replies, record)
+        finally:
+            self._accumulate_in = None
+
+
+def make_replies(num_clients: int, size: int, seed: int = 0, hostile: bool = False):
     grid = InProcessGrid(lambda m, c: m, num_nodes=num_clients)
     rng = np.random.default_rng(seed)
     model = ArrayRecord({"w": Array(np.zeros(size, np.float32))})
@@ -36,6 +66,8 @@ def make_replies(num_clients: int, size: int, seed: int = 0):
     arrays, replies = [], []
     for i, message in enumerate(messages):
         x = rng.standard_normal(size, dtype=np.float32)
+        if hostile and i == 0:
+            x[: max(1, size // 1000)] = 3e38  # finite; the float32 sum overflows
         arrays.append(x)
         content = RecordDict(
             {
@@ -72,13 +104,51 @@ def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return best, peak / 2**20
 
 
+def variant(cls: type[FedAvg], num_clients: int, replies) -> FedAvg:
+    """A pack strategy configured for the same round as ``replies``."""
+    strategy = cls(min_available_nodes=num_clients)
+    grid = InProcessGrid(lambda m, c: m, num_nodes=num_clients)
+    model = replies[0].content["arrays"]
+    strategy.configure_train(1, model, ConfigRecord(), grid)  # same nodes sampled
+    return strategy
+
+
+def hostile_check(num_clients: int, size: int) -> None:
+    """One reply holds 3e38: the pack and Flower give the true mean, finite."""
+    pack, replies, arrays, weights = make_replies(num_clients, size, hostile=True)
+    total = sum(weights)
+    pairs = zip(arrays, weights, strict=True)
+    truth = sum(w * x.astype(np.float64) for x, w in pairs) / total
+    ours = pack.aggregate_train(1, replies)[0]
+    old = variant(WeightsAtTheEnd, num_clients, replies).aggregate_train(1, replies)[0]
+    theirs = FlowerFedAvg().aggregate_train(1, replies)[0]["w"].numpy()
+    assert ours is not None, "the pack kept the previous model"
+    mean = ours["w"].numpy()
+    error = np.abs(mean - truth).max() / np.abs(truth).max()
+    finite = "finite" if np.isfinite(mean).all() else "NOT finite"
+    before = "model kept (round void)" if old is None else "aggregated"
+    flower = "finite" if np.isfinite(theirs).all() else "NOT finite"
+    print(
+        f"hostile round (one reply holds 3e38): pack {finite}, max rel. error vs "
+        f"the float64 mean {error:.1e}; weights at the end: {before}; Flower: {flower}"
+    )
+
+
 def run(num_clients: int, size: int, repeats: int) -> None:
     pack, replies, arrays, weights = make_replies(num_clients, size)
+    at_end = variant(WeightsAtTheEnd, num_clients, replies)
+    wide = variant(Float64Accumulator, num_clients, replies)
     flower = FlowerFedAvg()
     results = {
         "floor (in-place numpy)": measure(lambda: floor(arrays, weights), repeats),
         "pack FedAvg (validated)": measure(
             lambda: pack.aggregate_train(1, replies), repeats
+        ),
+        "  weights at the end": measure(
+            lambda: at_end.aggregate_train(1, replies), repeats
+        ),
+        "  float64 accumulator": measure(
+            lambda: wide.aggregate_train(1, replies), repeats
         ),
         "Flower FedAvg": measure(lambda: flower.aggregate_train(1, replies), repeats),
     }
@@ -99,6 +169,7 @@ def run(num_clients: int, size: int, repeats: int) -> None:
     print(
         f"max |pack - floor| = {ours_err:.2e}, max |Flower - floor| = {theirs_err:.2e}"
     )
+    hostile_check(num_clients, size)
 
 
 def main() -> None:

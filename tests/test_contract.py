@@ -26,6 +26,7 @@ from flwr_prox_strategies import (
     SFedAvg,
     SFedProx,
 )
+from flwr_prox_strategies.core.inprocess import node_unavailable_reply
 from flwr_prox_strategies.core.strategy import ValidatedFedAvg
 
 from .helpers import error_reply, model_arrays, record, reply, sampling_grid
@@ -172,6 +173,14 @@ BAD_REPLIES: dict[str, Callable] = {
     "inf": lambda s, m, good: with_arrays(
         s, m, lambda a: a["b"].__setitem__(1, -np.inf)
     ),
+    # +inf: an elastic-net centre (FedEPM) turns it into the others' minimum.
+    "plus-inf": lambda s, m, good: with_arrays(
+        s, m, lambda a: a["w"].__setitem__((1, 2), np.inf)
+    ),
+    # Above the default size limit; the payload would not even decode.
+    "too-large": lambda s, m, good: _too_large(s, m),
+    # The SuperLink's reply for a node that died, from node 1 (Flower's code).
+    "dead-node": lambda s, m, good: node_unavailable_reply(m),
     "num-examples-missing": lambda s, m, good: build_reply(
         m, good_content(s, 7), strategy=s, n=None
     ),
@@ -226,6 +235,15 @@ def _truncated_payload(s, m):
     msg = build_reply(m, good_content(s, 7), strategy=s)
     data = npy_bytes(np.zeros((4, 3), np.float32))[:-8]
     msg.content["arrays"]["w"] = Array("float32", (4, 3), "numpy.ndarray", data)
+    return msg
+
+
+def _too_large(s, m):
+    msg = build_reply(m, good_content(s, 7), strategy=s)
+    size = 2**20 + 4096
+    msg.content["arrays"]["junk"] = Array(
+        "float32", (size // 4,), "numpy.ndarray", b"\0" * size
+    )
     return msg
 
 

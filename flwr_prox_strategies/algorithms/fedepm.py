@@ -70,6 +70,11 @@ pack's MLP tasks.
 
 Memory: the server keeps one upload per client, :math:`m` models.
 
+Validation: the centre is not linear in the uploads (an upload's :math:`+\infty`
+becomes the others' minimum, a finite value), so every upload is checked for
+NaN and inf before it enters the table (``linear_aggregate = False``), not
+after the centre as the linear strategies do.
+
 Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
 ``fedepm-eta``, ``fedepm-r0``, ``fedepm-growth``, ``fedepm-noise``.
 """
@@ -191,6 +196,10 @@ class FedEPM(ValidatedFedAvg):
 
     stateful_clients = True
     requires_num_clients = True
+    # The elastic-net centre turns an upload's +inf into the coordinate-wise
+    # minimum of the others (finite): every upload is checked for NaN/inf
+    # before it enters the table, not after the centre.
+    linear_aggregate = False
     rule_metric = FEDEPM_APPLIED_KEY
     rule_name = "FedEPM's local proximal iterations and noisy upload"
 

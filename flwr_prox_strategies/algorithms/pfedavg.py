@@ -80,6 +80,7 @@ _SUMMED = {
     "replies-failed",
     "replies-rejected",
     "replies-absent",
+    "replies-capped",
     "bytes-sent",
     "bytes-received",
     "num-examples",
@@ -395,8 +396,14 @@ class PFedAvg(Strategy):
         assert self.models is not None, "configure_train must run first"
         by_server: list[list[Message]] = [[] for _ in range(self.servers)]
         stray = 0
+        # A dead node's error reply comes from the SuperLink (node 1): the
+        # servers' strategies know which node the answered message went to.
+        sent_to: dict[str, int] = {}
+        for strategy in self.inner:
+            if isinstance(strategy, ValidatedFedAvg):
+                sent_to.update(strategy.sent_message_nodes("train"))
         for reply in replies:
-            server = self.server_of.get(reply.metadata.src_node_id)
+            server = self.server_of.get(ValidatedFedAvg.reply_node(reply, sent_to))
             if server is None:
                 stray += 1
                 self.rejections["aggregate_train:unsampled"] += 1
@@ -536,8 +543,12 @@ class PFedAvg(Strategy):
     ) -> MetricRecord | None:
         """Aggregate per group, then merge (sample-weighted)."""
         by_server: list[list[Message]] = [[] for _ in range(self.servers)]
+        sent_to: dict[str, int] = {}
+        for strategy in self.inner:
+            if isinstance(strategy, ValidatedFedAvg):
+                sent_to.update(strategy.sent_message_nodes("evaluate"))
         for reply in replies:
-            server = self.server_of.get(reply.metadata.src_node_id)
+            server = self.server_of.get(ValidatedFedAvg.reply_node(reply, sent_to))
             if server is not None:
                 by_server[server].append(reply)
         records = [

@@ -18,7 +18,17 @@ wrappers work unchanged) but replaces the parts a research user cannot trust:
   (``weighted_by_key``, FedProx's ``proximal_mu``), and an unknown keyword is a
   ``TypeError`` naming the class called and the closest accepted name;
 * averaging streams every reply into one accumulator (:mod:`..ops.aggregate`),
-  with no ``ZeroDivisionError`` and no silent broadcasting;
+  with no ``ZeroDivisionError`` and no silent broadcasting; weights are
+  normalised first, so one large finite upload cannot overflow the average
+  (and a float32 average that still does is recomputed in float64);
+* hostile replies are bounded: a claimed ``num-examples`` is capped
+  (``max_weight_ratio`` x the round's median, ``max_num_examples``), a reply
+  larger than ``max_reply_bytes`` is refused before any array is decoded, and
+  a non-linear aggregate (``linear_aggregate = False``) checks every reply for
+  NaN/inf before using it;
+* a node that dies mid-round is counted as failed under its own node id (the
+  SuperLink's reply for it comes from node 1 and is mapped back through
+  ``reply_to_message_id``);
 * sampling is seeded per round (no global ``random`` state), so two strategies
   built with the same seed sample the same nodes and the same stragglers;
 * each node gets its own ``RecordDict`` and ``ConfigRecord`` (no aliasing);
@@ -51,9 +61,11 @@ from flwr.app import (
     ConfigRecord,
     Message,
     MessageType,
+    Metadata,
     MetricRecord,
     RecordDict,
 )
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
@@ -92,7 +104,9 @@ from .validation import (
     check_fraction,
     check_int,
     check_non_negative,
+    check_positive,
     check_weight,
+    expected_bytes,
     reject_unknown_kwargs,
     validate_reply,
 )
@@ -276,6 +290,28 @@ class ValidatedFedAvg(FedAvg):
     node_wait_timeout : float (default: 120.0)
         Seconds to wait for ``min_available_nodes`` before failing with an
         explanation (Flower's own ``FedAvg`` waits forever).
+    max_num_examples : float | None (default: None)
+        Absolute cap on the ``num-examples`` a reply may claim; a larger claim
+        is lowered to it (logged). None: no absolute cap.
+    max_weight_ratio : float | None (default: 100.0)
+        Cap on a claimed ``num-examples`` relative to the median claim of the
+        round's valid replies: a claim above ``max_weight_ratio x median`` is
+        lowered to it, and the capped value is used everywhere (the weight, the
+        metrics). Every capped reply is logged (node, client key, claimed,
+        capped) and counted (``replies-capped``). The default never binds in
+        an honest run of the pack's benchmarks (largest claim <= 12x a round's
+        median) or configs' defaults (Adult under Dirichlet(0.3): 26x, 64x
+        with half the clients sampled); stronger skew (Adult, Dirichlet(0.1))
+        needs more. It bounds a liar in a large federation, not in a small
+        one: with 4 clients even a 10x weight is most of the model, so set
+        ``max_num_examples`` (or ``weighting="uniform"``) where the sizes are
+        known. None: no cap.
+    max_reply_bytes : int | None (default: None)
+        Largest reply accepted, in bytes of its ArrayRecords (Flower's
+        ``count_bytes``), checked before any array is decoded (kind
+        ``too-large``). None: twice what an honest reply carries (the expected
+        records, as sent) plus 1 MiB. This bounds what the ServerApp decodes,
+        not what Flower carries: the reply has crossed the SuperLink by then.
     strict : bool (default: False)
         For strategies whose clients must apply a rule (:attr:`rule_metric`):
         reject train replies that do not report it (kind ``rule-not-applied``)
@@ -303,6 +339,12 @@ class ValidatedFedAvg(FedAvg):
     requires_num_clients: ClassVar[bool] = False
     # The weighting when neither weighting nor weighted_by_key is given.
     default_weighting: ClassVar[str] = "num-examples"
+    # The new model is a positive linear combination of the replies' models, so
+    # a NaN or inf in one reaches the average: their check waits for it (one
+    # pass instead of one per reply). False (FedEPM's elastic-net centre,
+    # anything median-like, which can turn an inf into a finite value): every
+    # reply is checked before it is used or stored.
+    linear_aggregate: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -323,6 +365,9 @@ class ValidatedFedAvg(FedAvg):
         monitor_dissimilarity: bool = False,
         accept_failures: bool = True,
         node_wait_timeout: float = 120.0,
+        max_num_examples: float | None = None,
+        max_weight_ratio: float | None = 100.0,
+        max_reply_bytes: int | None = None,
         strict: bool = False,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
@@ -360,6 +405,17 @@ class ValidatedFedAvg(FedAvg):
         if num_clients is not None:
             check_int("num_clients", num_clients, 1)
         check_non_negative("node_wait_timeout", node_wait_timeout)
+        if max_num_examples is not None:
+            check_positive("max_num_examples", max_num_examples)
+        if max_weight_ratio is not None and (
+            check_positive("max_weight_ratio", max_weight_ratio) < 1.0
+        ):
+            raise ValueError(
+                f"max_weight_ratio must be >= 1 (a multiple of the round's median "
+                f"claim), got {max_weight_ratio!r}"
+            )
+        if max_reply_bytes is not None:
+            check_int("max_reply_bytes", max_reply_bytes, 1)
         super().__init__(
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
@@ -386,6 +442,15 @@ class ValidatedFedAvg(FedAvg):
         self.accept_failures = accept_failures
         self.node_wait_timeout = float(node_wait_timeout)
         self.strict = bool(strict)
+        self.max_num_examples = max_num_examples
+        self.max_weight_ratio = max_weight_ratio
+        self.max_reply_bytes = max_reply_bytes
+        # Message id -> destination node of this round's train and evaluate
+        # messages (ids are set by the grid when it pushes them), to name the
+        # node of an error reply the SuperLink sends in its place.
+        self._sent: dict[str, list[Metadata]] = {}
+        # Set during the float64 retry of the average (_average_finite).
+        self._accumulate_in: type[np.floating] | None = None
         # Diagnostics, not algorithm state: never part of state_dict().
         self.rejections: Counter[str] = Counter()
         self.last_round_report: dict[str, Any] = {}
@@ -484,6 +549,26 @@ class ValidatedFedAvg(FedAvg):
                 "replies without it rejected" if self.strict else "else warned",
             )
         log(INFO, "\t│\t├── Seed: %d", self.seed)
+        log(
+            INFO,
+            "\t│\t├── num-examples cap: %s; largest reply: %s",
+            " and ".join(
+                text
+                for text in (
+                    f"{self.max_weight_ratio:g} x the round's median"
+                    if self.max_weight_ratio is not None
+                    else "",
+                    f"{self.max_num_examples:g}"
+                    if self.max_num_examples is not None
+                    else "",
+                )
+                if text
+            )
+            or "none",
+            f"{self.max_reply_bytes:,} bytes"
+            if self.max_reply_bytes is not None
+            else "2 x the expected records + 1 MiB",
+        )
         log(INFO, "\t│\t├── Local epochs: %s", self.local_epochs or "client's own")
         if self.local_steps is not None:
             log(INFO, "\t│\t├── Local steps: %d", self.local_steps)
@@ -734,12 +819,15 @@ class ValidatedFedAvg(FedAvg):
     def weighted_mean(
         self, replies: list[ValidReply], record: str | None = None
     ) -> dict[str, NDArray]:
-        """Mean of one record (the model by default) over the replies, weighted."""
-        mean = WeightedMean()
-        for reply in replies:
-            mean.add(
-                reply.arrays[record or self.arrayrecord_key], self.reply_weight(reply)
-            )
+        """Mean of one record (the model by default) over the replies, weighted.
+
+        Weights are normalised before they are applied (as Flower's ``FedAvg``),
+        so finite replies never overflow the accumulator.
+        """
+        weights = [self.reply_weight(reply) for reply in replies]
+        mean = WeightedMean(total=sum(weights), accumulate_in=self._accumulate_in)
+        for reply, weight in zip(replies, weights, strict=True):
+            mean.add(reply.arrays[record or self.arrayrecord_key], weight)
         return mean.result()
 
     def summed_updates(
@@ -920,11 +1008,101 @@ class ValidatedFedAvg(FedAvg):
             for message in messages
             for record in message.content.array_records.values()
         )
+        self._sent["train"] = [message.metadata for message in messages]
         return messages
 
     def node_train_arrays(self, node_id: int, arrays: ArrayRecord) -> ArrayRecord:
         """Return the model sent to ``node_id`` (the global model by default)."""
         return arrays
+
+    def sent_message_nodes(self, kind: str) -> dict[str, int]:
+        """Map the ids of this round's ``kind`` messages to their destination node.
+
+        Flower's grids set ``metadata.message_id`` on the very ``Message``
+        objects ``configure_train`` / ``configure_evaluate`` return when they
+        push them; before that (messages never pushed), the map is empty.
+        """
+        return {
+            metadata.message_id: metadata.dst_node_id
+            for metadata in self._sent.get(kind, [])
+            if metadata.message_id
+        }
+
+    @staticmethod
+    def reply_node(message: Message, sent_to: Mapping[str, int]) -> int:
+        """Return the node a reply stands for.
+
+        When a node dies mid-round, the SuperLink answers in its place with an
+        error reply (``NODE_UNAVAILABLE``) whose source is the SuperLink's own
+        node id (1); such a reply, and the grid's own error replies, are
+        attributed to the node the answered message was sent to
+        (``reply_to_message_id``). Any other reply is its source's.
+        """
+        node_id = message.metadata.src_node_id
+        if node_id == SUPERLINK_NODE_ID and message.has_error():
+            return sent_to.get(message.metadata.reply_to_message_id, node_id)
+        return node_id
+
+    def reply_size_limit(self, expected_arrays: Mapping[str, RecordSpec]) -> int:
+        """Return the largest reply accepted, in bytes (:attr:`max_reply_bytes`).
+
+        Default: twice the payload of the expected ArrayRecords, plus 1 MiB
+        (``.npy`` headers and keys take a few hundred bytes per array).
+        """
+        if self.max_reply_bytes is not None:
+            return self.max_reply_bytes
+        return 2 * expected_bytes(expected_arrays) + (1 << 20)
+
+    def cap_claims(
+        self, server_round: int, replies: list[ValidReply], phase: str
+    ) -> int:
+        """Lower claimed ``num-examples`` above the caps; return how many were.
+
+        The cap is the smaller of :attr:`max_num_examples` and
+        :attr:`max_weight_ratio` times the median claim of ``replies``. A capped
+        reply keeps its claim in ``capped_from`` and is logged with its node,
+        client key, claim and cap.
+        """
+        caps: list[tuple[float, str]] = []
+        if self.max_num_examples is not None:
+            caps.append(
+                (self.max_num_examples, f"max_num_examples={self.max_num_examples:g}")
+            )
+        if self.max_weight_ratio is not None and replies:
+            median = float(np.median([r.num_examples for r in replies]))
+            caps.append(
+                (
+                    self.max_weight_ratio * median,
+                    f"max_weight_ratio={self.max_weight_ratio:g} x the round's "
+                    f"median claim {median:g}",
+                )
+            )
+        if not caps:
+            return 0
+        limit, policy = min(caps, key=lambda cap: cap[0])
+        capped = 0
+        for reply in replies:
+            if reply.num_examples <= limit:
+                continue
+            capped += 1
+            reply.capped_from = reply.num_examples
+            reply.num_examples = limit
+            key = reply.metrics.get(CLIENT_KEY_METRIC)
+            log(
+                WARNING,
+                "%s: round %d: node %d (client key %s) claims num-examples %g: "
+                "capped to %g (%s)",
+                phase,
+                server_round,
+                reply.node_id,
+                key
+                if isinstance(key, (int, float)) and not isinstance(key, bool)
+                else "not reported",
+                reply.capped_from,
+                limit,
+                policy,
+            )
+        return capped
 
     def collect_replies(
         self,
@@ -956,15 +1134,20 @@ class ValidatedFedAvg(FedAvg):
         if training:
             self.round_tally = tally
         unused: list[tuple[int, ReplyRejected]] = []
+        sent_to = self.sent_message_nodes("train" if training else "evaluate")
+        max_bytes = self.reply_size_limit(expected_arrays)
         for message in replies:
-            node_id = message.metadata.src_node_id
+            node_id = self.reply_node(message, sent_to)
             try:
                 if sampled is not None and node_id not in sampled:
                     raise ReplyRejected("unsampled", "node was not sampled this round")
                 if node_id in seen:
                     raise ReplyRejected("duplicate", "second reply from this node")
                 reply = validate_reply(
-                    message, expected_arrays=expected_arrays, defer_finite=defer_finite
+                    message,
+                    expected_arrays=expected_arrays,
+                    defer_finite=defer_finite,
+                    max_bytes=max_bytes,
                 )
                 if expected_arrays:
                     self.check_reply(reply)
@@ -1036,17 +1219,19 @@ class ValidatedFedAvg(FedAvg):
             raise RuntimeError(
                 f"{type(self).__name__}.aggregate_train called before configure_train"
             )
-        # The model record's NaN/inf check is deferred: NaN and inf propagate
-        # through the weighted sum, so one check of the result replaces one pass
-        # over every reply; only a non-finite result pays for per-reply checks.
+        # The model record's NaN/inf check is deferred (linear_aggregate): NaN
+        # and inf propagate through the weighted sum, so one check of the result
+        # replaces one pass over every reply; only a non-finite result pays for
+        # per-reply checks.
         valid, failed, rejected, absent = self.collect_replies(
             server_round,
             replies,
             expected_arrays=self.expected_train_arrays(server_round),
             sampled=self._train_nodes,
             phase="aggregate_train",
-            defer_finite=(self.arrayrecord_key,),
+            defer_finite=(self.arrayrecord_key,) if self.linear_aggregate else (),
         )
+        capped = self.cap_claims(server_round, valid, "aggregate_train")
         arrays, keep = self._average_finite(server_round, valid)
         before = len(valid)
         valid = [r for r in valid if r.finite]
@@ -1061,6 +1246,7 @@ class ValidatedFedAvg(FedAvg):
             "replies-failed": failed,
             "replies-rejected": rejected,
             "replies-absent": absent,
+            "replies-capped": capped,
             # Array payload bytes of this round's messages (model, extra records).
             "bytes-sent": self._bytes_sent,
             "bytes-received": sum(
@@ -1110,6 +1296,7 @@ class ValidatedFedAvg(FedAvg):
         errors: list[Message] = []
         others: list[Message] = []
         tally = ReplyTally()
+        sent_to = self.sent_message_nodes("train")
         for message in replies:
             passed_on = message.has_error() and not str(
                 message.error.reason
@@ -1117,7 +1304,7 @@ class ValidatedFedAvg(FedAvg):
             (errors if passed_on else others).append(message)
             if passed_on:  # counted here: the wrapper skips the round unseen
                 tally.add(
-                    message.metadata.src_node_id,
+                    self.reply_node(message, sent_to),
                     ReplyRejected("error-reply", str(message.error.reason)),
                 )
         valid, *_ = self.collect_replies(
@@ -1191,47 +1378,76 @@ class ValidatedFedAvg(FedAvg):
         """Average, rejecting replies whose model holds NaN or inf.
 
         Returns the new model (or None) and, when None, why the model is kept.
-        Replies found non-finite get ``finite = False`` and are logged.
+        The average is first computed in the model's dtype, with normalised
+        weights (finite replies cannot overflow it). When it is not finite,
+        the replies are checked one by one: those holding NaN or inf get
+        ``finite = False``, are logged, and the average is recomputed without
+        them. When every reply is finite and the average still is not, it is
+        recomputed once with float64 accumulators, rounded once at the end:
+        then it is not finite only if the true mean does not fit the dtype.
         """
-        for attempt in (1, 2):
+        checked = wide = False
+        while True:
             candidates = [r for r in valid if r.finite]
             if not candidates:
                 return None, "no valid reply"
+            self._accumulate_in = np.float64 if wide else None
             try:
                 arrays = self.aggregate_arrays(server_round, candidates)
             except ZeroTotalWeightError as err:
                 return None, f"zero total weight ({err})"
+            finally:
+                self._accumulate_in = None
             if record_is_finite(arrays):
                 return arrays, None
-            if attempt == 2:
-                break
-            for reply in candidates:
-                bad = reply.non_finite_keys(self.arrayrecord_key)
-                if bad:
-                    reply.finite = False
-                    self.rejections["aggregate_train:non-finite"] += 1
-                    why = ReplyRejected(
-                        "non-finite", f"{', '.join(bad)} hold NaN or inf"
-                    )
-                    self.round_tally.add(reply.node_id, why)
-                    self.run_tally.add(reply.node_id, why)
-                    log(
-                        WARNING,
-                        "aggregate_train: round %d: reply from node %d not used "
-                        "(non-finite): %s holds NaN or inf",
-                        server_round,
-                        reply.node_id,
-                        ", ".join(bad),
-                    )
-        return None, "the aggregate is not finite although every reply is"
+            if not checked:
+                checked = True
+                if self._reject_non_finite(server_round, candidates):
+                    continue
+            if wide:
+                return None, (
+                    "the average is not finite although every reply is (its true "
+                    "value does not fit the model's dtype)"
+                )
+            wide = True
+            log(
+                WARNING,
+                "aggregate_train: round %d: the average of %d finite replies "
+                "overflowed the model's dtype; recomputing it in float64",
+                server_round,
+                len(candidates),
+            )
+
+    def _reject_non_finite(self, server_round: int, replies: list[ValidReply]) -> int:
+        """Mark, count and log the replies whose model holds NaN or inf."""
+        found = 0
+        for reply in replies:
+            bad = reply.non_finite_keys(self.arrayrecord_key)
+            if not bad:
+                continue
+            found += 1
+            reply.finite = False
+            self.rejections["aggregate_train:non-finite"] += 1
+            why = ReplyRejected("non-finite", f"{', '.join(bad)} hold NaN or inf")
+            self.round_tally.add(reply.node_id, why)
+            self.run_tally.add(reply.node_id, why)
+            log(
+                WARNING,
+                "aggregate_train: round %d: reply from node %d not used "
+                "(non-finite): %s holds NaN or inf",
+                server_round,
+                reply.node_id,
+                ", ".join(bad),
+            )
+        return found
 
     def dissimilarity_metrics(self, replies: list[ValidReply]) -> dict[str, float]:
         """Estimate B(theta_t) from the gradients the valid replies carry."""
-        mean = WeightedMean()
+        weights = [self.reply_weight(reply) for reply in replies]
+        mean = WeightedMean(total=sum(weights))
         mean_sq = 0.0
         total = 0.0
-        for reply in replies:
-            weight = self.reply_weight(reply)
+        for reply, weight in zip(replies, weights, strict=True):
             grads = list(reply.arrays[GRADIENT_RECORD].values())
             mean.add(grads, weight)
             mean_sq += weight * sq_norm(grads)
@@ -1269,7 +1485,7 @@ class ValidatedFedAvg(FedAvg):
         shared[SERVER_ROUND_KEY] = server_round
         shared.update(self.evaluate_config(server_round))
         extra_records = self.evaluate_records(server_round)
-        return [
+        messages = [
             Message(
                 content=RecordDict(
                     {
@@ -1283,6 +1499,8 @@ class ValidatedFedAvg(FedAvg):
             )
             for node_id in node_ids
         ]
+        self._sent["evaluate"] = [message.metadata for message in messages]
+        return messages
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -1298,6 +1516,7 @@ class ValidatedFedAvg(FedAvg):
         )
         if not valid:
             return None
+        self.cap_claims(server_round, valid, "aggregate_evaluate")
         metrics = self._aggregate_metrics(valid, self._custom_evaluate_metrics)
         metrics["replies-valid"] = len(valid)
         if self._custom_evaluate_metrics is None:

@@ -255,6 +255,8 @@ def run_experiment(
                     grid=grid,
                     initial_arrays=initial,
                     num_rounds=num_rounds - done,
+                    # Seconds a round waits for replies (Flower's default: 3600).
+                    timeout=float(cfg["round-timeout"]),
                     evaluate_fn=round_end,
                 )
         else:
