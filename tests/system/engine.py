@@ -180,6 +180,24 @@ def make_tls_credentials(folder: Path, num_node_keys: int) -> TlsCredentials:
         .not_valid_before(validity[0])
         .not_valid_after(validity[1])
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     server_key = ec.generate_private_key(ec.SECP384R1())
@@ -202,6 +220,15 @@ def make_tls_credentials(folder: Path, num_node_keys: int) -> TlsCredentials:
         )
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
+        # (Python 3.13's strict verification wants the key identifiers.)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(server_key.public_key()),
+            critical=False,
         )
         .sign(ca_key, hashes.SHA256())
     )

@@ -5,7 +5,8 @@ here) with ``--enable-supernode-auth``; two SuperNodes whose public keys were
 registered with ``flwr supernode register`` run the app through ``flwr run``
 (the CLI verifies the SuperLink with ``root-certificates``). A SuperNode whose
 key was never registered, and one that does not trust the SuperLink's
-certificate, are refused. What the README's Deployment section shows.
+certificate, are refused; a run whose overrides name a callable off the
+``_target_`` allow-list fails. What the README's Deployment section shows.
 Every process is stopped by process group at the end.
 
 Two SuperNodes and two rounds: Flower starts one ClientApp process per message,
@@ -58,6 +59,20 @@ def test_tls_with_supernode_authentication(tmp_path: Path) -> None:
         if status["status"] != "finished:completed":
             log = run_log(reply["run-id"], deployment.env, deployment.connection)
             pytest.fail(f"{status}\n{log[-3000:]}")
+        # A run whose overrides ask for a callable off the allow-list fails in
+        # the ServerApp before anything is built, saying how to allow it.
+        refused = flwr_run(
+            deployment.env,
+            deployment.connection,
+            "--run-config",
+            "overrides='num-clients=2 strategy._target_=builtins.open'",
+            timeout=120,
+        )
+        status = run_status(refused["run-id"], deployment.env, deployment.connection)
+        assert status["status"] == "finished:failed", status
+        log = run_log(refused["run-id"], deployment.env, deployment.connection)
+        assert "strategy._target_='builtins.open' is not allowed" in log, log[-3000:]
+        assert "FLWR_PROX_ALLOWED_TARGETS" in log
         # Refused: they exit (Flower's exit code 305) and never join.
         assert exited(unregistered, 30) not in (None, 0)
         assert exited(untrusting, 30) not in (None, 0)
