@@ -341,14 +341,25 @@ def test_invalid_hyperparameters() -> None:
         ScaffoldClient(model, TWO.loader(0), momentum=0.9, loss_fn=half_sse)
 
 
-def test_num_clients_must_match_the_federation() -> None:
-    strategy = FedDyn(alpha=0.1, num_clients=5, min_available_nodes=2)
-    with pytest.raises(RuntimeError, match="num_clients=5"):
-        strategy.start(
-            grid=InProcessGrid(lambda m, c: m, num_nodes=3),
-            initial_arrays=TWO.initial(),
-            num_rounds=1,
+def test_k_is_the_federation_not_the_nodes_connected(problem: LeastSquares) -> None:
+    """K = 5 given, 4 nodes: the fifth client holds zero state, c = sum / 5."""
+    strategy = Scaffold(num_clients=5, fraction_evaluate=0.0, min_available_nodes=2)
+    grid = InProcessGrid(
+        to_client_app(problem.client_fn(ScaffoldClient, **LOCAL)), num_nodes=4
+    )
+    strategy.start(grid=grid, initial_arrays=problem.initial(), num_rounds=2)
+    assert strategy.num_clients == 5 and strategy.control.c is not None
+    total = sum(
+        ClientState(context).get("scaffold-control")[0]  # type: ignore[index]
+        for context in grid.contexts.values()
+        if ClientState(context).resolve(
+            strategy.accepted[int(context.node_config["partition-id"])]
         )
+        or True
+    )
+    np.testing.assert_allclose(
+        5 * next(iter(strategy.control.c.values())), total, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_feddyn_tracks_the_mean_of_all_clients_latest_models(

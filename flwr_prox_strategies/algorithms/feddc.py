@@ -118,6 +118,7 @@ class FedDC(ValidatedFedAvg):
 
     straggler_policy = "keep-partial"
     stateful_clients = True
+    keeps_client_sums = True
     requires_num_clients = True
     rule_metric = FEDDC_APPLIED_KEY
     rule_name = "FedDC's drift penalty and gradient correction"
@@ -188,6 +189,10 @@ class FedDC(ValidatedFedAvg):
         return expected
 
     # -------------------------------------------------------- aggregation
+    def on_num_clients_change(self, old: int, new: int) -> None:
+        """Keep c the mean over all N clients (the drift sum needs nothing)."""
+        self.control.rescale(old / new)
+
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
@@ -267,6 +272,7 @@ class FedDCRule(ClientRule):
     protocol = "FedDC"
     applied_metric = FEDDC_APPLIED_KEY
     stateful = True
+    state_names = (DRIFT_STATE, CONTROL_STATE, UPDATE_STATE)
     plain_sgd = True
     needs_lr = True
 

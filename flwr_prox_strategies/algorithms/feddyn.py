@@ -115,6 +115,7 @@ class FedDyn(ValidatedFedAvg):
 
     straggler_policy = "keep-partial"
     stateful_clients = True
+    keeps_client_sums = True
     requires_num_clients = True
     default_weighting = "uniform"
     rule_metric = FEDDYN_APPLIED_KEY
@@ -132,6 +133,9 @@ class FedDyn(ValidatedFedAvg):
         super().__init__(num_clients=num_clients, **kwargs)
         self.alpha = float(alpha)
         self.track_all_clients = bool(track_all_clients)
+        # A client that lost its state computed its latest-model change from
+        # the wrong baseline: with tracking, it restarts from theta^0 instead.
+        self.accept_lost_state = not self.track_all_clients
         self.drift_sum: dict[str, NDArray] | None = None  # Lambda = sum_k lambda_k
         self._next_drift_sum: dict[str, NDArray] | None = None
         self.initial: dict[str, NDArray] | None = None  # theta^0 (tracking)
@@ -192,6 +196,13 @@ class FedDyn(ValidatedFedAvg):
         """Evaluate the mean of all clients' latest models too, when tracked."""
         model = self.all_clients_model()
         return {} if model is None else {"central-all-clients": model}
+
+    def on_num_clients_change(self, old: int, new: int) -> None:
+        r"""Count the new clients' latest models, :math:`\theta^0`, when tracked."""
+        if self.latest_sum is None or self.initial is None:
+            return
+        for key in self.latest_sum:
+            self.latest_sum[key] += (new - old) * self.initial[key]
 
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
@@ -261,6 +272,7 @@ class FedDynRule(ClientRule):
     protocol = "FedDyn"
     applied_metric = FEDDYN_APPLIED_KEY
     stateful = True
+    state_names = (DRIFT_STATE, LATEST_STATE)
 
     def __init__(self, *args: Any, decoupled: bool = False, **kwargs: Any) -> None:
         self.decoupled = bool(decoupled)

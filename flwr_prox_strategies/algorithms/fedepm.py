@@ -405,6 +405,7 @@ class FedEPMRule(ClientRule):
     protocol = "FedEPM"
     applied_metric = FEDEPM_APPLIED_KEY
     stateful = True
+    state_names = (LOCAL_STATE,)
 
     def __init__(
         self, *args: Any, num_examples: int, seed: int | None = None, **kwargs: Any

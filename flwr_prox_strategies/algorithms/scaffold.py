@@ -78,6 +78,12 @@ class ControlVariates:
             self.c = {k: np.zeros_like(arrays[k]) for k in arrays}
         return self.c
 
+    def rescale(self, factor: float) -> None:
+        r"""Multiply :math:`c` by ``factor`` (a mean over K when K changes)."""
+        if self.c is not None:
+            for key in float_keys(self.c):
+                self.c[key] = (self.c[key] * factor).astype(self.c[key].dtype)
+
     def record(self, model: ArrayRecord) -> ArrayRecord:
         """Return the ``control`` record for clients (model keys, same order)."""
         return dict_to_record(self.ensure(model))
@@ -125,6 +131,7 @@ class Scaffold(ValidatedFedAvg):
 
     straggler_policy = "keep-partial"
     stateful_clients = True
+    keeps_client_sums = True
     requires_num_clients = True
     default_weighting = "uniform"
     rule_metric = SCAFFOLD_APPLIED_KEY
@@ -181,6 +188,10 @@ class Scaffold(ValidatedFedAvg):
             average[key] = (x[key] + step).astype(x[key].dtype)
         return dict_to_record(average)
 
+    def on_num_clients_change(self, old: int, new: int) -> None:
+        r"""Keep :math:`c` the mean over all N clients: new ones hold zero."""
+        self.control.rescale(old / new)
+
     def on_valid_replies(
         self, server_round: int, replies: list[ValidReply]
     ) -> dict[str, Any]:
@@ -228,6 +239,7 @@ class ScaffoldRule(ClientRule):
     protocol = "Scaffold"
     applied_metric = SCAFFOLD_APPLIED_KEY
     stateful = True
+    state_names = (CONTROL_STATE,)
     plain_sgd = True
     needs_lr = True
 

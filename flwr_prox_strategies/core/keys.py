@@ -23,6 +23,13 @@ ACCEPTED_ROUND_KEY = "accepted-round"
 ACCEPTED_KEYS_KEY = "accepted-keys"
 ACCEPTED_ROUNDS_KEY = "accepted-rounds"
 CLIENT_KEY_METRIC = "client-key"
+# Stateful clients report the round their committed state comes from (-1: none),
+# so the server can tell a client that lost its state, or holds another run's or
+# another round's, from one in step with what the server committed.
+STATE_ROUND_METRIC = "state-round"
+# The server asks a client whose state it cannot use to start afresh.
+RESET_STATE_KEY = "reset-state"
+RESET_KEYS_KEY = "reset-keys"
 # An error reply whose reason starts with this (the client's exception name) comes
 # from a client whose privacy budget is spent: absent from now on, not failed.
 BUDGET_EXHAUSTED_REASON = "PrivacyBudgetExhausted"

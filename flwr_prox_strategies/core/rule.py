@@ -62,7 +62,10 @@ from .keys import (
     ACCEPTED_ROUNDS_KEY,
     CLIENT_KEY_METRIC,
     NUM_EXAMPLES_KEY,
+    RESET_KEYS_KEY,
+    RESET_STATE_KEY,
     SERVER_ROUND_KEY,
+    STATE_ROUND_METRIC,
 )
 from .records import to_ndarrays, to_record
 from .state import ClientState
@@ -106,6 +109,13 @@ def accepted_round(config: Mapping[str, Any], client_key: int) -> int | None:
 def node_key(node_id: int) -> int:
     """Return a node id made exact as a float metric (Flower's ids are 64-bit)."""
     return int(node_id) % (1 << 52)
+
+
+def must_reset(config: Mapping[str, Any], client_key: int) -> bool:
+    """Return True when the server asks this client to start afresh."""
+    if config.get(RESET_STATE_KEY, False):
+        return True
+    return client_key in list(config.get(RESET_KEYS_KEY, []))
 
 
 def client_key_of(context: Context | None) -> int:
@@ -234,6 +244,8 @@ class ClientRule:
     plain_sgd: ClassVar[bool] = False
     # The state update divides by the step size (reply needs it).
     needs_lr: ClassVar[bool] = False
+    # The names of the state records the rule keeps (what a reset forgets).
+    state_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -257,6 +269,8 @@ class ClientRule:
         self.base_lr = base_lr
         self.server_round = int(self.config.get(SERVER_ROUND_KEY, 0))
         if self.stateful:
+            if must_reset(self.config, self.client_key):
+                self.state.reset(self.state_names)
             self.state.resolve(accepted_round(self.config, self.client_key))
         self.params = trainable(model)
         # The received global model, the point every rule measures from.
@@ -305,6 +319,7 @@ class ClientRule:
             metrics[self.applied_metric] = 1
         if self.stateful:
             metrics[CLIENT_KEY_METRIC] = self.client_key
+            metrics[STATE_ROUND_METRIC] = self.state.committed_round()
         return metrics
 
     # ------------------------------------------------------ in the user's loop

@@ -85,7 +85,27 @@ class ClientState:
             del self.records[name]
             if keep:
                 self.records[name[len(_PENDING) :]] = record
+        if keep:
+            self.set_scalar("committed-round", pending_round)
         return "committed" if keep else "dropped"
+
+    def committed_round(self) -> int:
+        """Return the round the committed state comes from (-1: none)."""
+        return int(self.scalar("committed-round", -1.0))
+
+    def reset(self, names: Sequence[str]) -> None:
+        """Forget the state saved under ``names`` (committed and pending).
+
+        Other records (a DP-SGD privacy ledger, say) stay: spent is spent.
+        """
+        doomed = {
+            *names,
+            *(_PENDING + n for n in names),
+            "scalar:committed-round",
+            "scalar:pending-round",
+        }
+        for name in [n for n in self.records.array_records if n in doomed]:
+            del self.records[name]
 
     def set_pending(
         self, name: str, arrays: Sequence[NDArray | torch.Tensor], server_round: int

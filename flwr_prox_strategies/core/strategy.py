@@ -85,7 +85,10 @@ from .keys import (
     LR_SCALE_KEY,
     NUM_EXAMPLES_KEY,
     REPORT_GRADIENT_KEY,
+    RESET_KEYS_KEY,
+    RESET_STATE_KEY,
     SERVER_ROUND_KEY,
+    STATE_ROUND_METRIC,
 )
 from .privacy import EPSILON_TOTAL_METRIC, privacy_metrics
 from .records import (
@@ -290,6 +293,12 @@ class ValidatedFedAvg(FedAvg):
     node_wait_timeout : float (default: 120.0)
         Seconds to wait for ``min_available_nodes`` before failing with an
         explanation (Flower's own ``FedAvg`` waits forever).
+    min_round_nodes : int | None (default: None)
+        The quorum after the first sampling: nodes that must be connected for
+        a later round to start (None: ``min_available_nodes`` every round, as
+        Flower's ``FedAvg``). A federation that loses nodes goes on with at
+        least this many; the stateful algorithms keep absent clients' state in
+        their sums, so K is unchanged.
     max_num_examples : float | None (default: None)
         Absolute cap on the ``num-examples`` a reply may claim; a larger claim
         is lowered to it (logged). None: no absolute cap.
@@ -337,6 +346,12 @@ class ValidatedFedAvg(FedAvg):
     # The update divides by the number of all clients: num_clients=None means
     # "learn it from the grid at the first round".
     requires_num_clients: ClassVar[bool] = False
+    # The server keeps sums over all clients' states (FedDyn, FedDC, SCAFFOLD):
+    # a client state lost on the client stays in them, retired.
+    keeps_client_sums: ClassVar[bool] = False
+    # A reply computed from zero state by a client that lost its state is
+    # usable as a new client's first reply.
+    accept_lost_state: bool = True
     # The weighting when neither weighting nor weighted_by_key is given.
     default_weighting: ClassVar[str] = "num-examples"
     # The new model is a positive linear combination of the replies' models, so
@@ -368,6 +383,7 @@ class ValidatedFedAvg(FedAvg):
         max_num_examples: float | None = None,
         max_weight_ratio: float | None = 100.0,
         max_reply_bytes: int | None = None,
+        min_round_nodes: int | None = None,
         strict: bool = False,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
@@ -416,6 +432,8 @@ class ValidatedFedAvg(FedAvg):
             )
         if max_reply_bytes is not None:
             check_int("max_reply_bytes", max_reply_bytes, 1)
+        if min_round_nodes is not None:
+            check_int("min_round_nodes", min_round_nodes, 1)
         super().__init__(
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
@@ -441,6 +459,8 @@ class ValidatedFedAvg(FedAvg):
         self.monitor_dissimilarity = bool(monitor_dissimilarity)
         self.accept_failures = accept_failures
         self.node_wait_timeout = float(node_wait_timeout)
+        self.min_round_nodes = min_round_nodes
+        self._sampled_once = False
         self.strict = bool(strict)
         self.max_num_examples = max_num_examples
         self.max_weight_ratio = max_weight_ratio
@@ -472,6 +492,12 @@ class ValidatedFedAvg(FedAvg):
         # replies was aggregated (state), and node id -> client key (this run).
         self.accepted: dict[int, int] = {}
         self._node_keys: dict[int, int] = {}
+        # Client churn (state): every client key seen, the client states
+        # retired (lost or unusable on the client, still in the server's sums),
+        # and the keys asked to start afresh.
+        self.client_keys_seen: set[int] = set()
+        self.retired_states = 0
+        self.reset_keys: set[int] = set()
         # Privacy ledger: client key (or node id) -> epsilon spent so far, as the
         # clients report it (dp-epsilon-total); one report for every strategy.
         self.epsilon_totals: dict[int, float] = {}
@@ -665,7 +691,11 @@ class ValidatedFedAvg(FedAvg):
         """
         probe = sorted(grid.get_node_ids())
         size = max(int(len(probe) * fraction), minimum)
-        nodes = self._connected_nodes(grid, max(self.min_available_nodes, size))
+        quorum = self.min_available_nodes
+        if self._sampled_once and self.min_round_nodes is not None:
+            quorum = self.min_round_nodes
+        self._sampled_once = True
+        nodes = self._connected_nodes(grid, max(quorum, size))
         connected = len(nodes)
         if exclude:
             nodes = [n for n in nodes if n not in exclude]
@@ -712,10 +742,18 @@ class ValidatedFedAvg(FedAvg):
             return {}
         key = self._node_keys.get(node_id)
         if key is not None:
-            return {ACCEPTED_ROUND_KEY: self.accepted.get(key, -1)}
+            config: dict[str, Any] = {ACCEPTED_ROUND_KEY: self.accepted.get(key, -1)}
+            if key in self.reset_keys:
+                config[RESET_STATE_KEY] = True
+            return config
+        if self.reset_keys:
+            config = {RESET_KEYS_KEY: sorted(self.reset_keys)}
+        else:
+            config = {}
         if not self.accepted:
-            return {ACCEPTED_ROUND_KEY: -1}
+            return {**config, ACCEPTED_ROUND_KEY: -1}
         return {
+            **config,
             ACCEPTED_KEYS_KEY: list(self.accepted),
             ACCEPTED_ROUNDS_KEY: list(self.accepted.values()),
         }
@@ -793,6 +831,121 @@ class ValidatedFedAvg(FedAvg):
             client,
             rule,
         )
+
+    def reconcile_client_state(
+        self, server_round: int, replies: list[ValidReply]
+    ) -> tuple[list[ValidReply], int]:
+        """Check each client's state against what the server committed.
+
+        A stateful client reports the round its committed state comes from
+        (``state-round``); the server knows the last round it aggregated that
+        client's reply (:attr:`accepted`). When they differ:
+
+        * the client holds **no** state (a restarted node, no ``state_dir``):
+          its last committed state is *retired*: it stays in the server's sums,
+          as an absent client's does, and the client goes on as a new client
+          from zero state, so K grows by one. Its reply, computed from zero
+          state, is used (unless :attr:`accept_lost_state` is False);
+        * the client holds **another** round's or run's state (a stale
+          ``state_dir``): its reply is rejected, its last committed state (if
+          any) is retired the same way, and it is asked to start afresh
+          (``reset-state``).
+
+        Then K grows to cover every client key seen plus the retired states
+        (:meth:`grow_num_clients`). Returns the usable replies and the number
+        rejected.
+        """
+        kept: list[ValidReply] = []
+        rejected = 0
+        for reply in replies:
+            key = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
+            held_value = reply.metrics.get(STATE_ROUND_METRIC)
+            expected = self.accepted.get(key, -1)
+            if not isinstance(held_value, (int, float)) or int(held_value) == expected:
+                kept.append(reply)
+                continue
+            held = int(held_value)
+            lost = held == -1
+            if expected >= 0 and self.keeps_client_sums:
+                self.retired_states += 1
+            self.accepted.pop(key, None)
+            self._node_keys[reply.node_id] = key
+            usable = lost and self.accept_lost_state
+            what = (
+                "holds no state"
+                if lost
+                else f"holds the state of round {held}, another round or run"
+            )
+            log(
+                WARNING,
+                "aggregate_train: round %d: client %d (node %d) %s, but the server "
+                "last committed its round %s: %s%s",
+                server_round,
+                key,
+                reply.node_id,
+                what,
+                expected if expected >= 0 else "(none)",
+                "its committed state stays in the sums as a retired client's and "
+                "it goes on as a new client (K + 1); "
+                if expected >= 0 and self.keeps_client_sums
+                else "",
+                "reply used (computed from zero state)"
+                if usable
+                else "reply not used; the client is asked to start afresh",
+            )
+            if usable:
+                kept.append(reply)
+                continue
+            self.reset_keys.add(key)
+            if not self.accept_lost_state:  # e.g. FedDyn's baseline: send theta^0
+                self._node_keys.pop(reply.node_id, None)
+            why = ReplyRejected(
+                "stale-state", f"client {key} state from round {held}, not {expected}"
+            )
+            self.rejections["aggregate_train:stale-state"] += 1
+            self.round_tally.add(reply.node_id, why)
+            self.run_tally.add(reply.node_id, why)
+            rejected += 1
+        return kept, rejected
+
+    def clients_needed(self, replies: list[ValidReply]) -> int:
+        """Return the K that covers every client key seen and retired state."""
+        keys = {int(r.metrics[CLIENT_KEY_METRIC]) for r in replies}  # type: ignore[arg-type]
+        return len(self.client_keys_seen | keys) + self.retired_states
+
+    def grow_num_clients(self, old: int | None, replies: list[ValidReply]) -> None:
+        """Commit K's growth from ``old`` once the round's replies are used.
+
+        A client new to the server holds zero state, so the sums are unchanged;
+        strategies that keep a *mean* over K rescale it in
+        :meth:`on_num_clients_change`. (During the round, :meth:`aggregate_arrays`
+        already sees the grown K.)
+        """
+        self.client_keys_seen |= {
+            int(r.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
+            for r in replies
+        }
+        new = self.num_clients
+        if old is None or new is None or new == old:
+            return
+        self.num_clients = old
+        self.learn_num_clients(new)
+        self.num_clients_source = (
+            f"grown: {len(self.client_keys_seen)} client keys seen, "
+            f"{self.retired_states} retired state(s)"
+        )
+        self.on_num_clients_change(old, new)
+        log(
+            WARNING,
+            "%s: K grows %d -> %d (%s)",
+            type(self).__name__,
+            old,
+            new,
+            self.num_clients_source,
+        )
+
+    def on_num_clients_change(self, old: int, new: int) -> None:
+        """Adjust state kept as a mean over K when K grows (sums need nothing)."""
 
     def learn_num_clients(self, num_clients: int) -> None:
         """Adopt ``num_clients`` learned from the grid or a checkpoint.
@@ -880,6 +1033,10 @@ class ValidatedFedAvg(FedAvg):
             "num-clients": self.num_clients,
             "epsilon-totals": dict(self.epsilon_totals),
             "retired-nodes": sorted(self.retired_nodes),
+            "num-clients-source": self.num_clients_source,
+            "client-keys-seen": sorted(self.client_keys_seen),
+            "retired-states": self.retired_states,
+            "reset-keys": sorted(self.reset_keys),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -890,6 +1047,16 @@ class ValidatedFedAvg(FedAvg):
                 f"not {type(self).__name__}"
             )
         saved_k = state.get("num-clients")
+        grown = str(state.get("num-clients-source", "")).startswith("grown")
+        if grown and self.num_clients is not None and saved_k is not None:
+            # K grew during the run (new clients, retired states): adopt it.
+            if int(saved_k) < self.num_clients:
+                raise ValueError(
+                    f"checkpoint has K={saved_k} after growth, below the "
+                    f"strategy's num_clients={self.num_clients}"
+                )
+            self.learn_num_clients(int(saved_k))
+            self.num_clients_source = str(state["num-clients-source"])
         if self.requires_num_clients and None in (saved_k, self.num_clients):
             # Learned from the grid: a checkpoint's K is adopted, and a strategy
             # built with K resumes a checkpoint made before K was learned.
@@ -912,6 +1079,9 @@ class ValidatedFedAvg(FedAvg):
             int(k): float(v) for k, v in state.get("epsilon-totals", {}).items()
         }
         self.retired_nodes = {int(n) for n in state.get("retired-nodes", [])}
+        self.client_keys_seen = {int(k) for k in state.get("client-keys-seen", [])}
+        self.retired_states = int(state.get("retired-states", 0))
+        self.reset_keys = {int(k) for k in state.get("reset-keys", [])}
         self.round_offset = self.rounds_completed
 
     # -------------------------------------------------------------- training
@@ -944,13 +1114,19 @@ class ValidatedFedAvg(FedAvg):
             stream=0,
             exclude=self.retired_nodes,
         )
-        if self.num_clients is not None and num_connected != self.num_clients:
-            raise RuntimeError(
-                f"{type(self).__name__} has num_clients={self.num_clients} "
-                f"({self.num_clients_source}) but {num_connected} nodes are "
-                "connected; its update divides by the number of all clients, so "
-                "they must agree (size the federation with --federation-config "
-                "'num-supernodes=N')."
+        if (
+            self.requires_num_clients
+            and self.num_clients is not None
+            and num_connected != self.num_clients
+        ):
+            log(
+                INFO,
+                "configure_train: %d node(s) connected, K=%d clients (%s): absent "
+                "clients keep their state in the sums; new ones join K when they "
+                "first reply",
+                num_connected,
+                self.num_clients,
+                self.num_clients_source,
             )
         stragglers = self.draw_stragglers(node_ids, server_round)
         if stragglers and self.straggler_policy == "drop":
@@ -1231,6 +1407,10 @@ class ValidatedFedAvg(FedAvg):
             phase="aggregate_train",
             defer_finite=(self.arrayrecord_key,) if self.linear_aggregate else (),
         )
+        k_before = self.num_clients
+        if self.stateful_clients:
+            valid, unusable = self.reconcile_client_state(server_round, valid)
+            rejected += unusable
         capped = self.cap_claims(server_round, valid, "aggregate_train")
         arrays, keep = self._average_finite(server_round, valid)
         before = len(valid)
@@ -1261,6 +1441,7 @@ class ValidatedFedAvg(FedAvg):
         self.last_round_report = dict(counts)
         if keep is not None or arrays is None:
             self.run_tally.kept[keep or "no model"] += 1
+            self.num_clients = k_before  # as if the round's replies never came
             log(
                 WARNING,
                 "aggregate_train: round %d: %s; %s; keeping the previous model",
@@ -1269,12 +1450,15 @@ class ValidatedFedAvg(FedAvg):
                 self.round_tally.describe(),
             )
             return None, MetricRecord(dict(counts.items()))
+        if self.stateful_clients:
+            self.grow_num_clients(k_before, valid)
         extra = self.on_valid_replies(server_round, valid)
         if self.stateful_clients:
             for reply in valid:
                 client = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
                 self._node_keys[reply.node_id] = client
                 self.accepted[client] = server_round
+                self.reset_keys.discard(client)
         if self.monitor_dissimilarity:
             extra.update(self.dissimilarity_metrics(valid))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
@@ -1387,11 +1571,15 @@ class ValidatedFedAvg(FedAvg):
         then it is not finite only if the true mean does not fit the dtype.
         """
         checked = wide = False
+        k_base = self.num_clients
         while True:
             candidates = [r for r in valid if r.finite]
             if not candidates:
                 return None, "no valid reply"
             self._accumulate_in = np.float64 if wide else None
+            if self.stateful_clients and self.requires_num_clients and k_base:
+                # K for this round's update: every client seen, these included.
+                self.num_clients = max(k_base, self.clients_needed(candidates))
             try:
                 arrays = self.aggregate_arrays(server_round, candidates)
             except ZeroTotalWeightError as err:
@@ -1562,9 +1750,11 @@ def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
     for reply in replies:
         total += reply.num_examples
         for key, value in reply.metrics.items():
-            if key in (NUM_EXAMPLES_KEY, CLIENT_KEY_METRIC) or isinstance(
-                value, (list, bool)
-            ):
+            if key in (
+                NUM_EXAMPLES_KEY,
+                CLIENT_KEY_METRIC,
+                STATE_ROUND_METRIC,
+            ) or isinstance(value, (list, bool)):
                 continue
             if not math.isfinite(value):
                 continue

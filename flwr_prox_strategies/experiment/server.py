@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import Result
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.client import ProtocolError
-from ..core.strategy import NoRoundAggregatedError, ReplyTally
+from ..core.strategy import NoRoundAggregatedError, ReplyTally, ValidatedFedAvg
 from ..core.training import evaluate_model
 from .checkpoint import (
     CHECKPOINT_FILE,
@@ -153,6 +153,10 @@ def run_experiment(
 ) -> tuple[Result, Path]:
     """Run the composed experiment on ``grid``; write results and plots.
 
+    With ``resume`` in ``run_config``, the run in that folder continues from
+    its checkpoint (:mod:`.checkpoint`): ``Result`` then holds the rounds this
+    call ran, numbered as in the whole run; ``results.json`` holds every round.
+
     Returns
     -------
     tuple[Result, Path]
@@ -165,6 +169,10 @@ def run_experiment(
     resume_dir = resume_folder(run_config)
     output_dir = resume_dir or output_dir_for(cfg, run_config)
     strategy = build_strategy(cfg)
+    for inner in getattr(strategy, "inner", [strategy]):  # P-FedAvg's servers too
+        if isinstance(inner, ValidatedFedAvg):
+            inner.min_round_nodes = int(cfg["quorum"])
+            inner.node_wait_timeout = float(cfg["node-wait-timeout"])
     every = check_checkpointing(cfg, strategy)
     resume = None
     if resume_dir is not None:  # the strategy's state is loaded here
@@ -268,6 +276,15 @@ def run_experiment(
         recorder.meta["failure"] = f"{type(err).__name__}: {err}"
         recorder.flush()
         raise
+    if done:  # Flower numbers a resumed start's rounds from 1: use the run's
+        for history in (
+            result.train_metrics_clientapp,
+            result.evaluate_metrics_clientapp,
+            result.evaluate_metrics_serverapp,
+        ):
+            shifted = {rnd + done: value for rnd, value in history.items() if rnd}
+            history.clear()
+            history.update(shifted)
     if round_end.checkpoints:
         log(
             INFO,

@@ -1,0 +1,172 @@
+"""Nodes come and go, and the stateful algorithms' sums stay right.
+
+SCAFFOLD's server keeps c = (1/K) sum_i c_i and FedDyn's keeps
+Lambda = sum_k lambda_k over *all* clients. After a node is lost, restarted
+with empty state, replaced by one holding a stale state, or joined by a new
+client, the server's sums must still equal the sums of what the clients hold
+(plus the retired states the server announced), and K must count them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from flwr_prox_strategies import FedDyn, FedDynClient, Scaffold, ScaffoldClient
+from flwr_prox_strategies.algorithms.feddyn import DRIFT_STATE
+from flwr_prox_strategies.algorithms.scaffold import CONTROL_STATE
+from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.state import ClientState
+
+from .lsq import LeastSquares
+
+LOCAL = {"local_epochs": 3, "learning_rate": 0.1}
+
+
+@pytest.fixture
+def problem() -> LeastSquares:
+    return LeastSquares(num_clients=5)
+
+
+def held(strategy, context: Context, name: str) -> np.ndarray:
+    """What a client holds once the server's last confirmation reaches it."""
+    key = int(context.node_config["partition-id"])
+    state = ClientState(context)
+    state.resolve(strategy.accepted.get(key, -1))  # the two-phase commit
+    saved = state.get(name)
+    return np.zeros(5) if saved is None else np.ravel(saved[0])
+
+
+def grid_of(problem: LeastSquares, client_cls, nodes: int = 4) -> InProcessGrid:
+    from flwr_prox_strategies import to_client_app
+
+    app = to_client_app(problem.client_fn(client_cls, **LOCAL))
+    return InProcessGrid(app, num_nodes=nodes)
+
+
+def add_node(grid: InProcessGrid, node_id: int, partition: int) -> Context:
+    context = Context(
+        run_id=1,
+        node_id=node_id,
+        node_config={"partition-id": partition, "num-partitions": 5},
+        state=RecordDict(),
+        run_config={},
+    )
+    grid.contexts[node_id] = context
+    return context
+
+
+def run_rounds(strategy, grid, arrays, rounds: int):
+    strategy.round_offset = strategy.rounds_completed  # continue the numbering
+    return strategy.start(grid=grid, initial_arrays=arrays, num_rounds=rounds).arrays
+
+
+def scaffold_sum(strategy: Scaffold) -> np.ndarray:
+    assert strategy.control.c is not None
+    return strategy.num_clients * np.ravel(next(iter(strategy.control.c.values())))
+
+
+def scaffold(**kwargs) -> Scaffold:
+    return Scaffold(num_clients=4, fraction_evaluate=0.0, min_round_nodes=1, **kwargs)
+
+
+def test_lost_node_the_run_goes_on_and_k_stays(problem):
+    grid = grid_of(problem, ScaffoldClient)
+    strategy = scaffold()
+    arrays = run_rounds(strategy, grid, problem.initial(), 2)
+    lost = grid.contexts.pop(1002)  # SIGKILLed: never comes back
+    arrays = run_rounds(strategy, grid, arrays, 2)
+    assert strategy.num_clients == 4
+    total = sum(
+        held(strategy, c, CONTROL_STATE) for c in [*grid.contexts.values(), lost]
+    )
+    np.testing.assert_allclose(scaffold_sum(strategy), total, rtol=1e-5, atol=1e-6)
+
+
+def test_restarted_node_without_state_is_retired_and_counted(problem, caplog):
+    grid = grid_of(problem, ScaffoldClient)
+    strategy = scaffold()
+    arrays = run_rounds(strategy, grid, problem.initial(), 3)
+    old = grid.contexts.pop(1002)
+    retired = held(strategy, old, CONTROL_STATE)
+    assert np.abs(retired).sum() > 0
+    add_node(grid, 2002, partition=1)  # same client, new node id, empty state
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run_rounds(strategy, grid, arrays, 3)
+    assert strategy.retired_states == 1 and strategy.num_clients == 5
+    assert any(
+        "client 1 (node 2002) holds no state" in r.getMessage() for r in caplog.records
+    )
+    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
+    np.testing.assert_allclose(
+        scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_stale_state_is_refused_reset_and_retired(problem, caplog):
+    grid = grid_of(problem, ScaffoldClient)
+    strategy = scaffold()
+    arrays = run_rounds(strategy, grid, problem.initial(), 3)
+    # Node 1003 comes back holding the state of another run (a stale state_dir).
+    other = grid_of(problem, ScaffoldClient)
+    run_rounds(scaffold(), other, problem.initial(), 2)
+    retired = held(strategy, grid.contexts[1003], CONTROL_STATE)
+    grid.contexts[1003].state = other.contexts[1003].state
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run_rounds(strategy, grid, arrays, 3)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "client 2 (node 1003) holds the state of round 1" in text
+    assert strategy.rejections["aggregate_train:stale-state"] == 1
+    assert strategy.retired_states == 1 and strategy.num_clients == 5
+    assert not strategy.reset_keys  # the client started afresh and was accepted
+    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
+    np.testing.assert_allclose(
+        scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_joining_node_grows_k_and_keeps_c_a_mean(problem):
+    grid = grid_of(problem, ScaffoldClient)
+    strategy = scaffold()
+    arrays = run_rounds(strategy, grid, problem.initial(), 2)
+    add_node(grid, 2005, partition=4)
+    run_rounds(strategy, grid, arrays, 2)
+    assert strategy.num_clients == 5
+    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
+    np.testing.assert_allclose(scaffold_sum(strategy), total, rtol=1e-5, atol=1e-6)
+
+
+def test_feddyn_drift_sum_survives_a_restart(problem):
+    grid = grid_of(problem, FedDynClient)
+    strategy = FedDyn(
+        alpha=0.3, num_clients=4, fraction_evaluate=0.0, min_round_nodes=1
+    )
+    arrays = run_rounds(strategy, grid, problem.initial(), 3)
+    retired = held(strategy, grid.contexts.pop(1004), DRIFT_STATE)
+    add_node(grid, 2004, partition=3)
+    run_rounds(strategy, grid, arrays, 3)
+    assert strategy.num_clients == 5
+    assert strategy.drift_sum is not None
+    total = sum(held(strategy, c, DRIFT_STATE) for c in grid.contexts.values())
+    np.testing.assert_allclose(
+        np.ravel(next(iter(strategy.drift_sum.values()))),
+        total + retired,
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_churn_state_survives_a_checkpoint(problem):
+    grid = grid_of(problem, ScaffoldClient)
+    strategy = scaffold()
+    arrays = run_rounds(strategy, grid, problem.initial(), 2)
+    grid.contexts.pop(1002)
+    add_node(grid, 2002, partition=1)
+    run_rounds(strategy, grid, arrays, 1)
+    again = Scaffold(num_clients=4, fraction_evaluate=0.0, min_round_nodes=1)
+    again.load_state_dict(strategy.state_dict())
+    assert (again.num_clients, again.retired_states) == (5, 1)
+    assert again.client_keys_seen == strategy.client_keys_seen
