@@ -117,6 +117,7 @@ def test_four_rounds_equal_two_plus_crash_plus_resume(tmp_path: Path, name) -> N
     np.random.seed(12345)  # the checkpoint's RNG state must win over this
     resumed, out = app_run(crashed, overrides, resume=str(crashed))
     assert out == crashed
+    assert sorted(resumed.train_metrics_clientapp) == [3, 4]  # the run's numbers
     a = straight.arrays.to_numpy_ndarrays()
     b = resumed.arrays.to_numpy_ndarrays()
     assert len(a) == len(b)

@@ -40,7 +40,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from omegaconf import DictConfig, OmegaConf
 
-from .config import RUN_OUTPUT_DIR, RUN_RESUME
+from .config import RUN_OUTPUT_DIR, RUN_RESUME, check_target
 from .results import RunRecorder
 
 CHECKPOINT_FILE = "checkpoint.npz"
@@ -252,7 +252,8 @@ def resume_folder(run_config: Mapping[str, Any]) -> Path | None:
 
 
 def client_class(cfg: DictConfig) -> type:
-    """Return the class ``cfg.client`` builds."""
+    """Return the class ``cfg.client`` builds (allow-listed before it is imported)."""
+    check_target(cfg.client._target_, "client._target_")
     cls = hydra.utils.get_class(str(cfg.client._target_))
     assert isinstance(cls, type)
     return cls
