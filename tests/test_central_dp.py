@@ -23,7 +23,7 @@ from flwr_prox_strategies import (
     ServerSideFixedClipping,
 )
 
-from .helpers import error_reply, model_arrays, record, sampling_grid
+from .helpers import model_arrays, record, sampling_grid
 from .test_contract import (
     BAD_REPLIES,
     NUM_NODES,
@@ -75,7 +75,10 @@ def aggregate(strategy, replies):
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("name", PACK)
-@pytest.mark.parametrize("kind", sorted(set(BAD_REPLIES) - {"error-reply"}))
+# Error replies (a failed ClientApp, a dead node's) follow Flower's policy: below.
+@pytest.mark.parametrize(
+    "kind", sorted(set(BAD_REPLIES) - {"error-reply", "dead-node"})
+)
 def test_bad_reply_is_as_if_absent_inside_the_wrapper(wrapper, name, kind) -> None:
     if wrapper == "server-side" and STRATEGIES[name]().extra_reply_records():
         pytest.skip("server-side clipping treats every reply record as a model")
@@ -102,12 +105,14 @@ def test_bad_reply_is_as_if_absent_inside_the_wrapper(wrapper, name, kind) -> No
 
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("name", PACK)
-def test_error_reply_skips_the_round_and_touches_nothing(wrapper, name) -> None:
+@pytest.mark.parametrize("kind", ["error-reply", "dead-node"])
+def test_error_reply_skips_the_round_and_touches_nothing(wrapper, name, kind) -> None:
     """Flower's policy: no aggregation with an error in the round (noise is
     calibrated to the number of sampled clients)."""
     strategy, messages, good = setup(wrapper, name)
     reference, _, _ = setup(wrapper, name)
-    arrays, _ = aggregate(strategy, [error_reply(messages[0]), *good[1:]])
+    bad = BAD_REPLIES[kind](strategy.strategy, messages[0], good)
+    arrays, _ = aggregate(strategy, [bad, *good[1:]])
     assert arrays is None
     assert_same_state(reference.strategy.state_dict(), strategy.strategy.state_dict())
 
