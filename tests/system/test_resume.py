@@ -2,7 +2,7 @@
 
 `flwr run` (no --stream) starts SCAFFOLD on 4 simulated SuperNodes; once the
 app's checkpoint holds round 2, every process of the managed engine (SuperLink,
-SuperExec, flwr-simulation, Ray) is killed by process group, as a crash of the
+SuperExec, flwr-simulation, Ray) is SIGKILLed by process group, as a crash of the
 machine's Flower side. A second `flwr run` with the same run config plus
 ``resume='<output folder>'`` starts a new SuperLink and a new run, whose
 ClientApps (new Ray workers, empty ``context.state``) read their state back from
@@ -14,6 +14,8 @@ results.json, and end with the model of an uninterrupted run of the same app
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -37,7 +39,7 @@ from .engine import (
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 8
+ROUNDS = 5
 OVERRIDES = (
     f"strategy=scaffold num-clients=4 num-rounds={ROUNDS} model=logreg "
     "train.local-epochs=1"
@@ -94,10 +96,16 @@ def test_engine_killed_mid_run_then_resumed(tmp_path: Path) -> None:
     output = tmp_path / "out"
     home = tmp_path / "home"
     run_config = f"overrides='{OVERRIDES}' output-dir='{output}'"
+    start = time.monotonic()
     with managed_engine(home) as env:
         first = submit(env, run_config, stream=False)
         wait_for_checkpoint(output, 2)
-        kill_groups(groups_started_under(home))  # SuperLink, SuperExec, Ray: all
+        up = time.monotonic()
+        groups = groups_started_under(home)  # SuperLink, SuperExec, simulation, Ray
+        for group in groups:  # a crash: SIGKILL at once, no clean shutdown
+            os.killpg(group, signal.SIGKILL)
+        kill_groups(groups)  # (waits until they are gone)
+        killed = time.monotonic()
         killed_at = int(read_checkpoint(output)["round"])
         assert killed_at < ROUNDS, "the run ended before the engine was killed"
         partial = json.loads((output / "results.json").read_text())
@@ -105,6 +113,7 @@ def test_engine_killed_mid_run_then_resumed(tmp_path: Path) -> None:
         assert (output / "client-state").is_dir()
 
         second = submit(env, f"{run_config} resume='{output}'", stream=True)
+        resumed_in = time.monotonic() - killed
         assert second["run-id"] != first["run-id"]
         status = run_status(second["run-id"], env)
         log = run_log(second["run-id"], env)
@@ -123,6 +132,10 @@ def test_engine_killed_mid_run_then_resumed(tmp_path: Path) -> None:
     gap = max(
         float(np.max(np.abs(a - b))) for a, b in zip(resumed, reference, strict=True)
     )
-    print(f"killed at round {killed_at}; max |resumed - uninterrupted| = {gap:.3g}")
+    print(
+        f"killed at round {killed_at} after {up - start:.1f} s (kill: "
+        f"{killed - up:.1f} s); resumed run: {resumed_in:.1f} s; "
+        f"max |resumed - uninterrupted| = {gap:.3g}"
+    )
     for a, b in zip(resumed, reference, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
