@@ -273,10 +273,12 @@ class Deployment:
         key: Path | None = None,
         root_certificates: Path | None = None,
         extra: tuple[str, ...] = (),
+        folder: str | None = None,
     ) -> subprocess.Popen:
         """Start SuperNode ``index`` (TLS: ``key`` and ``root_certificates``,
-        by default its own key and the deployment's CA); teardown stops it."""
-        node_dir = self.flwr_home / f"supernode{index}"
+        by default its own key and the deployment's CA); teardown stops it.
+        ``folder`` names its working folder (a restarted node needs a new one)."""
+        node_dir = self.flwr_home / (folder or f"supernode{index}")
         node_dir.mkdir()
         if self.tls is None:
             security = ["--insecure"]
@@ -325,6 +327,13 @@ class Deployment:
         reply = json.loads(out.stdout) if out.returncode == 0 else {}
         assert reply.get("success"), out.stdout + out.stderr
         return str(reply["node-id"])
+
+
+@contextlib.contextmanager
+def deployment(flwr_home: Path, num_nodes: int) -> Iterator[Deployment]:
+    """An insecure loopback deployment whose nodes can be killed and restarted."""
+    with _deployment(flwr_home, num_nodes, None) as running:
+        yield running
 
 
 @contextlib.contextmanager
