@@ -204,15 +204,27 @@ def test_an_inflated_claim_is_capped_and_logged(caplog) -> None:
 def test_the_default_cap_is_relative_to_the_round_median(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         model, metrics = lying_round(FedAvg(min_available_nodes=4))
-    cap = 100 * 115.0  # median claim of the round: 115
+    cap = 100 * 110.0  # median claim of the round (lower middle of four): 110
     want = (cap * 3.0 + 100 * 1.0 + 110 * 1.1 + 120 * 0.9) / (cap + 330)
     assert model == pytest.approx(want, rel=1e-6)
     assert metrics["replies-capped"] == 1
     assert any(
-        "capped to 11500 (max_weight_ratio=100 x the round's median claim 115)"
+        "capped to 11000 (max_weight_ratio=100 x the round's median claim 110)"
         in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_one_liar_cannot_raise_the_median_even_among_two() -> None:
+    strategy = FedAvg(min_available_nodes=2)
+    messages = configure(strategy, sampling_grid(2))
+    replies = [
+        reply(m, model_arrays(i), num_examples=n)
+        for i, (m, n) in enumerate(zip(messages, [1e12, 100], strict=True))
+    ]
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["replies-capped"] == 1
+    assert metrics["num-examples"] == 100 * 100 + 100
 
 
 def test_the_default_cap_leaves_a_skewed_honest_round_alone() -> None:

@@ -304,15 +304,17 @@ class ValidatedFedAvg(FedAvg):
         is lowered to it (logged). None: no absolute cap.
     max_weight_ratio : float | None (default: 100.0)
         Cap on a claimed ``num-examples`` relative to the median claim of the
-        round's valid replies: a claim above ``max_weight_ratio x median`` is
+        round's valid replies (the lower middle one of an even number, so that
+        one liar cannot raise it): a claim above ``max_weight_ratio x median`` is
         lowered to it, and the capped value is used everywhere (the weight, the
         metrics). Every capped reply is logged (node, client key, claimed,
         capped) and counted (``replies-capped``). The default never binds in
-        an honest run of the pack's benchmarks (largest claim <= 12x a round's
-        median) or configs' defaults (Adult under Dirichlet(0.3): 26x, 64x
-        with half the clients sampled); stronger skew (Adult, Dirichlet(0.1))
-        needs more. It bounds a liar in a large federation, not in a small
-        one: with 4 clients even a 10x weight is most of the model, so set
+        an honest run of the pack's benchmarks (largest claim <= 15x a round's
+        median) or configs' defaults (Adult under Dirichlet(0.3), all clients
+        sampled: 27x); fewer clients sampled or stronger skew can need more
+        (Adult, Dirichlet(0.3), half sampled: 65x; Dirichlet(0.1): 500x). It
+        bounds a liar in a large federation, not in a small one: with 4
+        clients even a 10x weight is most of the model, so set
         ``max_num_examples`` (or ``weighting="uniform"``) where the sizes are
         known. None: no cap.
     max_reply_bytes : int | None (default: None)
@@ -1235,9 +1237,10 @@ class ValidatedFedAvg(FedAvg):
         """Lower claimed ``num-examples`` above the caps; return how many were.
 
         The cap is the smaller of :attr:`max_num_examples` and
-        :attr:`max_weight_ratio` times the median claim of ``replies``. A capped
-        reply keeps its claim in ``capped_from`` and is logged with its node,
-        client key, claim and cap.
+        :attr:`max_weight_ratio` times the median claim of ``replies`` (of an
+        even number of claims, the lower middle one: one inflated claim cannot
+        raise it, even among two). A capped reply keeps its claim in
+        ``capped_from`` and is logged with its node, client key, claim and cap.
         """
         caps: list[tuple[float, str]] = []
         if self.max_num_examples is not None:
@@ -1245,7 +1248,8 @@ class ValidatedFedAvg(FedAvg):
                 (self.max_num_examples, f"max_num_examples={self.max_num_examples:g}")
             )
         if self.max_weight_ratio is not None and replies:
-            median = float(np.median([r.num_examples for r in replies]))
+            claims = sorted(r.num_examples for r in replies)
+            median = claims[(len(claims) - 1) // 2]
             caps.append(
                 (
                     self.max_weight_ratio * median,
