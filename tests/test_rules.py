@@ -535,7 +535,7 @@ def test_reply_takes_numpy_and_tensor_metrics():
     metrics = reply.content["metrics"]
     assert (metrics["train_loss"], metrics["acc"], metrics["ok"]) == (0.5, 0.25, 1)
     assert metrics["num-examples"] == 7 and metrics["local-steps"] == 0
-    assert "client-key" not in metrics  # FedAvg's rule keeps no state
+    assert metrics["client-key"] == 0 and "state-round" not in metrics  # no state
 
 
 def test_rule_refuses_a_model_moved_after_it_was_built():

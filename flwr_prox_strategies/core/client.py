@@ -445,8 +445,7 @@ class TorchClient(NumPyClient):
             }
         )
         metrics.update(self.after_training(config, report))
-        if self.stateful:
-            metrics[CLIENT_KEY_METRIC] = self.client_key
+        metrics[CLIENT_KEY_METRIC] = self.client_key
         self.state.flush()
         return self.get_parameters({}), self.num_train_examples(), metrics
 

@@ -317,8 +317,8 @@ class ClientRule:
         metrics: dict[str, Any] = {}
         if self.applied_metric is not None:
             metrics[self.applied_metric] = 1
+        metrics[CLIENT_KEY_METRIC] = self.client_key  # orders the server's sum
         if self.stateful:
-            metrics[CLIENT_KEY_METRIC] = self.client_key
             metrics[STATE_ROUND_METRIC] = self.state.committed_round()
         return metrics
 

@@ -1411,6 +1411,9 @@ class ValidatedFedAvg(FedAvg):
             phase="aggregate_train",
             defer_finite=(self.arrayrecord_key,) if self.linear_aggregate else (),
         )
+        # Sum in a fixed order (by client key, else node id), not in the order
+        # replies arrive: float sums depend on it, and a run should not.
+        valid.sort(key=reply_order)
         k_before = self.num_clients
         if self.stateful_clients:
             valid, unusable = self.reconcile_client_state(server_round, valid)
@@ -1740,6 +1743,14 @@ class ValidatedFedAvg(FedAvg):
             key = self.weighted_by_key if custom is self._custom_train_metrics else None
             return custom(contents, key or NUM_EXAMPLES_KEY)
         return weighted_metric_mean(replies)
+
+
+def reply_order(reply: ValidReply) -> tuple[int, int]:
+    """Sort key of a reply: its client key when reported, else its node id."""
+    key = reply.metrics.get(CLIENT_KEY_METRIC)
+    if isinstance(key, (int, float)) and not isinstance(key, bool):
+        return (0, int(key))
+    return (1, reply.node_id)
 
 
 def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
