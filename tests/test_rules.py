@@ -102,7 +102,7 @@ def own_client_app(
                 loss.backward()
                 optimizer.step()
         return rule.reply(
-            num_examples=len(loader.dataset), metrics={"train-loss": float(loss)}
+            num_examples=len(loader.dataset), metrics={"train-loss": loss.item()}
         )
 
     return app
