@@ -352,7 +352,6 @@ class FedDCClient(TorchClient):
 
     protocol = "FedDC"
     rule_class = FedDCRule
-    stateful = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -331,7 +331,6 @@ class FedDynClient(TorchClient):
 
     protocol = "FedDyn"
     rule_class = FedDynRule
-    stateful = True
 
     def __init__(
         self, *args: Any, decoupled_alpha: bool = False, **kwargs: Any

@@ -518,7 +518,6 @@ class FedEPMClient(TorchClient):
 
     protocol = "FedEPM"
     rule_class = FedEPMRule
-    stateful = True
 
     def __init__(self, *args: Any, ridge: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -280,7 +280,6 @@ class ScaffoldClient(TorchClient):
 
     protocol = "Scaffold"
     rule_class = ScaffoldRule
-    stateful = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -280,7 +280,6 @@ class SFedClient(FedEPMClient):
 
     protocol = "SFedAvg/SFedProx"
     rule_class = SFedRule
-    stateful = False
 
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None

@@ -43,7 +43,6 @@ from .keys import (
 from .rule import (
     ClientRule,
     ProtocolError,
-    accepted_round,
     arrays_from_params,
     client_key_of,
     load_arrays,
@@ -239,9 +238,6 @@ class TorchClient(NumPyClient):
 
     # The algorithm's client rule: what this client adds to plain local SGD.
     rule_class: ClassVar[type[ClientRule]] = ClientRule
-    # True when the algorithm keeps state the server sums over: the state is
-    # then committed only once the server confirms the reply was aggregated.
-    stateful: ClassVar[bool] = False
     # The strategy whose config keys this client reads (named in protocol errors).
     protocol: ClassVar[str] = "FedAvg"
 
@@ -402,8 +398,8 @@ class TorchClient(NumPyClient):
         self.rule = None
         server_round = int(config.get(SERVER_ROUND_KEY, 0))
         self.server_round = server_round
-        if self.stateful:
-            self.state.resolve(accepted_round(config, self.client_key))
+        # (A stateful rule commits or drops last round's state when it is built:
+        # the two-phase commit lives in ClientRule, once for every client.)
         if self.seed is not None:
             torch.manual_seed(self.seed * 1_000_003 + server_round)
         self.set_parameters(parameters)

@@ -268,7 +268,12 @@ def mirrors_client_state(cfg: DictConfig) -> bool:
     if checkpoint_every(cfg) == 0:
         return False
     dp = cfg.get("privacy", {}).get("dp")
-    return bool(getattr(client_class(cfg), "stateful", False)) or dp is not None
+    return keeps_state(client_class(cfg)) or dp is not None
+
+
+def keeps_state(client: Any) -> bool:
+    """Return True for a client class whose rule keeps two-phase state."""
+    return bool(getattr(getattr(client, "rule_class", None), "stateful", False))
 
 
 def client_state_dir(cfg: DictConfig, run_config: Mapping[str, Any]) -> str | None:
@@ -302,7 +307,7 @@ def check_checkpointing(cfg: DictConfig, strategy: Any) -> int:
     after the last checkpoint, which a resume cannot undo.
     """
     every = checkpoint_every(cfg)
-    stateful = getattr(client_class(cfg), "stateful", False) or any(
+    stateful = keeps_state(client_class(cfg)) or any(
         getattr(s, "stateful_clients", False) for s in _inner_strategies(strategy)
     )
     if every > 1 and stateful:
