@@ -259,16 +259,6 @@ class TorchClient(NumPyClient):
         """Return ``config[key]``, or fail naming :attr:`protocol` (:func:`require`)."""
         return require(config, key, type(self).__name__, self.protocol)
 
-    def received(self, name: str, strategy: str) -> list[NDArray]:
-        """Return the extra ArrayRecord ``name`` the server sent, or fail clearly."""
-        if name not in self.received_arrays:
-            raise ProtocolError(
-                f"{type(self).__name__} needs the ArrayRecord '{name}' that {strategy} "
-                f"sends; is the ServerApp running {strategy}? "
-                f"Received: {sorted(self.received_arrays)}"
-            )
-        return self.received_arrays[name]
-
     # ------------------------------------------------------------ parameters
     def get_parameters(self, config: dict[str, Any]) -> list[NDArray]:
         """Return the model's state as numpy arrays, in ``state_dict`` order."""
