@@ -90,6 +90,9 @@ def main() -> None:
         log = run_log(run_id, dep.env, dep.connection)
     data = json.loads(results.read_text())
     print(f"strategy {args.strategy}: status {status}, {total:.1f} s in all")
+    if status != "finished:completed":  # a failed run must not look like success
+        print(log[-3000:])
+        raise SystemExit(f"the run ended {status}")
     print(f"SuperNode of partition 1 SIGKILLed at {killed_at:.1f} s (after round 2)")
     for row in data["rounds"][1:]:
         train = row.get("train", {})
