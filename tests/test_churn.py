@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
+from flwr.app import Array, ArrayRecord, Context, RecordDict
 
 from flwr_prox_strategies import FedDyn, FedDynClient, Scaffold, ScaffoldClient
 from flwr_prox_strategies.algorithms.feddyn import DRIFT_STATE
@@ -106,15 +106,43 @@ def test_restarted_node_without_state_is_retired_and_counted(problem, caplog):
     )
 
 
-def test_stale_state_is_refused_reset_and_retired(problem, caplog):
+def test_another_runs_state_is_ignored_and_retired(problem, caplog):
     grid = grid_of(problem, ScaffoldClient)
     strategy = scaffold()
     arrays = run_rounds(strategy, grid, problem.initial(), 3)
-    # Node 1003 comes back holding the state of another run (a stale state_dir).
+    # Node 1003 comes back holding the state of another run (a stale state_dir):
+    # the client ignores it (the run tags differ), so the server sees lost state.
     other = grid_of(problem, ScaffoldClient)
     run_rounds(scaffold(), other, problem.initial(), 2)
     retired = held(strategy, grid.contexts[1003], CONTROL_STATE)
     grid.contexts[1003].state = other.contexts[1003].state
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run_rounds(strategy, grid, arrays, 3)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"belongs to run {strategy.run_tag}" not in text
+    assert f"not to this run ({strategy.run_tag}); ignored" in text
+    assert "client 2 (node 1003) holds no state" in text
+    assert not strategy.rejections.get("aggregate_train:stale-state")
+    assert strategy.retired_states == 1 and strategy.num_clients == 5
+    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
+    np.testing.assert_allclose(
+        scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_stale_state_is_refused_reset_and_retired(problem, caplog):
+    grid = grid_of(problem, ScaffoldClient)
+    strategy = scaffold()
+    arrays = run_rounds(strategy, grid, problem.initial(), 2)
+    # Node 1003 later comes back holding this run's state of round 1 (a copy
+    # restored from an old backup, taken when round 1 was its committed state
+    # and round 2's pending): same run tag, wrong round.
+    old = RecordDict()
+    for name, record in grid.contexts[1003].state.array_records.items():
+        old[name] = ArrayRecord({k: Array(v.numpy().copy()) for k, v in record.items()})
+    arrays = run_rounds(strategy, grid, arrays, 1)
+    retired = held(strategy, grid.contexts[1003], CONTROL_STATE)
+    grid.contexts[1003].state = old
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_rounds(strategy, grid, arrays, 3)
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -170,3 +198,44 @@ def test_churn_state_survives_a_checkpoint(problem):
     again.load_state_dict(strategy.state_dict())
     assert (again.num_clients, again.retired_states) == (5, 1)
     assert again.client_keys_seen == strategy.client_keys_seen
+
+
+def test_a_dead_runs_state_dir_is_ignored_and_a_resume_keeps_it(
+    problem, tmp_path, caplog
+):
+    def grid_with_files() -> InProcessGrid:
+        from flwr_prox_strategies import to_client_app
+
+        client_fn = problem.client_fn(ScaffoldClient, state_dir=str(tmp_path), **LOCAL)
+        return InProcessGrid(to_client_app(client_fn), num_nodes=4)
+
+    dead = scaffold()
+    run_rounds(dead, grid_with_files(), problem.initial(), 3)
+    assert sorted(p.name for p in tmp_path.glob("*.npz")) == [
+        f"{k}.npz" for k in range(4)
+    ]
+    # A new run on the same folder (new SuperNodes: empty context.state).
+    rerun, grid = scaffold(), grid_with_files()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        arrays = run_rounds(rerun, grid, problem.initial(), 2)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert text.count(f"belongs to run {dead.run_tag}, not to this run") == 4
+    assert str(tmp_path / "0.npz") in text
+    # Nothing of the dead run reached the sums: the clients started from zero.
+    assert rerun.retired_states == 0 and not rerun.rejections
+    fresh = scaffold()
+    fresh_arrays = run_rounds(
+        fresh, grid_of(problem, ScaffoldClient), problem.initial(), 2
+    )
+    np.testing.assert_array_equal(scaffold_sum(rerun), scaffold_sum(fresh))
+    np.testing.assert_array_equal(
+        arrays.to_numpy_ndarrays()[0], fresh_arrays.to_numpy_ndarrays()[0]
+    )
+    # A resume of the rerun keeps its tag: the files are read back, no warning.
+    resumed = scaffold()
+    resumed.load_state_dict(rerun.state_dict())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run_rounds(resumed, grid_with_files(), arrays, 1)
+    assert "belongs to run" not in caplog.text
+    assert resumed.retired_states == 0 and not resumed.rejections

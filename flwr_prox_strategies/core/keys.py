@@ -30,6 +30,9 @@ STATE_ROUND_METRIC = "state-round"
 # The server asks a client whose state it cannot use to start afresh.
 RESET_STATE_KEY = "reset-state"
 RESET_KEYS_KEY = "reset-keys"
+# Identifies the run (kept across a resume): a stateful client ignores saved state
+# stamped with another run's tag, so a dead run's state_dir is never reused.
+RUN_TAG_KEY = "run-tag"
 # An error reply whose reason starts with this (the client's exception name) comes
 # from a client whose privacy budget is spent: absent from now on, not failed.
 BUDGET_EXHAUSTED_REASON = "PrivacyBudgetExhausted"

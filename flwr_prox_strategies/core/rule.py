@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from logging import WARNING
 from typing import Any, ClassVar
 
 import numpy as np
@@ -53,6 +54,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
@@ -64,6 +66,7 @@ from .keys import (
     NUM_EXAMPLES_KEY,
     RESET_KEYS_KEY,
     RESET_STATE_KEY,
+    RUN_TAG_KEY,
     SERVER_ROUND_KEY,
     STATE_ROUND_METRIC,
 )
@@ -269,6 +272,16 @@ class ClientRule:
         self.base_lr = base_lr
         self.server_round = int(self.config.get(SERVER_ROUND_KEY, 0))
         if self.stateful:
+            dropped = self.state.bind(self.config.get(RUN_TAG_KEY), self.state_names)
+            if dropped is not None:
+                log(
+                    WARNING,
+                    "client %d: its saved state (%s) %s; ignored, the client "
+                    "starts afresh and the server accounts for it",
+                    self.client_key,
+                    self.state.path or "context.state",
+                    dropped,
+                )
             if must_reset(self.config, self.client_key):
                 self.state.reset(self.state_names)
             self.state.resolve(accepted_round(self.config, self.client_key))

@@ -13,7 +13,9 @@ SuperNode), so the drift, dual and control variables of FedDyn, FedDC and
 SCAFFOLD live there, on the client, where the algorithms put them. To checkpoint
 a run and resume it in a *new* run, give the client a ``state_dir``: after each
 fit it writes its state to ``<state_dir>/<client_key>.npz`` and, when its
-``context.state`` is empty (a fresh run), reads it back.
+``context.state`` is empty (a fresh run), reads it back. Saved state is stamped
+with the run's tag (:meth:`ClientState.bind`): another run's, or an untagged one,
+is ignored, so a dead run's ``state_dir`` never leaks into a new run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flwr.app import Array, ArrayRecord, Context, RecordDict
 from numpy.typing import NDArray
 
 _PENDING = "pending:"
+_RUN_TAG = "run-tag"
 
 
 class ClientState:
@@ -106,6 +109,32 @@ class ClientState:
         }
         for name in [n for n in self.records.array_records if n in doomed]:
             del self.records[name]
+
+    def bind(self, run_tag: str | None, names: Sequence[str]) -> str | None:
+        """Tie the state to the run ``run_tag``; drop ``names`` if another run's.
+
+        State stamped with another run's tag (a dead run's ``state_dir``), or
+        holding ``names`` with no tag at all, is forgotten (as :meth:`reset`)
+        and the state is stamped with ``run_tag``. Returns why the state was
+        dropped, or None when it was kept (or ``run_tag`` is None: a server
+        that names no run).
+        """
+        if not run_tag:
+            return None
+        held = self.get(_RUN_TAG)
+        held_tag = bytes(held[0].astype(np.uint8)).decode() if held else None
+        holds = {*names, *(_PENDING + n for n in names)} & set(
+            self.records.array_records
+        )
+        reason = None
+        if held_tag is not None and held_tag != run_tag:
+            reason = f"belongs to run {held_tag}, not to this run ({run_tag})"
+        elif held_tag is None and holds:
+            reason = "names no run (written before runs were tagged, or by hand)"
+        if reason is not None:
+            self.reset(names)
+        self.set(_RUN_TAG, [np.frombuffer(run_tag.encode(), dtype=np.uint8)])
+        return reason
 
     def set_pending(
         self, name: str, arrays: Sequence[NDArray | torch.Tensor], server_round: int

@@ -48,6 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -87,6 +88,7 @@ from .keys import (
     REPORT_GRADIENT_KEY,
     RESET_KEYS_KEY,
     RESET_STATE_KEY,
+    RUN_TAG_KEY,
     SERVER_ROUND_KEY,
     STATE_ROUND_METRIC,
 )
@@ -500,6 +502,8 @@ class ValidatedFedAvg(FedAvg):
         self.client_keys_seen: set[int] = set()
         self.retired_states = 0
         self.reset_keys: set[int] = set()
+        # Names this run for the clients' saved state (state; a resume keeps it).
+        self.run_tag = secrets.token_hex(8)
         # Privacy ledger: client key (or node id) -> epsilon spent so far, as the
         # clients report it (dp-epsilon-total); one report for every strategy.
         self.epsilon_totals: dict[int, float] = {}
@@ -744,14 +748,16 @@ class ValidatedFedAvg(FedAvg):
             return {}
         key = self._node_keys.get(node_id)
         if key is not None:
-            config: dict[str, Any] = {ACCEPTED_ROUND_KEY: self.accepted.get(key, -1)}
+            config: dict[str, Any] = {
+                RUN_TAG_KEY: self.run_tag,
+                ACCEPTED_ROUND_KEY: self.accepted.get(key, -1),
+            }
             if key in self.reset_keys:
                 config[RESET_STATE_KEY] = True
             return config
+        config = {RUN_TAG_KEY: self.run_tag}
         if self.reset_keys:
-            config = {RESET_KEYS_KEY: sorted(self.reset_keys)}
-        else:
-            config = {}
+            config[RESET_KEYS_KEY] = sorted(self.reset_keys)
         if not self.accepted:
             return {**config, ACCEPTED_ROUND_KEY: -1}
         return {
@@ -1039,6 +1045,7 @@ class ValidatedFedAvg(FedAvg):
             "client-keys-seen": sorted(self.client_keys_seen),
             "retired-states": self.retired_states,
             "reset-keys": sorted(self.reset_keys),
+            "run-tag": self.run_tag,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1084,6 +1091,7 @@ class ValidatedFedAvg(FedAvg):
         self.client_keys_seen = {int(k) for k in state.get("client-keys-seen", [])}
         self.retired_states = int(state.get("retired-states", 0))
         self.reset_keys = {int(k) for k in state.get("reset-keys", [])}
+        self.run_tag = str(state.get("run-tag", self.run_tag))
         self.round_offset = self.rounds_completed
 
     # -------------------------------------------------------------- training
