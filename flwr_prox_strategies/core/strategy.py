@@ -882,7 +882,7 @@ class ValidatedFedAvg(FedAvg):
             what = (
                 "holds no state"
                 if lost
-                else f"holds the state of round {held}, another round or run"
+                else f"holds the state of round {held} (a stale copy of its state)"
             )
             log(
                 WARNING,

@@ -1,8 +1,26 @@
-"""Data for the pack's experiments: load once per process, partition, wrap."""
+"""Data for the pack's experiments: load once per process, partition, wrap.
+
+On a deployment every message starts a new ClientApp process, which would import
+scikit-learn (the digits) and Hugging Face ``datasets`` (the Dirichlet split)
+again each time: seconds per message. The digits and every partition index are
+therefore also kept on disk (:func:`cache_dir`), keyed by what determines them:
+the loader's or partitioner's config, a hash of the labels being split, of the
+pack's ``task`` code and the versions of the libraries that compute them. Only
+the pack's own loaders and partitioners are cached (a cache cannot see a user's
+function change), and ``FLWR_PROX_CACHE_DIR=""`` turns the cache off.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,10 +31,65 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..task.datasets import ArrayDataset, TrainTest
 from .config import instantiate
 
+CACHE_DIR_ENV = "FLWR_PROX_CACHE_DIR"
+# Loaders whose data ships inside a library (its version is in the key); loaders
+# that read the user's files are not cached, as a cache could not see them change.
+_CACHED_LOADERS = ("flwr_prox_strategies.task.datasets.load_digits",)
+_VERSIONED = ("flwr-prox-strategies", "numpy", "scikit-learn", "datasets")
 
-@functools.lru_cache(maxsize=4)
-def _load(loader_yaml: str) -> TrainTest:
-    return instantiate(OmegaConf.create(loader_yaml))
+
+def cache_dir() -> Path | None:
+    """Return the folder data and partitions are cached in, or None (no cache).
+
+    ``$FLWR_PROX_CACHE_DIR``, else ``$XDG_CACHE_HOME/flwr-prox-strategies``
+    (``~/.cache``); None when the variable is set to an empty string.
+    """
+    value = os.environ.get(CACHE_DIR_ENV)
+    if value is not None:
+        return Path(value).expanduser() if value else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flwr-prox-strategies"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+@functools.cache
+def _task_code_hash() -> str:
+    """Hash of the pack's loaders and partitioners (a code change is a new key)."""
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).parents[1] / "task").glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cached(
+    kind: str, key: list[Any], compute: Callable[[], dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """Return ``compute()``, read from or written to the disk cache."""
+    folder = cache_dir()
+    if folder is None:
+        return compute()
+    versions = [_version(d) for d in _VERSIONED]
+    digest = hashlib.sha256(
+        json.dumps([key, versions, _task_code_hash()]).encode()
+    ).hexdigest()[:32]
+    path = folder / f"{kind}-{digest}.npz"
+    with contextlib.suppress(OSError, ValueError), np.load(path) as saved:
+        return {name: saved[name] for name in saved.files}
+    arrays = compute()
+    # A cache that cannot be written (read-only home) only costs time.
+    with contextlib.suppress(OSError):
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp.npz")
+        with os.fdopen(fd, "wb") as out:
+            np.savez(out, **arrays)  # type: ignore[arg-type]
+        os.replace(tmp, path)  # atomic: concurrent ClientApps may race here
+    return arrays
 
 
 def load_data(cfg: DictConfig) -> TrainTest:
@@ -25,12 +98,52 @@ def load_data(cfg: DictConfig) -> TrainTest:
 
 
 @functools.lru_cache(maxsize=4)
+def _load(loader_yaml: str) -> TrainTest:
+    loader = OmegaConf.create(loader_yaml)
+    if not isinstance(loader, DictConfig) or loader.get("_target_") not in (
+        _CACHED_LOADERS
+    ):
+        return instantiate(loader)
+
+    def load() -> dict[str, np.ndarray]:
+        data: TrainTest = instantiate(loader)
+        return {
+            "train-x": data.train.x,
+            "train-y": data.train.y,
+            "test-x": data.test.x,
+            "test-y": data.test.y,
+            "info": np.array([data.name, data.num_features, data.num_classes]),
+        }
+
+    arrays = _cached("data", [loader_yaml], load)
+    name, num_features, num_classes = (str(v) for v in arrays["info"])
+    return TrainTest(
+        train=ArrayDataset(arrays["train-x"], arrays["train-y"], int(num_classes)),
+        test=ArrayDataset(arrays["test-x"], arrays["test-y"], int(num_classes)),
+        name=name,
+        num_features=int(num_features),
+        num_classes=int(num_classes),
+    )
+
+
+@functools.lru_cache(maxsize=4)
 def _partitions(
     loader_yaml: str, partition_yaml: str, num_partitions: int, seed: int
 ) -> tuple[np.ndarray, ...]:
-    data = _load(loader_yaml)
-    split = instantiate(OmegaConf.create(partition_yaml))
-    return tuple(split(data.train.y, num_partitions=num_partitions, seed=seed))
+    labels = _load(loader_yaml).train.y
+    config = OmegaConf.create(partition_yaml)
+
+    def split() -> dict[str, np.ndarray]:
+        parts = instantiate(config)(labels, num_partitions=num_partitions, seed=seed)
+        return {str(i): np.asarray(part) for i, part in enumerate(parts)}
+
+    target = config.get("_target_", "") if isinstance(config, DictConfig) else ""
+    if not str(target).startswith("flwr_prox_strategies."):
+        return tuple(split().values())
+    labels_hash = hashlib.sha256(labels.tobytes()).hexdigest()
+    key = [partition_yaml, num_partitions, seed, labels_hash]
+    arrays = _cached("partition", key, split)
+    return tuple(arrays[str(i)] for i in range(num_partitions))
 
 
 def client_partition(

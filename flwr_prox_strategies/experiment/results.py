@@ -10,12 +10,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; never open a window
-import matplotlib.pyplot as plt
-
 RESULTS_FILE = "results.json"
+
+
+def pyplot() -> Any:
+    """Return ``matplotlib.pyplot`` on the file-only backend, imported on first use.
+
+    (Every ClientApp process imports this module through the app; only the
+    ServerApp draws, so the clients do not pay for matplotlib.)
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _clean(value: Any) -> Any:
@@ -175,6 +184,7 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
     """Accuracy and loss per round (central evaluation, clients' train loss)."""
     rounds = results["rounds"]
     paths = []
+    plt = pyplot()
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
     series = {
         "central accuracy": ("central", "accuracy", ax_acc),
@@ -247,6 +257,7 @@ def plot_privacy(results: Mapping[str, Any], output_dir: Path) -> Path | None:
     if not points:
         return None
     rounds, eps_max, eps_mean, accuracy = zip(*points, strict=True)
+    plt = pyplot()
     fig, (ax_acc, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
     if any(a is not None for a in accuracy):
         ax_acc.plot(eps_max, accuracy, marker=".")
@@ -285,6 +296,7 @@ def plot_clients(results: Mapping[str, Any], output_dir: Path) -> Path | None:
     }
     if not keys or not bars:
         return None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(keys) + 2), 4))
     width = 0.8 / len(bars)
     for i, (label, values) in enumerate(bars.items()):

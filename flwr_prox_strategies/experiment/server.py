@@ -372,10 +372,12 @@ def make_client(context: Context) -> Any:
             f"node_config lacks {err}; start SuperNodes with --node-config "
             '"partition-id=<i> num-partitions=<n>"'
         ) from err
-    if num_partitions != int(cfg["num-clients"]):
+    expected = int(cfg.get("num-partitions", cfg["num-clients"]))
+    if num_partitions != expected:
         raise ProtocolError(
             f"this node says num-partitions={num_partitions}, the configuration says "
-            f"num-clients={cfg['num-clients']}"
+            f"num-partitions={expected} (num-clients={cfg['num-clients']}): every "
+            "node must split the data the same way"
         )
     data = client_partition(cfg, partition_id, num_partitions)
     held_out = None

@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from .apps import write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
-from .results import RESULTS_FILE, plt
+from .results import RESULTS_FILE, pyplot
 
 JOB_SUMMARY = "job.json"
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
@@ -246,6 +246,7 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
         words = str(row["overrides"]).split()
         label = " ".join(o for o in words if not o.startswith("seed="))
         groups.setdefault(label or "(defaults)", []).append(curve)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     colours = plt.get_cmap("tab20")
     for index, (label, curves) in enumerate(groups.items()):

@@ -330,15 +330,24 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def deployment(flwr_home: Path, num_nodes: int) -> Iterator[Deployment]:
-    """An insecure loopback deployment whose nodes can be killed and restarted."""
-    with _deployment(flwr_home, num_nodes, None) as running:
+def deployment(
+    flwr_home: Path, num_nodes: int, num_partitions: int | None = None
+) -> Iterator[Deployment]:
+    """An insecure loopback deployment whose nodes can be killed and restarted.
+
+    Node i serves partition i of ``num_partitions`` (default ``num_nodes``; more
+    leaves partitions for nodes that join later).
+    """
+    with _deployment(flwr_home, num_nodes, None, num_partitions) as running:
         yield running
 
 
 @contextlib.contextmanager
 def _deployment(
-    flwr_home: Path, num_nodes: int, tls: TlsCredentials | None
+    flwr_home: Path,
+    num_nodes: int,
+    tls: TlsCredentials | None,
+    num_partitions: int | None = None,
 ) -> Iterator[Deployment]:
     env = flwr_env(flwr_home)
     link_port = free_port()
@@ -394,7 +403,7 @@ def _deployment(
             for i in range(num_nodes):
                 deployment.register(tls.node_keys[i].with_suffix(".pub"))
         for i in range(num_nodes):
-            deployment.start_supernode(i, num_nodes)
+            deployment.start_supernode(i, num_partitions or num_nodes)
         _wait_online(env, num_nodes, name)
         yield deployment
     finally:

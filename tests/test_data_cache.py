@@ -1,0 +1,109 @@
+"""The on-disk cache of data and partitions (one ClientApp process per message)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from flwr_prox_strategies.experiment import data
+from flwr_prox_strategies.experiment.config import compose_config
+from flwr_prox_strategies.experiment.server import make_client
+
+
+def fresh_process() -> None:
+    """Forget the in-process caches, as a new ClientApp process would."""
+    data._load.cache_clear()
+    data._partitions.cache_clear()
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    monkeypatch.setenv(data.CACHE_DIR_ENV, str(tmp_path))
+    fresh_process()
+    yield tmp_path
+    fresh_process()
+
+
+def parts(overrides: str, num_partitions: int = 5) -> list[np.ndarray]:
+    cfg = compose_config(overrides)
+    return [
+        data.client_partition(cfg, i, num_partitions).y for i in range(num_partitions)
+    ]
+
+
+def test_a_new_process_reads_data_and_partitions_from_disk(cache, monkeypatch):
+    first = parts("partition=dirichlet")
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == [
+        "data",
+        "partition",
+    ]
+    fresh_process()
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("computed again instead of read from the cache")
+
+    monkeypatch.setattr(data, "instantiate", no_compute)
+    second = parts("partition=dirichlet")
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cached_equals_computed(cache, monkeypatch):
+    cached = parts("partition=dirichlet partition.alpha=0.5")
+    fresh_process()
+    monkeypatch.setenv(data.CACHE_DIR_ENV, "")  # no cache at all
+    computed = parts("partition=dirichlet partition.alpha=0.5")
+    for a, b in zip(cached, computed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(list(cache.iterdir())) == 2  # the uncached run wrote nothing
+
+
+def test_what_decides_the_split_is_in_the_key(cache):
+    parts("partition=dirichlet")
+    parts("partition=dirichlet", num_partitions=4)
+    parts("partition=dirichlet partition.alpha=0.9")
+    parts("partition=dirichlet seed=1")
+    parts("partition=iid")
+    names = [p.name for p in cache.iterdir()]
+    assert sum(n.startswith("partition-") for n in names) == 5
+    assert sum(n.startswith("data-") for n in names) == 1
+
+
+def test_a_users_partitioner_and_file_loaders_are_not_cached(cache, monkeypatch):
+    monkeypatch.setenv("FLWR_PROX_ALLOWED_TARGETS", "tests.test_data_cache.every_other")
+    cfg = compose_config("dataset=adult partition=iid")
+    data.client_partition(cfg, 0, 3)
+    names = [p.name for p in cache.iterdir()]
+    assert names and all(n.startswith("partition-") for n in names)  # no data-*
+    fresh_process()
+    cfg = compose_config(
+        "partition=iid partition._target_=tests.test_data_cache.every_other"
+    )
+    data.client_partition(cfg, 0, 2)
+    assert len(list(cache.iterdir())) == 2  # digits now, no new partition file
+
+
+def every_other(labels, *, num_partitions: int, seed: int, **_):
+    return [np.arange(i, len(labels), num_partitions) for i in range(num_partitions)]
+
+
+def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv(data.CACHE_DIR_ENV, str(blocked / "cache"))
+    fresh_process()
+    try:
+        context = Context(
+            run_id=1,
+            node_id=3,
+            node_config={"partition-id": 1, "num-partitions": 4},
+            state=RecordDict(),
+            run_config={"overrides": "num-clients=4 model=logreg"},
+        )
+        assert make_client(context) is not None
+    finally:
+        fresh_process()
