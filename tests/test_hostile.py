@@ -14,9 +14,15 @@ import pytest
 from flwr.app import Array, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from flwr_prox_strategies import FedAvg, FedDC, FedEPM, FedProx, PFedAvg
+from flwr_prox_strategies import FedAvg, FedDC, FedEPM, FedProx, PFedAvg, Scaffold
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.core.strategy import ValidatedFedAvg
+from flwr_prox_strategies.core.validation import (
+    MAX_ABS_VALUE,
+    NON_FINITE,
+    OUT_OF_RANGE,
+    value_problem,
+)
 
 from .helpers import model_arrays, record, reply, sampling_grid
 from .test_contract import build_reply, good_content
@@ -128,6 +134,61 @@ def test_a_mean_at_the_float32_limit_is_recomputed_in_float64(
     for value in to_np(arrays).values():
         np.testing.assert_array_equal(value, F32_MAX)
     assert any("recomputing it in float64" in r.getMessage() for r in caplog.records)
+
+
+def test_values_beyond_the_bound_are_named_apart_from_nan() -> None:
+    assert value_problem(np.array([1.0, -1e29], np.float32)) is None
+    assert value_problem(np.array([1.0, -2e30], np.float32)) == OUT_OF_RANGE
+    assert value_problem(np.array([1.0, np.inf], np.float32)) == NON_FINITE
+    assert value_problem(np.array([np.nan, 2e30])) == NON_FINITE
+    assert value_problem(np.array([10**12], np.int64)) is None  # not a float
+    assert value_problem(np.zeros(0, np.float32)) is None
+    assert MAX_ABS_VALUE * 1e8 < F32_MAX  # 10^8 bounded values sum in float32
+
+
+def test_two_huge_uploads_cannot_void_feddcs_round(caplog) -> None:
+    """Their float32 drift sum overflows even in the float64 pass: they alone
+    are rejected and the round equals one without them."""
+
+    def run(keep: list[int]):
+        strategy = FedDC(alpha=0.1, num_clients=4, min_round_nodes=1)
+        messages = configure(strategy, sampling_grid(4), model_arrays())
+        content = [good_content(strategy, i) for i in range(4)]
+        for i in (0, 1):
+            content[i]["arrays"]["b"][:] = BIG
+        replies = [
+            build_reply(messages[i], content[i], strategy=strategy) for i in keep
+        ]
+        return strategy, *strategy.aggregate_train(1, replies)
+
+    with caplog.at_level(logging.WARNING):
+        strategy, arrays, metrics = run([0, 1, 2, 3])
+    assert arrays is not None, "the round was voided"
+    assert metrics["replies-valid"] == 2
+    assert strategy.rejections["aggregate_train:out-of-range"] == 2
+    assert "(out-of-range): arrays/b hold values beyond" in caplog.text
+    reference, want, _ = run([2, 3])
+    for key, value in to_np(want).items():
+        np.testing.assert_allclose(to_np(arrays)[key], value, rtol=1e-6)
+    for key, value in reference.drift_sum.items():
+        np.testing.assert_allclose(strategy.drift_sum[key], value, rtol=1e-6)
+
+
+def test_a_huge_control_variate_update_is_rejected_alone() -> None:
+    strategy = Scaffold(num_clients=4, min_round_nodes=1)
+    messages = configure(strategy, sampling_grid(4), model_arrays())
+    content = [good_content(strategy, i) for i in range(4)]
+    (control,) = (name for name in content[0] if name != "arrays")
+    for i in (0, 1):  # two of them: their float32 sum would be inf
+        content[i][control]["w"][:] = BIG
+    replies = [
+        build_reply(m, c, strategy=strategy)
+        for m, c in zip(messages, content, strict=True)
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics["replies-valid"] == 2
+    assert metrics["replies-rejected"] == 2
+    assert all(np.isfinite(v).all() for v in strategy.control.c.values())
 
 
 # ------------------------------------------------------- inf through FedEPM

@@ -104,6 +104,8 @@ from .records import (
 )
 from .rule import node_key
 from .validation import (
+    NON_FINITE,
+    OUT_OF_RANGE,
     ReplyRejected,
     ValidReply,
     check_fraction,
@@ -1003,10 +1005,13 @@ class ValidatedFedAvg(FedAvg):
         theta_t = record_to_dict(self._global_arrays)
         keys = float_keys(theta_t)
         total = copy_arrays(previous) or {k: np.zeros_like(theta_t[k]) for k in keys}
-        for reply in replies:
-            sent = reply.arrays[self.arrayrecord_key]
-            for key in keys:
-                total[key] += sent[key] - theta_t[key]
+        # An overflow gives inf, which the caller's check rejects (see
+        # _average_finite): no warning needed.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for reply in replies:
+                sent = reply.arrays[self.arrayrecord_key]
+                for key in keys:
+                    total[key] += sent[key] - theta_t[key]
         return total
 
     def aggregate_arrays(
@@ -1582,10 +1587,14 @@ class ValidatedFedAvg(FedAvg):
         the replies are checked one by one: those holding NaN or inf get
         ``finite = False``, are logged, and the average is recomputed without
         them. When every reply is finite and the average still is not, it is
-        recomputed once with float64 accumulators, rounded once at the end:
-        then it is not finite only if the true mean does not fit the dtype.
+        recomputed once with float64 accumulators, rounded once at the end.
+        If even that is not finite (the true value does not fit, or a sum
+        kept in the model's dtype overflowed: FedDC's drift sum), the replies
+        holding values beyond ``MAX_ABS_VALUE`` are rejected in turn, so one
+        huge upload never costs the round of everyone else.
         """
-        checked = wide = False
+        checked: set[str] = set()
+        wide = False
         k_base = self.num_clients
         while True:
             candidates = [r for r in valid if r.finite]
@@ -1603,44 +1612,61 @@ class ValidatedFedAvg(FedAvg):
                 self._accumulate_in = None
             if record_is_finite(arrays):
                 return arrays, None
-            if not checked:
-                checked = True
-                if self._reject_non_finite(server_round, candidates):
+            if NON_FINITE not in checked:
+                checked.add(NON_FINITE)
+                if self._reject_non_finite(server_round, candidates, NON_FINITE):
                     continue
-            if wide:
-                return None, (
-                    "the average is not finite although every reply is (its true "
-                    "value does not fit the model's dtype)"
+            if not wide:
+                wide = True
+                log(
+                    WARNING,
+                    "aggregate_train: round %d: the average of %d finite replies "
+                    "overflowed the model's dtype; recomputing it in float64",
+                    server_round,
+                    len(candidates),
                 )
-            wide = True
-            log(
-                WARNING,
-                "aggregate_train: round %d: the average of %d finite replies "
-                "overflowed the model's dtype; recomputing it in float64",
-                server_round,
-                len(candidates),
+                continue
+            if OUT_OF_RANGE not in checked:
+                checked.add(OUT_OF_RANGE)
+                if self._reject_non_finite(server_round, candidates, OUT_OF_RANGE):
+                    continue
+            return None, (
+                "the average is not finite although every reply is (its true "
+                "value does not fit the model's dtype)"
             )
 
-    def _reject_non_finite(self, server_round: int, replies: list[ValidReply]) -> int:
-        """Mark, count and log the replies whose model holds NaN or inf."""
+    def _reject_non_finite(
+        self, server_round: int, replies: list[ValidReply], problem: str
+    ) -> int:
+        """Mark, count and log the replies whose model has ``problem``.
+
+        ``NON_FINITE`` (NaN or inf) or ``OUT_OF_RANGE`` (values beyond
+        ``MAX_ABS_VALUE``): see :func:`.validation.value_problem`.
+        """
+        kind = "non-finite" if problem == NON_FINITE else "out-of-range"
         found = 0
         for reply in replies:
-            bad = reply.non_finite_keys(self.arrayrecord_key)
+            bad = [
+                k
+                for k, p in reply.bad_value_keys(self.arrayrecord_key).items()
+                if p == problem
+            ]
             if not bad:
                 continue
             found += 1
             reply.finite = False
-            self.rejections["aggregate_train:non-finite"] += 1
-            why = ReplyRejected("non-finite", f"{', '.join(bad)} hold NaN or inf")
+            what = f"{', '.join(bad)} hold {problem}"
+            self.rejections[f"aggregate_train:{kind}"] += 1
+            why = ReplyRejected(kind, what)
             self.round_tally.add(reply.node_id, why)
             self.run_tally.add(reply.node_id, why)
             log(
                 WARNING,
-                "aggregate_train: round %d: reply from node %d not used "
-                "(non-finite): %s holds NaN or inf",
+                "aggregate_train: round %d: reply from node %d not used (%s): %s",
                 server_round,
                 reply.node_id,
-                ", ".join(bad),
+                kind,
+                what,
             )
         return found
 
