@@ -405,3 +405,21 @@ def test_the_app_passes_round_timeout_to_flower(tmp_path) -> None:
     grid.timeouts = []
     run_experiment(grid, run_config)
     assert grid.timeouts and set(grid.timeouts) == {42.5}
+
+
+def test_a_silent_node_is_counted_failed_and_named(caplog) -> None:
+    """A sampled node whose reply never came (Flower's round timeout passed)."""
+    strategy = FedAvg(min_available_nodes=4)
+    messages = configure(strategy, sampling_grid(4))
+    content = [good_content(strategy, i) for i in range(4)]
+    replies = [
+        build_reply(m, c, strategy=strategy)
+        for m, c in zip(messages[1:], content[1:], strict=True)
+    ]
+    with caplog.at_level(logging.WARNING):
+        arrays, metrics = strategy.aggregate_train(1, replies)
+    silent = messages[0].metadata.dst_node_id
+    assert arrays is not None  # accept_failures: the others' round goes on
+    assert metrics["replies-valid"] == 3 and metrics["replies-failed"] == 1
+    assert strategy.rejections["aggregate_train:no-reply"] == 1
+    assert f"reply from node {silent} not used (no-reply)" in caplog.text

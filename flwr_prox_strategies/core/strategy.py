@@ -156,7 +156,7 @@ class ReplyTally:
 
     def add(self, node_id: int, err: ReplyRejected) -> None:
         """Count one reply that was not used."""
-        if err.kind == "error-reply":
+        if err.kind in ("error-reply", "no-reply"):
             reason = err.reason.removeprefix("error reply: ")
             self.failed[short_reason(reason)] += 1
         else:
@@ -1329,8 +1329,10 @@ class ValidatedFedAvg(FedAvg):
         unused: list[tuple[int, ReplyRejected]] = []
         sent_to = self.sent_message_nodes("train" if training else "evaluate")
         max_bytes = self.reply_size_limit(expected_arrays)
+        answered: set[int] = set()
         for message in replies:
             node_id = self.reply_node(message, sent_to)
+            answered.add(node_id)
             try:
                 if sampled is not None and node_id not in sampled:
                     raise ReplyRejected("unsampled", "node was not sampled this round")
@@ -1368,6 +1370,14 @@ class ValidatedFedAvg(FedAvg):
                 continue
             seen.add(node_id)
             valid.append(reply)
+        # Sampled nodes with no reply at all: Flower's round timeout passed
+        # first (a slow or frozen node). Failed, and named.
+        for node_id in sorted((sampled or set()) - answered):
+            failed += 1
+            why = ReplyRejected("no-reply", "no reply before the round timeout")
+            self.rejections[f"{phase}:no-reply"] += 1
+            tally.add(node_id, why)
+            unused.append((node_id, why))
         if training:
             self.run_tally.update(tally)
         if valid:
@@ -1501,27 +1511,34 @@ class ValidatedFedAvg(FedAvg):
         others: list[Message] = []
         tally = ReplyTally()
         sent_to = self.sent_message_nodes("train")
+        error_nodes: set[int] = set()
         for message in replies:
             passed_on = message.has_error() and not str(
                 message.error.reason
             ).startswith(BUDGET_EXHAUSTED_REASON)
             (errors if passed_on else others).append(message)
             if passed_on:  # counted here: the wrapper skips the round unseen
+                error_nodes.add(self.reply_node(message, sent_to))
                 tally.add(
                     self.reply_node(message, sent_to),
                     ReplyRejected("error-reply", str(message.error.reason)),
                 )
+        sampled = self._train_nodes
         valid, *_ = self.collect_replies(
             server_round + self.round_offset,
             others,
             expected_arrays=self.expected_train_arrays(
                 server_round + self.round_offset
             ),
-            sampled=self._train_nodes,
+            sampled=None if sampled is None else sampled - error_nodes,
             phase="screen_train",
             tally=tally,
         )
-        return errors + [r.message for r in valid if r.message is not None]
+        passed = errors + [r.message for r in valid if r.message is not None]
+        # What was screened out is counted here: aggregate_train, which sees
+        # only what is passed on, must not count those nodes again as silent.
+        self._train_nodes = {self.reply_node(m, sent_to) for m in passed}
+        return passed
 
     def extra_reply_records(self) -> list[str]:
         """Name the ArrayRecords a train reply carries besides the model."""
