@@ -421,3 +421,35 @@ def test_apfl_global_copy_takes_exactly_the_dp_sgd_steps_of_fedavg(mixing) -> No
     for a, b in zip(theta, reference, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert apfl_metrics[EPSILON_TOTAL_METRIC] == fedavg_metrics[EPSILON_TOTAL_METRIC]
+
+
+def test_a_run_whose_every_client_retires_stops_with_a_clear_message(
+    tmp_path: Path,
+) -> None:
+    from flwr_prox_strategies.experiment.sweep import run_inprocess
+
+    base = [
+        "strategy=fedavg",
+        "privacy=dp-sgd",
+        "num-clients=3",
+        "model=logreg",
+        "train.local-epochs=1",
+    ]
+    one = json.loads(
+        run_inprocess([*base, "num-rounds=1"], tmp_path / "one", 3).read_text()
+    )
+    first = one["rounds"][-1]["train"]["dp-epsilon-total-max"]
+    # A budget the first round fits in and the second does not, for everyone.
+    overrides = [*base, "num-rounds=6", f"privacy.dp.target_epsilon={1.1 * first}"]
+    results = json.loads(run_inprocess(overrides, tmp_path / "six", 3).read_text())
+    stopped = results["stopped-early"]
+    assert (
+        "every one of the 3 connected node(s) has spent its privacy budget"
+        in (stopped["reason"])
+    )
+    rounds = {r["round"]: r for r in results["rounds"]}
+    last = max(rounds)  # clients retire as their own epsilon reaches the budget
+    assert stopped["round"] == last + 1 <= 6  # no idle rounds after that
+    assert rounds[1]["train"]["replies-valid"] == 3
+    assert rounds[last]["train"]["dp-clients-retired"] == 3
+    assert results["summary"]["final-accuracy"] is not None

@@ -208,6 +208,28 @@ class NoRoundAggregatedError(RuntimeError):
         self.reasons = reasons
 
 
+class EveryClientRetiredError(RuntimeError):
+    """Every connected node has spent its privacy budget: training cannot go on.
+
+    Raised by ``configure_train`` of the round that would sample nobody, so a
+    run stops instead of idling through its remaining rounds.
+
+    Attributes
+    ----------
+    result : Result
+        ``result.arrays`` is the last aggregated model (the model that round
+        would have trained); the per-round histories are in the log (and, in
+        the pack's app, in results.json).
+    stopped_at : int
+        The round that could not be trained.
+    """
+
+    def __init__(self, message: str, result: Result, stopped_at: int) -> None:
+        super().__init__(message)
+        self.result = result
+        self.stopped_at = stopped_at
+
+
 def finish_run(
     owner: str,
     result: Result,
@@ -1142,6 +1164,18 @@ class ValidatedFedAvg(FedAvg):
                 num_connected,
                 self.num_clients,
                 self.num_clients_source,
+            )
+        if not node_ids and num_connected and self.retired_nodes:
+            raise EveryClientRetiredError(
+                f"{type(self).__name__}: round {server_round}: every one of the "
+                f"{num_connected} connected node(s) has spent its privacy budget "
+                f"(retired: {len(self.retired_nodes)}); training stops here instead "
+                f"of idling through the remaining rounds. The model is the one "
+                f"aggregated last (round {server_round - 1}). To train longer, "
+                "raise the budget (privacy.dp.target_epsilon) or spend it more "
+                "slowly (more noise, fewer local steps, fewer rounds).",
+                Result(arrays=arrays),
+                server_round,
             )
         stragglers = self.draw_stragglers(node_ids, server_round)
         if stragglers and self.straggler_policy == "drop":

@@ -23,7 +23,12 @@ from flwr.serverapp.strategy import Result
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.client import ProtocolError
-from ..core.strategy import NoRoundAggregatedError, ReplyTally, ValidatedFedAvg
+from ..core.strategy import (
+    EveryClientRetiredError,
+    NoRoundAggregatedError,
+    ReplyTally,
+    ValidatedFedAvg,
+)
 from ..core.training import evaluate_model
 from .checkpoint import (
     CHECKPOINT_FILE,
@@ -272,6 +277,10 @@ def run_experiment(
             result = Result(arrays=initial)
     except NoRoundAggregatedError as err:  # recorded below, then raised again
         failure, result = err, err.result
+    except EveryClientRetiredError as err:  # a budget spent is an end, not a crash
+        log(WARNING, "%s", err)
+        recorder.meta["stopped-early"] = {"round": err.stopped_at, "reason": str(err)}
+        result = err.result
     except BaseException as err:  # a crash: say so in results.json, then raise
         recorder.meta["failure"] = f"{type(err).__name__}: {err}"
         recorder.flush()
@@ -292,15 +301,17 @@ def run_experiment(
             round_end.checkpoints,
             round_end.checkpoint_seconds,
         )
+    stopped = recorder.meta.get("stopped-early")
+    ran = num_rounds if stopped is None else int(stopped["round"]) - 1
     idle = [
         rnd
-        for rnd in range(1, num_rounds + 1)
+        for rnd in range(1, ran + 1)
         if int(recorder.rounds.get(rnd, {}).get("train", {}).get("replies-valid", 0))
         == 0
     ]
     recorder.meta["rounds-without-valid-reply"] = idle
     recorder.meta["rejections"] = dict(getattr(strategy, "rejections", {}))
-    if failure is None and num_rounds and len(idle) == num_rounds:
+    if failure is None and ran and len(idle) == ran:
         failure = NoRoundAggregatedError(
             f"no round aggregated a single valid reply (reasons: "
             f"{dict(getattr(strategy, 'rejections', {}))})",
