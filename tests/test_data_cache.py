@@ -17,6 +17,7 @@ from flwr_prox_strategies.experiment.server import make_client
 def fresh_process() -> None:
     """Forget the in-process caches, as a new ClientApp process would."""
     data._load.cache_clear()
+    data._standardised.cache_clear()
     data._partitions.cache_clear()
 
 

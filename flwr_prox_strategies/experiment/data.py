@@ -13,6 +13,7 @@ function change), and ``FLWR_PROX_CACHE_DIR=""`` turns the cache off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -93,8 +94,37 @@ def _cached(
 
 
 def load_data(cfg: DictConfig) -> TrainTest:
-    """Load ``cfg.dataset`` (cached per process: Ray workers load it once)."""
-    return _load(OmegaConf.to_yaml(cfg.dataset.loader))
+    """Load ``cfg.dataset``, standardised as its ``normalize`` key says.
+
+    Cached per process (Ray workers load it once). ``normalize`` names an entry
+    of the data set's ``stats`` (``{mean, std}``), or ``none``; a data set
+    without the key (Adult: the loader scales its features) is left as loaded.
+    """
+    loader = OmegaConf.to_yaml(cfg.dataset.loader)
+    choice = str(cfg.dataset.get("normalize", "none"))
+    if choice == "none":
+        return _load(loader)
+    stats = cfg.dataset.get("stats") or {}
+    if choice not in stats:
+        raise ValueError(
+            f"dataset.normalize={choice!r} is not one of {sorted(stats)} or 'none' "
+            f"(the stats in conf/dataset/{cfg.dataset.get('name')}.yaml)"
+        )
+    mean, std = float(stats[choice]["mean"]), float(stats[choice]["std"])
+    if not std > 0:
+        raise ValueError(f"dataset.stats.{choice}.std must be > 0, got {std}")
+    return _standardised(loader, mean, std)
+
+
+@functools.lru_cache(maxsize=4)
+def _standardised(loader_yaml: str, mean: float, std: float) -> TrainTest:
+    data = _load(loader_yaml)
+
+    def scaled(split: ArrayDataset) -> ArrayDataset:
+        x = (split.x - np.float32(mean)) / np.float32(std)
+        return ArrayDataset(x, split.y, split.num_classes)
+
+    return dataclasses.replace(data, train=scaled(data.train), test=scaled(data.test))
 
 
 @functools.lru_cache(maxsize=4)
