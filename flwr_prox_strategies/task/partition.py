@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import re
 import warnings
 import zipfile
 from collections.abc import Sequence
@@ -485,7 +486,10 @@ def _official_client_sizes(
 
     Lognormal draws around the mean size (drawn even when ``sigma == 0``, which
     moves the generator on), scaled to the data set and truncated to integers;
-    the shortfall (or excess) goes to the first client that can absorb it.
+    the shortfall (or excess) goes to the first client that can absorb it. With
+    ``sigma == 0`` the scaled sizes can fall just short of the exact quotient
+    (2000 / 10 gives 199.99999999999997): every client then gets one sample
+    less and client 0 the rest (209, 199, ..., 199), as in the official code.
     """
     mean_size = int(num_samples / num_partitions)
     draws = rng.lognormal(mean=np.log(mean_size), sigma=sigma, size=num_partitions)
@@ -611,7 +615,8 @@ def official_dirichlet_partition(
     Reproduces ``DatasetObject`` of ``utils_dataset.py`` in
     github.com/gaoliang13/FedDC, index for index for the same seed and data
     order: ``np.random.seed(seed)``; a permutation of the training set; client
-    sizes (lognormal draws, equal when ``size_sigma == 0``); a Dirichlet(alpha)
+    sizes (lognormal draws; with ``size_sigma == 0`` equal up to the official
+    float truncation, the remainder going to client 0); a Dirichlet(alpha)
     class prior per client; then, until every client is full, a random non-full
     client receives the last remaining sample of a class drawn from its prior
     (redrawn while that class is exhausted). Only a local
@@ -668,8 +673,8 @@ def official_iid_partition(
     """Split indices exactly as the FedDC/FedDyn code's ``'iid'`` rule.
 
     ``np.random.seed(seed)``, a permutation of the training set, the official
-    client sizes (with ``size_sigma == 0`` equal, the remainder of
-    ``len(labels) / num_partitions`` going to client 0), then consecutive slices
+    client sizes (with ``size_sigma == 0`` equal up to the official float
+    truncation, the remainder going to client 0), then consecutive slices
     of the permuted order. It differs from flwr-datasets' IID (``iid``) in the
     generator and in where the remainder goes. The official code's special
     case for CIFAR-100 (class-balanced clients) is not reproduced.
@@ -721,10 +726,10 @@ def _read_npz_ids(path: Path) -> np.ndarray:
 
 
 def _read_csv_ids(path: Path) -> np.ndarray:
-    """Read one integer per line; a first line that is not a number is a header."""
+    """Read one integer per line; a first line not starting with a digit is a header."""
     lines = [line.strip() for line in path.read_text().splitlines()]
     numbers = [(row, text) for row, text in enumerate(lines, start=1) if text]
-    if numbers and not numbers[0][1].lstrip("+-").isdigit():
+    if numbers and not re.match(r"[+-]?\d", numbers[0][1]):
         numbers = numbers[1:]
     ids = []
     for row, text in numbers:
@@ -740,14 +745,14 @@ def _read_csv_ids(path: Path) -> np.ndarray:
 
 def _read_client_ids(path: Path) -> np.ndarray:
     """Load the raw client-id array of ``path`` (``.npy``, ``.npz`` or ``.csv``)."""
+    if not path.is_file():
+        raise ValueError(f"partition file {path} does not exist or is not a file")
     suffix = path.suffix.lower()
     if suffix not in _PARTITION_FILE_TYPES:
         raise ValueError(
             f"partition file {path}: unsupported type {suffix!r}, use one of "
             f"{', '.join(_PARTITION_FILE_TYPES)}"
         )
-    if not path.is_file():
-        raise ValueError(f"partition file {path} does not exist or is not a file")
     try:
         if suffix == ".npy":
             return np.asarray(np.load(path, allow_pickle=False))
@@ -774,7 +779,7 @@ def _integer_client_ids(raw: np.ndarray, path: Path) -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(ids) | (ids != np.round(ids)))
         if bad.size:
             raise ValueError(
-                f"partition file {path}: non-integer client id {ids[bad[0]]!r} "
+                f"partition file {path}: non-integer client id {float(ids[bad[0]])} "
                 f"at index {bad[0]}"
             )
     elif ids.size and not np.issubdtype(ids.dtype, np.integer):
