@@ -350,3 +350,16 @@ def test_conf_file_reads_the_given_file(tmp_path, no_disk_cache):
     got = labels_of(f"partition=file partition.path={path}", 3)
     for client, y in enumerate(got):
         np.testing.assert_array_equal(train.y[ids == client], y)
+
+
+def test_conf_custom_calls_the_named_function_with_its_parameters(no_disk_cache):
+    target = "flwr_prox_strategies.task.partition.official_iid_partition"
+    got = labels_of(
+        f"partition=custom partition._target_={target} "
+        "+partition.size_sigma=0.3 seed=3",
+        3,
+    )
+    train = data.load_data(compose_config("")).train
+    parts = official_iid_partition(train.y, num_partitions=3, seed=3, size_sigma=0.3)
+    for idx, y in zip(parts, got, strict=True):
+        np.testing.assert_array_equal(train.y[idx], y)
