@@ -108,3 +108,16 @@ def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
         assert make_client(context) is not None
     finally:
         fresh_process()
+
+
+def test_a_partition_file_changed_in_place_is_read_again(cache, tmp_path):
+    ids = tmp_path / "clients.npy"
+    cfg = compose_config(f"partition=file partition.path={ids}")
+    n = len(data.load_data(cfg).train.y)
+    np.save(ids, np.arange(n) % 2)
+    first = data.client_partition(cfg, 0, 2)
+    fresh_process()
+    np.save(ids, (np.arange(n) + 1) % 2)  # the same path, the other half
+    second = data.client_partition(cfg, 0, 2)
+    assert len(first) + len(second) == n
+    assert not [p for p in cache.iterdir() if p.name.startswith("partition-")]

@@ -168,7 +168,9 @@ def _partitions(
         return {str(i): np.asarray(part) for i, part in enumerate(parts)}
 
     target = config.get("_target_", "") if isinstance(config, DictConfig) else ""
-    if not str(target).startswith("flwr_prox_strategies."):
+    # A partition read from a file is cheap to read and could change in place.
+    reads_file = isinstance(config, DictConfig) and "path" in config
+    if reads_file or not str(target).startswith("flwr_prox_strategies."):
         return tuple(split().values())
     labels_hash = hashlib.sha256(labels.tobytes()).hexdigest()
     key = [partition_yaml, num_partitions, seed, labels_hash]
