@@ -1,8 +1,8 @@
 """Models, data sets and client partitions for the experiments.
 
 ``models`` holds the PyTorch classifiers, ``datasets`` the numpy loaders
-(digits, Fashion-MNIST, UCI Adult) and ``partition`` the flwr-datasets based
-splitting of a data set among clients.
+(digits, Fashion-MNIST, UCI Adult) and ``partition`` the splitting of a data set among
+clients (flwr-datasets' partitioners, the official FedDyn/FedDC rules, a file).
 """
 
 from .datasets import (
@@ -17,7 +17,10 @@ from .datasets import (
 from .models import CNN, MLP, LogisticRegression
 from .partition import (
     SCHEMES,
+    file_partition,
     label_histogram,
+    official_dirichlet_partition,
+    official_iid_partition,
     partition_dataset,
     partition_indices,
 )
@@ -30,11 +33,14 @@ __all__ = [
     "LogisticRegression",
     "TrainTest",
     "adult_matrix",
+    "file_partition",
     "label_histogram",
     "load_adult",
     "load_dataset",
     "load_digits",
     "load_fashion_mnist",
+    "official_dirichlet_partition",
+    "official_iid_partition",
     "partition_dataset",
     "partition_indices",
 ]
