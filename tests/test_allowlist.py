@@ -229,13 +229,21 @@ def test_plain_references_still_work() -> None:
 # -- what is accepted --------------------------------------------------------
 
 
+# Options that leave their target to the user (``_target_: ???``), with one filled in.
+USER_FILLS = {
+    "partition=custom": "partition._target_="
+    "flwr_prox_strategies.task.partition.official_iid_partition",
+}
+
+
 def every_group_option() -> list[str]:
     options = []
     for group in sorted(p for p in CONF.iterdir() if p.is_dir()):
         prefix = "+" if group.name == "experiment" else ""
-        options += [
-            f"{prefix}{group.name}={y.stem}" for y in sorted(group.glob("*.yaml"))
-        ]
+        for yaml in sorted(group.glob("*.yaml")):
+            option = f"{prefix}{group.name}={yaml.stem}"
+            fill = USER_FILLS.get(option)
+            options.append(option if fill is None else f"{option} {fill}")
     return options
 
 
