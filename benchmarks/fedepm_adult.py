@@ -47,7 +47,7 @@ from flwr_prox_strategies import (
     SFedProx,
     to_client_app,
 )
-from flwr_prox_strategies.algorithms.fedepm import official_stop
+from flwr_prox_strategies.algorithms.fedepm import official_partition, official_stop
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.task.datasets import adult_matrix
 
@@ -57,17 +57,6 @@ METHODS = {
     "SFedAvg": (SFedAvg, SFedAvgClient),
     "SFedProx": (SFedProx, SFedAvgClient),
 }
-
-
-def official_split(d: int, m: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Contiguous blocks with the official code's random sizes."""
-    while True:
-        cuts = np.sort(np.append(rng.choice(np.arange(2, d), m - 1, replace=False), d))
-        sizes = np.diff(np.concatenate([[0], cuts]))
-        if sizes.min() > 0.01 * d / m:
-            break
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return [np.arange(bounds[i], bounds[i + 1]) for i in range(m)]
 
 
 class Objective:
@@ -129,7 +118,7 @@ def run(
     order = np.random.default_rng(split).permutation(len(labels))
     a = (raw / np.where(norms > 0, norms, 1.0))[order]
     b = labels[order].astype(np.float64)
-    blocks = official_split(len(b), m, np.random.default_rng(split))
+    blocks = official_partition(b, num_partitions=m, seed=split)
     objective = Objective(a, b, blocks)
     strategy_cls, client_cls = METHODS[method]
 
