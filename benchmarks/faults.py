@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,22 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr_prox_strategies.experiment.checkpoint import read_checkpoint
-from tests.system.engine import REPO, deployment, run_log, run_status
+from tests.system.engine import deployment, rounds_done, run_log
 
 ROUNDS = 9
 
 
-def rounds_done(results: Path) -> int:
-    try:
-        data = json.loads(results.read_text())
-    except (OSError, ValueError):
-        return 0
-    return max((r["round"] for r in data.get("rounds", [])), default=0)
-
-
-def wait_for_round(results: Path, target: int, timeout: float = 300) -> None:
+def wait_for_round(output: Path, target: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while rounds_done(results) < target:
+    while rounds_done(output) < target:
         if time.monotonic() > deadline:
             raise TimeoutError(f"round {target} not reached")
         time.sleep(0.5)
@@ -61,31 +52,16 @@ def main() -> None:
             f"strategy={args.strategy} num-clients=4 num-rounds={ROUNDS} "
             "model=logreg train.local-epochs=1 quorum=2"
         )
-        out = subprocess.run(
-            [
-                *("flwr", "run", ".", dep.connection, "--format", "json"),
-                "--run-config",
-                f"overrides='{overrides}' output-dir='{output}'",
-            ],
-            capture_output=True,
-            text=True,
-            env=dep.env,
-            cwd=REPO,
-            timeout=120,
-            check=True,
+        run_id = dep.submit(
+            f"overrides='{overrides}' output-dir='{output}'", timeout=120
         )
-        run_id = str(json.loads(out.stdout)["run-id"])
         start = time.monotonic()
-        wait_for_round(results, 2)
+        wait_for_round(output, 2)
         victim = dep.procs[2]  # procs[0] is the SuperLink; procs[2] holds partition 1
         os.killpg(os.getpgid(victim.pid), signal.SIGKILL)
         killed_at = time.monotonic() - start
         dep.start_supernode(1, 4, folder="supernode1-restarted")
-        while True:
-            status = run_status(run_id, dep.env, dep.connection)["status"]
-            if status.startswith("finished"):
-                break
-            time.sleep(1)
+        status = dep.wait_finished(run_id)
         total = time.monotonic() - start
         log = run_log(run_id, dep.env, dep.connection)
     data = json.loads(results.read_text())

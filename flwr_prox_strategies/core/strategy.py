@@ -1552,10 +1552,10 @@ class ValidatedFedAvg(FedAvg):
             ).startswith(BUDGET_EXHAUSTED_REASON)
             (errors if passed_on else others).append(message)
             if passed_on:  # counted here: the wrapper skips the round unseen
-                error_nodes.add(self.reply_node(message, sent_to))
+                node_id = self.reply_node(message, sent_to)
+                error_nodes.add(node_id)
                 tally.add(
-                    self.reply_node(message, sent_to),
-                    ReplyRejected("error-reply", str(message.error.reason)),
+                    node_id, ReplyRejected("error-reply", str(message.error.reason))
                 )
         sampled = self._train_nodes
         valid, *_ = self.collect_replies(

@@ -121,6 +121,15 @@ def run_log(run_id: str, env: dict[str, str], connection: str | None = None) -> 
     return out.stdout + out.stderr
 
 
+def rounds_done(output: Path) -> int:
+    """Return the last round in ``<output>/results.json`` (0: none yet)."""
+    try:
+        data = json.loads((output / "results.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return max((r["round"] for r in data.get("rounds", [])), default=0)
+
+
 @contextlib.contextmanager
 def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
     """Environment for `flwr run` with a private managed SuperLink, killed after."""
@@ -310,6 +319,37 @@ class Deployment:
         self.procs.append(proc)
         return proc
 
+    def submit(self, run_config: str, timeout: float = 180) -> str:
+        """``flwr run`` the pack's app (the checkout) here; return the run id."""
+        out = subprocess.run(
+            [
+                *("flwr", "run", ".", self.connection, "--format", "json"),
+                *("--run-config", run_config),
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=timeout,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"flwr run failed: {out.stdout}{out.stderr}")
+        return str(json.loads(out.stdout)["run-id"])
+
+    def wait_finished(self, run_id: str, deadline: float | None = None) -> str:
+        """Return the run's final status (``finished:...``), polling every second.
+
+        ``deadline`` is a ``time.monotonic()`` value; past it, ``TimeoutError``.
+        """
+        while True:
+            status = str(run_status(run_id, self.env, self.connection)["status"])
+            if status.startswith("finished"):
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} still {status}")
+            time.sleep(1)
+
     def register(self, public_key: Path) -> str:
         """``flwr supernode register``: allow the SuperNode holding this key in."""
         out = subprocess.run(
@@ -443,17 +483,23 @@ def tls_loopback_deployment(
         yield deployment
 
 
+def _supernode_list(
+    env: dict[str, str], connection: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["flwr", "supernode", "list", connection, "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+
+
 def _wait_listening(env: dict[str, str], connection: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        out = subprocess.run(
-            ["flwr", "supernode", "list", connection, "--format", "json"],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=REPO,
-            check=False,
-        )
+        out = _supernode_list(env, connection)
         # (--format json exits 0 on failure too: read "success".)
         if out.returncode == 0 and '"success": true' in out.stdout:
             return
@@ -472,14 +518,7 @@ def _wait_online(
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["flwr", "supernode", "list", connection, "--format", "json"],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=REPO,
-            check=False,
-        )
+        out = _supernode_list(env, connection)
         if out.returncode == 0 and out.stdout.count('"online"') >= num_nodes:
             return
         time.sleep(1)

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from flwr_prox_strategies.experiment.checkpoint import CLIENT_STATE_DIR, read_ch
 from flwr_prox_strategies.experiment.config import build_model, compose_config
 from flwr_prox_strategies.experiment.data import partition_sizes
 
-from .engine import REPO, Deployment, deployment, run_log, run_status
+from .engine import deployment, rounds_done, run_log, run_status
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +69,6 @@ def overrides(name: str) -> str:
     )
 
 
-def rounds_done(output: Path) -> int:
-    try:
-        data = json.loads((output / "results.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return max((r["round"] for r in data.get("rounds", [])), default=0)
-
-
 def flat(arrays) -> np.ndarray:
     values = arrays.values() if isinstance(arrays, dict) else arrays
     return np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in values])
@@ -105,28 +96,14 @@ def plant_other_runs_state(folder: Path) -> None:
     state.flush()
 
 
-def submit(dep: Deployment, name: str, output: Path) -> str:
-    out = subprocess.run(
-        [
-            *("flwr", "run", ".", dep.connection, "--format", "json"),
-            *("--run-config", f"overrides='{overrides(name)}' output-dir='{output}'"),
-        ],
-        capture_output=True,
-        text=True,
-        env=dep.env,
-        cwd=REPO,
-        timeout=180,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return str(json.loads(out.stdout)["run-id"])
-
-
 def test_lost_restarted_and_joining_nodes_keep_the_sums_right(tmp_path: Path) -> None:
     outputs = {name: tmp_path / name for name in SUMS}
     taken = tmp_path / "taken"  # the lost node's files, out of the runs' reach
     with deployment(tmp_path / "flwr", num_nodes=4, num_partitions=5) as dep:
-        runs = {name: submit(dep, name, out) for name, out in outputs.items()}
+        runs = {
+            name: dep.submit(f"overrides='{overrides(name)}' output-dir='{out}'")
+            for name, out in outputs.items()
+        }
         start = time.monotonic()
         deadline = start + 600
         while min(rounds_done(out) for out in outputs.values()) < KILL_AFTER:
@@ -151,12 +128,7 @@ def test_lost_restarted_and_joining_nodes_keep_the_sums_right(tmp_path: Path) ->
         dep.start_supernode(JOINER, 5)  # a new client joins
         status, logs = {}, {}
         for name, run_id in runs.items():
-            while True:
-                status[name] = run_status(run_id, dep.env, dep.connection)["status"]
-                if status[name].startswith("finished"):
-                    break
-                assert time.monotonic() < deadline, f"{name} did not finish"
-                time.sleep(1)
+            status[name] = dep.wait_finished(run_id, deadline)
             logs[name] = run_log(run_id, dep.env, dep.connection)
         total = time.monotonic() - start
         restarted_log = (dep.flwr_home / "restarted" / "supernode.out").read_text()
