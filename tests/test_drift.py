@@ -134,15 +134,19 @@ def feddyn_by_hand(alpha: float, rounds: int) -> list[np.ndarray]:
     return out
 
 
-def scaffold_by_hand(rounds: int) -> list[np.ndarray]:
+def scaffold_by_hand(
+    rounds: int, decay: float = 1.0, control_lr: str = "round"
+) -> list[np.ndarray]:
     x, c, ci, out = np.zeros(2), np.zeros(2), [np.zeros(2), np.zeros(2)], []
-    for _ in range(rounds):
+    for t in range(rounds):
         ys, deltas = [], []
+        lr = LR * decay**t
+        divisor = STEPS * (lr if control_lr == "round" else LR)
         for i in range(2):
             y = x.copy()
             for _ in range(STEPS):
-                y = y - LR * (grad(i, y) - ci[i] + c)
-            new_ci = ci[i] - c + (x - y) / (STEPS * LR)
+                y = y - lr * (grad(i, y) - ci[i] + c)
+            new_ci = ci[i] - c + (x - y) / divisor
             deltas.append(new_ci - ci[i])
             ci[i] = new_ci
             ys.append(y)
@@ -197,6 +201,16 @@ def feddc_by_hand(alpha: float, rounds: int, correction: str) -> list[np.ndarray
         ),
         (lambda: Scaffold(num_clients=2), ScaffoldClient, lambda: scaffold_by_hand(3)),
         (
+            lambda: Scaffold(num_clients=2, lr_decay=0.5),
+            ScaffoldClient,
+            lambda: scaffold_by_hand(3, decay=0.5),
+        ),
+        (
+            lambda: Scaffold(num_clients=2, lr_decay=0.5, control_lr="base"),
+            ScaffoldClient,
+            lambda: scaffold_by_hand(3, decay=0.5, control_lr="base"),
+        ),
+        (
             lambda: FedDC(alpha=0.3, num_clients=2),
             FedDCClient,
             lambda: feddc_by_hand(0.3, 3, "official"),
@@ -207,7 +221,14 @@ def feddc_by_hand(alpha: float, rounds: int, correction: str) -> list[np.ndarray
             lambda: feddc_by_hand(0.3, 3, "seed"),
         ),
     ],
-    ids=["feddyn", "scaffold", "feddc-official", "feddc-seed"],
+    ids=[
+        "feddyn",
+        "scaffold",
+        "scaffold-decayed-round",
+        "scaffold-decayed-base",
+        "feddc-official",
+        "feddc-seed",
+    ],
 )
 def test_rounds_match_the_equations_by_hand(strategy, client, expected) -> None:
     got = run_two(strategy(), client, 3)

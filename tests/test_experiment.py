@@ -71,13 +71,19 @@ def test_every_strategy_config_builds_its_strategy(name: str) -> None:
 
 def test_official_non_iid_preset() -> None:
     cfg = compose_config("+experiment=non-iid-official strategy=feddyn")
-    assert (
-        cfg.dataset.name == "fashion-mnist"
-        and cfg.partition.scheme == "inner-dirichlet"
-    )
+    assert cfg.dataset.name == "fashion-mnist" and cfg.dataset.normalize == "official"
+    assert cfg.partition._target_.endswith("official_dirichlet_partition")
+    assert cfg.partition.alpha == 0.3
     assert cfg["num-clients"] == 100 and cfg.train["lr-decay"] == 0.998
     strategy = build_strategy(cfg)
     assert strategy.fraction_train == 0.1 and strategy.lr_decay == 0.998
+    assert strategy.participation == "bernoulli" and strategy.min_train_nodes == 1
+    scaffold = build_strategy(
+        compose_config(
+            "+experiment=non-iid-official strategy=scaffold strategy.control_lr=base"
+        )
+    )
+    assert scaffold.control_lr == "base" and scaffold.participation == "bernoulli"
 
 
 def test_unknown_override_is_a_clear_error() -> None:

@@ -62,7 +62,7 @@ from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from ..core.client import TorchClient
-from ..core.keys import LOCAL_EPOCHS_KEY, LR_SCALE_KEY
+from ..core.keys import LOCAL_EPOCHS_KEY
 from ..core.records import (
     RecordSpec,
     copy_arrays,
@@ -322,10 +322,7 @@ class FedDCRule(ClientRule):
         self.state.set_pending(DRIFT_STATE, drift, self.server_round)
         if self.mode == "official":
             rho = self.relative_size
-            lr0 = self.base_lr
-            if lr0 is None:  # the step size before the server's decay
-                lr0 = lr / float(self.config.get(LR_SCALE_KEY, 1.0))
-            beta = 1.0 / (max(steps, 1) * lr0)
+            beta = 1.0 / (max(steps, 1) * self.undecayed_lr(lr))
             new_ci = [
                 ci - c / rho - beta * u
                 for ci, c, u in zip(self.ci, self.c, update, strict=True)

@@ -23,7 +23,13 @@ Absent clients keep their :math:`c_i` and contribute nothing to the update of
 Wire: the client sends :math:`y` (``arrays``) and :math:`\Delta c_i`
 (``control-delta``); the server sends :math:`c` (``control``). :math:`K` is the
 number of steps the client actually took, :math:`\eta_l` its step size this round
-(plain SGD: the option-II formula assumes it; momentum is refused).
+(plain SGD: the option-II formula assumes it; momentum is refused). With a
+per-round decay of the step size, ``control_lr="round"`` (the default) divides by
+the steps' sizes this round, as the paper's formula reads, so that
+:math:`(x - y)/(K\eta_l)` stays the mean corrected gradient of the round;
+``control_lr="base"`` divides by the undecayed base rate, as the official
+FedDyn/FedDC codes' SCAFFOLD does (there :math:`c_i` shrinks with the decay,
+by 0.998^t: 0.67 at round 200).
 
 Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
 (one model), independent of :math:`N`.
@@ -60,6 +66,9 @@ CONTROL_DELTA_RECORD = "control-delta"
 CONTROL_STATE = "scaffold-control"
 # Reported by clients that apply SCAFFOLD's rule (ScaffoldRule).
 SCAFFOLD_APPLIED_KEY = "scaffold-applied"
+# "round" or "base": the step size option II divides by (see the module docstring).
+CONTROL_LR_KEY = "scaffold-control-lr"
+CONTROL_LRS = ("round", "base")
 
 
 class ControlVariates:
@@ -118,6 +127,12 @@ class Scaffold(ValidatedFedAvg):
         :math:`\eta_g` (the name of Flower's ``FedAvgM``).
     weighting : str (default: "uniform")
         The paper's plain mean of :math:`\Delta y_i`; ``"num-examples"`` weights it.
+    control_lr : str (default: "round")
+        The step size in option II's :math:`(x - y)/(K\eta_l)`. ``"round"``: the
+        sizes of the steps taken this round (the paper; with ``lr_decay`` they
+        shrink and the quotient stays a mean gradient). ``"base"``: the rate
+        before the per-round decay, as the official FedDyn/FedDC codes do.
+        Identical without ``lr_decay``.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
@@ -142,26 +157,38 @@ class Scaffold(ValidatedFedAvg):
         *,
         num_clients: int | None = None,
         server_learning_rate: float = 1.0,
+        control_lr: str = "round",
         **kwargs: Any,
     ) -> None:
         check_positive("server_learning_rate", server_learning_rate)
+        if control_lr not in CONTROL_LRS:
+            raise ValueError(
+                f"control_lr must be one of {CONTROL_LRS}, got {control_lr!r}"
+            )
         super().__init__(num_clients=num_clients, **kwargs)
         self.server_learning_rate = float(server_learning_rate)
+        self.control_lr = control_lr
         self.control = ControlVariates()
 
     def __repr__(self) -> str:
         """Return the class name and its main settings."""
         return (
             f"Scaffold(num_clients={self.num_clients}, "
-            f"server_learning_rate={self.server_learning_rate})"
+            f"server_learning_rate={self.server_learning_rate}, "
+            f"control_lr={self.control_lr!r})"
         )
 
     def summary(self) -> None:
         """Log the SCAFFOLD settings, then the base's."""
         log(INFO, "\t├──> SCAFFOLD settings:")
         log(INFO, "\t│\t├── server learning rate: %s", self.server_learning_rate)
+        log(INFO, "\t│\t├── control-variate step size: %s", self.control_lr)
         log(INFO, "\t│\t└── N (all clients): %s", self.num_clients)
         super().summary()
+
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Send the step size option II divides by."""
+        return {CONTROL_LR_KEY: self.control_lr}
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Send :math:`c`."""
@@ -233,7 +260,9 @@ class ScaffoldRule(ClientRule):
     :math:`\Delta c_i` (``control-delta``). Option II assumes plain SGD steps:
     :meth:`attach` refuses momentum and other optimisers. With a step size
     that changes within the round, :math:`K\eta_l` is the sum of the steps'
-    sizes, the same formula's exact generalisation.
+    sizes, the same formula's exact generalisation; with ``scaffold-control-lr``
+    ``"base"`` in the config, :math:`K` times the undecayed rate (the official
+    codes).
     """
 
     protocol = "Scaffold"
@@ -257,6 +286,8 @@ class ScaffoldRule(ClientRule):
         if steps == 0:
             delta = [torch.zeros_like(p) for p in self.params]
         else:
+            if self.config.get(CONTROL_LR_KEY, "round") == "base":
+                lr = self.undecayed_lr(lr)
             scale = 1.0 / (steps * lr)
             new_ci = [
                 ci - c + (x - p.detach()) * scale

@@ -154,6 +154,12 @@ def central_dp(
             f"central DP wraps one global model; {type(strategy).__name__} is not a "
             "single-model strategy of the pack (P-FedAvg keeps one model per server)"
         )
+    if strategy.participation != "fixed":
+        raise ValueError(
+            "central DP needs participation='fixed': Flower's fixed-clipping wrapper "
+            "divides the noise by num_sampled_clients, a count that "
+            f"participation={strategy.participation!r} changes every round"
+        )
     return WRAPPERS[clipping](
         strategy,
         noise_multiplier=noise_multiplier,

@@ -63,6 +63,7 @@ from .keys import (
     ACCEPTED_ROUND_KEY,
     ACCEPTED_ROUNDS_KEY,
     CLIENT_KEY_METRIC,
+    LR_SCALE_KEY,
     NUM_EXAMPLES_KEY,
     RESET_KEYS_KEY,
     RESET_STATE_KEY,
@@ -295,6 +296,12 @@ class ClientRule:
         self._message: Message | None = None
         self._keys: list[str] = []
         self.term: GradientTerm | None = self.setup()
+
+    def undecayed_lr(self, lr: float) -> float:
+        """Return the step size before the server's per-round decay (``base_lr``)."""
+        if self.base_lr is not None:
+            return float(self.base_lr)
+        return lr / float(self.config.get(LR_SCALE_KEY, 1.0))
 
     # ---------------------------------------------------------- the algorithm
     def setup(self) -> GradientTerm | None:

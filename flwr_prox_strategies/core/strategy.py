@@ -119,6 +119,7 @@ from .validation import (
 )
 
 WEIGHTINGS = ("num-examples", "uniform")
+PARTICIPATION = ("fixed", "bernoulli")
 STRAGGLER_POLICIES = ("drop", "keep-partial")
 # Flower's error text for an exception raised in a ClientApp.
 _FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
@@ -269,6 +270,15 @@ class ValidatedFedAvg(FedAvg):
     ----------
     fraction_train : float (default: 1.0)
         Fraction of connected nodes sampled for training each round.
+    participation : str (default: "fixed")
+        How the training sample is drawn. ``"fixed"``: exactly
+        ``max(int(fraction_train * n), min_train_nodes)`` of the ``n`` connected
+        nodes, uniformly without replacement (Flower's ``FedAvg``, the papers'
+        "m clients per round"). ``"bernoulli"``: each node joins independently
+        with probability ``fraction_train``, so the count varies from round to
+        round (100 nodes at 0.1: 3 to 22 over 200 rounds), redrawn while it is
+        below ``max(min_train_nodes, 1)``; the official FedDyn/FedDC codes'
+        ``act_prob`` rule.
     fraction_evaluate : float (default: 1.0)
         Fraction of connected nodes sampled for federated evaluation.
     min_train_nodes : int (default: 2)
@@ -394,6 +404,7 @@ class ValidatedFedAvg(FedAvg):
         *,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 1.0,
+        participation: str = "fixed",
         min_train_nodes: int = 2,
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
@@ -425,6 +436,10 @@ class ValidatedFedAvg(FedAvg):
         weighting, weight_key = self._resolve_weighting(weighting, weighted_by_key)
         check_fraction("fraction_train", fraction_train)
         check_fraction("fraction_evaluate", fraction_evaluate)
+        if participation not in PARTICIPATION:
+            raise ValueError(
+                f"participation must be one of {PARTICIPATION}, got {participation!r}"
+            )
         check_int("min_train_nodes", min_train_nodes, 0)
         check_int("min_evaluate_nodes", min_evaluate_nodes, 0)
         check_int("min_available_nodes", min_available_nodes, 0)
@@ -477,6 +492,7 @@ class ValidatedFedAvg(FedAvg):
         self._custom_train_metrics = train_metrics_aggr_fn
         self._custom_evaluate_metrics = evaluate_metrics_aggr_fn
         self.weighting = weighting
+        self.participation = participation
         self.local_epochs = local_epochs
         self.local_steps = local_steps
         self.drop_percent = float(drop_percent)
@@ -590,6 +606,7 @@ class ValidatedFedAvg(FedAvg):
         """Return the class name and its main settings."""
         return (
             f"{type(self).__name__}(fraction_train={self.fraction_train}, "
+            f"participation={self.participation!r}, "
             f"weighting={self._weighting_text()!r}, seed={self.seed})"
         )
 
@@ -605,6 +622,7 @@ class ValidatedFedAvg(FedAvg):
                 "replies without it rejected" if self.strict else "else warned",
             )
         log(INFO, "\t│\t├── Seed: %d", self.seed)
+        log(INFO, "\t│\t├── Participation: %s", self.participation)
         log(
             INFO,
             "\t│\t├── num-examples cap: %s; largest reply: %s",
@@ -707,12 +725,15 @@ class ValidatedFedAvg(FedAvg):
         minimum: int,
         stream: int,
         exclude: set[int] | frozenset[int] = frozenset(),
+        bernoulli: bool = False,
     ) -> tuple[list[int], int]:
         """Sample nodes reproducibly for ``server_round``.
 
         The generator is seeded by ``(seed, server_round, stream)``: the sample
         depends on nothing else, so a resumed run samples exactly as an
         uninterrupted one. Nodes in ``exclude`` (retired) are never drawn.
+        ``bernoulli``: each node independently with probability ``fraction``,
+        redrawn while fewer than ``max(minimum, 1)`` are drawn.
 
         Returns
         -------
@@ -729,8 +750,14 @@ class ValidatedFedAvg(FedAvg):
         connected = len(nodes)
         if exclude:
             nodes = [n for n in nodes if n not in exclude]
-        size = min(max(int(len(nodes) * fraction), minimum), len(nodes))
         rng = np.random.default_rng([self.seed, server_round, stream])
+        if bernoulli:
+            least = min(max(minimum, 1), len(nodes)) if fraction > 0 else 0
+            while True:
+                joins = np.flatnonzero(rng.random(len(nodes)) < fraction)
+                if len(joins) >= least:
+                    return sorted(nodes[i] for i in joins), connected
+        size = min(max(int(len(nodes) * fraction), minimum), len(nodes))
         chosen = rng.choice(len(nodes), size=size, replace=False)
         return sorted(nodes[i] for i in chosen), connected
 
@@ -1150,6 +1177,7 @@ class ValidatedFedAvg(FedAvg):
             minimum=self.min_train_nodes,
             stream=0,
             exclude=self.retired_nodes,
+            bernoulli=self.participation == "bernoulli",
         )
         if (
             self.requires_num_clients
