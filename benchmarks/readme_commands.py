@@ -1,0 +1,368 @@
+"""Run every command of the README as written and check what the README says it gives.
+
+The README's ``bash`` blocks are read here, not copied: each command (a line with
+its ``\\`` continuations) that starts a run (``flwr run``, ``python -m
+flwr_prox_strategies...``) is run from the checkout with ``bash``, after the
+``export`` lines of its block, exactly as a user pastes it. The comment above a
+command carries its expectation on a line of its own::
+
+    # expect: rounds 30, final-accuracy 0.93..0.97, to-target <= 12, time ~40 s
+
+``key lo..hi`` is a band, ``key <= x`` / ``key >= x`` a bound, ``key x`` an exact
+value, ``time ~N s`` the wall time on 2 cores (shown beside the measured one, not
+checked: it depends on the machine). The keys are in :data:`METRICS`. A command
+whose run fails, whose results are missing, or whose figure is outside what the
+README says, is marked FAIL and makes the script exit 1: a broken command never
+ends looking like success.
+
+Not run here: the test-suite command (``--with-tests`` adds it; CI runs it), and
+the commands that need a deployment set up by hand (a named federation,
+``/abs/path`` placeholders, a SuperLink killed mid-run); ``tests/system`` runs those
+(TLS and a named federation: ``test_tls.py``; resume after a SuperLink crash:
+``test_loopback.py``).
+
+Usage::
+
+    python benchmarks/readme_commands.py            # all, about 20 min on 2 cores
+    python benchmarks/readme_commands.py --list     # the commands and expectations
+    python benchmarks/readme_commands.py --only 1 8 # some of them (numbers from --list)
+
+It prints one markdown table (``benchmarks/README.md`` quotes it) and writes it,
+with every command's log, to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = re.compile(r"(^|&&\s*|\s)(flwr run|python -m flwr_prox_strategies)\b")
+NEEDS_SETUP = (
+    "/abs/path",  # placeholders for the user's folders
+    "flwr run . mine",  # named federations in $FLWR_HOME
+    "flwr run . secure",
+)
+
+
+@dataclass
+class Command:
+    """One README command with the comment above it."""
+
+    number: int
+    line: int
+    text: str
+    comment: list[str]
+    exports: list[str]
+    expect: str = ""
+
+    @property
+    def runnable(self) -> bool:
+        return bool(RUNS.search(self.text)) and not any(
+            marker in self.text for marker in NEEDS_SETUP
+        )
+
+    @property
+    def is_tests(self) -> bool:
+        return "pytest" in self.text
+
+    @property
+    def short(self) -> str:
+        overrides = re.search(r"overrides='([^']*)'", self.text)
+        if overrides:
+            return overrides.group(1) or "(defaults)"
+        if "flwr run" in self.text:
+            return "flwr run . (defaults)"
+        return re.sub(r"\s+", " ", self.text.replace("\\\n", " "))[:70]
+
+
+@dataclass
+class Check:
+    """One expectation: a metric and the test its value must pass."""
+
+    key: str
+    text: str
+    passes: Callable[[float], bool]
+
+
+@dataclass
+class Outcome:
+    """What one command gave."""
+
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    failed: list[str] = field(default_factory=list)
+
+
+def commands(readme: Path) -> list[Command]:
+    """Every command in the README's bash blocks, numbered in order."""
+    found: list[Command] = []
+    lines = readme.read_text().splitlines()
+    in_block, comment, exports = False, [], []
+    i = 0
+    while i < len(lines):
+        raw = lines[i]
+        stripped = raw.strip()
+        if stripped.startswith("```"):
+            in_block = stripped == "```bash" and not in_block
+            comment, exports = [], []
+            i += 1
+            continue
+        if not in_block:
+            i += 1
+            continue
+        if stripped.startswith("#"):
+            comment.append(stripped.lstrip("#").strip())
+        elif stripped.startswith("export "):
+            exports.append(stripped)
+        elif stripped:
+            start = i
+            text = [raw]
+            while text[-1].rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                text.append(lines[i])
+            body = "\n".join(text).split("  # ")[0].rstrip()
+            expect = " ".join(
+                c.split(":", 1)[1].strip() for c in comment if c.startswith("expect:")
+            )
+            found.append(
+                Command(
+                    len(found) + 1,
+                    start + 1,
+                    body,
+                    [c for c in comment if not c.startswith("expect:")],
+                    list(exports),
+                    expect,
+                )
+            )
+            comment = []
+        else:
+            comment = []
+        i += 1
+    return found
+
+
+# The figures a command's expectation may name, and where they come from.
+METRICS = {
+    "rounds": "rounds with a central evaluation after round 0 (results.json)",
+    "final-accuracy": "central test accuracy after the last round",
+    "best-accuracy": "best central test accuracy over the rounds",
+    "to-target": "first round at the config's target-accuracy",
+    "central-loss": "central test loss after the last round",
+    "max-epsilon": "largest client epsilon after the last round (DP-SGD)",
+    "retired": "clients retired after spending their budget (DP-SGD)",
+    "personal-accuracy": "mean personalised accuracy over the clients, last round",
+    "jobs": "jobs of a sweep (summary.csv)",
+    "min-final-accuracy": "lowest final accuracy over a sweep's jobs",
+    "max-final-accuracy": "highest final accuracy over a sweep's jobs",
+    "speed-up": "the communication model's expected speed-up (topology command)",
+}
+_NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
+
+
+def checks(expect: str) -> tuple[list[Check], str]:
+    """Parse ``key lo..hi, key <= x, key x, time ~N s``; return the checks and time."""
+    found, seconds = [], ""
+    for part in filter(None, (p.strip() for p in expect.split(","))):
+        time_match = re.fullmatch(r"time ~\s*(\d+(?:\.\d+)?)\s*(s|min)", part)
+        if time_match:
+            seconds = part.removeprefix("time ").strip()
+            continue
+        match = re.fullmatch(
+            rf"([a-z-]+)\s+(?:({_NUMBER})\.\.({_NUMBER})|(<=|>=)\s*({_NUMBER})|({_NUMBER}))",
+            part,
+        )
+        if not match or match.group(1) not in METRICS:
+            raise ValueError(
+                f"cannot read the expectation {part!r} (keys: {sorted(METRICS)})"
+            )
+        key, lo, hi, op, bound, exact = match.groups()
+        if lo is not None:
+            low, high = float(lo), float(hi)
+            found.append(
+                Check(key, f"{lo}..{hi}", lambda v, a=low, b=high: a <= v <= b)
+            )
+        elif op == "<=":
+            limit = float(bound)
+            found.append(Check(key, f"<= {bound}", lambda v, b=limit: v <= b))
+        elif op == ">=":
+            limit = float(bound)
+            found.append(Check(key, f">= {bound}", lambda v, b=limit: v >= b))
+        else:
+            value = float(exact)
+            found.append(Check(key, exact, lambda v, x=value: v == x))
+    return found, seconds
+
+
+def run_metrics(results: dict) -> dict[str, float]:
+    """The :data:`METRICS` of one run's ``results.json``."""
+    summary = results["summary"]
+    rounds = [r for r in results["rounds"] if "central" in r and r["round"] > 0]
+    metrics: dict[str, float] = {"rounds": float(len(rounds))}
+    for key, name in (
+        ("final-accuracy", "final-accuracy"),
+        ("best-accuracy", "best-accuracy"),
+        ("to-target", "rounds-to-target"),
+        ("max-epsilon", "final-epsilon-max"),
+        ("personal-accuracy", "final-personal-accuracy-mean"),
+    ):
+        if summary.get(name) is not None:
+            metrics[key] = float(summary[name])
+    if rounds:
+        metrics["central-loss"] = float(rounds[-1]["central"]["loss"])
+    trained = [r["train"] for r in results["rounds"] if "train" in r]
+    if trained and "dp-clients-retired" in trained[-1]:
+        metrics["retired"] = float(trained[-1]["dp-clients-retired"])
+    return metrics
+
+
+def sweep_metrics(csv_path: Path) -> dict[str, float]:
+    """The sweep's job count and the range of its final accuracies."""
+    with open(csv_path) as handle:
+        rows = list(csv.DictReader(handle))
+    finals = [float(r["final-accuracy"]) for r in rows if r.get("final-accuracy")]
+    return {
+        "jobs": float(len(rows)),
+        "min-final-accuracy": min(finals, default=float("nan")),
+        "max-final-accuracy": max(finals, default=float("nan")),
+    }
+
+
+def last_match(pattern: str, output: str) -> str | None:
+    found = re.findall(pattern, output)
+    return found[-1].strip() if found else None
+
+
+def measure(command: Command, log_file: Path) -> Outcome:
+    """Run ``command`` with bash from the checkout; read what it produced."""
+    script = "\n".join(["set -e", *command.exports, command.text])
+    start = time.monotonic()
+    with open(log_file, "w") as sink:
+        proc = subprocess.Popen(
+            ["bash", "-c", script],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert proc.stdout is not None
+        for line in _progress(proc.stdout, sink):
+            print(f"    {line}", flush=True)
+        code = proc.wait()
+    output = log_file.read_text()
+    outcome = Outcome(seconds=time.monotonic() - start)
+    if code != 0:
+        outcome.error = f"exit {code}"
+        return outcome
+    results = last_match(r"Results: (\S+results\.json)", output)
+    summary = last_match(r"(\S+summary\.csv)", output)
+    speed_up = last_match(r"expected speed-up: (\d+(?:\.\d+)?)", output)
+    if results:
+        data = json.loads(Path(results).read_text())
+        if not data["summary"].get("complete") and not data["summary"].get(
+            "stopped-early"
+        ):
+            outcome.error = "results.json not complete"
+        outcome.metrics = run_metrics(data)
+    elif summary:
+        outcome.metrics = sweep_metrics(Path(summary))
+    elif speed_up:
+        outcome.metrics = {"speed-up": float(speed_up)}
+    else:
+        outcome.error = "no results.json, summary.csv or speed-up in its output"
+    return outcome
+
+
+def _progress(stream, sink) -> Iterator[str]:
+    """Copy the output to the log; yield the lines worth showing live."""
+    for line in stream:
+        sink.write(line)
+        if re.search(
+            r"\[progress\]|Finished:|Results:|summary\.csv|speed-up|Error|Traceback",
+            line,
+        ):
+            yield re.sub(r"\x1b\[[0-9;]*m", "", line.rstrip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--list", action="store_true", help="list, run nothing")
+    parser.add_argument("--only", type=int, nargs="+", help="command numbers")
+    parser.add_argument("--with-tests", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/readme")
+    args = parser.parse_args()
+    chosen = [
+        c
+        for c in commands(args.readme)
+        if c.runnable
+        and (args.with_tests or not c.is_tests)
+        and (not args.only or c.number in args.only)
+    ]
+    missing = [c for c in chosen if not c.expect]
+    if missing:
+        sys.exit(
+            "README commands without an '# expect:' line: "
+            + ", ".join(f"line {c.line} ({c.short})" for c in missing)
+        )
+    if args.list:
+        for c in chosen:
+            print(
+                f"{c.number:>3}  line {c.line:<4} {c.short}\n       expect: {c.expect}"
+            )
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for c in chosen:
+        wanted, seconds = checks(c.expect)
+        print(f"[{c.number}] README line {c.line}: {c.short}", flush=True)
+        outcome = measure(c, args.out / f"command-{c.number}.log")
+        for check in wanted:
+            value = outcome.metrics.get(check.key)
+            if value is None or not check.passes(value):
+                outcome.failed.append(check.key)
+        ok = not outcome.error and not outcome.failed
+        measured = ", ".join(
+            f"{k} {v:.4g}"
+            for k, v in outcome.metrics.items()
+            if any(w.key == k for w in wanted)
+        )
+        rows.append(
+            (
+                c,
+                ", ".join(f"{w.key} {w.text}" for w in wanted),
+                measured or "-",
+                f"{outcome.seconds:.0f} s"
+                + (f" (README: {seconds})" if seconds else ""),
+                "ok" if ok else f"FAIL: {outcome.error or ', '.join(outcome.failed)}",
+            )
+        )
+        print(f"    -> {rows[-1][2]}; {rows[-1][3]}; {rows[-1][4]}", flush=True)
+    table = [
+        "| # | README line | command | expected | measured | time | |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {c.number} | {c.line} | `{c.short}` | {exp} | {got} | {secs} | {ok} |"
+            for c, exp, got, secs, ok in rows
+        ),
+    ]
+    text = "\n".join(table)
+    (args.out / "readme_commands.md").write_text(text + "\n")
+    print(text)
+    if any(row[4] != "ok" for row in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
