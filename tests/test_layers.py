@@ -1,0 +1,52 @@
+"""The layering contracts of pyproject.toml ([tool.importlinter]) hold, and can fail."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(folder: Path) -> subprocess.CompletedProcess[str]:
+    # import-linter puts the working directory first on sys.path, so the
+    # package it analyses is the one in `folder`.
+    return subprocess.run(
+        [str(LINT)], cwd=folder, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_pack_keeps_its_layers() -> None:
+    result = lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract"),
+    [
+        ("ops/proximal.py", "import flwr", "ops is pure maths"),
+        ("core/records.py", "from ..algorithms import fedavg", "core knows no"),
+        ("algorithms/fedavg.py", "from ..task import models", "algorithms know no"),
+        ("experiment/sweep.py", "import apps.client_app", "nothing imports the apps"),
+    ],
+)
+def test_a_back_arrow_breaks_its_contract(
+    tmp_path: Path, module: str, line: str, contract: str
+) -> None:
+    for name in ("flwr_prox_strategies", "apps"):
+        shutil.copytree(
+            ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    target = tmp_path / "flwr_prox_strategies" / module
+    target.write_text(target.read_text() + f"\n{line}  # noqa\n")
+    result = lint(tmp_path)
+    assert result.returncode != 0
+    broken = result.stdout.split("Broken contracts")[1]
+    assert contract in broken and "1 broken" in result.stdout
