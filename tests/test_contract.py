@@ -48,7 +48,7 @@ STRATEGIES: dict[str, Callable[[], ValidatedFedAvg]] = {
     ),
     "scaffold": lambda: Scaffold(num_clients=NUM_NODES, server_learning_rate=0.5),
     "feddc": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES),
-    "feddc-seed": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES, correction="seed"),
+    "feddc-paper": lambda: FedDC(alpha=0.1, num_clients=NUM_NODES, correction="paper"),
     "apfl": lambda: APFL(alpha=0.5, min_available_nodes=NUM_NODES),
     "fedepm": lambda: FedEPM(num_clients=NUM_NODES, rho=1.0),
     "fedepm-l1-heavy": lambda: FedEPM(num_clients=NUM_NODES, rho=1.0, lam=10.0),

@@ -2,7 +2,7 @@
 
 * a least-squares federation whose global minimiser is known in closed form;
 * hand-computed rounds (numpy, straight from the update equations);
-* FedDC's official and seed semantics: equal for two rounds, then not;
+* FedDC's official and paper semantics: equal for two rounds, then not;
 * client state stays consistent with the server's sums when replies fail;
 * checkpoint + resume is bit-identical.
 """
@@ -216,9 +216,9 @@ def feddc_by_hand(alpha: float, rounds: int, correction: str) -> list[np.ndarray
             lambda: feddc_by_hand(0.3, 3, "official"),
         ),
         (
-            lambda: FedDC(alpha=0.3, num_clients=2, correction="seed"),
+            lambda: FedDC(alpha=0.3, num_clients=2, correction="paper"),
             FedDCClient,
-            lambda: feddc_by_hand(0.3, 3, "seed"),
+            lambda: feddc_by_hand(0.3, 3, "paper"),
         ),
     ],
     ids=[
@@ -227,7 +227,7 @@ def feddc_by_hand(alpha: float, rounds: int, correction: str) -> list[np.ndarray
         "scaffold-decayed-round",
         "scaffold-decayed-base",
         "feddc-official",
-        "feddc-seed",
+        "feddc-paper",
     ],
 )
 def test_rounds_match_the_equations_by_hand(strategy, client, expected) -> None:
@@ -238,12 +238,18 @@ def test_rounds_match_the_equations_by_hand(strategy, client, expected) -> None:
         )
 
 
-def test_feddc_official_and_seed_coincide_for_two_rounds_then_differ() -> None:
+def test_feddc_official_and_paper_coincide_for_two_rounds_then_differ() -> None:
     official = run_two(FedDC(alpha=0.3, num_clients=2), FedDCClient, 3)
-    seed = run_two(FedDC(alpha=0.3, num_clients=2, correction="seed"), FedDCClient, 3)
-    np.testing.assert_allclose(official[0], seed[0], rtol=1e-6)
-    np.testing.assert_allclose(official[1], seed[1], rtol=1e-5)
-    assert np.abs(official[2] - seed[2]).max() > 1e-4
+    paper = run_two(FedDC(alpha=0.3, num_clients=2, correction="paper"), FedDCClient, 3)
+    np.testing.assert_allclose(official[0], paper[0], rtol=1e-6)
+    np.testing.assert_allclose(official[1], paper[1], rtol=1e-5)
+    assert np.abs(official[2] - paper[2]).max() > 1e-4
+
+
+def test_feddc_seed_is_the_former_name_of_paper() -> None:
+    with pytest.warns(FutureWarning, match="correction='paper'"):
+        strategy = FedDC(alpha=0.3, num_clients=2, correction="seed")
+    assert strategy.correction == "paper"
 
 
 # --------------------------------------------- failures keep client state consistent

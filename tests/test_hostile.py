@@ -93,7 +93,7 @@ def test_one_huge_finite_upload_gives_the_true_mean(make) -> None:
         np.testing.assert_allclose(got[key], flower[key].numpy(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("correction", ["official", "seed"])
+@pytest.mark.parametrize("correction", ["official", "paper"])
 def test_feddc_with_one_huge_upload_equals_its_float64_update(correction) -> None:
     strategy = FedDC(alpha=0.1, num_clients=4, correction=correction)
     initial = model_arrays()

@@ -7,7 +7,7 @@ Seed 000, Eqs. (9)-(12) and its pseudo-code. Client :math:`i` minimises
     + \frac{1}{\eta K}\langle\theta_i, g_i - g\rangle \qquad (9)
 
 by :math:`K` steps of the explicit update (10) from :math:`\theta_i = w`, then
-:math:`h_i \leftarrow h_i + (\theta_i^+ - w)` (11) and, in the seed's form,
+:math:`h_i \leftarrow h_i + (\theta_i^+ - w)` (11) and, in the paper's form,
 uploads :math:`\theta_i^+ + h_i`, averaged by sample counts into :math:`w^+` (12);
 :math:`g_i = \theta_i^+ - w` is the client's last local update and :math:`g` their
 sample-weighted mean.
@@ -29,7 +29,8 @@ what partial participation needs:
   :math:`\rho_i` = ``relative_size`` (:math:`n_i/\bar n`) and
   :math:`\alpha_i = \alpha/\rho_i` (the official code's scaling; 1 for equal sizes).
 
-``"seed"``: exactly Eq. (10) with the last round's updates:
+``"paper"`` (the FedDC paper's Eq. (10), as written; ``"seed"`` is an old name for
+it): exactly Eq. (10) with the last round's updates:
 the step's correction is :math:`-\frac{1}{K}(g_i - g)`, the client uploads
 :math:`\theta_i^+ + h_i` and :math:`g_i`, the server averages both over the
 participants by sample counts.
@@ -38,19 +39,20 @@ Where they differ. Under full participation with equal data sizes, the server
 models coincide (mean of :math:`\theta^+` plus mean of all :math:`h` is the mean of
 :math:`\theta^+ + h`) and so do the corrections of the first two rounds
 (:math:`c - c_i = (g_i - g)/(K\eta)`); from round 3 on the official :math:`c_i`
-is SCAFFOLD's average local gradient, while the seed's :math:`g_i` still contains
+is SCAFFOLD's average local gradient, while the paper's :math:`g_i` still contains
 the previous round's correction. ``tests/test_drift.py`` checks both statements.
 
-Memory: each client holds :math:`h_i` and :math:`c_i` (seed: :math:`g_i`), two
-models; the server holds :math:`H` and :math:`c` (seed: :math:`g`), at most two
+Memory: each client holds :math:`h_i` and :math:`c_i` (paper: :math:`g_i`), two
+models; the server holds :math:`H` and :math:`c` (paper: :math:`g`), at most two
 models, independent of :math:`N`.
 
 Wire keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
-``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (seed).
+``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (paper).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from logging import INFO
 from typing import Any
@@ -82,7 +84,7 @@ FEDDC_CORRECTION_KEY = "feddc-correction"
 FEDDC_APPLIED_KEY = "feddc-applied"
 GLOBAL_UPDATE_RECORD = "feddc-g"
 LOCAL_UPDATE_RECORD = "feddc-update"
-CORRECTIONS = ("official", "seed")
+CORRECTIONS = ("official", "paper")
 
 DRIFT_STATE = "feddc-drift"
 CONTROL_STATE = "feddc-control"
@@ -100,10 +102,12 @@ class FedDC(ValidatedFedAvg):
         :math:`N`, the number of all clients, checked every round. None: the
         number of nodes connected at the first round (logged).
     correction : str (default: "official")
-        ``"official"`` (official code, partial participation) or ``"seed"``.
+        ``"official"`` (official code, partial participation) or ``"paper"``
+        (Eq. (10) of the paper as written; ``"seed"``, its former name, is
+        accepted with a warning).
     weighting : str | None (default: None)
         Average over participants: ``"uniform"`` for ``official`` (``np.mean`` in
-        the official code), ``"num-examples"`` for ``seed`` (Eq. (12)); or
+        the official code), ``"num-examples"`` for ``paper`` (Eq. (12)); or
         Flower's ``weighted_by_key``.
     **kwargs
         Keyword arguments of
@@ -133,6 +137,14 @@ class FedDC(ValidatedFedAvg):
         **kwargs: Any,
     ) -> None:
         check_positive("alpha", alpha)
+        if correction == "seed":
+            warnings.warn(
+                "FedDC(correction='seed') is now correction='paper' (Eq. (10) of "
+                "the FedDC paper); 'seed' will be refused in a later release",
+                FutureWarning,
+                stacklevel=2,
+            )
+            correction = "paper"
         if correction not in CORRECTIONS:
             raise ValueError(
                 f"correction must be one of {CORRECTIONS}, got {correction!r}"
@@ -145,7 +157,7 @@ class FedDC(ValidatedFedAvg):
         self.drift_sum: dict[str, NDArray] | None = None  # H (official)
         self._next_drift_sum: dict[str, NDArray] | None = None
         self.control = ControlVariates()  # c (official)
-        self.global_update: dict[str, NDArray] | None = None  # g (seed)
+        self.global_update: dict[str, NDArray] | None = None  # g (paper)
 
     def __repr__(self) -> str:
         """Return the class name and its main settings."""
@@ -168,7 +180,7 @@ class FedDC(ValidatedFedAvg):
         return {FEDDC_ALPHA_KEY: self.alpha, FEDDC_CORRECTION_KEY: self.correction}
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """Send :math:`c` (official) or :math:`g` (seed)."""
+        """Send :math:`c` (official) or :math:`g` (paper)."""
         assert self._global_arrays is not None
         if self.correction == "official":
             return {CONTROL_RECORD: self.control.record(self._global_arrays)}
@@ -178,7 +190,7 @@ class FedDC(ValidatedFedAvg):
         return {GLOBAL_UPDATE_RECORD: dict_to_record(self.global_update)}
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
-        r"""Expect the model and :math:`\Delta c_i` (official) or :math:`g_i` (seed)."""
+        r"""Expect the model and :math:`\Delta c_i` (official) or :math:`g_i`."""
         expected = super().expected_train_arrays(server_round)
         extra = (
             CONTROL_DELTA_RECORD
@@ -196,9 +208,9 @@ class FedDC(ValidatedFedAvg):
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
-        """Official: mean θ⁺ over S plus H/N; seed: weighted mean of θ⁺ + h."""
+        """Official: mean θ⁺ over S plus H/N; paper: weighted mean of θ⁺ + h."""
         average = self.weighted_mean(replies)
-        if self.correction == "seed":
+        if self.correction == "paper":
             return dict_to_record(average)  # clients uploaded theta + h
         assert self.num_clients is not None
         # Kept until on_valid_replies commits it (only if this round is used).
@@ -210,7 +222,7 @@ class FedDC(ValidatedFedAvg):
     def on_valid_replies(
         self, server_round: int, replies: list[ValidReply]
     ) -> dict[str, Any]:
-        """Commit H and c (official) or g (seed)."""
+        """Commit H and c (official) or g (paper)."""
         assert self.num_clients is not None
         if self.correction == "official":
             assert self._next_drift_sum is not None  # set by aggregate_arrays
@@ -264,9 +276,9 @@ class FedDCRule(ClientRule):
     Adds :math:`\alpha_i(\theta + h_i - w)` and the correction to every step;
     after the round, :math:`h_i \mathrel{+}= \theta - w` (Eq. (11)) and the
     correction state (pending until the server confirms the reply). Plain SGD
-    steps (:meth:`attach` refuses momentum). The seed's correction divides by
+    steps (:meth:`attach` refuses momentum). The paper's correction divides by
     the round's planned steps and step size, known before training: give
-    ``planned_steps`` and ``lr`` for ``correction="seed"``.
+    ``planned_steps`` and ``lr`` for ``correction="paper"``.
     """
 
     protocol = "FedDC"
@@ -303,7 +315,7 @@ class FedDCRule(ClientRule):
             return ProximalTerm(alpha / rho, anchor, shift)
         if self.planned_steps is None or self.planned_lr is None:
             raise ProtocolError(
-                "FedDC's seed correction needs the round's planned steps and step "
+                "FedDC's paper's correction needs the round's planned steps and step "
                 "size before training (planned_steps=, lr=; the pack's client "
                 "takes them from len(train_loader))"
             )
@@ -331,7 +343,7 @@ class FedDCRule(ClientRule):
             self.state.set_pending(CONTROL_STATE, new_ci, self.server_round)
             return {CONTROL_DELTA_RECORD: arrays_from_params(self.model, delta)}, {}
         self.state.set_pending(UPDATE_STATE, update, self.server_round)
-        with torch.no_grad():  # the seed uploads theta^+ + h_i^{t+1}
+        with torch.no_grad():  # the paper's form uploads theta^+ + h_i^{t+1}
             for p, h in zip(self.params, drift, strict=True):
                 p.add_(h)
         return {LOCAL_UPDATE_RECORD: arrays_from_params(self.model, update)}, {}
@@ -340,7 +352,7 @@ class FedDCRule(ClientRule):
 class FedDCClient(TorchClient):
     r"""FedDC client: :class:`FedDCRule` in the pack's training loop.
 
-    Keeps :math:`h_i` and :math:`c_i` (official) or :math:`g_i` (seed) in
+    Keeps :math:`h_i` and :math:`c_i` (official) or :math:`g_i` (paper) in
     ``context.state``. With ``dp``, the drift penalty and the gradient correction
     read no data and are added after DP-SGD's clipping and noise. Parameters as
     :class:`~flwr_prox_strategies.core.client.TorchClient` (``relative_size`` is
@@ -356,14 +368,14 @@ class FedDCClient(TorchClient):
             raise ValueError("momentum must be 0: FedDC's correction assumes plain SGD")
 
     def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Give the seed form its planned steps (``epochs * len(train_loader)``)."""
-        if config.get(FEDDC_CORRECTION_KEY) != "seed":
+        """Give the paper's form its planned steps (``epochs * len(train_loader)``)."""
+        if config.get(FEDDC_CORRECTION_KEY) != "paper":
             return {}
         epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
         try:
             planned = epochs * len(self.train_loader)
         except TypeError as err:
             raise ProtocolError(
-                "FedDC's seed form needs len(train_loader) to know K in advance"
+                "FedDC's paper's form needs len(train_loader) to know K in advance"
             ) from err
         return {"planned_steps": planned, "lr": self.round_lr}
