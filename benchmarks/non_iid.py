@@ -10,8 +10,9 @@ its control variate by the undecayed rate, as they do.
 
 ``--engine flwr`` (default): every run is a real ``flwr run`` (managed SuperLink,
 Ray simulation, 100 SuperNodes). ``--engine inprocess``: the same ServerApp and
-ClientApp code on an in-process grid (no Ray, no gRPC: for quick reruns; about
-3x faster on 2 cores).
+ClientApp code on an in-process grid (no Ray, no gRPC, one process: clients run
+one after another, so a round takes about as long as through Ray's two workers on
+2 cores, but nothing starts up and a run repeats exactly).
 
 Reports, per strategy over the seeds (mean and spread): the mean central accuracy
 of the last 10 rounds, the best, rounds to 80% and 85%, seconds per round and
