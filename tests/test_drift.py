@@ -360,7 +360,7 @@ def test_invalid_hyperparameters() -> None:
     with pytest.raises(ValueError, match="num_clients"):
         FedDyn(alpha=0.1, num_clients=0)
     with pytest.raises(ValueError, match="correction"):
-        FedDC(num_clients=3, correction="paper")
+        FedDC(num_clients=3, correction="eq10")
     with pytest.raises(ValueError, match="server_learning_rate"):
         Scaffold(num_clients=3, server_learning_rate=0.0)
     model = torch.nn.Linear(2, 1)

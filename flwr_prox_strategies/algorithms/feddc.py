@@ -74,7 +74,7 @@ from ..core.records import (
 from ..core.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm
-from ..core.validation import ValidReply, check_positive
+from ..core.validation import ValidReply, check_choice, check_positive
 from ..ops.proximal import ProximalTerm
 from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD, ControlVariates
 
@@ -145,10 +145,7 @@ class FedDC(ValidatedFedAvg):
                 stacklevel=2,
             )
             correction = "paper"
-        if correction not in CORRECTIONS:
-            raise ValueError(
-                f"correction must be one of {CORRECTIONS}, got {correction!r}"
-            )
+        check_choice("correction", correction, CORRECTIONS)
         if weighting is None and kwargs.get("weighted_by_key") is None:
             weighting = "uniform" if correction == "official" else "num-examples"
         super().__init__(num_clients=num_clients, weighting=weighting, **kwargs)

@@ -58,7 +58,7 @@ from ..core.records import (
 from ..core.rule import ClientRule, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm
-from ..core.validation import ValidReply, check_positive
+from ..core.validation import ValidReply, check_choice, check_positive
 from ..ops.proximal import ProximalTerm
 
 CONTROL_RECORD = "control"
@@ -161,10 +161,7 @@ class Scaffold(ValidatedFedAvg):
         **kwargs: Any,
     ) -> None:
         check_positive("server_learning_rate", server_learning_rate)
-        if control_lr not in CONTROL_LRS:
-            raise ValueError(
-                f"control_lr must be one of {CONTROL_LRS}, got {control_lr!r}"
-            )
+        check_choice("control_lr", control_lr, CONTROL_LRS)
         super().__init__(num_clients=num_clients, **kwargs)
         self.server_learning_rate = float(server_learning_rate)
         self.control_lr = control_lr

@@ -108,6 +108,7 @@ from .validation import (
     OUT_OF_RANGE,
     ReplyRejected,
     ValidReply,
+    check_choice,
     check_fraction,
     check_int,
     check_non_negative,
@@ -436,10 +437,7 @@ class ValidatedFedAvg(FedAvg):
         weighting, weight_key = self._resolve_weighting(weighting, weighted_by_key)
         check_fraction("fraction_train", fraction_train)
         check_fraction("fraction_evaluate", fraction_evaluate)
-        if participation not in PARTICIPATION:
-            raise ValueError(
-                f"participation must be one of {PARTICIPATION}, got {participation!r}"
-            )
+        check_choice("participation", participation, PARTICIPATION)
         check_int("min_train_nodes", min_train_nodes, 0)
         check_int("min_evaluate_nodes", min_evaluate_nodes, 0)
         check_int("min_available_nodes", min_available_nodes, 0)

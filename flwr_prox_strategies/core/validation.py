@@ -17,37 +17,15 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from numpy.typing import NDArray
 
+from ..ops.checks import (  # noqa: F401  (the pack's modules import them from here)
+    check_choice,
+    check_fraction,
+    check_int,
+    check_non_negative,
+    check_positive,
+)
 from .keys import BUDGET_EXHAUSTED_REASON, NUM_EXAMPLES_KEY
 from .records import RecordSpec, array_view
-
-
-def check_fraction(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def check_non_negative(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def check_positive(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0."""
-    if check_non_negative(name, value) == 0.0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
-
-
-def check_int(name: str, value: int, minimum: int) -> int:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
 
 # Names of Flower's legacy strategies (flwr.server.strategy) -> the Message
 # API's (and the pack's) name of the same parameter.

@@ -11,23 +11,16 @@ gradient tools such as Opacus.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from ..ops.checks import check_int
+
 __all__ = ["CNN", "MLP", "LogisticRegression"]
 
 _DTYPE = torch.float32
-
-
-def _check_positive(name: str, value: int) -> int:
-    """Return ``value`` as an int, raising ``ValueError`` if it is not >= 1."""
-    # bool is an int subclass; ``hidden=True`` is always a config mistake.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 class LogisticRegression(nn.Module):
@@ -43,8 +36,8 @@ class LogisticRegression(nn.Module):
 
     def __init__(self, *, in_features: int = 64, num_classes: int = 10) -> None:
         super().__init__()
-        self.in_features = _check_positive("in_features", in_features)
-        self.num_classes = _check_positive("num_classes", num_classes)
+        self.in_features = check_int("in_features", in_features, 1)
+        self.num_classes = check_int("num_classes", num_classes, 1)
         self.linear = nn.Linear(self.in_features, self.num_classes, dtype=_DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,13 +69,13 @@ class MLP(nn.Module):
         num_classes: int = 10,
     ) -> None:
         super().__init__()
-        self.in_features = _check_positive("in_features", in_features)
-        self.num_classes = _check_positive("num_classes", num_classes)
+        self.in_features = check_int("in_features", in_features, 1)
+        self.num_classes = check_int("num_classes", num_classes, 1)
         if isinstance(hidden, str | bytes) or not isinstance(hidden, Sequence):
             # The pack reports every bad argument as ValueError naming it.
             raise ValueError(f"hidden must be a sequence of ints, got {hidden!r}")
         # Hydra hands over a ListConfig; a plain tuple keeps the module picklable.
-        self.hidden = tuple(_check_positive("hidden", h) for h in hidden)
+        self.hidden = tuple(check_int("hidden", h, 1) for h in hidden)
         layers: list[nn.Module] = []
         width = self.in_features
         for size in self.hidden:
@@ -118,9 +111,9 @@ class CNN(nn.Module):
         self, *, in_channels: int = 1, num_classes: int = 10, image_size: int = 28
     ) -> None:
         super().__init__()
-        self.in_channels = _check_positive("in_channels", in_channels)
-        self.num_classes = _check_positive("num_classes", num_classes)
-        self.image_size = _check_positive("image_size", image_size)
+        self.in_channels = check_int("in_channels", in_channels, 1)
+        self.num_classes = check_int("num_classes", num_classes, 1)
+        self.image_size = check_int("image_size", image_size, 1)
         if self.image_size < 4:
             raise ValueError(f"image_size must be at least 4, got {image_size!r}")
         self.features = nn.Sequential(

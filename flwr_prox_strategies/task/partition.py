@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._optional import require_installed
+from ..ops.checks import check_choice, check_int, check_non_negative, check_positive
 from .datasets import ArrayDataset
 
 __all__ = [
@@ -72,32 +73,6 @@ def _dense_labels(labels: np.ndarray | Sequence[int]) -> np.ndarray:
     return dense.astype(np.int64)
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    """Return ``value`` if it is an integer >= ``low``, else raise ValueError."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | np.integer)
-        or value < low
-    ):
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> str:
-    if value not in choices:
-        valid = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"{name} must be one of {valid}, got {value!r}")
-    return value
-
-
-def _check_positive_float(name: str, value: float, *, allow_zero: bool) -> float:
-    value = float(value)
-    if not np.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return value
-
-
 def _resolve_min_size(
     min_partition_size: int | None, num_samples: int, num_partitions: int, scheme: str
 ) -> int:
@@ -107,7 +82,7 @@ def _resolve_min_size(
             return 1 if scheme == "inner-dirichlet" else 0
         fair_share = num_samples // (4 * num_partitions)
         return max(1, min(_DIRICHLET_MIN_SIZE, fair_share))
-    size = _check_int("min_partition_size", min_partition_size, 0)
+    size = check_int("min_partition_size", min_partition_size, 0)
     if size * num_partitions > num_samples:
         raise ValueError(
             f"min_partition_size={size} times num_partitions={num_partitions} "
@@ -340,19 +315,17 @@ def partition_indices(
         One sorted int64 index array per partition; the arrays are disjoint.
     """
     dense = _dense_labels(labels)
-    num_partitions = _check_int("num_partitions", num_partitions, 1)
+    num_partitions = check_int("num_partitions", num_partitions, 1)
     if num_partitions > len(dense):
         raise ValueError(
             f"num_partitions={num_partitions} exceeds the {len(dense)} samples"
         )
-    _check_choice("scheme", scheme, SCHEMES)
-    seed = _check_int("seed", seed, 0)
-    alpha = _check_positive_float("alpha", alpha, allow_zero=False)
-    classes = _check_int("classes_per_partition", classes_per_partition, 1)
-    sigma = _check_positive_float("size_sigma", size_sigma, allow_zero=True)
-    _check_choice(
-        "class_assignment_mode", class_assignment_mode, CLASS_ASSIGNMENT_MODES
-    )
+    check_choice("scheme", scheme, SCHEMES)
+    seed = check_int("seed", seed, 0)
+    alpha = check_positive("alpha", alpha)
+    classes = check_int("classes_per_partition", classes_per_partition, 1)
+    sigma = check_non_negative("size_sigma", size_sigma)
+    check_choice("class_assignment_mode", class_assignment_mode, CLASS_ASSIGNMENT_MODES)
     min_size = _resolve_min_size(min_partition_size, len(dense), num_partitions, scheme)
     require_installed(
         ("datasets", "flwr_datasets"), "experiment", "partitioning (flwr-datasets)"
@@ -418,7 +391,7 @@ def label_histogram(
     np.ndarray
         int64 counts of shape ``(len(parts), num_classes)``.
     """
-    num_classes = _check_int("num_classes", num_classes, 1)
+    num_classes = check_int("num_classes", num_classes, 1)
     y = np.asarray(labels)
     if y.ndim != 1 or (y.size and not np.issubdtype(y.dtype, np.integer)):
         raise ValueError("labels must be a 1-D integer array")
@@ -454,7 +427,7 @@ def _official_labels(
     array = array.astype(np.int64)
     if num_classes is None:
         return array, int(array.max()) + 1
-    num_classes = _check_int("num_classes", num_classes, 1)
+    num_classes = check_int("num_classes", num_classes, 1)
     if array.max() >= num_classes:
         raise ValueError(f"labels must lie in [0, num_classes={num_classes})")
     return array, num_classes
@@ -462,7 +435,7 @@ def _official_labels(
 
 def _official_rng(seed: int) -> np.random.RandomState:
     """Return the legacy generator ``np.random.seed(seed)`` would set up."""
-    seed = _check_int("seed", seed, 0)
+    seed = check_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(
             f"seed must be below 2**32 (numpy's legacy seeding), got {seed}"
@@ -471,7 +444,7 @@ def _official_rng(seed: int) -> np.random.RandomState:
 
 
 def _check_partition_count(num_partitions: int, num_samples: int) -> int:
-    num_partitions = _check_int("num_partitions", num_partitions, 1)
+    num_partitions = check_int("num_partitions", num_partitions, 1)
     if num_partitions > num_samples:
         raise ValueError(
             f"num_partitions={num_partitions} exceeds the {num_samples} samples"
@@ -652,8 +625,8 @@ def official_dirichlet_partition(
     """
     array, num_classes = _official_labels(labels, num_classes)
     num_partitions = _check_partition_count(num_partitions, len(array))
-    alpha = _check_positive_float("alpha", alpha, allow_zero=False)
-    sigma = _check_positive_float("size_sigma", size_sigma, allow_zero=True)
+    alpha = check_positive("alpha", alpha)
+    sigma = check_non_negative("size_sigma", size_sigma)
     rng = _official_rng(seed)
     order = rng.permutation(len(array))
     sizes = _official_client_sizes(len(array), num_partitions, sigma, rng)
@@ -698,7 +671,7 @@ def official_iid_partition(
     """
     num_samples = len(np.asarray(labels))
     num_partitions = _check_partition_count(num_partitions, num_samples)
-    sigma = _check_positive_float("size_sigma", size_sigma, allow_zero=True)
+    sigma = check_non_negative("size_sigma", size_sigma)
     rng = _official_rng(seed)
     order = rng.permutation(num_samples).astype(np.int64)
     sizes = _official_client_sizes(num_samples, num_partitions, sigma, rng)

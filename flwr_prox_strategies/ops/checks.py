@@ -1,0 +1,63 @@
+"""Hyper-parameter checks: one place, one wording, the parameter always named.
+
+Every constructor and partition function of the pack checks its arguments with
+these, so a bad value fails where it is given with ``<name> must be ...``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_fraction(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
+    if not _real(value) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_non_negative(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
+    if not _real(value) or not math.isfinite(float(value)) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_positive(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0."""
+    if not _real(value) or not math.isfinite(float(value)) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: int, minimum: int) -> int:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        valid = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {valid}, got {value!r}")
+    return value
+
+
+__all__ = [
+    "check_choice",
+    "check_fraction",
+    "check_int",
+    "check_non_negative",
+    "check_positive",
+]
