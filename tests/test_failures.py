@@ -343,7 +343,7 @@ def test_the_packs_app_records_the_failure_then_raises(tmp_path) -> None:
     grid = InProcessGrid(client_app, num_nodes=3, run_config=run_config)
     with pytest.raises(NoRoundAggregatedError) as info:
         run_experiment(grid, run_config)
-    reason = "ValueError: learning_rate must be a finite number >= 0, got -1.0"
+    reason = "ValueError: learning_rate must be a finite number > 0, got -1.0"
     assert f"6 replies failed: 6 x '{reason}'" in str(info.value)
     assert str(tmp_path / "results.json") in str(info.value)
     results = json.loads((tmp_path / "results.json").read_text())

@@ -51,6 +51,11 @@ def test_bernoulli_redraws_below_the_minimum_and_skips_retired_nodes() -> None:
             grid, t, fraction=0.05, minimum=2, stream=0, exclude=retired, bernoulli=True
         )
         assert connected == 10 and len(nodes) >= 2 and not set(nodes) & retired
+    hopeless = FedAvg(fraction_train=1e-4, participation="bernoulli")
+    with pytest.raises(ValueError, match="raise fraction_train"):
+        hopeless.sample_nodes(
+            grid, 1, fraction=1e-4, minimum=8, stream=0, bernoulli=True
+        )
 
 
 def test_bernoulli_rounds_train_a_varying_number_of_clients() -> None:

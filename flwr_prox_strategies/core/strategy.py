@@ -121,6 +121,9 @@ from .validation import (
 
 WEIGHTINGS = ("num-examples", "uniform")
 PARTICIPATION = ("fixed", "bernoulli")
+# Redraws of a Bernoulli sample below min_train_nodes before giving up (the official
+# loop redraws until one node joins; a tiny p with a large minimum would never end).
+BERNOULLI_DRAWS = 10_000
 STRAGGLER_POLICIES = ("drop", "keep-partial")
 # Flower's error text for an exception raised in a ClientApp.
 _FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
@@ -751,10 +754,15 @@ class ValidatedFedAvg(FedAvg):
         rng = np.random.default_rng([self.seed, server_round, stream])
         if bernoulli:
             least = min(max(minimum, 1), len(nodes)) if fraction > 0 else 0
-            while True:
+            for _ in range(BERNOULLI_DRAWS):
                 joins = np.flatnonzero(rng.random(len(nodes)) < fraction)
                 if len(joins) >= least:
                     return sorted(nodes[i] for i in joins), connected
+            raise ValueError(
+                f"participation='bernoulli': {BERNOULLI_DRAWS} draws at probability "
+                f"{fraction} gave fewer than the {least} nodes min_train_nodes asks "
+                f"of {len(nodes)}; raise fraction_train or lower min_train_nodes"
+            )
         size = min(max(int(len(nodes) * fraction), minimum), len(nodes))
         chosen = rng.choice(len(nodes), size=size, replace=False)
         return sorted(nodes[i] for i in chosen), connected
