@@ -312,7 +312,7 @@ class FedDCRule(ClientRule):
             return ProximalTerm(alpha / rho, anchor, shift)
         if self.planned_steps is None or self.planned_lr is None:
             raise ProtocolError(
-                "FedDC's paper's correction needs the round's planned steps and step "
+                "FedDC's paper form needs the round's planned steps and step "
                 "size before training (planned_steps=, lr=; the pack's client "
                 "takes them from len(train_loader))"
             )
@@ -373,6 +373,6 @@ class FedDCClient(TorchClient):
             planned = epochs * len(self.train_loader)
         except TypeError as err:
             raise ProtocolError(
-                "FedDC's paper's form needs len(train_loader) to know K in advance"
+                "FedDC's paper form needs len(train_loader) to know K in advance"
             ) from err
         return {"planned_steps": planned, "lr": self.round_lr}

@@ -39,9 +39,8 @@ def check_positive(name: str, value: float) -> float:
 
 def check_int(name: str, value: int, minimum: int) -> int:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
+    integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not integer or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
