@@ -52,28 +52,21 @@ Wire keys: ``feddyn-alpha`` in the train config.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from logging import INFO
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
-from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from ..core.client import TorchClient
-from ..core.records import (
-    RecordSpec,
-    copy_arrays,
-    dict_to_record,
-    float_keys,
-    record_to_dict,
-)
+from ..core.fields import RoundUpdate
+from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
 from ..core.rule import ClientRule, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm
 from ..core.validation import ValidReply, check_positive
+from ..ops.drift import drift_corrected, drift_sum, norm, summed
 from ..ops.proximal import ProximalTerm
 
 FEDDYN_ALPHA_KEY = "feddyn-alpha"
@@ -120,6 +113,9 @@ class FedDyn(ValidatedFedAvg):
     default_weighting = "uniform"
     rule_metric = FEDDYN_APPLIED_KEY
     rule_name = "FedDyn's dynamic regulariser"
+    state_fields = ("drift_sum", "initial", "latest_sum")
+    resume_settings = ("alpha",)
+    settings = ("alpha", "num_clients", "track_all_clients")
 
     def __init__(
         self,
@@ -137,20 +133,8 @@ class FedDyn(ValidatedFedAvg):
         # the wrong baseline: with tracking, it restarts from theta^0 instead.
         self.accept_lost_state = not self.track_all_clients
         self.drift_sum: dict[str, NDArray] | None = None  # Lambda = sum_k lambda_k
-        self._next_drift_sum: dict[str, NDArray] | None = None
         self.initial: dict[str, NDArray] | None = None  # theta^0 (tracking)
         self.latest_sum: dict[str, NDArray] | None = None  # sum_k latest theta_k
-
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return f"FedDyn(alpha={self.alpha}, num_clients={self.num_clients})"
-
-    def summary(self) -> None:
-        """Log the FedDyn settings, then the base's."""
-        log(INFO, "\t├──> FedDyn settings:")
-        log(INFO, "\t│\t├── alpha: %s", self.alpha)
-        log(INFO, "\t│\t└── K (all clients): %s", self.num_clients)
-        super().summary()
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send ``feddyn-alpha`` (and whether clients track their latest model)."""
@@ -197,39 +181,36 @@ class FedDyn(ValidatedFedAvg):
         model = self.all_clients_model()
         return {} if model is None else {"central-all-clients": model}
 
-    def on_num_clients_change(self, old: int, new: int) -> None:
+    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
         r"""Count the new clients' latest models, :math:`\theta^0`, when tracked."""
-        if self.latest_sum is None or self.initial is None:
-            return
-        for key in self.latest_sum:
-            self.latest_sum[key] += (new - old) * self.initial[key]
+        latest = state["latest_sum"]
+        if latest is None or self.initial is None:
+            return state
+        theta0 = [{k: (new - old) * self.initial[k] for k in latest}]
+        return {**state, "latest_sum": summed(latest, theta0)}
 
-    def aggregate_arrays(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> ArrayRecord:
-        r"""Return :math:`\mathrm{mean}_S\theta_k + (\Lambda + \Delta\Lambda)/K`."""
-        assert self.num_clients is not None
-        average = self.weighted_mean(replies)
-        # Kept until on_valid_replies commits it (only if this round is used).
-        self._next_drift_sum = self.summed_updates(replies, self.drift_sum)
-        for key, value in self._next_drift_sum.items():
-            average[key] += (value / self.num_clients).astype(average[key].dtype)
-        return dict_to_record(average)
+    def server_update(
+        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+    ) -> RoundUpdate:
+        r"""Return :math:`\mathrm{mean}_S\theta_k + \Lambda^{t+1}/K` and the new sums.
 
-    def on_valid_replies(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> dict[str, Any]:
-        r"""Commit :math:`\Lambda \mathrel{+}= \sum_S(\theta_k - \theta^t)`."""
-        assert self._next_drift_sum is not None  # set by aggregate_arrays
-        self.drift_sum = self._next_drift_sum
+        :math:`\Lambda^{t+1} = \Lambda + \sum_S(\theta_k - \theta^t)`.
+        """
+        assert self.num_clients is not None and self._global_arrays is not None
+        theta_t = record_to_dict(self._global_arrays)
+        models = [reply.arrays[self.arrayrecord_key] for reply in replies]
+        drift = drift_sum(state["drift_sum"], theta_t, models)
+        model = drift_corrected(self.weighted_mean(replies), drift, self.num_clients)
+        new_state: dict[str, Any] = {"drift_sum": drift}
         if self.track_all_clients:
-            assert self.latest_sum is not None
-            for reply in replies:
-                delta = reply.arrays[MODEL_DELTA_RECORD]
-                for key in self.latest_sum:
-                    self.latest_sum[key] += delta[key]
-        norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.drift_sum.values())))
-        return {"feddyn-drift-norm": norm / (self.num_clients or 1)}
+            assert state["latest_sum"] is not None
+            deltas = [reply.arrays[MODEL_DELTA_RECORD] for reply in replies]
+            new_state["latest_sum"] = summed(state["latest_sum"], deltas)
+        return RoundUpdate(
+            dict_to_record(model),
+            new_state,
+            {"feddyn-drift-norm": norm(drift) / self.num_clients},
+        )
 
     def central_dp_caveats(self) -> list[str]:
         """Add what the server keeps from un-noised aggregates."""
@@ -242,22 +223,6 @@ class FedDyn(ValidatedFedAvg):
                 "the wrapper's per-round epsilon understates FedDyn's"
             ),
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        r"""Add :math:`\Lambda` to the base's state."""
-        state = super().state_dict()
-        state["drift-sum"] = copy_arrays(self.drift_sum)
-        state["initial"] = copy_arrays(self.initial)
-        state["latest-sum"] = copy_arrays(self.latest_sum)
-        state["alpha"] = self.alpha
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        r"""Restore :math:`\Lambda` and the base's state."""
-        super().load_state_dict(state)
-        self.drift_sum = copy_arrays(state["drift-sum"])
-        self.initial = copy_arrays(state.get("initial"))
-        self.latest_sum = copy_arrays(state.get("latest-sum"))
 
 
 class FedDynRule(ClientRule):

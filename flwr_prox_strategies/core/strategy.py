@@ -74,6 +74,13 @@ from numpy.typing import NDArray
 
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
 from ..ops.dissimilarity import dissimilarity, sq_norm
+from .fields import (
+    RoundUpdate,
+    check_settings,
+    load_fields,
+    save_fields,
+    settings_text,
+)
 from .keys import (
     ACCEPTED_KEYS_KEY,
     ACCEPTED_ROUND_KEY,
@@ -402,6 +409,17 @@ class ValidatedFedAvg(FedAvg):
     # anything median-like, which can turn an inf into a finite value): every
     # reply is checked before it is used or stored.
     linear_aggregate: ClassVar[bool] = True
+    # Declared state (see .fields): the algorithm's state, passed to
+    # server_update and replaced by what it returns; the settings a checkpoint
+    # must match; the settings repr() and summary() show.
+    state_fields: ClassVar[tuple[str, ...]] = ()
+    resume_settings: ClassVar[tuple[str, ...]] = ()
+    settings: ClassVar[tuple[str, ...]] = (
+        "fraction_train",
+        "participation",
+        "weighting",
+        "seed",
+    )
 
     def __init__(
         self,
@@ -604,15 +622,16 @@ class ValidatedFedAvg(FedAvg):
         return self.weighting
 
     def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return (
-            f"{type(self).__name__}(fraction_train={self.fraction_train}, "
-            f"participation={self.participation!r}, "
-            f"weighting={self._weighting_text()!r}, seed={self.seed})"
-        )
+        """Return the class name and its :attr:`settings`."""
+        return f"{type(self).__name__}({settings_text(self, self.settings)})"
 
     def summary(self) -> None:
-        """Log the configuration of the strategy."""
+        """Log the algorithm's :attr:`settings`, then the base's configuration."""
+        if self.settings != ValidatedFedAvg.settings:
+            log(INFO, "\t├──> %s settings:", type(self).__name__)
+            for number, name in enumerate(self.settings, 1):
+                branch = "└" if number == len(self.settings) else "├"
+                log(INFO, "\t│\t%s── %s: %s", branch, name, getattr(self, name))
         log(INFO, "\t├──> Validation and sampling (flwr-prox-strategies):")
         log(INFO, "\t│\t├── Weighting: %s", self._weighting_text())
         if self.rule_metric is not None:
@@ -1069,6 +1088,28 @@ class ValidatedFedAvg(FedAvg):
                     total[key] += sent[key] - theta_t[key]
         return total
 
+    def server_update(
+        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+    ) -> RoundUpdate:
+        """Apply the algorithm's server rule: return the new model, state and metrics.
+
+        ``state`` holds the current values of :attr:`state_fields` (as
+        :meth:`grown_state` left them when K grows this round); it must not be
+        mutated: return new values in ``RoundUpdate.state``, which the base
+        commits only if the round is aggregated. It may be called more than once
+        per round (a reply found non-finite is dropped and the rule re-run), so
+        it must depend on its arguments only. Default: the weighted mean.
+        """
+        return RoundUpdate(self.aggregate_arrays(server_round, replies))
+
+    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
+        """Return ``state`` adjusted to K growing ``old`` -> ``new`` (not mutated).
+
+        Sums over all clients need nothing (a new client holds zero state);
+        a mean over K (SCAFFOLD's c) is rescaled.
+        """
+        return state
+
     def aggregate_arrays(
         self, server_round: int, replies: list[ValidReply]
     ) -> ArrayRecord:
@@ -1106,6 +1147,8 @@ class ValidatedFedAvg(FedAvg):
             "retired-states": self.retired_states,
             "reset-keys": sorted(self.reset_keys),
             "run-tag": self.run_tag,
+            **save_fields(self, self.resume_settings),
+            **save_fields(self, self.state_fields),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -1115,6 +1158,7 @@ class ValidatedFedAvg(FedAvg):
                 f"checkpoint is for {state.get('strategy')!r}, "
                 f"not {type(self).__name__}"
             )
+        check_settings(self, self.resume_settings, state)
         saved_k = state.get("num-clients")
         grown = str(state.get("num-clients-source", "")).startswith("grown")
         if grown and self.num_clients is not None and saved_k is not None:
@@ -1153,6 +1197,7 @@ class ValidatedFedAvg(FedAvg):
         self.reset_keys = {int(k) for k in state.get("reset-keys", [])}
         self.run_tag = str(state.get("run-tag", self.run_tag))
         self.round_offset = self.rounds_completed
+        load_fields(self, self.state_fields, state)
 
     # -------------------------------------------------------------- training
     def configure_train(
@@ -1510,7 +1555,8 @@ class ValidatedFedAvg(FedAvg):
             valid, unusable = self.reconcile_client_state(server_round, valid)
             rejected += unusable
         capped = self.cap_claims(server_round, valid, "aggregate_train")
-        arrays, keep = self._average_finite(server_round, valid)
+        update, keep = self._average_finite(server_round, valid)
+        arrays = None if update is None else update.arrays
         before = len(valid)
         valid = [r for r in valid if r.finite]
         rejected += before - len(valid)
@@ -1550,7 +1596,16 @@ class ValidatedFedAvg(FedAvg):
             return None, MetricRecord(dict(counts.items()))
         if self.stateful_clients:
             self.grow_num_clients(k_before, valid)
-        extra = self.on_valid_replies(server_round, valid)
+        assert update is not None
+        unknown = set(update.state) - set(self.state_fields)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.server_update returned state {sorted(unknown)} "
+                f"not declared in state_fields {self.state_fields}"
+            )
+        for name, value in update.state.items():
+            setattr(self, name, value)
+        extra = {**update.metrics, **self.on_valid_replies(server_round, valid)}
         if self.stateful_clients:
             for reply in valid:
                 client = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
@@ -1663,10 +1718,10 @@ class ValidatedFedAvg(FedAvg):
 
     def _average_finite(
         self, server_round: int, valid: list[ValidReply]
-    ) -> tuple[ArrayRecord | None, str | None]:
-        """Average, rejecting replies whose model holds NaN or inf.
+    ) -> tuple[RoundUpdate | None, str | None]:
+        """Run the server rule, rejecting replies whose model holds NaN or inf.
 
-        Returns the new model (or None) and, when None, why the model is kept.
+        Returns the round's update (or None) and, when None, why the model is kept.
         The average is first computed in the model's dtype, with normalised
         weights (finite replies cannot overflow it). When it is not finite,
         the replies are checked one by one: those holding NaN or inf get
@@ -1686,17 +1741,20 @@ class ValidatedFedAvg(FedAvg):
             if not candidates:
                 return None, "no valid reply"
             self._accumulate_in = np.float64 if wide else None
+            state = {name: getattr(self, name) for name in self.state_fields}
             if self.stateful_clients and self.requires_num_clients and k_base:
                 # K for this round's update: every client seen, these included.
                 self.num_clients = max(k_base, self.clients_needed(candidates))
+                if self.num_clients != k_base:
+                    state = self.grown_state(state, k_base, self.num_clients)
             try:
-                arrays = self.aggregate_arrays(server_round, candidates)
+                update = self.server_update(server_round, state, candidates)
             except ZeroTotalWeightError as err:
                 return None, f"zero total weight ({err})"
             finally:
                 self._accumulate_in = None
-            if record_is_finite(arrays):
-                return arrays, None
+            if record_is_finite(update.arrays):
+                return update, None
             if NON_FINITE not in checked:
                 checked.add(NON_FINITE)
                 if self._reject_non_finite(server_round, candidates, NON_FINITE):
