@@ -47,12 +47,9 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 import secrets
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, ClassVar
 
@@ -99,6 +96,13 @@ from .keys import (
     SERVER_ROUND_KEY,
     STATE_ROUND_METRIC,
 )
+from .outcome import (
+    EveryClientRetiredError,
+    NoRoundAggregatedError,
+    ReplyTally,
+    finish_run,
+    short_reason,
+)
 from .privacy import EPSILON_TOTAL_METRIC, privacy_metrics
 from .records import (
     RecordSpec,
@@ -110,6 +114,7 @@ from .records import (
     spec_of,
 )
 from .rule import node_key
+from .sampling import PARTICIPATION, connected_nodes, draw_stragglers, sample_nodes
 from .validation import (
     NON_FINITE,
     OUT_OF_RANGE,
@@ -127,149 +132,17 @@ from .validation import (
 )
 
 WEIGHTINGS = ("num-examples", "uniform")
-PARTICIPATION = ("fixed", "bernoulli")
-# Redraws of a Bernoulli sample below min_train_nodes before giving up (the official
-# loop redraws until one node joins; a tiny p with a large minimum would never end).
-BERNOULLI_DRAWS = 10_000
+# The run outcome's names are re-exported: they were first defined here.
+__all__ = [
+    "EveryClientRetiredError",
+    "NoRoundAggregatedError",
+    "ReplyTally",
+    "ValidatedFedAvg",
+    "finish_run",
+    "short_reason",
+]
+
 STRAGGLER_POLICIES = ("drop", "keep-partial")
-# Flower's error text for an exception raised in a ClientApp.
-_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
-
-
-def short_reason(text: str, limit: int = 160) -> str:
-    """Return an error text on one line, at most ``limit`` characters.
-
-    Flower's ``<class 'X'>:<'msg'>`` becomes ``X: msg``; of a long traceback
-    only the last non-empty line is kept; whitespace is collapsed.
-    """
-    text = str(text).strip()
-    match = _FLOWER_ERROR.match(text)
-    if match:
-        text = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
-        text = text.replace("Exception ClientAppException occurred. Message: ", "")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    text = " ".join(" ".join(lines[-1:] if len(lines) > 3 else lines).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@dataclass
-class ReplyTally:
-    """Why replies, or whole rounds, were not used: each reason counted.
-
-    One tally per round (in the round's warning) and one per run (in
-    :class:`NoRoundAggregatedError`).
-    """
-
-    failed: Counter[str] = field(default_factory=Counter)  # error-reply texts
-    rejected: Counter[str] = field(default_factory=Counter)  # "kind: reason"
-    kept: Counter[str] = field(default_factory=Counter)  # rounds not aggregated
-    nodes: set[int] = field(default_factory=set)
-    aggregated: int = 0
-
-    def add(self, node_id: int, err: ReplyRejected) -> None:
-        """Count one reply that was not used."""
-        if err.kind in ("error-reply", "no-reply"):
-            reason = err.reason.removeprefix("error reply: ")
-            self.failed[short_reason(reason)] += 1
-        else:
-            self.rejected[f"{err.kind}: {short_reason(err.reason)}"] += 1
-        self.nodes.add(node_id)
-
-    def update(self, other: ReplyTally) -> None:
-        """Add another tally's reply counts (not its rounds)."""
-        self.failed.update(other.failed)
-        self.rejected.update(other.rejected)
-        self.nodes |= other.nodes
-
-    def describe(self, top: int = 3) -> str:
-        """Say what was not used and why, most common reasons first."""
-        parts = []
-        for label, counter in (("failed", self.failed), ("rejected", self.rejected)):
-            total = sum(counter.values())
-            if not total:
-                continue
-            common = counter.most_common(top)
-            text = ", ".join(f"{n} x '{reason}'" for reason, n in common)
-            if len(counter) > top:
-                text += f", and {len(counter) - top} other reason(s)"
-            parts.append(f"{total} repl{'y' if total == 1 else 'ies'} {label}: {text}")
-        if not parts:
-            return "no reply arrived"
-        nodes = sorted(self.nodes)
-        shown = ", ".join(map(str, nodes[:10])) + (", ..." if len(nodes) > 10 else "")
-        return "; ".join(parts) + f" (from {len(nodes)} node(s): {shown})"
-
-
-class NoRoundAggregatedError(RuntimeError):
-    """A run ended without aggregating a single round.
-
-    Raised at the end of ``start()`` by the pack's strategies, with the reasons
-    they collected, counted.
-
-    Attributes
-    ----------
-    result : Result
-        The run's ``Result``; ``result.arrays`` is the initial model.
-    reasons : ReplyTally
-        The counted error-reply texts and rejection reasons.
-    """
-
-    def __init__(self, message: str, result: Result, reasons: ReplyTally) -> None:
-        super().__init__(message)
-        self.result = result
-        self.reasons = reasons
-
-
-class EveryClientRetiredError(RuntimeError):
-    """Every connected node has spent its privacy budget: training cannot go on.
-
-    Raised by ``configure_train`` of the round that would sample nobody, so a
-    run stops instead of idling through its remaining rounds.
-
-    Attributes
-    ----------
-    result : Result
-        ``result.arrays`` is the last aggregated model (the model that round
-        would have trained); the per-round histories are in the log (and, in
-        the pack's app, in results.json).
-    stopped_at : int
-        The round that could not be trained.
-    """
-
-    def __init__(self, message: str, result: Result, stopped_at: int) -> None:
-        super().__init__(message)
-        self.result = result
-        self.stopped_at = stopped_at
-
-
-def finish_run(
-    owner: str,
-    result: Result,
-    initial_arrays: ArrayRecord,
-    num_rounds: int,
-    tally: ReplyTally,
-    *,
-    trains: bool = True,
-) -> Result:
-    """End ``start()``: keep the initial model if none was aggregated, and fail loudly.
-
-    ``result.arrays`` becomes ``initial_arrays`` when no round was aggregated
-    (Flower leaves it empty); then, if the run was meant to train (``trains``
-    and ``num_rounds > 0``), :class:`NoRoundAggregatedError` is raised.
-    """
-    if tally.aggregated == 0:
-        result.arrays = initial_arrays
-        if trains and num_rounds > 0:
-            kept = ", ".join(f"{n} x {why}" for why, n in tally.kept.most_common(3))
-            raise NoRoundAggregatedError(
-                f"{owner}: no round aggregated: {num_rounds} round(s), 0 "
-                f"aggregated{f' ({kept})' if kept else ''}; {tally.describe()}. "
-                "Result.arrays holds the initial model; each round's warning in "
-                "the log says why that round was not aggregated.",
-                result,
-                tally,
-            )
-    return result
 
 
 class ValidatedFedAvg(FedAvg):
@@ -719,23 +592,6 @@ class ValidatedFedAvg(FedAvg):
         self._rule_warned = False
 
     # -------------------------------------------------------------- sampling
-    def _connected_nodes(self, grid: Grid, needed: int) -> list[int]:
-        deadline = time.monotonic() + self.node_wait_timeout
-        while len(nodes := sorted(grid.get_node_ids())) < needed:
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"{type(self).__name__}: only {len(nodes)} node(s) connected after "
-                    f"{self.node_wait_timeout:.0f} s, but {needed} are required "
-                    "(min_available_nodes / min_*_nodes). Start more SuperNodes, run "
-                    "the simulation with --federation-config 'num-supernodes=N', or "
-                    "lower the minimum."
-                )
-            log(
-                INFO, "Waiting for nodes: %d connected, %d required", len(nodes), needed
-            )
-            time.sleep(1.0)
-        return nodes
-
     def sample_nodes(
         self,
         grid: Grid,
@@ -747,56 +603,28 @@ class ValidatedFedAvg(FedAvg):
         exclude: set[int] | frozenset[int] = frozenset(),
         bernoulli: bool = False,
     ) -> tuple[list[int], int]:
-        """Sample nodes reproducibly for ``server_round``.
+        """Sample nodes for ``server_round`` (:func:`.sampling.sample_nodes`).
 
-        The generator is seeded by ``(seed, server_round, stream)``: the sample
-        depends on nothing else, so a resumed run samples exactly as an
-        uninterrupted one. Nodes in ``exclude`` (retired) are never drawn.
-        ``bernoulli``: each node independently with probability ``fraction``,
-        redrawn while fewer than ``max(minimum, 1)`` are drawn.
-
-        Returns
-        -------
-        tuple[list[int], int]
-            The sampled node ids (sorted) and the number of connected nodes.
+        The quorum is ``min_available_nodes`` at the first sampling, then
+        ``min_round_nodes`` when set.
         """
-        probe = sorted(grid.get_node_ids())
-        size = max(int(len(probe) * fraction), minimum)
         quorum = self.min_available_nodes
         if self._sampled_once and self.min_round_nodes is not None:
             quorum = self.min_round_nodes
         self._sampled_once = True
-        nodes = self._connected_nodes(grid, max(quorum, size))
-        connected = len(nodes)
-        if exclude:
-            nodes = [n for n in nodes if n not in exclude]
-        rng = np.random.default_rng([self.seed, server_round, stream])
-        if bernoulli:
-            least = min(max(minimum, 1), len(nodes)) if fraction > 0 else 0
-            for _ in range(BERNOULLI_DRAWS):
-                joins = np.flatnonzero(rng.random(len(nodes)) < fraction)
-                if len(joins) >= least:
-                    return sorted(nodes[i] for i in joins), connected
-            raise ValueError(
-                f"participation='bernoulli': {BERNOULLI_DRAWS} draws at probability "
-                f"{fraction} gave fewer than the {least} nodes min_train_nodes asks "
-                f"of {len(nodes)}; raise fraction_train or lower min_train_nodes"
-            )
-        size = min(max(int(len(nodes) * fraction), minimum), len(nodes))
-        chosen = rng.choice(len(nodes), size=size, replace=False)
-        return sorted(nodes[i] for i in chosen), connected
-
-    def draw_stragglers(self, node_ids: list[int], server_round: int) -> dict[int, int]:
-        """Return ``{node: epochs}`` for this round's stragglers (seeded per round)."""
-        if self.drop_percent == 0.0 or not node_ids:
-            return {}
-        assert self.local_epochs is not None  # checked in __init__
-        rng = np.random.default_rng([self.seed, server_round, 1])
-        num_active = round(len(node_ids) * (1.0 - self.drop_percent))
-        order = rng.permutation(len(node_ids))
-        stragglers = sorted(node_ids[i] for i in order[num_active:])
-        epochs = rng.integers(1, self.local_epochs, size=len(stragglers))
-        return {node: int(e) for node, e in zip(stragglers, epochs, strict=True)}
+        return sample_nodes(
+            grid,
+            server_round,
+            seed=self.seed,
+            stream=stream,
+            fraction=fraction,
+            minimum=minimum,
+            quorum=quorum,
+            timeout=self.node_wait_timeout,
+            owner=type(self).__name__,
+            exclude=exclude,
+            bernoulli=bernoulli,
+        )
 
     # ----------------------------------------------------------------- hooks
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -1211,7 +1039,14 @@ class ValidatedFedAvg(FedAvg):
             self._train_nodes = set()
             return []
         if self.num_clients is None and self.requires_num_clients:
-            known = len(self._connected_nodes(grid, self.min_available_nodes))
+            known = len(
+                connected_nodes(
+                    grid,
+                    self.min_available_nodes,
+                    self.node_wait_timeout,
+                    type(self).__name__,
+                )
+            )
             self.learn_num_clients(known)
             self.num_clients_source = f"learned from the grid at round {server_round}"
             log(
@@ -1256,7 +1091,13 @@ class ValidatedFedAvg(FedAvg):
                 Result(arrays=arrays),
                 server_round,
             )
-        stragglers = self.draw_stragglers(node_ids, server_round)
+        stragglers = draw_stragglers(
+            node_ids,
+            server_round,
+            seed=self.seed,
+            drop_percent=self.drop_percent,
+            local_epochs=self.local_epochs,
+        )
         if stragglers and self.straggler_policy == "drop":
             node_ids = [n for n in node_ids if n not in stragglers]
             log(INFO, "configure_train: dropping %d straggler(s)", len(stragglers))

@@ -1,0 +1,157 @@
+"""How a run ends, and why replies or rounds were not used.
+
+:class:`ReplyTally` counts the reasons (error texts, rejection kinds) per round
+and per run; :func:`finish_run` ends ``start()``: a run that aggregated nothing
+raises :class:`NoRoundAggregatedError` with them, counted, and keeps the initial
+model in ``Result.arrays``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy import Result
+
+from .validation import ReplyRejected
+
+# Flower's error text for an exception raised in a ClientApp.
+_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
+
+
+def short_reason(text: str, limit: int = 160) -> str:
+    """Return an error text on one line, at most ``limit`` characters.
+
+    Flower's ``<class 'X'>:<'msg'>`` becomes ``X: msg``; of a long traceback
+    only the last non-empty line is kept; whitespace is collapsed.
+    """
+    text = str(text).strip()
+    match = _FLOWER_ERROR.match(text)
+    if match:
+        text = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
+        text = text.replace("Exception ClientAppException occurred. Message: ", "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    text = " ".join(" ".join(lines[-1:] if len(lines) > 3 else lines).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class ReplyTally:
+    """Why replies, or whole rounds, were not used: each reason counted.
+
+    One tally per round (in the round's warning) and one per run (in
+    :class:`NoRoundAggregatedError`).
+    """
+
+    failed: Counter[str] = field(default_factory=Counter)  # error-reply texts
+    rejected: Counter[str] = field(default_factory=Counter)  # "kind: reason"
+    kept: Counter[str] = field(default_factory=Counter)  # rounds not aggregated
+    nodes: set[int] = field(default_factory=set)
+    aggregated: int = 0
+
+    def add(self, node_id: int, err: ReplyRejected) -> None:
+        """Count one reply that was not used."""
+        if err.kind in ("error-reply", "no-reply"):
+            reason = err.reason.removeprefix("error reply: ")
+            self.failed[short_reason(reason)] += 1
+        else:
+            self.rejected[f"{err.kind}: {short_reason(err.reason)}"] += 1
+        self.nodes.add(node_id)
+
+    def update(self, other: ReplyTally) -> None:
+        """Add another tally's reply counts (not its rounds)."""
+        self.failed.update(other.failed)
+        self.rejected.update(other.rejected)
+        self.nodes |= other.nodes
+
+    def describe(self, top: int = 3) -> str:
+        """Say what was not used and why, most common reasons first."""
+        parts = []
+        for label, counter in (("failed", self.failed), ("rejected", self.rejected)):
+            total = sum(counter.values())
+            if not total:
+                continue
+            common = counter.most_common(top)
+            text = ", ".join(f"{n} x '{reason}'" for reason, n in common)
+            if len(counter) > top:
+                text += f", and {len(counter) - top} other reason(s)"
+            parts.append(f"{total} repl{'y' if total == 1 else 'ies'} {label}: {text}")
+        if not parts:
+            return "no reply arrived"
+        nodes = sorted(self.nodes)
+        shown = ", ".join(map(str, nodes[:10])) + (", ..." if len(nodes) > 10 else "")
+        return "; ".join(parts) + f" (from {len(nodes)} node(s): {shown})"
+
+
+class NoRoundAggregatedError(RuntimeError):
+    """A run ended without aggregating a single round.
+
+    Raised at the end of ``start()`` by the pack's strategies, with the reasons
+    they collected, counted.
+
+    Attributes
+    ----------
+    result : Result
+        The run's ``Result``; ``result.arrays`` is the initial model.
+    reasons : ReplyTally
+        The counted error-reply texts and rejection reasons.
+    """
+
+    def __init__(self, message: str, result: Result, reasons: ReplyTally) -> None:
+        super().__init__(message)
+        self.result = result
+        self.reasons = reasons
+
+
+class EveryClientRetiredError(RuntimeError):
+    """Every connected node has spent its privacy budget: training cannot go on.
+
+    Raised by ``configure_train`` of the round that would sample nobody, so a
+    run stops instead of idling through its remaining rounds.
+
+    Attributes
+    ----------
+    result : Result
+        ``result.arrays`` is the last aggregated model (the model that round
+        would have trained); the per-round histories are in the log (and, in
+        the pack's app, in results.json).
+    stopped_at : int
+        The round that could not be trained.
+    """
+
+    def __init__(self, message: str, result: Result, stopped_at: int) -> None:
+        super().__init__(message)
+        self.result = result
+        self.stopped_at = stopped_at
+
+
+def finish_run(
+    owner: str,
+    result: Result,
+    initial_arrays: ArrayRecord,
+    num_rounds: int,
+    tally: ReplyTally,
+    *,
+    trains: bool = True,
+) -> Result:
+    """End ``start()``: keep the initial model if none was aggregated, and fail loudly.
+
+    ``result.arrays`` becomes ``initial_arrays`` when no round was aggregated
+    (Flower leaves it empty); then, if the run was meant to train (``trains``
+    and ``num_rounds > 0``), :class:`NoRoundAggregatedError` is raised.
+    """
+    if tally.aggregated == 0:
+        result.arrays = initial_arrays
+        if trains and num_rounds > 0:
+            kept = ", ".join(f"{n} x {why}" for why, n in tally.kept.most_common(3))
+            raise NoRoundAggregatedError(
+                f"{owner}: no round aggregated: {num_rounds} round(s), 0 "
+                f"aggregated{f' ({kept})' if kept else ''}; {tally.describe()}. "
+                "Result.arrays holds the initial model; each round's warning in "
+                "the log says why that round was not aggregated.",
+                result,
+                tally,
+            )
+    return result
