@@ -25,7 +25,10 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
 from flwr.common.logger import log
 
 from ..ops.privacy import add_laplace_noise, laplace_scale
+from .keys import CLIENT_KEY_METRIC
 from .records import to_ndarrays
+from .rule import node_key
+from .validation import ValidReply
 
 EPSILON_METRIC = "dp-epsilon"
 EPSILON_TOTAL_METRIC = "dp-epsilon-total"
@@ -62,6 +65,40 @@ def privacy_metrics(totals: dict[int, float]) -> dict[str, float | list[float]]:
         "dp-epsilon-total-per-client": values,
         "dp-epsilon-client-keys": [float(k) for k in keys],
     }
+
+
+def record_privacy(
+    totals: dict[int, float], replies: list[ValidReply], retired: set[int]
+) -> dict[str, float | list[float]]:
+    """Update the epsilon ledger ``totals`` from replies; return the round's metrics.
+
+    The ledger maps a client key (or, for a client that reports none, its node
+    id) to the largest ``dp-epsilon-total`` it reported: one report for every
+    strategy, whatever mechanism the client runs. ``retired``: the nodes whose
+    budget is spent.
+    """
+    for reply in replies:
+        total = reply.metrics.get(EPSILON_TOTAL_METRIC)
+        if isinstance(total, bool) or not isinstance(total, (int, float)):
+            continue
+        key = reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))
+        key = int(key) if isinstance(key, (int, float)) else node_key(reply.node_id)
+        totals[key] = max(totals.get(key, 0.0), total)
+    metrics = privacy_metrics(totals)
+    if metrics:
+        metrics["dp-clients-retired"] = len(retired)
+        largest = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+        log(
+            INFO,
+            "privacy: epsilon spent by %d client(s): max %.4g, mean %.4g; "
+            "%d retired (budget spent); largest (client: epsilon): %s",
+            metrics["dp-clients-reporting"],
+            metrics["dp-epsilon-total-max"],
+            metrics["dp-epsilon-total-mean"],
+            len(retired),
+            ", ".join(f"{key}: {value:.4g}" for key, value in largest),
+        )
+    return metrics
 
 
 def _l1_clip(update: list[np.ndarray], bound: float) -> tuple[list[np.ndarray], float]:

@@ -46,7 +46,6 @@ Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`
 from __future__ import annotations
 
 import inspect
-import math
 import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -70,7 +69,6 @@ from flwr.serverapp.strategy import FedAvg, Result
 from numpy.typing import NDArray
 
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
-from ..ops.dissimilarity import dissimilarity, sq_norm
 from .fields import (
     RoundUpdate,
     check_settings,
@@ -96,6 +94,7 @@ from .keys import (
     SERVER_ROUND_KEY,
     STATE_ROUND_METRIC,
 )
+from .metrics import dissimilarity_metrics, per_client_table, weighted_metric_mean
 from .outcome import (
     EveryClientRetiredError,
     NoRoundAggregatedError,
@@ -103,7 +102,7 @@ from .outcome import (
     finish_run,
     short_reason,
 )
-from .privacy import EPSILON_TOTAL_METRIC, privacy_metrics
+from .privacy import record_privacy
 from .records import (
     RecordSpec,
     copy_arrays,
@@ -113,7 +112,6 @@ from .records import (
     record_to_dict,
     spec_of,
 )
-from .rule import node_key
 from .sampling import PARTICIPATION, connected_nodes, draw_stragglers, sample_nodes
 from .validation import (
     NON_FINITE,
@@ -1422,7 +1420,7 @@ class ValidatedFedAvg(FedAvg):
             ),
         }
         # Privacy spent is spent, even in a round whose model is not kept.
-        counts.update(self.record_privacy(valid))
+        counts.update(record_privacy(self.epsilon_totals, valid, self.retired_nodes))
         self.last_round_report = dict(counts)
         if keep is not None or arrays is None:
             self.run_tally.kept[keep or "no model"] += 1
@@ -1454,7 +1452,7 @@ class ValidatedFedAvg(FedAvg):
                 self.accepted[client] = server_round
                 self.reset_keys.discard(client)
         if self.monitor_dissimilarity:
-            extra.update(self.dissimilarity_metrics(valid))
+            extra.update(dissimilarity_metrics(valid, self.reply_weight))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
         for key, value in {**counts, **extra}.items():
             metrics[key] = value
@@ -1529,33 +1527,6 @@ class ValidatedFedAvg(FedAvg):
             f"replies also carry {extra}, which central DP neither clips as "
             "updates nor noises; its epsilon covers the model only"
         ]
-
-    def record_privacy(
-        self, replies: list[ValidReply]
-    ) -> dict[str, float | list[float]]:
-        """Update the privacy ledger from the replies' ``dp-epsilon-total``."""
-        for reply in replies:
-            total = reply.metrics.get(EPSILON_TOTAL_METRIC)
-            if isinstance(total, bool) or not isinstance(total, (int, float)):
-                continue
-            key = reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))
-            key = int(key) if isinstance(key, (int, float)) else node_key(reply.node_id)
-            self.epsilon_totals[key] = max(self.epsilon_totals.get(key, 0.0), total)
-        metrics = privacy_metrics(self.epsilon_totals)
-        if metrics:
-            metrics["dp-clients-retired"] = len(self.retired_nodes)
-            largest = sorted(self.epsilon_totals.items(), key=lambda kv: -kv[1])[:10]
-            log(
-                INFO,
-                "privacy: epsilon spent by %d client(s): max %.4g, mean %.4g; "
-                "%d retired (budget spent); largest (client: epsilon): %s",
-                metrics["dp-clients-reporting"],
-                metrics["dp-epsilon-total-max"],
-                metrics["dp-epsilon-total-mean"],
-                len(self.retired_nodes),
-                ", ".join(f"{key}: {value:.4g}" for key, value in largest),
-            )
-        return metrics
 
     def _average_finite(
         self, server_round: int, valid: list[ValidReply]
@@ -1653,23 +1624,6 @@ class ValidatedFedAvg(FedAvg):
                 what,
             )
         return found
-
-    def dissimilarity_metrics(self, replies: list[ValidReply]) -> dict[str, float]:
-        """Estimate B(theta_t) from the gradients the valid replies carry."""
-        weights = [self.reply_weight(reply) for reply in replies]
-        mean = WeightedMean(total=sum(weights))
-        mean_sq = 0.0
-        total = 0.0
-        for reply, weight in zip(replies, weights, strict=True):
-            grads = list(reply.arrays[GRADIENT_RECORD].values())
-            mean.add(grads, weight)
-            mean_sq += weight * sq_norm(grads)
-            total += weight
-        mean_sq /= total
-        norm_of_mean = sq_norm(list(mean.result().values()))
-        value = dissimilarity(mean_sq, norm_of_mean)
-        log(INFO, "aggregate_train: dissimilarity B(theta) = %.4g", value)
-        return {"dissimilarity-b": value, "grad-sq-norm-global": norm_of_mean}
 
     # ------------------------------------------------------------ evaluation
     def configure_evaluate(
@@ -1769,78 +1723,3 @@ def reply_order(reply: ValidReply) -> tuple[int, int]:
     if isinstance(key, (int, float)) and not isinstance(key, bool):
         return (0, int(key))
     return (1, reply.node_id)
-
-
-def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
-    """Sample-weighted mean of each numeric metric over the replies carrying it.
-
-    ``num-examples`` is summed instead. Non-finite values and lists are skipped
-    (a NaN loss from one client must not hide the others' values).
-    """
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    total = 0.0
-    for reply in replies:
-        total += reply.num_examples
-        for key, value in reply.metrics.items():
-            if key in (
-                NUM_EXAMPLES_KEY,
-                CLIENT_KEY_METRIC,
-                STATE_ROUND_METRIC,
-            ) or isinstance(value, (list, bool)):
-                continue
-            if not math.isfinite(value):
-                continue
-            sums[key] = sums.get(key, 0.0) + reply.num_examples * float(value)
-            weights[key] = weights.get(key, 0.0) + reply.num_examples
-    record = MetricRecord({key: sums[key] / weights[key] for key in sums})
-    record[NUM_EXAMPLES_KEY] = total
-    return record
-
-
-def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]]:
-    """Per-client accuracies of an evaluation round, and their spread.
-
-    For every metric ending in ``accuracy`` (the global model's ``accuracy``,
-    a personalised client's ``personal-accuracy``, ...): the value of each
-    client (``<metric>-per-client``, in the order of ``eval-client-keys``), their
-    unweighted mean over clients (``-clients-mean``), standard deviation
-    (``-std``) and the worst client's value (``-worst``). A personalised method
-    is judged by its worst client as much as by its mean.
-    """
-    rows = sorted(
-        (
-            (
-                _number(reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))),
-                reply,
-            )
-            for reply in replies
-        ),
-        key=lambda row: row[0],
-    )
-    table: dict[str, float | list[float]] = {
-        "eval-client-keys": [key for key, _ in rows]
-    }
-    names = sorted(
-        {
-            key
-            for _, reply in rows
-            for key, value in reply.metrics.items()
-            if key.endswith("accuracy") and not isinstance(value, (list, bool))
-        }
-    )
-    for name in names:
-        values = [_number(reply.metrics.get(name, math.nan)) for _, reply in rows]
-        finite = np.array([v for v in values if math.isfinite(v)])
-        if finite.size == 0:
-            continue
-        table[f"{name}-per-client"] = values
-        table[f"{name}-clients-mean"] = float(finite.mean())
-        table[f"{name}-std"] = float(finite.std())
-        table[f"{name}-worst"] = float(finite.min())
-    return table
-
-
-def _number(value: Any) -> float:
-    # Metric values are numbers or lists; a list is no table entry.
-    return float(value) if isinstance(value, (int, float)) else math.nan

@@ -1,0 +1,124 @@
+"""Per-round metrics of the replies: weighted means, per-client tables, B(theta).
+
+Computed from validated replies only (:class:`.validation.ValidReply`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import MetricRecord
+from flwr.common.logger import log
+
+from ..ops.aggregate import WeightedMean
+from ..ops.dissimilarity import dissimilarity, sq_norm
+from .keys import (
+    CLIENT_KEY_METRIC,
+    GRADIENT_RECORD,
+    NUM_EXAMPLES_KEY,
+    STATE_ROUND_METRIC,
+)
+from .rule import node_key
+from .validation import ValidReply
+
+
+def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
+    """Sample-weighted mean of each numeric metric over the replies carrying it.
+
+    ``num-examples`` is summed instead. Non-finite values and lists are skipped
+    (a NaN loss from one client must not hide the others' values).
+    """
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    total = 0.0
+    for reply in replies:
+        total += reply.num_examples
+        for key, value in reply.metrics.items():
+            if key in (
+                NUM_EXAMPLES_KEY,
+                CLIENT_KEY_METRIC,
+                STATE_ROUND_METRIC,
+            ) or isinstance(value, (list, bool)):
+                continue
+            if not math.isfinite(value):
+                continue
+            sums[key] = sums.get(key, 0.0) + reply.num_examples * float(value)
+            weights[key] = weights.get(key, 0.0) + reply.num_examples
+    record = MetricRecord({key: sums[key] / weights[key] for key in sums})
+    record[NUM_EXAMPLES_KEY] = total
+    return record
+
+
+def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]]:
+    """Per-client accuracies of an evaluation round, and their spread.
+
+    For every metric ending in ``accuracy`` (the global model's ``accuracy``,
+    a personalised client's ``personal-accuracy``, ...): the value of each
+    client (``<metric>-per-client``, in the order of ``eval-client-keys``), their
+    unweighted mean over clients (``-clients-mean``), standard deviation
+    (``-std``) and the worst client's value (``-worst``). A personalised method
+    is judged by its worst client as much as by its mean.
+    """
+    rows = sorted(
+        (
+            (
+                _number(reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))),
+                reply,
+            )
+            for reply in replies
+        ),
+        key=lambda row: row[0],
+    )
+    table: dict[str, float | list[float]] = {
+        "eval-client-keys": [key for key, _ in rows]
+    }
+    names = sorted(
+        {
+            key
+            for _, reply in rows
+            for key, value in reply.metrics.items()
+            if key.endswith("accuracy") and not isinstance(value, (list, bool))
+        }
+    )
+    for name in names:
+        values = [_number(reply.metrics.get(name, math.nan)) for _, reply in rows]
+        finite = np.array([v for v in values if math.isfinite(v)])
+        if finite.size == 0:
+            continue
+        table[f"{name}-per-client"] = values
+        table[f"{name}-clients-mean"] = float(finite.mean())
+        table[f"{name}-std"] = float(finite.std())
+        table[f"{name}-worst"] = float(finite.min())
+    return table
+
+
+def _number(value: Any) -> float:
+    # Metric values are numbers or lists; a list is no table entry.
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def dissimilarity_metrics(
+    replies: list[ValidReply], weight: Callable[[ValidReply], float]
+) -> dict[str, float]:
+    """Estimate the FedProx paper's B(theta_t) from the gradients replies carry.
+
+    ``B = E_k||grad f_k||^2 / ||grad f||^2``, with the weights of the average.
+    """
+    weights = [weight(reply) for reply in replies]
+    mean = WeightedMean(total=sum(weights))
+    mean_sq = 0.0
+    total = 0.0
+    for reply, w in zip(replies, weights, strict=True):
+        grads = list(reply.arrays[GRADIENT_RECORD].values())
+        mean.add(grads, w)
+        mean_sq += w * sq_norm(grads)
+        total += w
+    mean_sq /= total
+    norm_of_mean = sq_norm(list(mean.result().values()))
+    value = dissimilarity(mean_sq, norm_of_mean)
+    log(INFO, "aggregate_train: dissimilarity B(theta) = %.4g", value)
+    return {"dissimilarity-b": value, "grad-sq-norm-global": norm_of_mean}
