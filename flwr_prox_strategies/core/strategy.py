@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import inspect
 import secrets
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -58,11 +57,9 @@ from flwr.app import (
     ConfigRecord,
     Message,
     MessageType,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
@@ -113,6 +110,13 @@ from .records import (
     spec_of,
 )
 from .sampling import PARTICIPATION, connected_nodes, draw_stragglers, sample_nodes
+from .screening import (
+    ReplyScreen,
+    cap_claims,
+    reply_node,
+    reply_order,
+    reply_size_limit,
+)
 from .validation import (
     NON_FINITE,
     OUT_OF_RANGE,
@@ -124,9 +128,7 @@ from .validation import (
     check_non_negative,
     check_positive,
     check_weight,
-    expected_bytes,
     reject_unknown_kwargs,
-    validate_reply,
 )
 
 WEIGHTINGS = ("num-examples", "uniform")
@@ -399,18 +401,12 @@ class ValidatedFedAvg(FedAvg):
         self.max_num_examples = max_num_examples
         self.max_weight_ratio = max_weight_ratio
         self.max_reply_bytes = max_reply_bytes
-        # Message id -> destination node of this round's train and evaluate
-        # messages (ids are set by the grid when it pushes them), to name the
-        # node of an error reply the SuperLink sends in its place.
-        self._sent: dict[str, list[Metadata]] = {}
+        # Reply validation, and the counts of what was not used and why.
+        self.screen = ReplyScreen()
         # Set during the float64 retry of the average (_average_finite).
         self._accumulate_in: type[np.floating] | None = None
         # Diagnostics, not algorithm state: never part of state_dict().
-        self.rejections: Counter[str] = Counter()
         self.last_round_report: dict[str, Any] = {}
-        # Why replies and rounds were not used: this run's, the last round's.
-        self.run_tally = ReplyTally()
-        self.round_tally = ReplyTally()
         self._rule_warned = False
         # Set by configure_train, read by aggregate_train.
         self._global_arrays: ArrayRecord | None = None
@@ -440,6 +436,11 @@ class ValidatedFedAvg(FedAvg):
         # Nodes whose privacy budget is spent (they said so): never sampled for
         # training again, like nodes that left.
         self.retired_nodes: set[int] = set()
+
+    # Why replies and rounds were not used (diagnostics, never state).
+    rejections = property(lambda self: self.screen.rejections)
+    run_tally = property(lambda self: self.screen.run_tally)
+    round_tally = property(lambda self: self.screen.round_tally)
 
     # ------------------------------------------------------------------ info
     @classmethod
@@ -585,8 +586,7 @@ class ValidatedFedAvg(FedAvg):
 
     def reset_run(self) -> None:
         """Start a new run's diagnostics (reasons tally, the once-per-run warning)."""
-        self.run_tally = ReplyTally()
-        self.round_tally = ReplyTally()
+        self.screen.reset_run()
         self._rule_warned = False
 
     # -------------------------------------------------------------- sampling
@@ -812,9 +812,7 @@ class ValidatedFedAvg(FedAvg):
             why = ReplyRejected(
                 "stale-state", f"client {key} state from round {held}, not {expected}"
             )
-            self.rejections["aggregate_train:stale-state"] += 1
-            self.round_tally.add(reply.node_id, why)
-            self.run_tally.add(reply.node_id, why)
+            self.screen.count(reply.node_id, why, "aggregate_train")
             rejected += 1
         return kept, rejected
 
@@ -1151,7 +1149,7 @@ class ValidatedFedAvg(FedAvg):
             for message in messages
             for record in message.content.array_records.values()
         )
-        self._sent["train"] = [message.metadata for message in messages]
+        self.screen.remember("train", messages)
         return messages
 
     def node_train_arrays(self, node_id: int, arrays: ArrayRecord) -> ArrayRecord:
@@ -1159,95 +1157,14 @@ class ValidatedFedAvg(FedAvg):
         return arrays
 
     def sent_message_nodes(self, kind: str) -> dict[str, int]:
-        """Map the ids of this round's ``kind`` messages to their destination node.
+        """Map this round's ``kind`` message ids to their node (P-FedAvg reads it)."""
+        return self.screen.sent_nodes(kind)
 
-        Flower's grids set ``metadata.message_id`` on the very ``Message``
-        objects ``configure_train`` / ``configure_evaluate`` return when they
-        push them; before that (messages never pushed), the map is empty.
-        """
-        return {
-            metadata.message_id: metadata.dst_node_id
-            for metadata in self._sent.get(kind, [])
-            if metadata.message_id
-        }
-
-    @staticmethod
-    def reply_node(message: Message, sent_to: Mapping[str, int]) -> int:
-        """Return the node a reply stands for.
-
-        When a node dies mid-round, the SuperLink answers in its place with an
-        error reply (``NODE_UNAVAILABLE``) whose source is the SuperLink's own
-        node id (1); such a reply, and the grid's own error replies, are
-        attributed to the node the answered message was sent to
-        (``reply_to_message_id``). Any other reply is its source's.
-        """
-        node_id = message.metadata.src_node_id
-        if node_id == SUPERLINK_NODE_ID and message.has_error():
-            return sent_to.get(message.metadata.reply_to_message_id, node_id)
-        return node_id
+    reply_node = staticmethod(reply_node)
 
     def reply_size_limit(self, expected_arrays: Mapping[str, RecordSpec]) -> int:
-        """Return the largest reply accepted, in bytes (:attr:`max_reply_bytes`).
-
-        Default: twice the payload of the expected ArrayRecords, plus 1 MiB
-        (``.npy`` headers and keys take a few hundred bytes per array).
-        """
-        if self.max_reply_bytes is not None:
-            return self.max_reply_bytes
-        return 2 * expected_bytes(expected_arrays) + (1 << 20)
-
-    def cap_claims(
-        self, server_round: int, replies: list[ValidReply], phase: str
-    ) -> int:
-        """Lower claimed ``num-examples`` above the caps; return how many were.
-
-        The cap is the smaller of :attr:`max_num_examples` and
-        :attr:`max_weight_ratio` times the median claim of ``replies`` (of an
-        even number of claims, the lower middle one: one inflated claim cannot
-        raise it, even among two). A capped reply keeps its claim in
-        ``capped_from`` and is logged with its node, client key, claim and cap.
-        """
-        caps: list[tuple[float, str]] = []
-        if self.max_num_examples is not None:
-            caps.append(
-                (self.max_num_examples, f"max_num_examples={self.max_num_examples:g}")
-            )
-        if self.max_weight_ratio is not None and replies:
-            claims = sorted(r.num_examples for r in replies)
-            median = claims[(len(claims) - 1) // 2]
-            caps.append(
-                (
-                    self.max_weight_ratio * median,
-                    f"max_weight_ratio={self.max_weight_ratio:g} x the round's "
-                    f"median claim {median:g}",
-                )
-            )
-        if not caps:
-            return 0
-        limit, policy = min(caps, key=lambda cap: cap[0])
-        capped = 0
-        for reply in replies:
-            if reply.num_examples <= limit:
-                continue
-            capped += 1
-            reply.capped_from = reply.num_examples
-            reply.num_examples = limit
-            key = reply.metrics.get(CLIENT_KEY_METRIC)
-            log(
-                WARNING,
-                "%s: round %d: node %d (client key %s) claims num-examples %g: "
-                "capped to %g (%s)",
-                phase,
-                server_round,
-                reply.node_id,
-                key
-                if isinstance(key, (int, float)) and not isinstance(key, bool)
-                else "not reported",
-                reply.capped_from,
-                limit,
-                policy,
-            )
-        return capped
+        """Return the largest reply accepted, in bytes (:attr:`max_reply_bytes`)."""
+        return reply_size_limit(self.max_reply_bytes, expected_arrays)
 
     def collect_replies(
         self,
@@ -1260,109 +1177,22 @@ class ValidatedFedAvg(FedAvg):
         defer_finite: tuple[str, ...] = (),
         tally: ReplyTally | None = None,
     ) -> tuple[list[ValidReply], int, int, int]:
-        """Validate replies; return the valid ones, #failed, #rejected, #absent.
+        """Validate replies (:meth:`.screening.ReplyScreen.collect`).
 
-        Error replies count as failures; replies that arrive but fail a check
-        count as rejected. Both are counted by reason in a :class:`ReplyTally`
-        (``tally``, or a new one; the round's, for training, is
-        :attr:`round_tally`) and logged: one line per reply naming the node
-        when some reply is valid, else one warning with the counted reasons
-        (for ``aggregate_train``, the caller's). A client that says its
-        privacy budget is spent is absent, not failed: it is retired from
-        training (:attr:`retired_nodes`).
+        With this strategy's :meth:`check_reply`, size limit and retired nodes.
         """
-        valid: list[ValidReply] = []
-        seen: set[int] = set()
-        failed = rejected = absent = 0
-        training = phase != "aggregate_evaluate"
-        tally = ReplyTally() if tally is None else tally
-        if training:
-            self.round_tally = tally
-        unused: list[tuple[int, ReplyRejected]] = []
-        sent_to = self.sent_message_nodes("train" if training else "evaluate")
-        max_bytes = self.reply_size_limit(expected_arrays)
-        answered: set[int] = set()
-        for message in replies:
-            node_id = self.reply_node(message, sent_to)
-            answered.add(node_id)
-            try:
-                if sampled is not None and node_id not in sampled:
-                    raise ReplyRejected("unsampled", "node was not sampled this round")
-                if node_id in seen:
-                    raise ReplyRejected("duplicate", "second reply from this node")
-                reply = validate_reply(
-                    message,
-                    expected_arrays=expected_arrays,
-                    defer_finite=defer_finite,
-                    max_bytes=max_bytes,
-                )
-                if expected_arrays:
-                    self.check_reply(reply)
-            except ReplyRejected as err:
-                if err.kind == "budget-exhausted":
-                    absent += 1
-                    if phase != "aggregate_evaluate":
-                        self.retired_nodes.add(node_id)
-                    log(
-                        INFO,
-                        "%s: round %d: node %d retires: %s",
-                        phase,
-                        server_round,
-                        node_id,
-                        err.reason,
-                    )
-                    continue
-                if err.kind == "error-reply":
-                    failed += 1
-                else:
-                    rejected += 1
-                self.rejections[f"{phase}:{err.kind}"] += 1
-                tally.add(node_id, err)
-                unused.append((node_id, err))
-                continue
-            seen.add(node_id)
-            valid.append(reply)
-        # Sampled nodes with no reply at all: Flower's round timeout passed
-        # first (a slow or frozen node). Failed, and named.
-        for node_id in sorted((sampled or set()) - answered):
-            failed += 1
-            why = ReplyRejected("no-reply", "no reply before the round timeout")
-            self.rejections[f"{phase}:no-reply"] += 1
-            tally.add(node_id, why)
-            unused.append((node_id, why))
-        if training:
-            self.run_tally.update(tally)
-        if valid:
-            for node_id, why in unused:
-                log(
-                    WARNING,
-                    "%s: round %d: reply from node %d not used (%s): %s",
-                    phase,
-                    server_round,
-                    node_id,
-                    why.kind,
-                    why.reason,
-                )
-        elif phase != "aggregate_train" and (unused or tally.failed or sampled):
-            # (aggregate_train says it with the model it keeps)
-            log(
-                WARNING,
-                "%s: round %d: no valid reply: %s",
-                phase,
-                server_round,
-                tally.describe(),
-            )
-        log(
-            INFO,
-            "%s: round %d: %d valid, %d failed, %d rejected%s",
-            phase,
+        return self.screen.collect(
             server_round,
-            len(valid),
-            failed,
-            rejected,
-            f", {absent} out of privacy budget" if absent else "",
+            replies,
+            expected_arrays=expected_arrays,
+            sampled=sampled,
+            phase=phase,
+            check=self.check_reply,
+            max_bytes=self.reply_size_limit(expected_arrays),
+            retired=self.retired_nodes,
+            defer_finite=defer_finite,
+            tally=tally,
         )
-        return valid, failed, rejected, absent
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -1393,7 +1223,13 @@ class ValidatedFedAvg(FedAvg):
         if self.stateful_clients:
             valid, unusable = self.reconcile_client_state(server_round, valid)
             rejected += unusable
-        capped = self.cap_claims(server_round, valid, "aggregate_train")
+        capped = cap_claims(
+            server_round,
+            valid,
+            "aggregate_train",
+            max_num_examples=self.max_num_examples,
+            max_weight_ratio=self.max_weight_ratio,
+        )
         update, keep = self._average_finite(server_round, valid)
         arrays = None if update is None else update.arrays
         before = len(valid)
@@ -1569,7 +1405,9 @@ class ValidatedFedAvg(FedAvg):
                 return update, None
             if NON_FINITE not in checked:
                 checked.add(NON_FINITE)
-                if self._reject_non_finite(server_round, candidates, NON_FINITE):
+                if self.screen.reject_bad_values(
+                    server_round, candidates, NON_FINITE, self.arrayrecord_key
+                ):
                     continue
             if not wide:
                 wide = True
@@ -1583,47 +1421,14 @@ class ValidatedFedAvg(FedAvg):
                 continue
             if OUT_OF_RANGE not in checked:
                 checked.add(OUT_OF_RANGE)
-                if self._reject_non_finite(server_round, candidates, OUT_OF_RANGE):
+                if self.screen.reject_bad_values(
+                    server_round, candidates, OUT_OF_RANGE, self.arrayrecord_key
+                ):
                     continue
             return None, (
                 "the average is not finite although every reply is (its true "
                 "value does not fit the model's dtype)"
             )
-
-    def _reject_non_finite(
-        self, server_round: int, replies: list[ValidReply], problem: str
-    ) -> int:
-        """Mark, count and log the replies whose model has ``problem``.
-
-        ``NON_FINITE`` (NaN or inf) or ``OUT_OF_RANGE`` (values beyond
-        ``MAX_ABS_VALUE``): see :func:`.validation.value_problem`.
-        """
-        kind = "non-finite" if problem == NON_FINITE else "out-of-range"
-        found = 0
-        for reply in replies:
-            bad = [
-                k
-                for k, p in reply.bad_value_keys(self.arrayrecord_key).items()
-                if p == problem
-            ]
-            if not bad:
-                continue
-            found += 1
-            reply.finite = False
-            what = f"{', '.join(bad)} hold {problem}"
-            self.rejections[f"aggregate_train:{kind}"] += 1
-            why = ReplyRejected(kind, what)
-            self.round_tally.add(reply.node_id, why)
-            self.run_tally.add(reply.node_id, why)
-            log(
-                WARNING,
-                "aggregate_train: round %d: reply from node %d not used (%s): %s",
-                server_round,
-                reply.node_id,
-                kind,
-                what,
-            )
-        return found
 
     # ------------------------------------------------------------ evaluation
     def configure_evaluate(
@@ -1666,7 +1471,7 @@ class ValidatedFedAvg(FedAvg):
             )
             for node_id in node_ids
         ]
-        self._sent["evaluate"] = [message.metadata for message in messages]
+        self.screen.remember("evaluate", messages)
         return messages
 
     def aggregate_evaluate(
@@ -1683,7 +1488,13 @@ class ValidatedFedAvg(FedAvg):
         )
         if not valid:
             return None
-        self.cap_claims(server_round, valid, "aggregate_evaluate")
+        cap_claims(
+            server_round,
+            valid,
+            "aggregate_evaluate",
+            max_num_examples=self.max_num_examples,
+            max_weight_ratio=self.max_weight_ratio,
+        )
         metrics = self._aggregate_metrics(valid, self._custom_evaluate_metrics)
         metrics["replies-valid"] = len(valid)
         if self._custom_evaluate_metrics is None:
@@ -1715,11 +1526,3 @@ class ValidatedFedAvg(FedAvg):
             key = self.weighted_by_key if custom is self._custom_train_metrics else None
             return custom(contents, key or NUM_EXAMPLES_KEY)
         return weighted_metric_mean(replies)
-
-
-def reply_order(reply: ValidReply) -> tuple[int, int]:
-    """Sort key of a reply: its client key when reported, else its node id."""
-    key = reply.metrics.get(CLIENT_KEY_METRIC)
-    if isinstance(key, (int, float)) and not isinstance(key, bool):
-        return (0, int(key))
-    return (1, reply.node_id)

@@ -1,0 +1,320 @@
+"""Reply screening: which replies a round may use, and why the others may not.
+
+Every reply is validated against the spec of what was sent (:mod:`.validation`)
+and the strategy's own check; a bad reply is logged with its node and reason,
+counted (:class:`.outcome.ReplyTally`, :attr:`ReplyScreen.rejections`) and
+otherwise ignored, exactly as if it had never arrived. Used by the base
+strategy for training and evaluation, by the central-DP wrappers before
+Flower's own aggregation (``screen_replies``) and, through its inner
+strategies, by P-FedAvg.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from logging import INFO, WARNING
+
+from flwr.app import Message, Metadata
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.logger import log
+
+from .keys import CLIENT_KEY_METRIC
+from .outcome import ReplyTally
+from .records import RecordSpec
+from .validation import (
+    NON_FINITE,
+    ReplyRejected,
+    ValidReply,
+    expected_bytes,
+    validate_reply,
+)
+
+
+def reply_node(message: Message, sent_to: Mapping[str, int]) -> int:
+    """Return the node a reply stands for.
+
+    When a node dies mid-round, the SuperLink answers in its place with an
+    error reply (``NODE_UNAVAILABLE``) whose source is the SuperLink's own node
+    id (1); such a reply, and the grid's own error replies, are attributed to
+    the node the answered message was sent to (``reply_to_message_id``). Any
+    other reply is its source's.
+    """
+    node_id = message.metadata.src_node_id
+    if node_id == SUPERLINK_NODE_ID and message.has_error():
+        return sent_to.get(message.metadata.reply_to_message_id, node_id)
+    return node_id
+
+
+def reply_order(reply: ValidReply) -> tuple[int, int]:
+    """Sort key of a reply: its client key when reported, else its node id."""
+    key = reply.metrics.get(CLIENT_KEY_METRIC)
+    if isinstance(key, (int, float)) and not isinstance(key, bool):
+        return (0, int(key))
+    return (1, reply.node_id)
+
+
+def reply_size_limit(
+    max_reply_bytes: int | None, expected_arrays: Mapping[str, RecordSpec]
+) -> int:
+    """Return the largest reply accepted, in bytes.
+
+    ``max_reply_bytes`` when set; else twice the payload of the expected
+    ArrayRecords, plus 1 MiB (``.npy`` headers and keys take a few hundred
+    bytes per array).
+    """
+    if max_reply_bytes is not None:
+        return max_reply_bytes
+    return 2 * expected_bytes(expected_arrays) + (1 << 20)
+
+
+def cap_claims(
+    server_round: int,
+    replies: list[ValidReply],
+    phase: str,
+    *,
+    max_num_examples: float | None,
+    max_weight_ratio: float | None,
+) -> int:
+    """Lower claimed ``num-examples`` above the caps; return how many were.
+
+    The cap is the smaller of ``max_num_examples`` and ``max_weight_ratio``
+    times the median claim of ``replies`` (of an even number of claims, the
+    lower middle one: one inflated claim cannot raise it, even among two). A
+    capped reply keeps its claim in ``capped_from`` and is logged with its
+    node, client key, claim and cap.
+    """
+    caps: list[tuple[float, str]] = []
+    if max_num_examples is not None:
+        caps.append((max_num_examples, f"max_num_examples={max_num_examples:g}"))
+    if max_weight_ratio is not None and replies:
+        claims = sorted(r.num_examples for r in replies)
+        median = claims[(len(claims) - 1) // 2]
+        caps.append(
+            (
+                max_weight_ratio * median,
+                f"max_weight_ratio={max_weight_ratio:g} x the round's "
+                f"median claim {median:g}",
+            )
+        )
+    if not caps:
+        return 0
+    limit, policy = min(caps, key=lambda cap: cap[0])
+    capped = 0
+    for reply in replies:
+        if reply.num_examples <= limit:
+            continue
+        capped += 1
+        reply.capped_from = reply.num_examples
+        reply.num_examples = limit
+        key = reply.metrics.get(CLIENT_KEY_METRIC)
+        log(
+            WARNING,
+            "%s: round %d: node %d (client key %s) claims num-examples %g: "
+            "capped to %g (%s)",
+            phase,
+            server_round,
+            reply.node_id,
+            key
+            if isinstance(key, (int, float)) and not isinstance(key, bool)
+            else "not reported",
+            reply.capped_from,
+            limit,
+            policy,
+        )
+    return capped
+
+
+class ReplyScreen:
+    """One strategy's screening of replies, and its counts of what was not used.
+
+    Attributes
+    ----------
+    rejections : Counter[str]
+        ``"<phase>:<kind>"`` -> replies not used, over the strategy's life.
+    run_tally, round_tally : ReplyTally
+        Why replies were not used, this run and this (training) round.
+    """
+
+    def __init__(self) -> None:
+        self.rejections: Counter[str] = Counter()
+        self.run_tally = ReplyTally()
+        self.round_tally = ReplyTally()
+        # Metadata of this round's train and evaluate messages (ids are set by
+        # the grid when it pushes them), to name the node of an error reply
+        # the SuperLink sends in its place.
+        self._sent: dict[str, list[Metadata]] = {}
+
+    def reset_run(self) -> None:
+        """Start a new run's tallies (the strategy's life-long counts stay)."""
+        self.run_tally = ReplyTally()
+        self.round_tally = ReplyTally()
+
+    def remember(self, kind: str, messages: Sequence[Message]) -> None:
+        """Keep the metadata of the ``kind`` messages about to be sent."""
+        self._sent[kind] = [message.metadata for message in messages]
+
+    def sent_nodes(self, kind: str) -> dict[str, int]:
+        """Map the ids of this round's ``kind`` messages to their destination node.
+
+        Flower's grids set ``metadata.message_id`` on the very ``Message``
+        objects ``configure_train`` / ``configure_evaluate`` return when they
+        push them; before that (messages never pushed), the map is empty.
+        """
+        return {
+            metadata.message_id: metadata.dst_node_id
+            for metadata in self._sent.get(kind, [])
+            if metadata.message_id
+        }
+
+    def count(self, node_id: int, why: ReplyRejected, phase: str) -> None:
+        """Count one training reply not used, in the round's and the run's tally."""
+        self.rejections[f"{phase}:{why.kind}"] += 1
+        self.round_tally.add(node_id, why)
+        self.run_tally.add(node_id, why)
+
+    def collect(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        *,
+        expected_arrays: Mapping[str, RecordSpec],
+        sampled: set[int] | None,
+        phase: str,
+        check: Callable[[ValidReply], None],
+        max_bytes: int,
+        retired: set[int],
+        defer_finite: tuple[str, ...] = (),
+        tally: ReplyTally | None = None,
+    ) -> tuple[list[ValidReply], int, int, int]:
+        """Validate replies; return the valid ones, #failed, #rejected, #absent.
+
+        Error replies count as failures; replies that arrive but fail a check
+        (the spec, then ``check``) count as rejected. Both are counted by reason
+        in a :class:`ReplyTally` (``tally``, or a new one; for training it
+        becomes :attr:`round_tally`) and logged: one line per reply naming the
+        node when some reply is valid, else one warning with the counted
+        reasons (for ``aggregate_train``, the caller's). A client that says its
+        privacy budget is spent is absent, not failed: in training it joins
+        ``retired``.
+        """
+        valid: list[ValidReply] = []
+        seen: set[int] = set()
+        failed = rejected = absent = 0
+        training = phase != "aggregate_evaluate"
+        tally = ReplyTally() if tally is None else tally
+        if training:
+            self.round_tally = tally
+        unused: list[tuple[int, ReplyRejected]] = []
+        sent_to = self.sent_nodes("train" if training else "evaluate")
+        answered: set[int] = set()
+        for message in replies:
+            node_id = reply_node(message, sent_to)
+            answered.add(node_id)
+            try:
+                if sampled is not None and node_id not in sampled:
+                    raise ReplyRejected("unsampled", "node was not sampled this round")
+                if node_id in seen:
+                    raise ReplyRejected("duplicate", "second reply from this node")
+                reply = validate_reply(
+                    message,
+                    expected_arrays=expected_arrays,
+                    defer_finite=defer_finite,
+                    max_bytes=max_bytes,
+                )
+                if expected_arrays:
+                    check(reply)
+            except ReplyRejected as err:
+                if err.kind == "budget-exhausted":
+                    absent += 1
+                    if training:
+                        retired.add(node_id)
+                    log(
+                        INFO,
+                        "%s: round %d: node %d retires: %s",
+                        phase,
+                        server_round,
+                        node_id,
+                        err.reason,
+                    )
+                    continue
+                if err.kind == "error-reply":
+                    failed += 1
+                else:
+                    rejected += 1
+                self.rejections[f"{phase}:{err.kind}"] += 1
+                tally.add(node_id, err)
+                unused.append((node_id, err))
+                continue
+            seen.add(node_id)
+            valid.append(reply)
+        # Sampled nodes with no reply at all: Flower's round timeout passed
+        # first (a slow or frozen node). Failed, and named.
+        for node_id in sorted((sampled or set()) - answered):
+            failed += 1
+            why = ReplyRejected("no-reply", "no reply before the round timeout")
+            self.rejections[f"{phase}:no-reply"] += 1
+            tally.add(node_id, why)
+            unused.append((node_id, why))
+        if training:
+            self.run_tally.update(tally)
+        if valid:
+            for node_id, why in unused:
+                log(
+                    WARNING,
+                    "%s: round %d: reply from node %d not used (%s): %s",
+                    phase,
+                    server_round,
+                    node_id,
+                    why.kind,
+                    why.reason,
+                )
+        elif phase != "aggregate_train" and (unused or tally.failed or sampled):
+            # (aggregate_train says it with the model it keeps)
+            log(
+                WARNING,
+                "%s: round %d: no valid reply: %s",
+                phase,
+                server_round,
+                tally.describe(),
+            )
+        log(
+            INFO,
+            "%s: round %d: %d valid, %d failed, %d rejected%s",
+            phase,
+            server_round,
+            len(valid),
+            failed,
+            rejected,
+            f", {absent} out of privacy budget" if absent else "",
+        )
+        return valid, failed, rejected, absent
+
+    def reject_bad_values(
+        self, server_round: int, replies: list[ValidReply], problem: str, record: str
+    ) -> int:
+        """Mark, count and log the replies whose ``record`` has ``problem``.
+
+        ``NON_FINITE`` (NaN or inf) or ``OUT_OF_RANGE`` (values beyond
+        ``MAX_ABS_VALUE``): see :func:`.validation.value_problem`. A marked
+        reply gets ``finite = False``.
+        """
+        kind = "non-finite" if problem == NON_FINITE else "out-of-range"
+        found = 0
+        for reply in replies:
+            bad = [k for k, p in reply.bad_value_keys(record).items() if p == problem]
+            if not bad:
+                continue
+            found += 1
+            reply.finite = False
+            what = f"{', '.join(bad)} hold {problem}"
+            self.count(reply.node_id, ReplyRejected(kind, what), "aggregate_train")
+            log(
+                WARNING,
+                "aggregate_train: round %d: reply from node %d not used (%s): %s",
+                server_round,
+                reply.node_id,
+                kind,
+                what,
+            )
+        return found
