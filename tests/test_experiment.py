@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra.utils import get_class
 
 from flwr_prox_strategies import FedAvg, FedProx
 from flwr_prox_strategies.algorithms import ALGORITHMS
@@ -54,6 +56,41 @@ def test_every_strategy_config_builds_its_strategy(name: str) -> None:
     assert cfg.client._target_.endswith("Client")
     if getattr(strategy, "requires_num_clients", False):
         assert strategy.num_clients == 7
+
+
+def _passed_keys(node) -> set[str]:
+    """The keyword arguments a strategy node gives its class (Hydra's keys out)."""
+    unused = set(node.get("_unused_") or ())
+    return {
+        str(key)
+        for key in node
+        if not (str(key).startswith("_") and str(key).endswith("_"))
+        and key not in unused
+    }
+
+
+def _accepted(cls: type) -> set[str]:
+    if hasattr(cls, "accepted_kwargs"):
+        return cls.accepted_kwargs()
+    return {
+        name
+        for name, param in inspect.signature(cls).parameters.items()
+        if param.kind is param.KEYWORD_ONLY
+    }
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_the_shared_base_gives_each_strategy_only_keys_it_accepts(name: str) -> None:
+    """conf/strategy/_base/ feeds every strategy YAML (and P-FedAvg's inner one):
+    what it adds must be a keyword argument of the class that gets it."""
+    cfg = compose_config(f"strategy={name}")
+    nodes = [(ALGORITHMS[name].strategy, cfg.strategy)]
+    if "inner" in cfg.strategy:
+        nodes.append((get_class(cfg.strategy.inner._target_), cfg.strategy.inner))
+    for cls, node in nodes:
+        extra = _passed_keys(node) - _accepted(cls)
+        assert not extra, f"{cls.__name__} does not accept {sorted(extra)}"
+        assert node.seed == cfg.seed  # the base reached it
 
 
 def test_official_non_iid_preset() -> None:
