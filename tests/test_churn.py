@@ -35,7 +35,7 @@ def held(strategy, context: Context, name: str) -> np.ndarray:
     """What a client holds once the server's last confirmation reaches it."""
     key = int(context.node_config["partition-id"])
     state = ClientState(context)
-    state.resolve(strategy.accepted.get(key, -1))  # the two-phase commit
+    state.resolve(strategy.book.accepted.get(key, -1))  # the two-phase commit
     saved = state.get(name)
     return np.zeros(5) if saved is None else np.ravel(saved[0])
 
@@ -96,7 +96,7 @@ def test_restarted_node_without_state_is_retired_and_counted(problem, caplog):
     add_node(grid, 2002, partition=1)  # same client, new node id, empty state
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_rounds(strategy, grid, arrays, 3)
-    assert strategy.retired_states == 1 and strategy.num_clients == 5
+    assert strategy.book.retired_states == 1 and strategy.num_clients == 5
     assert any(
         "client 1 (node 2002) holds no state" in r.getMessage() for r in caplog.records
     )
@@ -119,11 +119,11 @@ def test_another_runs_state_is_ignored_and_retired(problem, caplog):
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_rounds(strategy, grid, arrays, 3)
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert f"belongs to run {strategy.run_tag}" not in text
-    assert f"not to this run ({strategy.run_tag}); ignored" in text
+    assert f"belongs to run {strategy.book.run_tag}" not in text
+    assert f"not to this run ({strategy.book.run_tag}); ignored" in text
     assert "client 2 (node 1003) holds no state" in text
     assert not strategy.rejections.get("aggregate_train:stale-state")
-    assert strategy.retired_states == 1 and strategy.num_clients == 5
+    assert strategy.book.retired_states == 1 and strategy.num_clients == 5
     total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
     np.testing.assert_allclose(
         scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
@@ -148,8 +148,8 @@ def test_stale_state_is_refused_reset_and_retired(problem, caplog):
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "client 2 (node 1003) holds the state of round 1" in text
     assert strategy.rejections["aggregate_train:stale-state"] == 1
-    assert strategy.retired_states == 1 and strategy.num_clients == 5
-    assert not strategy.reset_keys  # the client started afresh and was accepted
+    assert strategy.book.retired_states == 1 and strategy.num_clients == 5
+    assert not strategy.book.reset_keys  # the client started afresh and was accepted
     total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
     np.testing.assert_allclose(
         scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
@@ -196,8 +196,8 @@ def test_churn_state_survives_a_checkpoint(problem):
     run_rounds(strategy, grid, arrays, 1)
     again = Scaffold(num_clients=4, fraction_evaluate=0.0, min_round_nodes=1)
     again.load_state_dict(strategy.state_dict())
-    assert (again.num_clients, again.retired_states) == (5, 1)
-    assert again.client_keys_seen == strategy.client_keys_seen
+    assert (again.num_clients, again.book.retired_states) == (5, 1)
+    assert again.book.client_keys_seen == strategy.book.client_keys_seen
 
 
 def test_a_dead_runs_state_dir_is_ignored_and_a_resume_keeps_it(
@@ -219,10 +219,10 @@ def test_a_dead_runs_state_dir_is_ignored_and_a_resume_keeps_it(
     with caplog.at_level(logging.WARNING, logger="flwr"):
         arrays = run_rounds(rerun, grid, problem.initial(), 2)
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert text.count(f"belongs to run {dead.run_tag}, not to this run") == 4
+    assert text.count(f"belongs to run {dead.book.run_tag}, not to this run") == 4
     assert str(tmp_path / "0.npz") in text
     # Nothing of the dead run reached the sums: the clients started from zero.
-    assert rerun.retired_states == 0 and not rerun.rejections
+    assert rerun.book.retired_states == 0 and not rerun.rejections
     fresh = scaffold()
     fresh_arrays = run_rounds(
         fresh, grid_of(problem, ScaffoldClient), problem.initial(), 2
@@ -238,4 +238,4 @@ def test_a_dead_runs_state_dir_is_ignored_and_a_resume_keeps_it(
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_rounds(resumed, grid_with_files(), arrays, 1)
     assert "belongs to run" not in caplog.text
-    assert resumed.retired_states == 0 and not resumed.rejections
+    assert resumed.book.retired_states == 0 and not resumed.rejections

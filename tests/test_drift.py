@@ -299,7 +299,7 @@ def test_rejected_replies_leave_client_state_consistent_with_the_server(
     for context in grid.contexts.values():
         state = ClientState(context)
         key = int(context.node_config["partition-id"])
-        state.resolve(strategy.accepted.get(key, -1))
+        state.resolve(strategy.book.accepted.get(key, -1))
         values = state.get(name)
         if values is not None:
             sums += values[0].reshape(-1)
@@ -309,7 +309,7 @@ def test_rejected_replies_leave_client_state_consistent_with_the_server(
         server = 4 * strategy.control.c["0"].reshape(-1)  # c is the mean of all c_i
     np.testing.assert_allclose(sums, server, rtol=1e-4, atol=1e-5)
     # The victim's replies of rounds 2-3 were not used: it holds round 1's state + round 4's.
-    assert strategy.accepted[1] == 4
+    assert strategy.book.accepted[1] == 4
 
 
 # ---------------------------------------------------------- checkpoint/resume
@@ -380,7 +380,7 @@ def test_k_is_the_federation_not_the_nodes_connected(problem: LeastSquares) -> N
         ClientState(context).get("scaffold-control")[0]  # type: ignore[index]
         for context in grid.contexts.values()
         if ClientState(context).resolve(
-            strategy.accepted[int(context.node_config["partition-id"])]
+            strategy.book.accepted[int(context.node_config["partition-id"])]
         )
         or True
     )
@@ -406,7 +406,7 @@ def test_feddyn_tracks_the_mean_of_all_clients_latest_models(
     for context in grid.contexts.values():
         state = ClientState(context)
         state.resolve(
-            strategy.accepted.get(int(context.node_config["partition-id"]), -1)
+            strategy.book.accepted.get(int(context.node_config["partition-id"]), -1)
         )
         values = state.get("feddyn-latest")
         latest.append(

@@ -155,7 +155,7 @@ class FedDyn(ValidatedFedAvg):
         self, node_id: int, server_round: int
     ) -> dict[str, ArrayRecord]:
         """Send theta^0 to a node not yet identified in this run (tracking only)."""
-        if not self.track_all_clients or node_id in self._node_keys:
+        if not self.track_all_clients or node_id in self.book.node_keys:
             return {}
         assert self.initial is not None
         return {INITIAL_MODEL_RECORD: dict_to_record(self.initial)}

@@ -46,7 +46,6 @@ Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`
 from __future__ import annotations
 
 import inspect
-import secrets
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -66,6 +65,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from numpy.typing import NDArray
 
 from ..ops.aggregate import WeightedMean, ZeroTotalWeightError
+from .commit import ClientBook
 from .fields import (
     RoundUpdate,
     check_settings,
@@ -74,9 +74,6 @@ from .fields import (
     settings_text,
 )
 from .keys import (
-    ACCEPTED_KEYS_KEY,
-    ACCEPTED_ROUND_KEY,
-    ACCEPTED_ROUNDS_KEY,
     BUDGET_EXHAUSTED_REASON,
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
@@ -85,11 +82,7 @@ from .keys import (
     LR_SCALE_KEY,
     NUM_EXAMPLES_KEY,
     REPORT_GRADIENT_KEY,
-    RESET_KEYS_KEY,
-    RESET_STATE_KEY,
-    RUN_TAG_KEY,
     SERVER_ROUND_KEY,
-    STATE_ROUND_METRIC,
 )
 from .metrics import dissimilarity_metrics, per_client_table, weighted_metric_mean
 from .outcome import (
@@ -418,18 +411,8 @@ class ValidatedFedAvg(FedAvg):
         self.rounds_completed = 0
         self.round_offset = 0
         self._bytes_sent = 0
-        # Two-phase commit of client state: client key -> last round one of its
-        # replies was aggregated (state), and node id -> client key (this run).
-        self.accepted: dict[int, int] = {}
-        self._node_keys: dict[int, int] = {}
-        # Client churn (state): every client key seen, the client states
-        # retired (lost or unusable on the client, still in the server's sums),
-        # and the keys asked to start afresh.
-        self.client_keys_seen: set[int] = set()
-        self.retired_states = 0
-        self.reset_keys: set[int] = set()
-        # Names this run for the clients' saved state (state; a resume keeps it).
-        self.run_tag = secrets.token_hex(8)
+        # The server's half of the two-phase commit of client state (state).
+        self.book = ClientBook()
         # Privacy ledger: client key (or node id) -> epsilon spent so far, as the
         # clients report it (dp-epsilon-total); one report for every strategy.
         self.epsilon_totals: dict[int, float] = {}
@@ -642,31 +625,10 @@ class ValidatedFedAvg(FedAvg):
     def node_train_config(self, node_id: int, server_round: int) -> dict[str, Any]:
         """Return per-node additions to the train ConfigRecord.
 
-        For stateful clients: the last round in which this node's reply was
-        aggregated (until the node is identified in this run, e.g. after a
-        resume, the whole client-key -> round table).
+        For stateful clients: what the node needs to resolve its pending state
+        (:meth:`.commit.ClientBook.node_config`).
         """
-        if not self.stateful_clients:
-            return {}
-        key = self._node_keys.get(node_id)
-        if key is not None:
-            config: dict[str, Any] = {
-                RUN_TAG_KEY: self.run_tag,
-                ACCEPTED_ROUND_KEY: self.accepted.get(key, -1),
-            }
-            if key in self.reset_keys:
-                config[RESET_STATE_KEY] = True
-            return config
-        config = {RUN_TAG_KEY: self.run_tag}
-        if self.reset_keys:
-            config[RESET_KEYS_KEY] = sorted(self.reset_keys)
-        if not self.accepted:
-            return {**config, ACCEPTED_ROUND_KEY: -1}
-        return {
-            **config,
-            ACCEPTED_KEYS_KEY: list(self.accepted),
-            ACCEPTED_ROUNDS_KEY: list(self.accepted.values()),
-        }
+        return self.book.node_config(node_id) if self.stateful_clients else {}
 
     def evaluate_config(self, server_round: int) -> dict[str, Any]:
         """Return the algorithm's values for this round's evaluate ConfigRecord."""
@@ -742,105 +704,21 @@ class ValidatedFedAvg(FedAvg):
             rule,
         )
 
-    def reconcile_client_state(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> tuple[list[ValidReply], int]:
-        """Check each client's state against what the server committed.
-
-        A stateful client reports the round its committed state comes from
-        (``state-round``); the server knows the last round it aggregated that
-        client's reply (:attr:`accepted`). When they differ:
-
-        * the client holds **no** state (a restarted node, no ``state_dir``):
-          its last committed state is *retired*: it stays in the server's sums,
-          as an absent client's does, and the client goes on as a new client
-          from zero state, so K grows by one. Its reply, computed from zero
-          state, is used (unless :attr:`accept_lost_state` is False);
-        * the client holds **another** round's or run's state (a stale
-          ``state_dir``): its reply is rejected, its last committed state (if
-          any) is retired the same way, and it is asked to start afresh
-          (``reset-state``).
-
-        Then K grows to cover every client key seen plus the retired states
-        (:meth:`grow_num_clients`). Returns the usable replies and the number
-        rejected.
-        """
-        kept: list[ValidReply] = []
-        rejected = 0
-        for reply in replies:
-            key = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
-            held_value = reply.metrics.get(STATE_ROUND_METRIC)
-            expected = self.accepted.get(key, -1)
-            if not isinstance(held_value, (int, float)) or int(held_value) == expected:
-                kept.append(reply)
-                continue
-            held = int(held_value)
-            lost = held == -1
-            if expected >= 0 and self.keeps_client_sums:
-                self.retired_states += 1
-            self.accepted.pop(key, None)
-            self._node_keys[reply.node_id] = key
-            usable = lost and self.accept_lost_state
-            what = (
-                "holds no state"
-                if lost
-                else f"holds the state of round {held} (a stale copy of its state)"
-            )
-            log(
-                WARNING,
-                "aggregate_train: round %d: client %d (node %d) %s, but the server "
-                "last committed its round %s: %s%s",
-                server_round,
-                key,
-                reply.node_id,
-                what,
-                expected if expected >= 0 else "(none)",
-                "its committed state stays in the sums as a retired client's and "
-                "it goes on as a new client (K + 1); "
-                if expected >= 0 and self.keeps_client_sums
-                else "",
-                "reply used (computed from zero state)"
-                if usable
-                else "reply not used; the client is asked to start afresh",
-            )
-            if usable:
-                kept.append(reply)
-                continue
-            self.reset_keys.add(key)
-            if not self.accept_lost_state:  # e.g. FedDyn's baseline: send theta^0
-                self._node_keys.pop(reply.node_id, None)
-            why = ReplyRejected(
-                "stale-state", f"client {key} state from round {held}, not {expected}"
-            )
-            self.screen.count(reply.node_id, why, "aggregate_train")
-            rejected += 1
-        return kept, rejected
-
-    def clients_needed(self, replies: list[ValidReply]) -> int:
-        """Return the K that covers every client key seen and retired state."""
-        keys = {int(r.metrics[CLIENT_KEY_METRIC]) for r in replies}  # type: ignore[arg-type]
-        return len(self.client_keys_seen | keys) + self.retired_states
-
-    def grow_num_clients(self, old: int | None, replies: list[ValidReply]) -> None:
+    def grow_num_clients(self, old: int | None) -> None:
         """Commit K's growth from ``old`` once the round's replies are used.
 
         A client new to the server holds zero state, so the sums are unchanged;
-        strategies that keep a *mean* over K rescale it in
-        :meth:`on_num_clients_change`. (During the round, :meth:`aggregate_arrays`
-        already sees the grown K.)
+        strategies that keep a *mean* over K rescale it in :meth:`grown_state`,
+        which :meth:`server_update` already saw.
         """
-        self.client_keys_seen |= {
-            int(r.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
-            for r in replies
-        }
         new = self.num_clients
         if old is None or new is None or new == old:
             return
         self.num_clients = old
         self.learn_num_clients(new)
         self.num_clients_source = (
-            f"grown: {len(self.client_keys_seen)} client keys seen, "
-            f"{self.retired_states} retired state(s)"
+            f"grown: {len(self.book.client_keys_seen)} client keys seen, "
+            f"{self.book.retired_states} retired state(s)"
         )
         self.on_num_clients_change(old, new)
         log(
@@ -962,15 +840,11 @@ class ValidatedFedAvg(FedAvg):
             "strategy": type(self).__name__,
             "seed": self.seed,
             "rounds-completed": self.rounds_completed,
-            "accepted": dict(self.accepted),
             "num-clients": self.num_clients,
             "epsilon-totals": dict(self.epsilon_totals),
             "retired-nodes": sorted(self.retired_nodes),
             "num-clients-source": self.num_clients_source,
-            "client-keys-seen": sorted(self.client_keys_seen),
-            "retired-states": self.retired_states,
-            "reset-keys": sorted(self.reset_keys),
-            "run-tag": self.run_tag,
+            **self.book.state_dict(),
             **save_fields(self, self.resume_settings),
             **save_fields(self, self.state_fields),
         }
@@ -1011,15 +885,11 @@ class ValidatedFedAvg(FedAvg):
                     f"has {mine!r}: the run would not resume identically"
                 )
         self.rounds_completed = int(state["rounds-completed"])
-        self.accepted = {int(k): int(v) for k, v in state.get("accepted", {}).items()}
         self.epsilon_totals = {
             int(k): float(v) for k, v in state.get("epsilon-totals", {}).items()
         }
         self.retired_nodes = {int(n) for n in state.get("retired-nodes", [])}
-        self.client_keys_seen = {int(k) for k in state.get("client-keys-seen", [])}
-        self.retired_states = int(state.get("retired-states", 0))
-        self.reset_keys = {int(k) for k in state.get("reset-keys", [])}
-        self.run_tag = str(state.get("run-tag", self.run_tag))
+        self.book.load_state_dict(state)
         self.round_offset = self.rounds_completed
         load_fields(self, self.state_fields, state)
 
@@ -1221,7 +1091,13 @@ class ValidatedFedAvg(FedAvg):
         valid.sort(key=reply_order)
         k_before = self.num_clients
         if self.stateful_clients:
-            valid, unusable = self.reconcile_client_state(server_round, valid)
+            valid, unusable = self.book.reconcile(
+                server_round,
+                valid,
+                keeps_client_sums=self.keeps_client_sums,
+                accept_lost_state=self.accept_lost_state,
+                count=lambda node, why: self.screen.count(node, why, "aggregate_train"),
+            )
             rejected += unusable
         capped = cap_claims(
             server_round,
@@ -1270,7 +1146,8 @@ class ValidatedFedAvg(FedAvg):
             )
             return None, MetricRecord(dict(counts.items()))
         if self.stateful_clients:
-            self.grow_num_clients(k_before, valid)
+            self.book.commit(server_round, valid)
+            self.grow_num_clients(k_before)
         assert update is not None
         unknown = set(update.state) - set(self.state_fields)
         if unknown:
@@ -1281,12 +1158,6 @@ class ValidatedFedAvg(FedAvg):
         for name, value in update.state.items():
             setattr(self, name, value)
         extra = {**update.metrics, **self.on_valid_replies(server_round, valid)}
-        if self.stateful_clients:
-            for reply in valid:
-                client = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
-                self._node_keys[reply.node_id] = client
-                self.accepted[client] = server_round
-                self.reset_keys.discard(client)
         if self.monitor_dissimilarity:
             extra.update(dissimilarity_metrics(valid, self.reply_weight))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
@@ -1392,7 +1263,7 @@ class ValidatedFedAvg(FedAvg):
             state = {name: getattr(self, name) for name in self.state_fields}
             if self.stateful_clients and self.requires_num_clients and k_base:
                 # K for this round's update: every client seen, these included.
-                self.num_clients = max(k_base, self.clients_needed(candidates))
+                self.num_clients = max(k_base, self.book.clients_needed(candidates))
                 if self.num_clients != k_base:
                     state = self.grown_state(state, k_base, self.num_clients)
             try:
