@@ -16,7 +16,8 @@ from torch import nn
 
 from flwr_prox_strategies import DPSGD, make_private_model
 from flwr_prox_strategies._optional import require, require_installed
-from flwr_prox_strategies.ops.topology import adjacency, mixing_matrix
+from flwr_prox_strategies.ops.graphs import adjacency
+from flwr_prox_strategies.ops.mixing import mixing_matrix
 
 HEAVY = (
     "opacus",
@@ -53,7 +54,7 @@ def test_import_leaves_logging_alone_and_imports_nothing_optional() -> None:
         level = logging.getLogger().level
         import flwr_prox_strategies
         import flwr_prox_strategies.task
-        import flwr_prox_strategies.ops.topology
+        import flwr_prox_strategies.ops.mixing
         import flwr_prox_strategies.algorithms.pfedavg
         assert logging.getLogger().handlers == before, logging.getLogger().handlers
         assert logging.getLogger().level == level
@@ -143,7 +144,7 @@ def test_written_app_declares_the_repository_apps_config_and_components() -> Non
 
     from apps.client_app import app as repo_client_app
     from apps.server_app import app as repo_server_app
-    from flwr_prox_strategies.experiment.apps import app_pyproject
+    from flwr_prox_strategies.experiment.appdir import app_pyproject
 
     repo = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     written = tomllib.loads(app_pyproject())["tool"]["flwr"]["app"]

@@ -10,7 +10,7 @@ import pytest
 
 from flwr_prox_strategies import FedAvg, FedAvgClient, FedProx, PFedAvg, to_client_app
 from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.ops.topology import consensus_rate
+from flwr_prox_strategies.ops.mixing import consensus_rate
 
 from .lsq import LeastSquares
 

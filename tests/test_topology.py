@@ -19,15 +19,17 @@ from flwr_prox_strategies.ops.communication import (
     split_clients,
     volumes,
 )
-from flwr_prox_strategies.ops.topology import (
-    MIXINGS,
+from flwr_prox_strategies.ops.graphs import (
     TOPOLOGIES,
     adjacency,
-    check_mixing,
-    consensus_rate,
     from_adjacency,
     grid_shape,
     is_connected,
+)
+from flwr_prox_strategies.ops.mixing import (
+    MIXINGS,
+    check_mixing,
+    consensus_rate,
     mixing_matrix,
     optimal_mixing,
 )

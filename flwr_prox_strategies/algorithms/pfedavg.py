@@ -11,10 +11,10 @@ Server :math:`i` owns a disjoint group :math:`C_i` of clients. Each round:
    strategy's own rule, validation included);
 3. servers mix with their neighbours, :math:`x_i = \sum_j W_{ij} y_j`, with
    :math:`W` symmetric, doubly stochastic, :math:`W_{ij} = 0` off the graph's
-   edges (:mod:`..ops.topology`: ring, star, grid, torus, complete, random
-   regular, Erdős–Rényi or your adjacency; Metropolis, max-degree, uniform or
-   SDP-optimal weights). Server :math:`i` reads only its neighbours'
-   :math:`y_j`, so the step could run across machines.
+   edges (:mod:`..ops.graphs`: ring, star, grid, torus, complete, random
+   regular, Erdős–Rényi or your adjacency; :mod:`..ops.mixing`: Metropolis,
+   max-degree, uniform or SDP-optimal weights). Server :math:`i` reads only its
+   neighbours' :math:`y_j`, so the step could run across machines.
 
 Consensus speed is :math:`\rho(W) = \lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2`.
 The strategy reports the consensus average :math:`\bar x = \frac{1}{M}\sum_i x_i`
@@ -63,13 +63,8 @@ from ..core.grid import GroupGrid
 from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
 from ..core.strategy import ReplyTally, ValidatedFedAvg, finish_run
 from ..core.validation import reject_unknown_kwargs
-from ..ops.topology import (
-    adjacency,
-    check_mixing,
-    consensus_rate,
-    from_adjacency,
-    mixing_matrix,
-)
+from ..ops.graphs import adjacency, from_adjacency
+from ..ops.mixing import check_mixing, consensus_rate, mixing_matrix
 from .fedavg import FedAvg
 
 SERVER_ID_KEY = "server-id"
@@ -95,10 +90,10 @@ class PFedAvg(Strategy):
     servers : int
         :math:`M \ge 1`.
     topology : str (default: "ring")
-        A name of :data:`..ops.topology.TOPOLOGIES`; ignored when
+        A name of :data:`..ops.graphs.TOPOLOGIES`; ignored when
         ``adjacency_matrix`` or ``weights`` is given.
     mixing : str (default: "metropolis")
-        A name of :data:`..ops.topology.MIXINGS` (``"sdp"``: optimal weights).
+        A name of :data:`..ops.mixing.MIXINGS` (``"sdp"``: optimal weights).
     adjacency_matrix : array-like | None (default: None)
         Your own server graph (symmetric 0/1, zero diagonal, connected).
     weights : array-like | None (default: None)

@@ -31,13 +31,8 @@ from flwr_prox_strategies.ops.communication import (
     expected_speedup,
     volumes,
 )
-from flwr_prox_strategies.ops.topology import (
-    MIXINGS,
-    TOPOLOGIES,
-    adjacency,
-    consensus_rate,
-    mixing_matrix,
-)
+from flwr_prox_strategies.ops.graphs import TOPOLOGIES, adjacency
+from flwr_prox_strategies.ops.mixing import MIXINGS, consensus_rate, mixing_matrix
 
 # Points on the speed-up curve: enough for a smooth line, few enough that the
 # Monte Carlo over delays stays quick.
