@@ -318,3 +318,46 @@ class ReplyScreen:
                 what,
             )
         return found
+
+
+def reports_rule(reply: ValidReply, metric: str | None) -> bool:
+    """Return True when the reply reports ``metric`` non-zero (or none is due)."""
+    if metric is None:
+        return True
+    value = reply.metrics.get(metric)
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+    )
+
+
+def warn_rule_not_applied(
+    owner: str,
+    server_round: int,
+    replies: list[ValidReply],
+    metric: str,
+    rule_name: str,
+    pieces: tuple[str, str],
+) -> bool:
+    """Warn, naming the nodes whose replies lack ``metric``; return whether any did.
+
+    Their clients are not applying the algorithm's rule; ``pieces`` names the
+    pack's client and rule that do.
+    """
+    nodes = sorted(r.node_id for r in replies if not reports_rule(r, metric))
+    if not nodes:
+        return False
+    log(
+        WARNING,
+        "%s: round %d: nodes %s do not report '%s': their clients are not "
+        "applying %s, and their updates are averaged in without it. Use "
+        "the pack's %s or "
+        "add %s to your client, or strict=True to reject such replies "
+        "(this warning is given once per run)",
+        owner,
+        server_round,
+        nodes,
+        metric,
+        rule_name,
+        *pieces,
+    )
+    return True

@@ -45,7 +45,6 @@ Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -109,6 +108,8 @@ from .screening import (
     reply_node,
     reply_order,
     reply_size_limit,
+    reports_rule,
+    warn_rule_not_applied,
 )
 from .validation import (
     NON_FINITE,
@@ -121,10 +122,11 @@ from .validation import (
     check_non_negative,
     check_positive,
     check_weight,
+    init_keywords,
     reject_unknown_kwargs,
+    resolve_weighting,
 )
 
-WEIGHTINGS = ("num-examples", "uniform")
 # The run outcome's names are re-exported: they were first defined here.
 __all__ = [
     "EveryClientRetiredError",
@@ -321,7 +323,9 @@ class ValidatedFedAvg(FedAvg):
         **unknown: Any,
     ) -> None:
         reject_unknown_kwargs(type(self).__name__, unknown, self.accepted_kwargs())
-        weighting, weight_key = self._resolve_weighting(weighting, weighted_by_key)
+        weighting, weight_key = resolve_weighting(
+            type(self).__name__, weighting, weighted_by_key, self.default_weighting
+        )
         check_fraction("fraction_train", fraction_train)
         check_fraction("fraction_evaluate", fraction_evaluate)
         check_choice("participation", participation, PARTICIPATION)
@@ -429,47 +433,7 @@ class ValidatedFedAvg(FedAvg):
     @classmethod
     def accepted_kwargs(cls) -> set[str]:
         """Return the keyword arguments ``cls(...)`` accepts (its bases' included)."""
-        names: set[str] = set()
-        for klass in cls.__mro__:
-            init = klass.__dict__.get("__init__")
-            if init is not None:
-                names.update(
-                    name
-                    for name, param in inspect.signature(init).parameters.items()
-                    if name != "self"
-                    and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
-                )
-            if klass is ValidatedFedAvg:
-                break
-        return names
-
-    def _resolve_weighting(
-        self, weighting: str | None, weighted_by_key: str | None
-    ) -> tuple[str, str]:
-        """Return ``(weighting, metric key)`` from ours and Flower's names."""
-        owner = type(self).__name__
-        if weighting is not None and weighted_by_key is not None:
-            raise TypeError(
-                f"{owner}() got both weighting={weighting!r} and "
-                f"weighted_by_key={weighted_by_key!r}; weighted_by_key is Flower's "
-                "name for the weighting: give one"
-            )
-        if weighted_by_key is not None:
-            if not isinstance(weighted_by_key, str) or not weighted_by_key:
-                raise ValueError(
-                    "weighted_by_key must be a non-empty metric name, got "
-                    f"{weighted_by_key!r}"
-                )
-            if weighted_by_key == NUM_EXAMPLES_KEY:
-                return "num-examples", NUM_EXAMPLES_KEY
-            return "metric", weighted_by_key
-        weighting = self.default_weighting if weighting is None else weighting
-        if weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"weighting must be one of {WEIGHTINGS}, got {weighting!r} (to "
-                "weight by a metric of the replies, give weighted_by_key=<metric>)"
-            )
-        return weighting, NUM_EXAMPLES_KEY
+        return init_keywords(cls, ValidatedFedAvg)
 
     def _weighting_text(self) -> str:
         if self.weighting == "metric":
@@ -648,7 +612,7 @@ class ValidatedFedAvg(FedAvg):
 
     def check_reply(self, reply: ValidReply) -> None:
         """Extra checks on a structurally valid reply; raise ``ReplyRejected``."""
-        if self.strict and not self.rule_applied(reply):
+        if self.strict and not reports_rule(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
                 f"no '{self.rule_metric}' metric: the client is not applying "
@@ -665,43 +629,20 @@ class ValidatedFedAvg(FedAvg):
                     f"{type(self).__name__} client?",
                 )
 
-    def rule_applied(self, reply: ValidReply) -> bool:
-        """Return True when the reply reports :attr:`rule_metric` (or none is due)."""
-        if self.rule_metric is None:
-            return True
-        value = reply.metrics.get(self.rule_metric)
-        return (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value != 0
-        )
-
-    def warn_rule_not_applied(
+    def _warn_rule_not_applied(
         self, server_round: int, replies: list[ValidReply]
     ) -> None:
         """Warn once per run, naming the nodes whose replies lack the rule metric."""
         if self._rule_warned or self.rule_metric is None:
             return
-        nodes = sorted(r.node_id for r in replies if not self.rule_applied(r))
-        if not nodes:
-            return
-        self._rule_warned = True
         name = type(self).__name__
-        client, rule = self.rule_pieces or (f"{name}Client", f"{name}Rule")
-        log(
-            WARNING,
-            "%s: round %d: nodes %s do not report '%s': their clients are not "
-            "applying %s, and their updates are averaged in without it. Use "
-            "the pack's %s or "
-            "add %s to your client, or strict=True to reject such replies "
-            "(this warning is given once per run)",
+        self._rule_warned = warn_rule_not_applied(
             name,
             server_round,
-            nodes,
+            replies,
             self.rule_metric,
             self.rule_name,
-            client,
-            rule,
+            self.rule_pieces or (f"{name}Client", f"{name}Rule"),
         )
 
     def grow_num_clients(self, old: int | None) -> None:
@@ -1115,7 +1056,7 @@ class ValidatedFedAvg(FedAvg):
             keep = "accept_failures=False and some replies failed or were rejected"
         if keep is None and arrays is not None:
             self.run_tally.aggregated += 1
-            self.warn_rule_not_applied(server_round, valid)
+            self._warn_rule_not_applied(server_round, valid)
         counts: dict[str, Any] = {
             "replies-valid": len(valid),
             "replies-failed": failed,

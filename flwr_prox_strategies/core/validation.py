@@ -8,6 +8,7 @@ rejected reply leaves a round exactly as if it had never arrived.
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -309,3 +310,56 @@ def validate_reply(
         num_examples=num_examples,
         message=message,
     )
+
+
+WEIGHTINGS = ("num-examples", "uniform")
+
+
+def resolve_weighting(
+    owner: str, weighting: str | None, weighted_by_key: str | None, default: str
+) -> tuple[str, str]:
+    """Return ``(weighting, metric key)`` from ours and Flower's names.
+
+    ``weighting`` (``"num-examples"``, ``"uniform"``; None: ``default``) or
+    Flower's ``weighted_by_key`` (a reply metric; ``"num-examples"`` is the
+    same as ``weighting="num-examples"``), not both.
+    """
+    if weighting is not None and weighted_by_key is not None:
+        raise TypeError(
+            f"{owner}() got both weighting={weighting!r} and "
+            f"weighted_by_key={weighted_by_key!r}; weighted_by_key is Flower's "
+            "name for the weighting: give one"
+        )
+    if weighted_by_key is not None:
+        if not isinstance(weighted_by_key, str) or not weighted_by_key:
+            raise ValueError(
+                "weighted_by_key must be a non-empty metric name, got "
+                f"{weighted_by_key!r}"
+            )
+        if weighted_by_key == NUM_EXAMPLES_KEY:
+            return "num-examples", NUM_EXAMPLES_KEY
+        return "metric", weighted_by_key
+    weighting = default if weighting is None else weighting
+    if weighting not in WEIGHTINGS:
+        raise ValueError(
+            f"weighting must be one of {WEIGHTINGS}, got {weighting!r} (to "
+            "weight by a metric of the replies, give weighted_by_key=<metric>)"
+        )
+    return weighting, NUM_EXAMPLES_KEY
+
+
+def init_keywords(cls: type, base: type) -> set[str]:
+    """Return the keyword arguments ``cls(...)`` accepts, up to ``base`` included."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names.update(
+                name
+                for name, param in inspect.signature(init).parameters.items()
+                if name != "self"
+                and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+            )
+        if klass is base:
+            break
+    return names
