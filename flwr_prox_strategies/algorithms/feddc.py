@@ -53,30 +53,25 @@ Wire keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-from logging import INFO
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
-from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from ..core.client import TorchClient
+from ..core.fields import RoundUpdate
 from ..core.keys import LOCAL_EPOCHS_KEY
-from ..core.records import (
-    RecordSpec,
-    copy_arrays,
-    dict_to_record,
-    record_to_dict,
-)
+from ..core.records import RecordSpec, dict_to_record, record_to_dict
 from ..core.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm
 from ..core.validation import ValidReply, check_choice, check_positive
+from ..ops.control import control_update, rescaled, zeros_like
+from ..ops.drift import drift_corrected, drift_sum
 from ..ops.proximal import ProximalTerm
-from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD, ControlVariates
+from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD
 
 FEDDC_ALPHA_KEY = "feddc-alpha"
 FEDDC_CORRECTION_KEY = "feddc-correction"
@@ -126,6 +121,9 @@ class FedDC(ValidatedFedAvg):
     requires_num_clients = True
     rule_metric = FEDDC_APPLIED_KEY
     rule_name = "FedDC's drift penalty and gradient correction"
+    state_fields = ("drift_sum", "control", "global_update")
+    resume_settings = ("correction",)
+    settings = ("alpha", "num_clients", "correction")
 
     def __init__(
         self,
@@ -152,24 +150,8 @@ class FedDC(ValidatedFedAvg):
         self.alpha = float(alpha)
         self.correction = correction
         self.drift_sum: dict[str, NDArray] | None = None  # H (official)
-        self._next_drift_sum: dict[str, NDArray] | None = None
-        self.control = ControlVariates()  # c (official)
+        self.control: dict[str, NDArray] | None = None  # c (official)
         self.global_update: dict[str, NDArray] | None = None  # g (paper)
-
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return (
-            f"FedDC(alpha={self.alpha}, num_clients={self.num_clients}, "
-            f"correction={self.correction!r})"
-        )
-
-    def summary(self) -> None:
-        """Log the FedDC settings, then the base's."""
-        log(INFO, "\t├──> FedDC settings:")
-        log(INFO, "\t│\t├── alpha: %s", self.alpha)
-        log(INFO, "\t│\t├── correction: %s", self.correction)
-        log(INFO, "\t│\t└── N (all clients): %s", self.num_clients)
-        super().summary()
 
     # ----------------------------------------------------------- messages
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -177,10 +159,12 @@ class FedDC(ValidatedFedAvg):
         return {FEDDC_ALPHA_KEY: self.alpha, FEDDC_CORRECTION_KEY: self.correction}
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """Send :math:`c` (official) or :math:`g` (paper)."""
+        """Send :math:`c` (official) or :math:`g` (paper), zeros at first."""
         assert self._global_arrays is not None
         if self.correction == "official":
-            return {CONTROL_RECORD: self.control.record(self._global_arrays)}
+            if self.control is None:
+                self.control = zeros_like(record_to_dict(self._global_arrays))
+            return {CONTROL_RECORD: dict_to_record(self.control)}
         if self.global_update is None:
             model = record_to_dict(self._global_arrays)
             self.global_update = {k: np.zeros_like(v) for k, v in model.items()}
@@ -198,38 +182,40 @@ class FedDC(ValidatedFedAvg):
         return expected
 
     # -------------------------------------------------------- aggregation
-    def on_num_clients_change(self, old: int, new: int) -> None:
+    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
         """Keep c the mean over all N clients (the drift sum needs nothing)."""
-        self.control.rescale(old / new)
+        if state["control"] is None:
+            return state
+        return {**state, "control": rescaled(state["control"], old / new)}
 
-    def aggregate_arrays(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> ArrayRecord:
-        """Official: mean θ⁺ over S plus H/N; paper: weighted mean of θ⁺ + h."""
+    def server_update(
+        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+    ) -> RoundUpdate:
+        r"""Official: mean θ⁺ over S plus :math:`H^+/N`, new H and c; paper: new g.
+
+        Official: :math:`H^+ = H + \sum_S(\theta_i^+ - w)` (the drift sum
+        FedDyn keeps too), :math:`c^+ = c + \frac{1}{N}\sum_S\Delta c_i`.
+        Paper: the weighted mean of the uploaded :math:`\theta^+ + h`, and
+        :math:`g` the weighted mean of the uploaded :math:`g_i`.
+        """
         average = self.weighted_mean(replies)
         if self.correction == "paper":
-            return dict_to_record(average)  # clients uploaded theta + h
-        assert self.num_clients is not None
-        # Kept until on_valid_replies commits it (only if this round is used).
-        self._next_drift_sum = self.summed_updates(replies, self.drift_sum)
-        for key, value in self._next_drift_sum.items():
-            average[key] += (value / self.num_clients).astype(average[key].dtype)
-        return dict_to_record(average)
+            update = self.weighted_mean(replies, LOCAL_UPDATE_RECORD)
+            return RoundUpdate(dict_to_record(average), {"global_update": update})
+        assert self.num_clients is not None and self._global_arrays is not None
+        assert state["control"] is not None  # set when the round was configured
+        theta_t = record_to_dict(self._global_arrays)
+        models = [reply.arrays[self.arrayrecord_key] for reply in replies]
+        drift = drift_sum(state["drift_sum"], theta_t, models)
+        deltas = [reply.arrays[CONTROL_DELTA_RECORD] for reply in replies]
+        return RoundUpdate(
+            dict_to_record(drift_corrected(average, drift, self.num_clients)),
+            {
+                "drift_sum": drift,
+                "control": control_update(state["control"], deltas, self.num_clients),
+            },
+        )
 
-    def on_valid_replies(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> dict[str, Any]:
-        """Commit H and c (official) or g (paper)."""
-        assert self.num_clients is not None
-        if self.correction == "official":
-            assert self._next_drift_sum is not None  # set by aggregate_arrays
-            self.drift_sum = self._next_drift_sum
-            self.control.c = self.control.updated(replies, self.num_clients)
-        else:
-            self.global_update = self.weighted_mean(replies, LOCAL_UPDATE_RECORD)
-        return {}
-
-    # -------------------------------------------------------------- state
     def central_dp_caveats(self) -> list[str]:
         """Add what the server keeps from un-noised aggregates."""
         return [
@@ -240,31 +226,6 @@ class FedDC(ValidatedFedAvg):
                 "by the wrapper"
             ),
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Add H, c and g to the base's state."""
-        state = super().state_dict()
-        state.update(
-            {
-                "drift-sum": copy_arrays(self.drift_sum),
-                "control": copy_arrays(self.control.c),
-                "global-update": copy_arrays(self.global_update),
-                "correction": self.correction,
-            }
-        )
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore H, c, g and the base's state."""
-        super().load_state_dict(state)
-        if state.get("correction") != self.correction:
-            raise ValueError(
-                f"checkpoint has correction={state.get('correction')!r}, "
-                f"the strategy has {self.correction!r}"
-            )
-        self.drift_sum = copy_arrays(state["drift-sum"])
-        self.control.c = copy_arrays(state["control"])
-        self.global_update = copy_arrays(state["global-update"])
 
 
 class FedDCRule(ClientRule):
