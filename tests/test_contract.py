@@ -7,6 +7,7 @@ reply. Later algorithms join by adding one line to STRATEGIES.
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable
 
@@ -501,3 +502,68 @@ def test_a_restored_strategy_continues_exactly_as_the_original(name: str) -> Non
             )
     assert_same_state(model, model_again)
     assert_same_state(state, state_again)
+
+
+def _assert_same_value(a, b) -> None:
+    if isinstance(a, dict) or isinstance(b, dict):
+        assert isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _assert_same_value(a[key], b[key])
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        np.testing.assert_array_equal(a, b)
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+    else:
+        assert a == b
+
+
+def _plain_attributes(strategy) -> dict:
+    """Deep copy of a strategy's attributes that hold plain data (no objects)."""
+    plain = (type(None), bool, int, float, str, np.ndarray)
+
+    def is_plain(value) -> bool:
+        if isinstance(value, dict):
+            return all(is_plain(v) for v in value.values())
+        return isinstance(value, plain)
+
+    return {k: copy.deepcopy(v) for k, v in vars(strategy).items() if is_plain(v)}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_server_rules_are_pure(name: str) -> None:
+    """The rule contract: server_update reads its arguments and changes nothing.
+
+    The base may run a rule twice in a round (a non-finite reply is dropped and
+    the rule re-run) and commits its state only if the round is aggregated, so
+    a rule must leave the state it is given untouched and give the same update
+    for the same arguments. Checked in round 2, when every state field is set.
+    """
+    strategy, _, good = setup_round(name)
+    arrays, _ = strategy.aggregate_train(1, good)
+    assert arrays is not None
+    calls = []
+    for server in getattr(strategy, "inner", [strategy]):
+        rule = server.server_update
+
+        def spy(rnd, state, replies, rule=rule, server=server):
+            before = copy.deepcopy(state)
+            attributes = _plain_attributes(server)
+            update = rule(rnd, state, replies)
+            _assert_same_value(state, before)  # not mutated
+            _assert_same_value(_plain_attributes(server), attributes)  # no stash
+            again = rule(rnd, state, replies)  # the same again
+            _assert_same_value(to_np(update.arrays), to_np(again.arrays))
+            _assert_same_value(update.state, again.state)
+            assert set(update.state) <= set(server.state_fields)
+            calls.append(rnd)
+            return update
+
+        server.server_update = spy
+    messages = list(
+        strategy.configure_train(2, arrays, ConfigRecord(), sampling_grid(NUM_NODES))
+    )
+    replies = [
+        build_reply(m, good_content(strategy, i + 3), strategy=strategy, n=12 + i)
+        for i, m in enumerate(messages)
+    ]
+    assert strategy.aggregate_train(2, replies)[0] is not None
+    assert calls, "server_update was not called"
