@@ -53,6 +53,7 @@ from flwr_prox_strategies import (
     SFedRule,
     to_client_app,
 )
+from flwr_prox_strategies.algorithms import ALGORITHMS
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.core.strategy import NoRoundAggregatedError
 from flwr_prox_strategies.core.training import BatchFormatError
@@ -564,3 +565,35 @@ def test_a_refused_setting_fails_the_run_with_its_reason(problem):
         failure.value.result.arrays.to_numpy_ndarrays()[0],
         problem.initial().to_numpy_ndarrays()[0],
     )
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        n
+        for n, a in ALGORITHMS.items()
+        if a.client is not None and a.client is not FedAvgClient
+    ),
+)
+def test_every_client_sent_fedavgs_message_names_the_strategy_it_needs(
+    name: str,
+) -> None:
+    """The client contract: a client of another strategy's server fails clearly.
+
+    Each of the pack's clients, sent what Flower's (or the pack's) FedAvg sends,
+    raises ProtocolError naming the strategy it runs, before any training.
+    """
+    entry = ALGORITHMS[name]
+    assert entry.client is not None
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    client = entry.client(
+        torch.nn.Linear(3, 1, bias=False),
+        torch.utils.data.DataLoader(data, batch_size=4),
+        loss_fn=torch.nn.MSELoss(),
+    )
+    protocol = getattr(entry.client, "protocol", None) or entry.strategy.__name__
+    with pytest.raises(ProtocolError, match=protocol):
+        client.fit(
+            [np.zeros((1, 3), np.float32)],
+            {"server-round": 1, "local-epochs": 1, "lr": 0.1},
+        )
