@@ -38,27 +38,21 @@ Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from logging import INFO
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord
-from flwr.common.logger import log
 from numpy.typing import NDArray
 
 from ..core.client import TorchClient
-from ..core.records import (
-    RecordSpec,
-    copy_arrays,
-    dict_to_record,
-    float_keys,
-    record_to_dict,
-)
+from ..core.fields import RoundUpdate
+from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
 from ..core.rule import ClientRule, arrays_from_params
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm
 from ..core.validation import ValidReply, check_choice, check_positive
+from ..ops.control import control_update, rescaled, zeros_like
+from ..ops.drift import norm
 from ..ops.proximal import ProximalTerm
 
 CONTROL_RECORD = "control"
@@ -71,48 +65,17 @@ CONTROL_LR_KEY = "scaffold-control-lr"
 CONTROL_LRS = ("round", "base")
 
 
-class ControlVariates:
-    """The server's control variate :math:`c` and its update (shared with FedDC).
+class ControlArrays(dict[str, NDArray]):
+    """:math:`c` as a plain name -> array dict, which the checkpoint saves as is.
 
-    ``c`` is kept for the floating arrays of the model, in ``state_dict`` order.
+    ``.c`` is the dict itself: the former ``ControlVariates.c``, kept while
+    callers (tests) still read ``strategy.control.c``; read ``strategy.control``.
     """
 
-    def __init__(self) -> None:
-        self.c: dict[str, NDArray] | None = None
-
-    def ensure(self, model: ArrayRecord) -> dict[str, NDArray]:
-        """Return :math:`c`, zeros shaped like the model's float arrays at first."""
-        if self.c is None:
-            arrays = record_to_dict(model)
-            self.c = {k: np.zeros_like(arrays[k]) for k in arrays}
-        return self.c
-
-    def rescale(self, factor: float) -> None:
-        r"""Multiply :math:`c` by ``factor`` (a mean over K when K changes)."""
-        if self.c is not None:
-            for key in float_keys(self.c):
-                self.c[key] = (self.c[key] * factor).astype(self.c[key].dtype)
-
-    def record(self, model: ArrayRecord) -> ArrayRecord:
-        """Return the ``control`` record for clients (model keys, same order)."""
-        return dict_to_record(self.ensure(model))
-
-    def updated(
-        self,
-        replies: list[ValidReply],
-        num_clients: int,
-        scale: dict[int, float] | None = None,
-    ) -> dict[str, NDArray]:
-        r"""Return :math:`c + \frac{1}{N}\sum_S \Delta c_i` (not committed)."""
-        assert self.c is not None
-        new = {k: v.copy() for k, v in self.c.items()}
-        keys = float_keys(new)
-        for reply in replies:
-            weight = 1.0 if scale is None else scale.get(reply.node_id, 1.0)
-            deltas = reply.arrays[CONTROL_DELTA_RECORD]
-            for key in keys:
-                new[key] += (weight / num_clients) * deltas[key]
-        return new
+    @property
+    def c(self) -> dict[str, NDArray]:
+        """Return the dict itself (former ``ControlVariates.c``)."""
+        return self
 
 
 class Scaffold(ValidatedFedAvg):
@@ -151,6 +114,8 @@ class Scaffold(ValidatedFedAvg):
     default_weighting = "uniform"
     rule_metric = SCAFFOLD_APPLIED_KEY
     rule_name = "SCAFFOLD's control-variate correction"
+    state_fields = ("control",)
+    settings = ("num_clients", "server_learning_rate", "control_lr")
 
     def __init__(
         self,
@@ -165,23 +130,17 @@ class Scaffold(ValidatedFedAvg):
         super().__init__(num_clients=num_clients, **kwargs)
         self.server_learning_rate = float(server_learning_rate)
         self.control_lr = control_lr
-        self.control = ControlVariates()
+        self.control = None  # c, the mean of all c_i: zeros at the first round
 
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return (
-            f"Scaffold(num_clients={self.num_clients}, "
-            f"server_learning_rate={self.server_learning_rate}, "
-            f"control_lr={self.control_lr!r})"
-        )
+    @property
+    def control(self) -> ControlArrays | None:
+        """Return :math:`c` (None before the first round is configured)."""
+        return self._control
 
-    def summary(self) -> None:
-        """Log the SCAFFOLD settings, then the base's."""
-        log(INFO, "\t├──> SCAFFOLD settings:")
-        log(INFO, "\t│\t├── server learning rate: %s", self.server_learning_rate)
-        log(INFO, "\t│\t├── control-variate step size: %s", self.control_lr)
-        log(INFO, "\t│\t└── N (all clients): %s", self.num_clients)
-        super().summary()
+    @control.setter
+    def control(self, value: Mapping[str, NDArray] | None) -> None:
+        # A checkpoint restores a plain dict: keep one type whatever set it.
+        self._control = None if value is None else ControlArrays(value)
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send the step size option II divides by."""
@@ -190,7 +149,10 @@ class Scaffold(ValidatedFedAvg):
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Send :math:`c`."""
         assert self._global_arrays is not None
-        return {CONTROL_RECORD: self.control.record(self._global_arrays)}
+        if self.control is None:
+            self.control = zeros_like(record_to_dict(self._global_arrays))
+        assert self.control is not None
+        return {CONTROL_RECORD: dict_to_record(self.control)}
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
         r"""Expect the model :math:`y` and :math:`\Delta c_i`, both model-shaped."""
@@ -198,32 +160,34 @@ class Scaffold(ValidatedFedAvg):
         expected[CONTROL_DELTA_RECORD] = expected[self.arrayrecord_key]
         return expected
 
-    def aggregate_arrays(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> ArrayRecord:
-        r"""Return :math:`x + \eta_g\,\mathrm{mean}_S(y_i - x)`."""
-        assert self._global_arrays is not None
-        average = self.weighted_mean(replies)
-        if self.server_learning_rate == 1.0:
-            return dict_to_record(average)  # x + (mean y - x), exactly mean y
-        x = record_to_dict(self._global_arrays)
-        for key in float_keys(x):
-            step = self.server_learning_rate * (average[key] - x[key])
-            average[key] = (x[key] + step).astype(x[key].dtype)
-        return dict_to_record(average)
-
-    def on_num_clients_change(self, old: int, new: int) -> None:
+    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
         r"""Keep :math:`c` the mean over all N clients: new ones hold zero."""
-        self.control.rescale(old / new)
+        if state["control"] is None:
+            return state
+        return {**state, "control": rescaled(state["control"], old / new)}
 
-    def on_valid_replies(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> dict[str, Any]:
-        r"""Commit :math:`c \leftarrow c + \frac{1}{N}\sum_S\Delta c_i`."""
-        assert self.num_clients is not None
-        self.control.c = self.control.updated(replies, self.num_clients)
-        norm = float(np.sqrt(sum(float(np.sum(v**2)) for v in self.control.c.values())))
-        return {"control-norm": norm}
+    def server_update(
+        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+    ) -> RoundUpdate:
+        r"""Return :math:`x + \eta_g\,\mathrm{mean}_S(y_i - x)` and the new :math:`c`.
+
+        :math:`c^+ = c + \frac{1}{N}\sum_S\Delta c_i`.
+        """
+        assert self.num_clients is not None and self._global_arrays is not None
+        assert state["control"] is not None  # set when the round was configured
+        model = self.weighted_mean(replies)
+        if self.server_learning_rate != 1.0:  # else x + (mean y - x), exactly mean y
+            x = record_to_dict(self._global_arrays)
+            for key in float_keys(x):
+                step = self.server_learning_rate * (model[key] - x[key])
+                model[key] = (x[key] + step).astype(x[key].dtype)
+        deltas = [reply.arrays[CONTROL_DELTA_RECORD] for reply in replies]
+        control = control_update(state["control"], deltas, self.num_clients)
+        return RoundUpdate(
+            dict_to_record(model),
+            {"control": control},
+            {"control-norm": norm(control)},
+        )
 
     def central_dp_caveats(self) -> list[str]:
         """Add what the server keeps from un-noised aggregates."""
@@ -235,17 +199,6 @@ class Scaffold(ValidatedFedAvg):
                 "wrapper's epsilon does not cover it"
             ),
         ]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Add :math:`c` to the base's state."""
-        state = super().state_dict()
-        state["control"] = copy_arrays(self.control.c)
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :math:`c` and the base's state."""
-        super().load_state_dict(state)
-        self.control.c = copy_arrays(state["control"])
 
 
 class ScaffoldRule(ClientRule):
