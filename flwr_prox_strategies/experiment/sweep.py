@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .apps import write_app_dir
+from .appdir import make_client_app, write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
 from .results import RESULTS_FILE, pyplot
 
@@ -42,7 +42,7 @@ JOB_SUMMARY = "job.json"
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
 ENGINES = ("flwr", "inprocess")
 # Project names of this pack's Flower apps: the repository's, and the one
-# apps.write_app_dir writes for an installed pack.
+# appdir.write_app_dir writes for an installed pack.
 _APP_NAMES = ("flwr-prox-strategies", "flwr-prox-strategies-app")
 
 
@@ -76,7 +76,7 @@ def app_dir() -> Path:
     In order: ``$FLWR_PROX_APP_DIR``; the checkout this module lives in; the
     current folder when it is a checkout of the pack; else a folder written once
     per process whose ``pyproject.toml`` names the installed package's apps
-    (:func:`~.apps.write_app_dir`), so a pip-installed pack sweeps too.
+    (:func:`~.appdir.write_app_dir`), so a pip-installed pack sweeps too.
 
     Raises
     ------
@@ -161,14 +161,15 @@ def flwr_run(
 def run_inprocess(overrides: Sequence[str], output_dir: Path, num_clients: int) -> Path:
     """Run one experiment on an in-process grid with the app's ClientApp."""
     from ..core.inprocess import InProcessGrid
-    from .apps import client_app
     from .server import run_experiment
 
     run_config: dict[str, int | float | str | bool] = {
         RUN_OVERRIDES: shlex.join(overrides),
         RUN_OUTPUT_DIR: str(output_dir),
     }
-    grid = InProcessGrid(client_app, num_nodes=num_clients, run_config=run_config)
+    grid = InProcessGrid(
+        make_client_app(), num_nodes=num_clients, run_config=run_config
+    )
     run_experiment(grid, run_config)
     return output_dir / RESULTS_FILE
 

@@ -158,7 +158,7 @@ def test_wheel_with_no_extras_in_a_clean_venv(tmp_path: Path) -> None:
 def test_sweep_runs_the_installed_packs_own_app(tmp_path: Path) -> None:
     """Outside a checkout the sweep runs the Flower app the pack writes for itself:
     a folder holding only a pyproject.toml whose components are the package's."""
-    from flwr_prox_strategies.experiment.apps import write_app_dir
+    from flwr_prox_strategies.experiment.appdir import write_app_dir
 
     app = write_app_dir(tmp_path / "app")
     assert [p.name for p in app.iterdir()] == ["pyproject.toml"]

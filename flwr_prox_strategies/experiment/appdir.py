@@ -1,0 +1,122 @@
+"""The pack's Flower app described, not started: its parts, its run config, its folder.
+
+:mod:`.apps` is a Flower entry point (``flwr run`` imports it to get the
+ServerApp and the ClientApp) and nothing in the pack imports it
+(``[tool.importlinter]`` in ``pyproject.toml``). What the rest of the pack needs
+of the app lives here instead:
+
+* :func:`make_client_app`, the ClientApp, which :mod:`.apps` exposes and the
+  in-process engine of a sweep (``engine=inprocess``) runs;
+* :data:`APP_CONFIG`, the run-config keys the app declares;
+* :func:`write_app_dir`, a Flower app folder whose ``pyproject.toml`` names the
+  installed package's apps by their dotted names (:data:`SERVER_APP`,
+  :data:`CLIENT_APP`), for sweeps outside a checkout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.clientapp import ClientApp
+
+from .config import (
+    RUN_NUM_ROUNDS,
+    RUN_OUTPUT_DIR,
+    RUN_OUTPUT_ROOT,
+    RUN_OVERRIDES,
+    RUN_RESUME,
+    RUN_SEED,
+)
+
+#: The module ``flwr run`` imports for the pack's apps, and the components in it.
+APP_MODULE = "flwr_prox_strategies.experiment.apps"
+SERVER_APP = f"{APP_MODULE}:server_app"
+CLIENT_APP = f"{APP_MODULE}:client_app"
+
+#: The run-config keys (and defaults) the app declares, as in pyproject.toml.
+APP_CONFIG: dict[str, str | int] = {
+    RUN_OVERRIDES: "",
+    RUN_NUM_ROUNDS: 0,
+    RUN_SEED: -1,
+    RUN_OUTPUT_ROOT: "",
+    RUN_OUTPUT_DIR: "",
+    RUN_RESUME: "",
+}
+
+
+def make_client_app() -> ClientApp:
+    """Return the pack's ClientApp: the configured client on this node's partition.
+
+    Returns
+    -------
+    ClientApp
+        :func:`~.server.make_client` mounted by
+        :func:`~flwr_prox_strategies.to_client_app`, with the mod that clips a
+        client's update when a central-DP run asks for it.
+    """
+    # Imported here: writing an app folder needs neither torch nor the data code.
+    from ..core.adapter import to_client_app
+    from ..core.central import clip_when_asked
+    from .server import make_client
+
+    return to_client_app(make_client, mods=[clip_when_asked])
+
+
+def app_pyproject() -> str:
+    """Return the ``pyproject.toml`` of a Flower app made of the installed apps.
+
+    Returns
+    -------
+    str
+        A pyproject whose components are :data:`SERVER_APP` and
+        :data:`CLIENT_APP` and whose run config is :data:`APP_CONFIG`.
+    """
+    from .. import __version__
+
+    config = "\n".join(
+        f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
+        for key, value in APP_CONFIG.items()
+    )
+    return f"""\
+# Written by {__name__}: the pack's Flower app, whose code is the installed package.
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "flwr-prox-strategies-app"
+version = "{__version__}"
+description = "The Flower app of flwr-prox-strategies (installed package)"
+dependencies = ["flwr-prox-strategies[all]=={__version__}"]
+
+[tool.flwr.app]
+publisher = "flwr-prox-strategies"
+
+[tool.flwr.app.components]
+serverapp = "{SERVER_APP}"
+clientapp = "{CLIENT_APP}"
+
+[tool.flwr.app.config]
+{config}
+"""
+
+
+def write_app_dir(folder: Path) -> Path:
+    """Write a Flower app folder (only ``pyproject.toml``) running the installed apps.
+
+    ``flwr run <folder>`` then starts the installed pack's ServerApp and
+    ClientApp: what a sweep outside a checkout runs.
+
+    Parameters
+    ----------
+    folder : Path
+        Created if missing; its ``pyproject.toml`` is overwritten.
+
+    Returns
+    -------
+    Path
+        ``folder``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(app_pyproject())
+    return folder
