@@ -10,7 +10,17 @@ import pytest
 
 from flwr_prox_strategies import FedAvg, FedAvgClient, FedProx, PFedAvg, to_client_app
 from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.ops.mixing import consensus_rate
+from flwr_prox_strategies.ops.graphs import adjacency
+from flwr_prox_strategies.ops.mixing import (
+    check_mixing,
+    consensus_average,
+    consensus_distance,
+    consensus_model,
+    consensus_rate,
+    mix_models,
+    mixing_graph,
+    mixing_matrix,
+)
 
 from .lsq import LeastSquares
 
@@ -169,3 +179,103 @@ def test_merged_metrics_keep_maxima_minima_and_counts() -> None:
     assert merged["replies-valid"] == 5 and merged["num-examples"] == 40
     assert merged["loss"] == pytest.approx(1.75)
     assert merged["dp-epsilon-total-max"] == 3.0 and merged["accuracy-worst"] == 0.2
+
+
+# ------------------------------------------- the server-side mixing, by hand
+
+# A path 0 - 1 - 2 with dyadic weights, so every product below is exact.
+PATH_W = np.array([[0.75, 0.25, 0.0], [0.25, 0.5, 0.25], [0.0, 0.25, 0.75]])
+
+
+def path_models() -> list[dict[str, np.ndarray]]:
+    return [
+        {"w": np.array(w, dtype=np.float32), "steps": np.array([s])}
+        for w, s in (([4, 0], 1), ([0, 8], 2), ([8, 4], 3))
+    ]
+
+
+def test_mix_models_by_hand() -> None:
+    """x_0 = .75 (4, 0) + .25 (0, 8)            = (3, 2)
+    x_1 = .25 (4, 0) + .5 (0, 8) + .25 (8, 4) = (1 + 2, 4 + 1) = (3, 5)
+    x_2 =              .25 (0, 8) + .75 (8, 4) = (6, 2 + 3)     = (6, 5)
+    Server 0 never reads server 2 (W_02 = 0); integer arrays are each server's own.
+    """
+    check_mixing(PATH_W, adjacency("grid", 3, rows=1))
+    mixed = mix_models(PATH_W, path_models())
+    for got, want, steps in zip(
+        mixed, ([3, 2], [3, 5], [6, 5]), (1, 2, 3), strict=True
+    ):
+        assert got["w"].dtype == np.float32
+        np.testing.assert_array_equal(got["w"], want)
+        np.testing.assert_array_equal(got["steps"], [steps])
+
+
+def test_consensus_average_model_and_distance_by_hand() -> None:
+    """Mixed models (3, 2), (3, 5), (6, 5): mean (4, 4); squared distances to it
+    (1 + 4) + (1 + 1) + (4 + 1) = 12; before mixing, (4, 0), (0, 8), (8, 4) have the
+    same mean (4, 4) and distance (0 + 16) + (16 + 16) + (16 + 0) = 64."""
+    before = path_models()
+    after = mix_models(PATH_W, before)
+    for models, distance in ((before, 64.0), (after, 12.0)):
+        average = consensus_average(models)
+        assert list(average) == ["w"] and average["w"].dtype == np.float64
+        np.testing.assert_array_equal(average["w"], [4.0, 4.0])
+        assert consensus_distance(models) == consensus_distance(models, average)
+        assert consensus_distance(models) == distance
+    model = consensus_model(after)
+    assert model["w"].dtype == np.float32 and model["steps"] is after[0]["steps"]
+    np.testing.assert_array_equal(model["w"], [4.0, 4.0])
+
+
+MIXINGS_TO_CHECK = [
+    ("ring", {}, "metropolis"),
+    ("star", {}, "max-degree"),
+    ("torus", {}, "metropolis"),
+    ("random-regular", {"degree": 3}, "metropolis"),
+]
+
+
+@pytest.mark.parametrize(("kind", "params", "method"), MIXINGS_TO_CHECK)
+def test_consensus_is_a_fixed_point(kind, params, method) -> None:
+    weights = mixing_matrix(adjacency(kind, 8, **params), method)
+    rng = np.random.default_rng(0)
+    same = {"a": rng.normal(size=(3, 2)), "b": rng.normal(size=4).astype(np.float32)}
+    mixed = mix_models(weights, [same] * 8)
+    for model in mixed:
+        for key, value in same.items():
+            # Rows sum to one up to rounding: unchanged to a few ulps.
+            np.testing.assert_allclose(model[key], value, rtol=1e-6, atol=1e-12)
+    assert consensus_distance(mixed) < 1e-20
+
+
+@pytest.mark.parametrize(("kind", "params", "method"), MIXINGS_TO_CHECK)
+def test_the_mean_is_kept_and_the_disagreement_shrinks_by_rho_squared(
+    kind, params, method
+) -> None:
+    weights = mixing_matrix(adjacency(kind, 8, **params), method)
+    rng = np.random.default_rng(1)
+    models = [{"a": rng.normal(size=(3, 2)) + 5 * i} for i in range(8)]
+    mixed = mix_models(weights, models)
+    np.testing.assert_allclose(
+        consensus_average(mixed)["a"], consensus_average(models)["a"], atol=1e-12
+    )
+    rho = consensus_rate(weights)
+    assert consensus_distance(mixed) <= rho**2 * consensus_distance(models) + 1e-12
+
+
+def test_mixing_graph_is_the_support_off_the_diagonal() -> None:
+    np.testing.assert_array_equal(
+        mixing_graph(PATH_W), [[0, 1, 0], [1, 0, 1], [0, 1, 0]]
+    )
+
+
+def test_mix_models_rejects_what_would_broadcast() -> None:
+    models = path_models()
+    with pytest.raises(ValueError, match=r"mixing is \(2, 2\) for 3 models"):
+        mix_models(np.eye(2), models)
+    models[1]["w"] = np.zeros(1, dtype=np.float32)
+    with pytest.raises(ValueError, match="model 1 has 'w' of shape"):
+        mix_models(PATH_W, models)
+    del models[1]["w"]
+    with pytest.raises(ValueError, match="model 1 has 'w' missing"):
+        mix_models(PATH_W, models)

@@ -31,7 +31,7 @@ node id (reproducible only within a run: the log says so).
 A server whose group sent no valid reply keeps :math:`y_i = x_i`; a round in
 which no group has a valid reply keeps every model and mixes nothing (as if the
 round had not happened), and says why in one warning; a run in which no round
-mixed raises :class:`~flwr_prox_strategies.core.strategy.NoRoundAggregatedError`
+mixed raises :class:`~flwr_prox_strategies.core.outcome.NoRoundAggregatedError`
 at the end of :meth:`PFedAvg.start`, with the reasons of every server, counted.
 """
 
@@ -60,11 +60,21 @@ from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from ..core.grid import GroupGrid
-from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
-from ..core.strategy import ReplyTally, ValidatedFedAvg, finish_run
+from ..core.outcome import ReplyTally, finish_run
+from ..core.records import RecordSpec, dict_to_record, record_to_dict
+from ..core.strategy import ValidatedFedAvg
 from ..core.validation import reject_unknown_kwargs
 from ..ops.graphs import adjacency, from_adjacency
-from ..ops.mixing import check_mixing, consensus_rate, mixing_matrix
+from ..ops.mixing import (
+    check_mixing,
+    consensus_average,
+    consensus_distance,
+    consensus_model,
+    consensus_rate,
+    mix_models,
+    mixing_graph,
+    mixing_matrix,
+)
 from .fedavg import FedAvg
 
 SERVER_ID_KEY = "server-id"
@@ -139,8 +149,7 @@ class PFedAvg(Strategy):
         self.servers = servers
         if weights is not None:
             self.weights = np.asarray(weights, dtype=np.float64)
-            self.adjacency = (np.abs(self.weights) > 0).astype(int)
-            np.fill_diagonal(self.adjacency, 0)
+            self.adjacency = mixing_graph(self.weights)
             self.topology = "custom"
         else:
             if adjacency_matrix is not None:
@@ -456,14 +465,8 @@ class PFedAvg(Strategy):
             return None, metrics
         self.models = self.mix(updated)
         self.run_tally.aggregated += 1
-        average = self.consensus_average()
-        distance = float(
-            sum(
-                np.sum((model[k].astype(np.float64) - average[k]) ** 2)
-                for model in self.models
-                for k in float_keys(model)
-            )
-        )
+        average = consensus_average(self.models)
+        distance = consensus_distance(self.models, average)
         metrics["consensus-distance"] = distance
         metrics["servers-updated"] = fresh
         log(
@@ -474,39 +477,16 @@ class PFedAvg(Strategy):
             self.servers,
             distance,
         )
-        template = self.models[0]
-        return dict_to_record(
-            {
-                k: average[k].astype(template[k].dtype) if k in average else template[k]
-                for k in template
-            }
-        ), metrics
+        return dict_to_record(consensus_model(self.models, average)), metrics
 
     def mix(self, models: list[dict[str, NDArray]]) -> list[dict[str, NDArray]]:
-        r"""Return :math:`x_i = \sum_j W_{ij} y_j`, reading only neighbours' models."""
-        mixed = []
-        for i in range(self.servers):
-            neighbours = np.flatnonzero(self.weights[i])
-            out = {}
-            for key, value in models[i].items():
-                if key not in float_keys(models[i]):
-                    out[key] = value
-                    continue
-                acc = np.zeros(value.shape, dtype=np.float64)
-                for j in neighbours:
-                    acc += self.weights[i, j] * models[j][key]
-                out[key] = acc.astype(value.dtype)
-            mixed.append(out)
-        return mixed
+        r"""Return :math:`x_i = \sum_j W_{ij} y_j` (:func:`..ops.mixing.mix_models`)."""
+        return mix_models(self.weights, models)
 
     def consensus_average(self) -> dict[str, NDArray]:
         """Return the mean of the servers' models (float arrays, float64)."""
         assert self.models is not None
-        keys = float_keys(self.models[0])
-        return {
-            k: np.mean([m[k].astype(np.float64) for m in self.models], axis=0)
-            for k in keys
-        }
+        return consensus_average(self.models)
 
     def central_models(self) -> dict[str, ArrayRecord]:
         """Every server's model, for central evaluation beside the consensus."""

@@ -1,7 +1,9 @@
-r"""Mixing (gossip) matrices of P-FedAvg's servers: built on a graph, checked, rated.
+r"""Mixing (gossip) matrices of P-FedAvg's servers, and the mixing of their models.
 
-What it is for: choosing :math:`W` on a graph of :mod:`.graphs` and measuring
-how fast it mixes.
+What it is for: choosing :math:`W` on a graph of :mod:`.graphs`, measuring how
+fast it mixes, and applying it to the servers' models (:func:`mix_models`,
+:func:`consensus_average`, :func:`consensus_model`,
+:func:`consensus_distance`), on plain ``name -> ndarray`` dicts.
 
 After aggregating its clients into :math:`y_i`, server :math:`i` mixes with
 its neighbours,
@@ -42,6 +44,7 @@ sdp, sdp-signed
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -250,3 +253,166 @@ def optimal_mixing(
             stacklevel=2,
         )
     return mixing, rate
+
+
+# ------------------------------------------------------------- server models
+
+
+def mixing_graph(mixing: ArrayLike) -> NDArray[np.int_]:
+    """Return the graph a mixing matrix uses: its non-zeros off the diagonal.
+
+    Parameters
+    ----------
+    mixing : array_like, shape (M, M)
+        Mixing matrix :math:`W`.
+
+    Returns
+    -------
+    ndarray of int, shape (M, M)
+        0/1 adjacency, zero diagonal; symmetric when :math:`W` is. Not checked
+        for connectivity: :func:`check_mixing` with this graph does that.
+    """
+    graph = (np.abs(np.asarray(mixing, dtype=np.float64)) > 0).astype(int)
+    np.fill_diagonal(graph, 0)
+    return graph
+
+
+def _is_float(array: NDArray) -> bool:
+    # Only floating-point arrays are averaged; integer buffers (step counts,
+    # indices) would be corrupted by a weighted sum.
+    return bool(np.issubdtype(array.dtype, np.floating))
+
+
+def mix_models(
+    mixing: ArrayLike, models: Sequence[Mapping[str, NDArray]]
+) -> list[dict[str, NDArray]]:
+    r"""One mixing step over the servers' models, :math:`x_i = \sum_j W_{ij} y_j`.
+
+    Server :math:`i` reads only the models :math:`y_j` with
+    :math:`W_{ij} \ne 0` (itself and its neighbours), so the step could run
+    across machines. Floating-point arrays are summed in float64, in the order
+    of :math:`j`, and cast back to server :math:`i`'s dtype; any other array
+    is server :math:`i`'s own, unmixed.
+
+    Parameters
+    ----------
+    mixing : array_like, shape (M, M)
+        Mixing matrix :math:`W` (see :func:`check_mixing`; not checked here).
+    models : sequence of mapping of str to ndarray, length M
+        :math:`y_1, \dots, y_M`, with the same keys and shapes.
+
+    Returns
+    -------
+    list of dict of str to ndarray, length M
+        :math:`x_1, \dots, x_M`, new arrays for the mixed keys.
+
+    Raises
+    ------
+    ValueError
+        ``mixing`` is not M x M, or a neighbour's model lacks a key or has
+        another shape (a sum would otherwise broadcast silently).
+    """
+    weights = np.asarray(mixing, dtype=np.float64)
+    if weights.shape != (len(models), len(models)):
+        raise ValueError(
+            f"mixing is {weights.shape} for {len(models)} models, expected "
+            f"({len(models)}, {len(models)})"
+        )
+    mixed = []
+    for i, own in enumerate(models):
+        neighbours = np.flatnonzero(weights[i])
+        out = {}
+        for key, value in own.items():
+            if not _is_float(value):
+                out[key] = value
+                continue
+            acc = np.zeros(value.shape, dtype=np.float64)
+            for j in neighbours:
+                other = models[int(j)].get(key)
+                if other is None or other.shape != value.shape:
+                    raise ValueError(
+                        f"model {j} has {key!r} "
+                        f"{'missing' if other is None else f'of shape {other.shape}'}"
+                        f", model {i} has shape {value.shape}"
+                    )
+                acc += weights[i, j] * other
+            out[key] = acc.astype(value.dtype)
+        mixed.append(out)
+    return mixed
+
+
+def consensus_average(
+    models: Sequence[Mapping[str, NDArray]],
+) -> dict[str, NDArray[np.float64]]:
+    r"""Return the servers' mean :math:`\bar x = \frac1M \sum_i x_i`, in float64.
+
+    Parameters
+    ----------
+    models : sequence of mapping of str to ndarray, length M >= 1
+        :math:`x_1, \dots, x_M`, with the same keys and shapes.
+
+    Returns
+    -------
+    dict of str to ndarray of float64
+        One mean per floating-point array of the first model.
+    """
+    if not models:
+        raise ValueError("consensus_average needs at least one model")
+    keys = [k for k, v in models[0].items() if _is_float(v)]
+    return {k: np.mean([m[k].astype(np.float64) for m in models], axis=0) for k in keys}
+
+
+def consensus_model(
+    models: Sequence[Mapping[str, NDArray]],
+    average: Mapping[str, NDArray] | None = None,
+) -> dict[str, NDArray]:
+    """Return the servers' mean as a model, with the first model's keys and dtypes.
+
+    Parameters
+    ----------
+    models : sequence of mapping of str to ndarray, length M >= 1
+        The servers' models.
+    average : mapping of str to ndarray, optional
+        Their :func:`consensus_average`, if already computed.
+
+    Returns
+    -------
+    dict of str to ndarray
+        Floating-point arrays: the mean, cast to the first model's dtype;
+        other arrays: the first model's.
+    """
+    average = consensus_average(models) if average is None else average
+    template = models[0]
+    return {
+        k: average[k].astype(template[k].dtype) if k in average else template[k]
+        for k in template
+    }
+
+
+def consensus_distance(
+    models: Sequence[Mapping[str, NDArray]],
+    average: Mapping[str, NDArray] | None = None,
+) -> float:
+    r"""Return the servers' disagreement, :math:`\sum_i \lVert x_i - \bar x \rVert^2`.
+
+    Parameters
+    ----------
+    models : sequence of mapping of str to ndarray, length M >= 1
+        The servers' models; their floating-point arrays count.
+    average : mapping of str to ndarray, optional
+        Their :func:`consensus_average`, if already computed.
+
+    Returns
+    -------
+    float
+        0 exactly when every server holds the same model.
+    """
+    average = consensus_average(models) if average is None else average
+    return float(
+        sum(
+            np.sum((model[k].astype(np.float64) - average[k]) ** 2)
+            for model in models
+            for k, v in model.items()
+            if _is_float(v)
+        )
+    )
