@@ -402,8 +402,7 @@ class ValidatedFedAvg(FedAvg):
         self.screen = ReplyScreen()
         # Set during the float64 retry of the average (_average_finite).
         self._accumulate_in: type[np.floating] | None = None
-        # Diagnostics, not algorithm state: never part of state_dict().
-        self.last_round_report: dict[str, Any] = {}
+        # The missing-rule warning is given once per run.
         self._rule_warned = False
         # Set by configure_train, read by aggregate_train.
         self._global_arrays: ArrayRecord | None = None
@@ -1074,7 +1073,6 @@ class ValidatedFedAvg(FedAvg):
         }
         # Privacy spent is spent, even in a round whose model is not kept.
         counts.update(record_privacy(self.epsilon_totals, valid, self.retired_nodes))
-        self.last_round_report = dict(counts)
         if keep is not None or arrays is None:
             self.run_tally.kept[keep or "no model"] += 1
             self.num_clients = k_before  # as if the round's replies never came
@@ -1104,7 +1102,6 @@ class ValidatedFedAvg(FedAvg):
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
         for key, value in {**counts, **extra}.items():
             metrics[key] = value
-        self.last_round_report.update(extra)
         return arrays, metrics
 
     def screen_replies(
