@@ -82,18 +82,16 @@ Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from logging import INFO
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
-from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
 from ..core.client import TorchClient
+from ..core.fields import RoundUpdate
 from ..core.keys import CLIENT_KEY_METRIC
 from ..core.privacy import (
     DELTA_METRIC,
@@ -101,7 +99,7 @@ from ..core.privacy import (
     EPSILON_TOTAL_METRIC,
     spend_epsilon,
 )
-from ..core.records import copy_arrays, dict_to_record, float_keys, record_to_dict
+from ..core.records import dict_to_record, float_keys, record_to_dict
 from ..core.rule import ClientRule
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import TrainReport, evaluate_model, full_gradient, trainable
@@ -290,6 +288,10 @@ class FedEPM(ValidatedFedAvg):
     linear_aggregate = False
     rule_metric = FEDEPM_APPLIED_KEY
     rule_name = "FedEPM's local proximal iterations and noisy upload"
+    state_fields = ("uploads", "slots")
+    # The iteration counter sent to clients is (round - 1) * k0.
+    resume_settings = ("k0",)
+    settings = ("num_clients", "rho", "k0", "eta", "lam", "r0", "growth", "noise")
 
     def __init__(
         self,
@@ -349,7 +351,6 @@ class FedEPM(ValidatedFedAvg):
         self.noise = float(noise)
         self.uploads: dict[str, NDArray] | None = None  # key -> (m, *shape)
         self.slots: dict[int, int] = {}  # client key -> row of self.uploads
-        self._next: tuple[dict[str, NDArray], dict[int, int]] | None = None
 
     def learn_num_clients(self, num_clients: int) -> None:
         """Set m, and what follows from it: the sample size, eta and lambda."""
@@ -361,23 +362,6 @@ class FedEPM(ValidatedFedAvg):
         lam = self._lam_given
         self.lam = float(self.eta / 2 if lam is None else lam)
         check_non_negative("lam", self.lam)
-
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return (
-            f"FedEPM(num_clients={self.num_clients}, rho={self.rho}, k0={self.k0}, "
-            f"eta={self.eta:.3g}, lam={self.lam:.3g}, noise={self.noise})"
-        )
-
-    def summary(self) -> None:
-        """Log the FedEPM settings, then the base's."""
-        log(INFO, "\t├──> FedEPM settings:")
-        log(INFO, "\t│\t├── m=%s, rho=%s, k0=%d", self.num_clients, self.rho, self.k0)
-        log(INFO, "\t│\t├── eta=%.4g, lambda=%.4g, r0=%s", self.eta, self.lam, self.r0)
-        if self.num_clients is None:
-            log(INFO, "\t│\t├── m, eta, lambda: set from the nodes at round 1")
-        log(INFO, "\t│\t└── noise (epsilon per upload): %s", self.noise or "off")
-        super().summary()
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send the penalties, the iteration counter and the noise level."""
@@ -409,61 +393,42 @@ class FedEPM(ValidatedFedAvg):
                 f"num_clients={self.num_clients}",
             )
 
-    def aggregate_arrays(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> ArrayRecord:
-        """Replace the repliers' uploads, then take the elastic-net centre."""
-        assert self.uploads is not None and self._global_arrays is not None
-        slots = dict(self.slots)
+    def server_update(
+        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+    ) -> RoundUpdate:
+        """Replace the repliers' uploads, then take the elastic-net centre.
+
+        A client new to the table takes the next free slot. The new table and
+        slots are the round's state; the clients' mean objective at the sent
+        model (when they report it) is its metric.
+        """
+        assert state["uploads"] is not None and self._global_arrays is not None
+        slots = dict(state["slots"])
         rows = []
         for reply in replies:
             key = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
             rows.append(slots.setdefault(key, len(slots)))
         uploads = {}
-        for name, table in self.uploads.items():
+        for name, table in state["uploads"].items():
             table = table.copy()
             for row, reply in zip(rows, replies, strict=True):
                 table[row] = reply.arrays[self.arrayrecord_key][name]
             uploads[name] = table
-        self._next = (uploads, slots)
         model = record_to_dict(self._global_arrays)
         for name, table in uploads.items():
             model[name] = elastic_net_center(table, self.lam, self.eta).astype(
                 model[name].dtype
             )
-        return dict_to_record(model)
-
-    def on_valid_replies(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> dict[str, Any]:
-        """Commit the new uploads; report the clients' objective at the sent model."""
-        assert self._next is not None
-        self.uploads, self.slots = self._next
         values = [
             float(v)
             for r in replies
             if isinstance(v := r.metrics.get("fedepm-objective"), (int, float))
         ]
-        return {"fedepm-objective-mean": float(np.mean(values))} if values else {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Add the upload table and its slots to the base's state."""
-        state = super().state_dict()
-        state["uploads"] = copy_arrays(self.uploads)
-        state["slots"] = dict(self.slots)
-        state["k0"] = self.k0
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the upload table and the base's state."""
-        if state.get("k0") != self.k0:
-            raise ValueError(
-                f"checkpoint was made with k0={state.get('k0')!r}, the strategy has "
-                f"{self.k0}: the iteration counter would not continue"
-            )
-        super().load_state_dict(state)
-        self.uploads = copy_arrays(state["uploads"])
-        self.slots = {int(k): int(v) for k, v in state["slots"].items()}
+        return RoundUpdate(
+            dict_to_record(model),
+            {"uploads": uploads, "slots": slots},
+            {"fedepm-objective-mean": float(np.mean(values))} if values else {},
+        )
 
 
 class FedEPMRule(ClientRule):
