@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from logging import INFO
 from typing import Any
-
-from flwr.common.logger import log
 
 from ..core.client import TorchClient
 from ..core.rule import ClientRule
@@ -91,6 +88,7 @@ class FedProx(ValidatedFedAvg):
     straggler_policy = "keep-partial"
     rule_metric = PROXIMAL_MU_APPLIED_KEY
     rule_name = "FedProx's proximal term"
+    settings = ("mu", "weighting", "seed")
 
     def __init__(
         self,
@@ -105,16 +103,6 @@ class FedProx(ValidatedFedAvg):
         check_non_negative("mu", mu)
         super().__init__(**kwargs)
         self.mu = float(mu)
-
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return f"FedProx(mu={self.mu}, weighting={self.weighting!r}, seed={self.seed})"
-
-    def summary(self) -> None:
-        """Log the FedProx settings, then the base's."""
-        log(INFO, "\t├──> FedProx settings:")
-        log(INFO, "\t│\t└── Proximal mu: %s (squared penalty)", self.mu)
-        super().summary()
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send ``proximal-mu`` every round."""

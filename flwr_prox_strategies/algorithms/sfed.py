@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from logging import INFO
 from typing import Any
 
 import torch
-from flwr.common.logger import log
 
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import TrainReport
@@ -105,6 +103,7 @@ class SFedAvg(ValidatedFedAvg):
     rule_metric = SFEDAVG_APPLIED_KEY
     rule_pieces = ("SFedAvgClient", "SFedRule")
     rule_name = "SFedAvg's full-gradient local steps and noisy upload"
+    settings = ("num_clients", "rho", "k0", "inner_steps", "mu", "noise")
 
     def __init__(
         self,
@@ -150,23 +149,10 @@ class SFedAvg(ValidatedFedAvg):
         self.growth = float(growth)
         self.mu = self.default_mu
 
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return (
-            f"{type(self).__name__}(num_clients={self.num_clients}, rho={self.rho}, "
-            f"k0={self.k0}, inner_steps={self.inner_steps}, mu={self.mu}, "
-            f"noise={self.noise})"
-        )
-
     def learn_num_clients(self, num_clients: int) -> None:
         """Set m and the sample size it gives, ceil(rho * m)."""
         super().learn_num_clients(num_clients)
         self.min_train_nodes = math.ceil(self.rho * num_clients)
-
-    def summary(self) -> None:
-        """Log the settings, then the base's."""
-        log(INFO, "\t├──> %r", self)
-        super().summary()
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send the iteration counter, the inner loop and the noise level."""
