@@ -1,11 +1,18 @@
 """flwr-prox-strategies: the proximal family of federated optimisation for Flower.
 
 The public API: strategies (server side), their clients (a ``NumPyClient`` each,
-taking your ``torch.nn.Module`` and data loaders), and the adapter that mounts a
-``NumPyClient`` on a Message-API ``ClientApp``.
+taking your ``torch.nn.Module`` and data loaders) and client rules (the same
+client side, for your own training loop), the adapter that mounts a
+``NumPyClient`` on a Message-API ``ClientApp``, and the privacy pieces.
 
 >>> from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
+
+Writing a new algorithm? The base classes and hooks are in
+:mod:`flwr_prox_strategies.extend`.
 """
+
+import warnings
+from typing import Any
 
 from .algorithms.apfl import APFL, APFLClient, APFLRule
 from .algorithms.fedavg import FedAvg, FedAvgClient
@@ -24,11 +31,9 @@ from .algorithms.sfed import (
 )
 from .core.adapter import to_client_app
 from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
-from .core.client import TorchClient
 from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.privacy import LaplaceUploadMod
 from .core.rule import ClientRule, ProtocolError
-from .core.strategy import ValidatedFedAvg
 
 __all__ = [
     "APFL",
@@ -65,10 +70,27 @@ __all__ = [
     "ScaffoldClient",
     "ScaffoldRule",
     "ServerSideFixedClipping",
-    "TorchClient",
-    "ValidatedFedAvg",
     "make_private_model",
     "to_client_app",
 ]
 
 __version__ = "0.1.0"
+
+# Contributors' names that moved to .extend: still found here, with a warning.
+_MOVED_TO_EXTEND = ("TorchClient", "ValidatedFedAvg")
+
+
+def __getattr__(name: str) -> Any:
+    """Return a name moved to :mod:`.extend`, with a ``FutureWarning``."""
+    if name in _MOVED_TO_EXTEND:
+        warnings.warn(
+            f"flwr_prox_strategies.{name} is flwr_prox_strategies.extend.{name} "
+            "now (the namespace for writing algorithms); the top-level name will "
+            "be removed",
+            FutureWarning,
+            stacklevel=2,
+        )
+        from . import extend
+
+        return getattr(extend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,7 @@ client, a strategy missing from the bad-reply contract suite) fails here.
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,11 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 import flwr_prox_strategies as pack
-from flwr_prox_strategies import ProtocolError
+from flwr_prox_strategies import FedAvgClient, ProtocolError, extend
 from flwr_prox_strategies.algorithms import ALGORITHMS
 from flwr_prox_strategies.core.rule import ClientRule
 
+from .lsq import LeastSquares
 from .test_contract import STRATEGIES as CONTRACT_CASES
 from .test_rules import context, train_message
 
@@ -80,6 +82,84 @@ def test_the_package_exports_exactly_the_tables_pieces() -> None:
         and obj.__module__.startswith("flwr_prox_strategies.algorithms")
     }
     assert strategies == {entry.strategy for entry in ALGORITHMS.values()}
+
+
+#: What a user of the algorithms imports; contributors' names are in .extend.
+USER_API = {
+    *(f"{name}{part}" for name in ("FedAvg", "FedProx", "FedDyn", "FedDC")
+      for part in ("", "Client")),
+    "FedProxRule", "FedDynRule", "FedDCRule", "Scaffold", "ScaffoldClient",
+    "ScaffoldRule", "APFL", "APFLClient", "APFLRule", "FedEPM", "FedEPMClient",
+    "FedEPMRule", "SFedAvg", "SFedAvgClient", "SFedProx", "SFedProxClient",
+    "SFedRule", "PFedAvg", "ClientRule",  # FedAvg's rule
+    "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError",
+    "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod",
+    "ClientSideFixedClipping", "ServerSideFixedClipping",
+}  # fmt: skip
+
+EXTEND_API = {
+    "ValidatedFedAvg": "flwr_prox_strategies.core.strategy",
+    "RoundUpdate": "flwr_prox_strategies.core.fields",
+    "ClientRule": "flwr_prox_strategies.core.rule",
+    "TorchClient": "flwr_prox_strategies.core.client",
+    "GradientTerm": "flwr_prox_strategies.core.training",
+    "ValidReply": "flwr_prox_strategies.core.validation",
+    "ReplyRejected": "flwr_prox_strategies.core.validation",
+    "RecordSpec": "flwr_prox_strategies.core.records",
+    "record_to_dict": "flwr_prox_strategies.core.records",
+    "dict_to_record": "flwr_prox_strategies.core.records",
+    "ALGORITHMS": "flwr_prox_strategies.algorithms",
+    "Algorithm": "flwr_prox_strategies.algorithms",
+    **{
+        f"check_{kind}": "flwr_prox_strategies.ops.checks"
+        for kind in ("int", "positive", "non_negative", "fraction", "choice")
+    },
+}
+
+
+def test_the_top_level_is_the_users_api_exactly() -> None:
+    assert set(pack.__all__) == USER_API
+    assert len(pack.__all__) == len(USER_API)
+    assert all(hasattr(pack, name) for name in pack.__all__)
+
+
+def test_extend_holds_the_extension_points_from_their_homes() -> None:
+    import importlib
+
+    assert set(extend.__all__) == set(EXTEND_API)
+    for name, home in EXTEND_API.items():
+        assert getattr(extend, name) is getattr(importlib.import_module(home), name)
+        assert name in (extend.__doc__ or ""), f"extend's guide does not name {name}"
+
+
+@pytest.mark.parametrize("name", ["ValidatedFedAvg", "TorchClient"])
+def test_a_moved_name_still_imports_from_the_top_with_a_warning(name: str) -> None:
+    with pytest.warns(FutureWarning, match=f"flwr_prox_strategies.extend.{name}"):
+        assert getattr(pack, name) is getattr(extend, name)
+    with pytest.raises(AttributeError):
+        _ = pack.NoSuchName  # type: ignore[attr-defined]
+
+
+def test_the_extend_guide_s_example_runs_and_resumes() -> None:
+    """The strategy written in extend's docstring trains, and its declared state
+    goes through state_dict/load_state_dict."""
+    (code,) = re.findall(r"::\n\n((?:    .*\n|\n)+)", extend.__doc__ or "")
+    namespace: dict = {}
+    exec(compile(inspect.cleandoc(code), "extend-example", "exec"), namespace)
+    strategy = namespace["SmoothedMedian"](beta=0.5, min_available_nodes=4)
+    lsq = LeastSquares(num_clients=4)
+    theta = lsq.run(strategy, FedAvgClient, rounds=3, learning_rate=0.1)
+    assert np.all(np.isfinite(theta)) and strategy.smoothed is not None
+    state = strategy.state_dict()
+    assert "smoothed" in state and state["beta"] == 0.5
+    fresh = namespace["SmoothedMedian"](beta=0.5)
+    fresh.load_state_dict(state)
+    np.testing.assert_array_equal(
+        next(iter(fresh.smoothed.values())), next(iter(strategy.smoothed.values()))
+    )
+    with pytest.raises(ValueError, match="beta"):
+        namespace["SmoothedMedian"](beta=0.9).load_state_dict(state)
+    assert "beta=0.5" in repr(strategy)
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

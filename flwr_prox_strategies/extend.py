@@ -1,0 +1,174 @@
+r"""What you need to write a new algorithm: the extension points of the pack.
+
+``flwr_prox_strategies`` holds what a *user* of the algorithms imports (the
+strategies, their clients and rules, the adapter, the privacy pieces). This
+namespace holds what a *contributor* subclasses and calls; ``core``, where most
+of it lives, is internal and may move. Read one algorithm module alongside
+(``algorithms/feddyn.py`` uses every hook below).
+
+The server side: subclass :class:`ValidatedFedAvg`
+-------------------------------------------------
+Replies reach your code validated (shapes, dtypes, finite values, a positive
+``num-examples``; a bad one is logged with its node and dropped), sampling is
+seeded, a round without a valid reply keeps the model. Override only the hooks
+you need, and extend the base's (``super()``) where it does work:
+
+``train_config(server_round) -> dict``
+    Values added to every sampled node's train ``ConfigRecord`` this round,
+    under kebab-case keys defined beside the algorithm (``feddyn-alpha``).
+``train_records(server_round)``, ``node_train_records(node_id, server_round)``
+    Extra ``ArrayRecord``\ s (name -> record) sent with the model: to every
+    sampled node, or to one. ``node_train_config(node_id, server_round)`` is the
+    per-node config; with ``stateful_clients`` the base's carries the two-phase
+    commit, so return ``{**super().node_train_config(...), ...}``.
+``expected_train_arrays(server_round) -> dict[str, RecordSpec]``
+    The ``ArrayRecord``\ s a train reply must carry, name -> :data:`RecordSpec`.
+    Start from ``super()``'s (the model) and add yours: a reply missing one, or
+    with another key, shape or dtype, is rejected before your code sees it.
+``check_reply(reply: ValidReply)``
+    Further checks on a structurally valid reply: raise
+    ``ReplyRejected(kind, reason)`` to drop it (logged, counted by ``kind``).
+    Call ``super().check_reply(reply)`` first.
+``server_update(server_round, state, replies) -> RoundUpdate``
+    The server rule. ``state`` holds the current values of ``state_fields``
+    (do not mutate it); ``replies`` are the round's :class:`ValidReply`\ s
+    (``reply.arrays[record][key]``: read-only arrays; ``reply.num_examples``;
+    ``reply.metrics``). Return the new model, the new state values (committed
+    only if the round is aggregated) and extra metrics. It may run twice in a
+    round (a reply found non-finite is dropped and the rule re-run): depend on
+    the arguments only. Default: ``self.weighted_mean(replies)``.
+``grown_state(state, old, new) -> dict``
+    ``state`` adjusted to the number of all clients K growing ``old`` -> ``new``
+    (a new client holds zero state: sums need nothing, a mean over K is
+    rescaled). Called before :meth:`server_update` in a round where K grows.
+
+Class attributes declare the rest:
+
+``state_fields``
+    Attribute names of the algorithm's server state: saved by ``state_dict()``
+    (kebab-case keys), restored by ``load_state_dict()``, passed to
+    ``server_update`` and replaced by what it returns. No hand-written
+    ``state_dict``, ``__repr__`` or ``summary``.
+``resume_settings``
+    Constructor settings a checkpoint must have been made with (compared on
+    restore, so a run never resumes under another ``alpha``).
+``settings``
+    The settings ``repr()`` and the run's summary show.
+``rule_metric``
+    The metric (value 1) a client reports when it applied the algorithm's
+    client rule (its rule's ``applied_metric``); replies without it are named
+    in one warning per run, or rejected with ``strict=True``. None: any client.
+``stateful_clients``
+    Clients keep state the server sums over: the base runs the two-phase
+    commit (a client commits its pending state once told its reply was
+    aggregated) and rejects replies without an integer client key.
+``requires_num_clients``
+    The rule divides by K, the number of all clients: ``num_clients=None``
+    means "learn K from the grid at the first round" (then checked).
+
+Constructors are keyword-only and check their arguments with
+:func:`check_int`, :func:`check_positive`, :func:`check_non_negative`,
+:func:`check_fraction` and :func:`check_choice` (a ``ValueError`` naming the
+parameter); they pass the rest to ``super().__init__(**kwargs)``, and an
+unknown keyword is a ``TypeError`` naming the closest accepted one
+(``ValidatedFedAvg.accepted_kwargs()``). Models move as dicts of arrays:
+:func:`record_to_dict` and :func:`dict_to_record`.
+
+A coordinate-wise median, smoothed over rounds::
+
+    import numpy as np
+
+    from flwr_prox_strategies.extend import (
+        RoundUpdate,
+        ValidatedFedAvg,
+        check_fraction,
+        dict_to_record,
+    )
+
+
+    class SmoothedMedian(ValidatedFedAvg):
+        linear_aggregate = False  # a median can hide an inf: check replies first
+        state_fields = ("smoothed",)
+        resume_settings = ("beta",)
+        settings = ("beta", "seed")
+
+        def __init__(self, *, beta: float = 0.5, **kwargs):
+            check_fraction("beta", beta)
+            super().__init__(**kwargs)
+            self.beta = float(beta)
+            self.smoothed = None
+
+        def server_update(self, server_round, state, replies):
+            models = [reply.arrays[self.arrayrecord_key] for reply in replies]
+            median = {
+                key: np.median([m[key] for m in models], axis=0)
+                for key in models[0]
+            }
+            old = state["smoothed"] or median
+            new = {
+                key: (self.beta * old[key] + (1 - self.beta) * median[key]).astype(
+                    models[0][key].dtype
+                )
+                for key in median
+            }
+            return RoundUpdate(dict_to_record(new), {"smoothed": new})
+
+The client side: a :class:`ClientRule` and a :class:`TorchClient`
+-----------------------------------------------------------------
+A :class:`ClientRule` subclass is the algorithm's client half, usable in any
+training loop: ``protocol`` (the strategy's name, for errors),
+``applied_metric`` (the strategy's ``rule_metric``), ``stateful`` and
+``state_names`` (its records in ``context.state``); ``setup()`` reads this
+round's values (``self.required(key)``, ``self.received_params(name)``,
+``self.state``) and returns a :class:`GradientTerm` (an object whose
+``add_(params)`` adds its gradient to each ``p.grad`` in place) or None;
+``finish(steps, lr)`` advances the state and returns the extra reply records
+and metrics. A :class:`TorchClient` subclass runs it in the pack's training
+loop: set ``protocol`` and ``rule_class`` (and ``rule_options(config)`` for
+the rule's own keywords).
+
+Registering it
+--------------
+One line in :data:`ALGORITHMS` (an :class:`Algorithm` of strategy, client and
+rule), ``conf/strategy/<name>.yaml``, the exports of ``flwr_prox_strategies``,
+a case in ``tests/test_contract.py`` and a README row: ``tests/test_algorithms.py``
+fails until they agree (the README's Development section lists the five places).
+"""
+
+from __future__ import annotations
+
+from .algorithms import ALGORITHMS, Algorithm
+from .core.client import TorchClient
+from .core.fields import RoundUpdate
+from .core.records import RecordSpec, dict_to_record, record_to_dict
+from .core.rule import ClientRule
+from .core.strategy import ValidatedFedAvg
+from .core.training import GradientTerm
+from .core.validation import ReplyRejected, ValidReply
+from .ops.checks import (
+    check_choice,
+    check_fraction,
+    check_int,
+    check_non_negative,
+    check_positive,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "ClientRule",
+    "GradientTerm",
+    "RecordSpec",
+    "ReplyRejected",
+    "RoundUpdate",
+    "TorchClient",
+    "ValidReply",
+    "ValidatedFedAvg",
+    "check_choice",
+    "check_fraction",
+    "check_int",
+    "check_non_negative",
+    "check_positive",
+    "dict_to_record",
+    "record_to_dict",
+]
