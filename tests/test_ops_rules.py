@@ -13,8 +13,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import ConfigRecord
 
+from flwr_prox_strategies.ops.apfl import (
+    add_weighted,
+    alpha_gradient,
+    alpha_update,
+    averaging_weight,
+    averaging_weight_sum,
+    caught_up,
+    decay_rate,
+    mix,
+    mixture,
+    normalised,
+    personal_gradient,
+)
 from flwr_prox_strategies.ops.control import control_update, rescaled, zeros_like
 from flwr_prox_strategies.ops.drift import drift_corrected, drift_sum, norm, summed
 
@@ -149,6 +163,115 @@ def test_rescaled_multiplies_the_floating_arrays_only() -> None:
         new, {"w": f32(0.25, -0.5), "count": np.array([3], dtype=np.int64)}
     )
     assert_identical(C["w"], f32(0.5, -1.0))
+
+
+# ----------------------------------------------------------------- ops.apfl
+def t(*values: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def assert_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want), (got, want)
+
+
+def test_averaging_weights_are_the_squares_of_t_plus_a() -> None:
+    # p_2 = (2 + 1.5)^2 = 12.25;  p_2 + p_3 at a = 1: 3^2 + 4^2 = 25
+    assert averaging_weight(2, 1.5) == 12.25
+    assert averaging_weight_sum(2, 3, 1.0) == 25.0
+    assert averaging_weight_sum(1, 1, 1.0) == averaging_weight(1, 1.0) == 4.0
+    assert averaging_weight_sum(3, 2, 1.0) == 0.0  # no step
+    with pytest.raises(ValueError, match="from 1"):
+        averaging_weight_sum(0, 2, 1.0)
+
+
+def test_decay_rate_is_16_over_mu_t_plus_a() -> None:
+    # 16 / (4 * (2 + 2)) = 1
+    assert decay_rate(2, 4.0, 2.0) == 1.0
+
+
+def test_mix_of_numbers_tensors_and_a_learned_alpha() -> None:
+    # 0.25 * 4 + 0.75 * 8 = 7;  0.25 * 0 + 0.75 * (-4) = -3
+    assert mix(0.25, 4.0, 8.0) == 7.0
+    assert_tensor(mix(0.25, t(4.0, 0.0), t(8.0, -4.0)), t(7.0, -3.0))
+    # d/dalpha of alpha * 4 + (1 - alpha) * 8 is 4 - 8 = -4 (output mixing's alpha)
+    alpha = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
+    mix(
+        alpha, t(4.0, dtype=torch.float64), t(8.0, dtype=torch.float64)
+    ).sum().backward()
+    assert alpha.grad is not None and float(alpha.grad) == -4.0
+
+
+def test_mixture_mixes_parameter_by_parameter() -> None:
+    # 0.5 * [2, 4] + 0.5 * [0, 2] = [1, 3];  0.5 * [[6]] + 0.5 * [[-2]] = [[2]]
+    omega = [t(2.0, 4.0), torch.tensor([[6.0]])]
+    theta = [t(0.0, 2.0), torch.tensor([[-2.0]])]
+    point = mixture(0.5, omega, theta)
+    assert_tensor(point[0], t(1.0, 3.0))
+    assert_tensor(point[1], torch.tensor([[2.0]]))
+    assert_tensor(omega[0], t(2.0, 4.0))
+
+
+def test_personal_gradient_mixture_or_chain_rule() -> None:
+    # mixture: grad f at the mixture itself; chain: alpha times it, 0.25 * [2, -4]
+    grads = [t(2.0, -4.0)]
+    assert_tensor(personal_gradient(grads, 0.25, "mixture")[0], t(2.0, -4.0))
+    assert_tensor(personal_gradient(grads, 0.25, "chain")[0], t(0.5, -1.0))
+    assert_tensor(grads[0], t(2.0, -4.0))
+    with pytest.raises(ValueError, match="mixture or chain"):
+        personal_gradient(grads, 0.25, "outputs")
+
+
+def test_personal_gradient_is_the_gradient_in_omega_of_the_mixed_loss() -> None:
+    # f(x) = 1/2 ||x - y||^2 at x = alpha w + (1 - alpha) th, alpha = 0.5:
+    # x = 0.5 [3, 1] + 0.5 [1, 1] = [2, 1], grad f(x) = x - y = [2, 1] - [0, 3] = [2, -2];
+    # d f / d w = alpha * grad f = [1, -1] (chain); d f / d alpha = <w - th, grad f>
+    # = [2, 0] . [2, -2] = 4.
+    w, th, y = t(3.0, 1.0), t(1.0, 1.0), t(0.0, 3.0)
+    x = mixture(0.5, [w], [th])[0].requires_grad_()
+    (grad_x,) = torch.autograd.grad(0.5 * ((x - y) ** 2).sum(), [x])
+    assert_tensor(grad_x, t(2.0, -2.0))
+    assert_tensor(personal_gradient([grad_x], 0.5, "chain")[0], t(1.0, -1.0))
+    assert alpha_gradient([w], [th], [grad_x]) == 4.0
+
+
+def test_alpha_gradient_sums_over_parameters() -> None:
+    # <[3, 1] - [1, 1], [0.5, 7]> = 2 * 0.5 + 0 * 7 = 1;  <[[1]] - [[-1]], [[2]]> = 4
+    omega = [t(3.0, 1.0), torch.tensor([[1.0]])]
+    theta = [t(1.0, 1.0), torch.tensor([[-1.0]])]
+    grads = [t(0.5, 7.0), torch.tensor([[2.0]])]
+    assert alpha_gradient(omega, theta, grads) == 5.0
+
+
+def test_alpha_update_steps_and_clips_to_the_unit_interval() -> None:
+    # 0.5 - 0.1 * 2 = 0.3;  0.05 - 0.2 < 0 -> 0;  0.95 + 0.2 > 1 -> 1
+    assert alpha_update(0.5, 0.1, 2.0) == pytest.approx(0.3, abs=1e-15)
+    assert alpha_update(0.05, 0.1, 2.0) == 0.0
+    assert alpha_update(0.95, 0.1, -2.0) == 1.0
+
+
+def test_normalised_divides_the_weighted_sums_into_the_models_dtype() -> None:
+    # [10, 20] / 4 = [2.5, 5], float64 sums back to the float32 parameters
+    sums = [t(10.0, 20.0, dtype=torch.float64)]
+    out = normalised(sums, 4.0, [t(0.0, 0.0)])
+    assert_tensor(out[0], t(2.5, 5.0))
+
+
+def test_caught_up_adds_the_idle_steps_with_the_unchanged_omega() -> None:
+    # [1, 1] + 3 * [2, -1] = [7, -2], in float64
+    sums = [t(1.0, 1.0, dtype=torch.float64)]
+    out = caught_up(sums, [t(2.0, -1.0)], 3.0)
+    assert_tensor(out[0], t(7.0, -2.0, dtype=torch.float64))
+    assert_tensor(sums[0], t(1.0, 1.0, dtype=torch.float64))
+
+
+def test_add_weighted_accumulates_the_rounds_in_float64() -> None:
+    # from zero: 0.5 * [1, 2] = [0.5, 1];  then + 2 * [4, -2] = [8.5, -3]
+    first = add_weighted(None, {"w": f32(1.0, 2.0)}, 0.5)
+    assert_identical(first, {"w": np.array([0.5, 1.0])})
+    second = add_weighted(first, {"w": f32(4.0, -2.0)}, 2.0)
+    assert_identical(second, {"w": np.array([8.5, -3.0])})
+    assert_identical(first, {"w": np.array([0.5, 1.0])})
 
 
 # ------------------------------------------- strategies: state is not mutated

@@ -90,24 +90,35 @@ import copy
 import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from logging import INFO
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord
-from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
 from ..core.client import TorchClient
+from ..core.fields import RoundUpdate
 from ..core.keys import LOCAL_STEPS_KEY
-from ..core.records import RecordSpec, copy_arrays, dict_to_record, record_to_dict
+from ..core.records import RecordSpec, dict_to_record, record_to_dict
 from ..core.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.state import ClientState
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import LossFn, TrainReport, cycle_batches, trainable
 from ..core.validation import ValidReply, check_fraction, check_int, check_positive
+from ..ops.apfl import (
+    add_weighted,
+    alpha_gradient,
+    alpha_update,
+    averaging_weight,
+    averaging_weight_sum,
+    caught_up,
+    decay_rate,
+    mix,
+    mixture,
+    normalised,
+    personal_gradient,
+)
 
 APFL_ALPHA_KEY = "apfl-alpha"
 APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"
@@ -131,33 +142,6 @@ PERSONAL_STATE = "apfl-personal"
 PERSONAL_SUM_STATE = "apfl-personal-sum"
 ALPHA_STATE = "apfl-alpha"
 LAST_STEP_STATE = "apfl-last-step"
-
-
-def averaging_weight_sum(first: int, last: int, a: float) -> float:
-    r"""Return :math:`\sum_{t=first}^{last}(t + a)^2` (0 when ``last < first``)."""
-    if last < first:
-        return 0.0
-    if first < 1:
-        raise ValueError(f"steps are counted from 1, got first={first}")
-
-    def squares(n: int) -> int:  # 1^2 + ... + n^2, exact in integers
-        return n * (n + 1) * (2 * n + 1) // 6
-
-    def naturals(n: int) -> int:
-        return n * (n + 1) // 2
-
-    count = last - first + 1
-    return float(
-        squares(last)
-        - squares(first - 1)
-        + 2 * a * (naturals(last) - naturals(first - 1))
-        + count * a * a
-    )
-
-
-def decay_rate(step: int, mu: float, a: float) -> float:
-    r"""Return the seed's learning rate :math:`\eta_t = 16/(\mu(t + a))`."""
-    return 16.0 / (mu * (step + a))
 
 
 class APFL(ValidatedFedAvg):
@@ -211,6 +195,19 @@ class APFL(ValidatedFedAvg):
     default_weighting = "uniform"
     rule_metric = APFL_APPLIED_KEY
     rule_name = "APFL's personalised mixture"
+    # sum_t p_t * mean_S theta_k^t and S_T, over the aggregated rounds.
+    state_fields = ("average_sum", "average_weight")
+    # sync_gap numbers the steps (apfl-first-step); alpha was always saved.
+    resume_settings = ("sync_gap", "alpha")
+    settings = (
+        "alpha",
+        "adaptive_alpha",
+        "sync_gap",
+        "mixing",
+        "personal_gradient",
+        "lr_schedule",
+        "weighted_average",
+    )
 
     def __init__(
         self,
@@ -269,28 +266,8 @@ class APFL(ValidatedFedAvg):
         self.condition_number = float(condition_number)
         self.a = max(128.0 * self.condition_number, float(sync_gap))
         self.weighted_average = bool(weighted_average)
-        # sum_t p_t * mean_S theta_k^t and S_T, over the aggregated rounds.
         self.average_sum: dict[str, NDArray] | None = None
         self.average_weight = 0.0
-        self._round_weight = 0.0
-
-    def __repr__(self) -> str:
-        """Return the class name and its main settings."""
-        return (
-            f"APFL(alpha={self.alpha}, adaptive_alpha={self.adaptive_alpha}, "
-            f"sync_gap={self.sync_gap}, mixing={self.mixing!r})"
-        )
-
-    def summary(self) -> None:
-        """Log the APFL settings, then the base's."""
-        log(INFO, "\t├──> APFL settings:")
-        log(INFO, "\t│\t├── alpha: %s (adaptive: %s)", self.alpha, self.adaptive_alpha)
-        log(INFO, "\t│\t├── sync gap tau: %d local steps per round", self.sync_gap)
-        log(INFO, "\t│\t├── mixing: %s", self.mixing)
-        log(INFO, "\t│\t├── personal gradient: %s", self.personal_gradient)
-        log(INFO, "\t│\t├── learning rate: %s", self.lr_schedule)
-        log(INFO, "\t│\t└── weighted averages: %s", self.weighted_average)
-        super().summary()
 
     def first_step(self, server_round: int) -> int:
         """Global step counter :math:`t` at the start of ``server_round``."""
@@ -311,10 +288,6 @@ class APFL(ValidatedFedAvg):
             assert self.strong_convexity is not None
             config[APFL_LR_MU_KEY] = self.strong_convexity
             config[APFL_LR_A_KEY] = self.a
-        first = self.first_step(server_round)
-        self._round_weight = averaging_weight_sum(
-            first + 1, first + self.sync_gap, self.a
-        )
         return config
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
@@ -324,20 +297,26 @@ class APFL(ValidatedFedAvg):
             expected[WEIGHTED_THETA_RECORD] = expected[self.arrayrecord_key]
         return expected
 
-    def on_valid_replies(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> dict[str, Any]:
-        """Add this round's steps to the weighted average; report the alphas."""
-        metrics: dict[str, Any] = {}
+    def server_update(
+        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+    ) -> RoundUpdate:
+        r"""Return the weighted mean of the :math:`\theta_k`; add the round's steps.
+
+        With ``weighted_average``, the round's steps :math:`t = (r-1)\tau + 1,
+        \dots, r\tau` weigh the mean of the uploaded :math:`p`-weighted means by
+        their :math:`\sum p_t` into :math:`\hat\theta`'s sum and weight. The
+        clients' smallest and largest :math:`\alpha_k` are the round's metrics.
+        """
+        new_state: dict[str, Any] = {}
         if self.weighted_average:
             mean = self.weighted_mean(replies, WEIGHTED_THETA_RECORD)
-            if self.average_sum is None:
-                self.average_sum = {
-                    k: np.zeros(v.shape, np.float64) for k, v in mean.items()
-                }
-            for key, value in mean.items():
-                self.average_sum[key] += self._round_weight * value
-            self.average_weight += self._round_weight
+            first = self.first_step(server_round)
+            weight = averaging_weight_sum(first + 1, first + self.sync_gap, self.a)
+            new_state = {
+                "average_sum": add_weighted(state["average_sum"], mean, weight),
+                "average_weight": state["average_weight"] + weight,
+            }
+        metrics: dict[str, Any] = {}
         alphas = [
             float(v)
             for r in replies
@@ -346,7 +325,9 @@ class APFL(ValidatedFedAvg):
         if alphas:
             metrics["apfl-alpha-min"] = min(alphas)
             metrics["apfl-alpha-max"] = max(alphas)
-        return metrics
+        return RoundUpdate(
+            dict_to_record(self.weighted_mean(replies)), new_state, metrics
+        )
 
     def average_model(self) -> ArrayRecord | None:
         r"""Return :math:`\hat\theta`, the seed's weighted global model (or None)."""
@@ -378,26 +359,6 @@ class APFL(ValidatedFedAvg):
         model = self.average_model()
         return {} if model is None else {AVERAGE_MODEL_RECORD: model}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Add the weighted average's sum and weight to the base's state."""
-        state = super().state_dict()
-        state["average-sum"] = copy_arrays(self.average_sum)
-        state["average-weight"] = self.average_weight
-        state["alpha"] = self.alpha
-        state["sync-gap"] = self.sync_gap
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the weighted average and the base's state."""
-        if state.get("sync-gap") != self.sync_gap:
-            raise ValueError(
-                f"checkpoint was made with sync_gap={state.get('sync-gap')!r}, the "
-                f"strategy has {self.sync_gap}: the step counter would not continue"
-            )
-        super().load_state_dict(state)
-        self.average_sum = copy_arrays(state.get("average-sum"))
-        self.average_weight = float(state.get("average-weight", 0.0))
-
 
 class OutputMixture(nn.Module):
     r"""Predict :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (FedTorch)."""
@@ -410,9 +371,7 @@ class OutputMixture(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Mix the two models' outputs."""
-        return self.alpha * self.personal(inputs) + (1 - self.alpha) * self.shared(
-            inputs
-        )
+        return mix(self.alpha, self.personal(inputs), self.shared(inputs))
 
 
 def current_alpha(config: Mapping[str, Any], state: ClientState, require: Any) -> float:
@@ -452,10 +411,7 @@ def caught_up_personal_sum(
         total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
     else:
         total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
-    idle = averaging_weight_sum(last + 1, up_to, a)
-    return [
-        acc + idle * w.detach().double() for acc, w in zip(total, omega, strict=True)
-    ]
+    return caught_up(total, omega, averaging_weight_sum(last + 1, up_to, a))
 
 
 class APFLRule(ClientRule):
@@ -588,27 +544,29 @@ class APFLRule(ClientRule):
             for w in self.omega:
                 w.grad = torch.zeros_like(w)
         elif self.mixing == "parameters":
+            point = mixture(
+                alpha,
+                [w.detach() for w in self.omega],
+                [p.detach() for p in self.params],
+            )
             mixed = {
-                name: (alpha * w.detach() + (1 - alpha) * th.detach()).requires_grad_()
-                for name, w, th in zip(self.names, self.omega, self.params, strict=True)
+                name: p.requires_grad_()
+                for name, p in zip(self.names, point, strict=True)
             }
             with untracked():  # no per-sample grads for the local omega
                 out = torch.func.functional_call(self.model, mixed, (inputs,))
                 personal_loss = loss_fn(out, targets)
                 mixture_grad = torch.autograd.grad(personal_loss, list(mixed.values()))
-            scale = 1.0 if self.gradient_form == "mixture" else alpha
-            for w, g in zip(self.omega, mixture_grad, strict=True):
-                w.grad = scale * g
-            self.alpha_grad = sum(
-                float(((w.detach() - th.detach()) * g).sum())
-                for w, th, g in zip(self.omega, self.params, mixture_grad, strict=True)
-            )
+            grads = personal_gradient(mixture_grad, alpha, self.gradient_form)
+            for w, g in zip(self.omega, grads, strict=True):
+                w.grad = g
+            self.alpha_grad = alpha_gradient(self.omega, self.params, mixture_grad)
         else:
             if theta_outputs is None:
                 with torch.no_grad(), untracked():
                     theta_outputs = self.model(inputs)
             weight = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
-            out = weight * self.personal(inputs) + (1 - weight) * theta_outputs.detach()
+            out = mix(weight, self.personal(inputs), theta_outputs.detach())
             personal_loss = loss_fn(out, targets)
             self.omega_optimizer.zero_grad(set_to_none=True)
             personal_loss.backward()
@@ -642,10 +600,10 @@ class APFLRule(ClientRule):
         """Learn alpha_k (adaptive); add step t's models to the weighted sums."""
         t = self.first + self.steps
         if self.adaptive:
-            self.alpha = min(1.0, max(0.0, self.alpha - self._lr * self.alpha_grad))
+            self.alpha = alpha_update(self.alpha, self._lr, self.alpha_grad)
         if self.theta_sum is not None and self.omega_sum is not None:
             assert self.average_a is not None
-            weight_t = (t + 1 + self.average_a) ** 2
+            weight_t = averaging_weight(t + 1, self.average_a)
             for acc, p in zip(self.theta_sum, self.params, strict=True):
                 acc.add_(p.detach().double(), alpha=weight_t)
             for acc, p in zip(self.omega_sum, self.omega, strict=True):
@@ -688,10 +646,7 @@ class APFLRule(ClientRule):
             round_weight = averaging_weight_sum(
                 self.first + 1, self.first + steps, self.average_a
             )
-            weighted = [
-                (acc / round_weight).to(p.dtype)
-                for acc, p in zip(self.theta_sum, self.params, strict=True)
-            ]
+            weighted = normalised(self.theta_sum, round_weight, self.params)
             extra[WEIGHTED_THETA_RECORD] = arrays_from_params(self.model, weighted)
             self.state.set(PERSONAL_SUM_STATE, self.omega_sum)
             self.state.set_scalar(LAST_STEP_STATE, float(self.first + steps))
@@ -783,10 +738,9 @@ class APFLClient(TorchClient):
             return OutputMixture(personal, shared, alpha)
         mixed = copy.deepcopy(shared)
         with torch.no_grad():
-            for m, w, th in zip(
-                trainable(mixed), trainable(personal), trainable(shared), strict=True
-            ):
-                m.copy_(alpha * w + (1 - alpha) * th)
+            point = mixture(alpha, trainable(personal), trainable(shared))
+            for m, value in zip(trainable(mixed), point, strict=True):
+                m.copy_(value)
         return mixed
 
     # -------------------------------------------------------------- evaluate
@@ -808,10 +762,7 @@ class APFLClient(TorchClient):
         personal_sum = caught_up_personal_sum(self.state, omega, total_steps, a)
         normaliser = averaging_weight_sum(1, total_steps, a)
         personal_average = self._personal_module(
-            [
-                (s / normaliser).to(w.dtype)
-                for s, w in zip(personal_sum, omega, strict=True)
-            ]
+            normalised(personal_sum, normaliser, omega)
         )
         global_average = self._personal_module(self.from_state_order(average))
         models["personal-avg"] = self._mixed_module(

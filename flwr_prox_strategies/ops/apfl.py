@@ -1,0 +1,149 @@
+r"""APFL's maths (Deng et al., 2020): mixture, personal step, alpha, averages.
+
+Client :math:`k` keeps its copy :math:`\theta_k` of the global model, a personal
+model :math:`\omega_k` and a mixture weight :math:`\alpha_k`; at step :math:`t`
+
+.. math::
+    \bar\omega = \alpha\omega + (1-\alpha)\theta,\qquad
+    \omega \gets \omega - \eta_t\,g,\qquad
+    \alpha \gets \mathrm{clip}_{[0,1]}\big(\alpha - \eta_t
+    \langle\omega - \theta, \nabla f(\bar\omega)\rangle\big),
+
+with :math:`g = \nabla f(\bar\omega)` ("mixture", the seed's form) or
+:math:`\alpha\nabla f(\bar\omega)` ("chain", the paper's Eq. (10)). The final
+models average the iterates with weights :math:`p_t = (t + a)^2`.
+
+Pure functions on tensors (or numpy arrays on the server): they return new
+values and leave their arguments untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+T = TypeVar("T", float, torch.Tensor)
+
+
+def averaging_weight(step: int, a: float) -> float:
+    r"""Return :math:`p_t = (t + a)^2`, the weight of step :math:`t` (from 1)."""
+    return (step + a) ** 2
+
+
+def averaging_weight_sum(first: int, last: int, a: float) -> float:
+    r"""Return :math:`\sum_{t=first}^{last}(t + a)^2` (0 when ``last < first``)."""
+    if last < first:
+        return 0.0
+    if first < 1:
+        raise ValueError(f"steps are counted from 1, got first={first}")
+
+    def squares(n: int) -> int:  # 1^2 + ... + n^2, exact in integers
+        return n * (n + 1) * (2 * n + 1) // 6
+
+    def naturals(n: int) -> int:
+        return n * (n + 1) // 2
+
+    count = last - first + 1
+    return float(
+        squares(last)
+        - squares(first - 1)
+        + 2 * a * (naturals(last) - naturals(first - 1))
+        + count * a * a
+    )
+
+
+def decay_rate(step: int, mu: float, a: float) -> float:
+    r"""Return the seed's learning rate :math:`\eta_t = 16/(\mu(t + a))`."""
+    return 16.0 / (mu * (step + a))
+
+
+def mix(alpha: float | torch.Tensor, personal: T, shared: T) -> T:
+    r"""Return :math:`\alpha\,personal + (1-\alpha)\,shared` (parameters or outputs).
+
+    ``alpha`` may be a tensor that requires grad: output mixing learns
+    :math:`\alpha` through this product.
+    """
+    return alpha * personal + (1 - alpha) * shared  # type: ignore[return-value]
+
+
+def mixture(
+    alpha: float, omega: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    r"""Return :math:`\bar\omega = \alpha\omega + (1-\alpha)\theta`, parameter-wise."""
+    return [mix(alpha, w, th) for w, th in zip(omega, theta, strict=True)]
+
+
+def personal_gradient(
+    mixture_grads: Sequence[torch.Tensor], alpha: float, form: str
+) -> list[torch.Tensor]:
+    r"""Return :math:`\omega`'s gradient from :math:`\nabla f(\bar\omega)`.
+
+    ``"mixture"``: :math:`\nabla f(\bar\omega)` itself (the seed);
+    ``"chain"``: :math:`\nabla_\omega f(\bar\omega) = \alpha\nabla f(\bar\omega)`.
+    """
+    if form not in ("mixture", "chain"):
+        raise ValueError(f"personal gradient form must be mixture or chain: {form!r}")
+    scale = 1.0 if form == "mixture" else alpha
+    return [scale * g for g in mixture_grads]
+
+
+def alpha_gradient(
+    omega: Sequence[torch.Tensor],
+    theta: Sequence[torch.Tensor],
+    mixture_grads: Sequence[torch.Tensor],
+) -> float:
+    r"""Return :math:`\langle\omega - \theta, \nabla f(\bar\omega)\rangle`.
+
+    The derivative of :math:`f(\bar\omega)` in :math:`\alpha`, at the mixture.
+    """
+    return sum(
+        float(((w.detach() - th.detach()) * g).sum())
+        for w, th, g in zip(omega, theta, mixture_grads, strict=True)
+    )
+
+
+def alpha_update(alpha: float, lr: float, grad: float) -> float:
+    r"""Return :math:`\alpha - \eta\,\partial_\alpha f`, clipped to :math:`[0, 1]`."""
+    return min(1.0, max(0.0, alpha - lr * grad))
+
+
+def normalised(
+    sums: Sequence[torch.Tensor], total: float, like: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    r"""Return :math:`\sum_t p_t x^t / \sum_t p_t`, each in the dtype of ``like``."""
+    return [(s / total).to(x.dtype) for s, x in zip(sums, like, strict=True)]
+
+
+def caught_up(
+    sums: Sequence[torch.Tensor], omega: Sequence[torch.Tensor], idle: float
+) -> list[torch.Tensor]:
+    r"""Return :math:`\sum_t p_t\omega^t` plus ``idle`` :math:`\cdot\,\omega`.
+
+    Steps a client was not sampled for count with its unchanged :math:`\omega`;
+    ``idle`` is their :math:`\sum p_t`. The sums are float64.
+    """
+    return [
+        acc + idle * w.detach().double() for acc, w in zip(sums, omega, strict=True)
+    ]
+
+
+def add_weighted(
+    total: Mapping[str, NDArray] | None, mean: Mapping[str, NDArray], weight: float
+) -> dict[str, NDArray]:
+    r"""Return ``total + weight * mean`` in float64 (``total=None``: from zero).
+
+    The server's :math:`\sum_t p_t\,\mathrm{mean}_S\theta_k^t`, one round's
+    :math:`p`-weighted mean (``mean``, weighted by the round's
+    :math:`\sum p_t`) at a time.
+    """
+    if total is None:
+        new = {key: np.zeros(value.shape, np.float64) for key, value in mean.items()}
+    else:
+        new = {key: np.array(value, copy=True) for key, value in total.items()}
+    for key, value in mean.items():
+        new[key] += weight * value
+    return new
