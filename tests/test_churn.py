@@ -65,8 +65,8 @@ def run_rounds(strategy, grid, arrays, rounds: int):
 
 
 def scaffold_sum(strategy: Scaffold) -> np.ndarray:
-    assert strategy.control.c is not None
-    return strategy.num_clients * np.ravel(next(iter(strategy.control.c.values())))
+    assert strategy.control is not None
+    return strategy.num_clients * np.ravel(next(iter(strategy.control.values())))
 
 
 def scaffold(**kwargs) -> Scaffold:

@@ -306,7 +306,7 @@ def test_rejected_replies_leave_client_state_consistent_with_the_server(
     if algorithm in ("feddyn", "feddc"):
         server = strategy.drift_sum["0"].reshape(-1)
     else:
-        server = 4 * strategy.control.c["0"].reshape(-1)  # c is the mean of all c_i
+        server = 4 * strategy.control["0"].reshape(-1)  # c is the mean of all c_i
     np.testing.assert_allclose(sums, server, rtol=1e-4, atol=1e-5)
     # The victim's replies of rounds 2-3 were not used: it holds round 1's state + round 4's.
     assert strategy.book.accepted[1] == 4
@@ -375,7 +375,7 @@ def test_k_is_the_federation_not_the_nodes_connected(problem: LeastSquares) -> N
         to_client_app(problem.client_fn(ScaffoldClient, **LOCAL)), num_nodes=4
     )
     strategy.start(grid=grid, initial_arrays=problem.initial(), num_rounds=2)
-    assert strategy.num_clients == 5 and strategy.control.c is not None
+    assert strategy.num_clients == 5 and strategy.control is not None
     total = sum(
         ClientState(context).get("scaffold-control")[0]  # type: ignore[index]
         for context in grid.contexts.values()
@@ -385,7 +385,7 @@ def test_k_is_the_federation_not_the_nodes_connected(problem: LeastSquares) -> N
         or True
     )
     np.testing.assert_allclose(
-        5 * next(iter(strategy.control.c.values())), total, rtol=1e-5, atol=1e-6
+        5 * next(iter(strategy.control.values())), total, rtol=1e-5, atol=1e-6
     )
 
 

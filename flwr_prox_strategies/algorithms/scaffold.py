@@ -37,7 +37,6 @@ Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -63,19 +62,6 @@ SCAFFOLD_APPLIED_KEY = "scaffold-applied"
 # "round" or "base": the step size option II divides by (see the module docstring).
 CONTROL_LR_KEY = "scaffold-control-lr"
 CONTROL_LRS = ("round", "base")
-
-
-class ControlArrays(dict[str, NDArray]):
-    """:math:`c` as a plain name -> array dict, which the checkpoint saves as is.
-
-    ``.c`` is the dict itself: the former ``ControlVariates.c``, kept while
-    callers (tests) still read ``strategy.control.c``; read ``strategy.control``.
-    """
-
-    @property
-    def c(self) -> dict[str, NDArray]:
-        """Return the dict itself (former ``ControlVariates.c``)."""
-        return self
 
 
 class Scaffold(ValidatedFedAvg):
@@ -130,17 +116,8 @@ class Scaffold(ValidatedFedAvg):
         super().__init__(num_clients=num_clients, **kwargs)
         self.server_learning_rate = float(server_learning_rate)
         self.control_lr = control_lr
-        self.control = None  # c, the mean of all c_i: zeros at the first round
-
-    @property
-    def control(self) -> ControlArrays | None:
-        """Return :math:`c` (None before the first round is configured)."""
-        return self._control
-
-    @control.setter
-    def control(self, value: Mapping[str, NDArray] | None) -> None:
-        # A checkpoint restores a plain dict: keep one type whatever set it.
-        self._control = None if value is None else ControlArrays(value)
+        # c, the mean of all c_i: zeros at the first round.
+        self.control: dict[str, NDArray] | None = None
 
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send the step size option II divides by."""

@@ -1,46 +1,29 @@
 """The validated strategy base every strategy of the pack inherits.
 
 It keeps Flower's ``FedAvg`` interface (so ``strategy.start(...)`` and Flower's DP
-wrappers work unchanged) but replaces the parts a research user cannot trust:
+wrappers work unchanged) and holds the machinery a research user must be able
+to trust, each job in its own module:
 
-* replies are validated one by one (:mod:`.validation`) against the spec of the
-  model that was sent; a bad reply is logged with its node and reason, counted,
-  and otherwise ignored, exactly as if it had never arrived;
-* a round without a valid reply keeps the previous model and says so, in one
-  warning that counts the reasons (error texts, rejection kinds);
-* a run that aggregates no round at all raises :class:`NoRoundAggregatedError`
-  at the end of :meth:`ValidatedFedAvg.start` with the reasons, counted, and
-  ``Result.arrays`` always holds the last good model (the initial one if none);
-* a strategy whose clients must apply a rule names the metric they report
-  (:attr:`ValidatedFedAvg.rule_metric`); replies without it are named in one
-  warning per run, or rejected with ``strict=True``;
-* Flower's keyword names are accepted where the concept is the same
-  (``weighted_by_key``, FedProx's ``proximal_mu``), and an unknown keyword is a
-  ``TypeError`` naming the class called and the closest accepted name;
-* averaging streams every reply into one accumulator (:mod:`..ops.aggregate`),
-  with no ``ZeroDivisionError`` and no silent broadcasting; weights are
-  normalised first, so one large finite upload cannot overflow the average
-  (and a float32 average that still does is recomputed in float64);
-* hostile replies are bounded: a claimed ``num-examples`` is capped
-  (``max_weight_ratio`` x the round's median, ``max_num_examples``), a reply
-  larger than ``max_reply_bytes`` is refused before any array is decoded, and
-  a non-linear aggregate (``linear_aggregate = False``) checks every reply for
-  NaN/inf before using it;
-* a node that dies mid-round is counted as failed under its own node id (the
-  SuperLink's reply for it comes from node 1 and is mapped back through
-  ``reply_to_message_id``);
-* sampling is seeded per round (no global ``random`` state), so two strategies
-  built with the same seed sample the same nodes and the same stragglers;
-* each node gets its own ``RecordDict`` and ``ConfigRecord`` (no aliasing);
-* ``min_available_nodes`` is awaited for ``node_wait_timeout`` seconds at most,
-  then the run fails with the fix in the message, instead of waiting forever.
+* :mod:`.screening`: every reply validated against what was sent; a bad one is
+  logged, counted and otherwise ignored, as if it had never arrived; hostile
+  claims and sizes bounded; a dead node's reply attributed to it;
+* :mod:`.sampling`: seeded per round (a resumed run samples as an uninterrupted
+  one), bounded waits for the quorum, stragglers;
+* :mod:`.commit`: the server's half of the two-phase commit of client state;
+* :mod:`.fields`: declared state, from which ``state_dict``, ``load_state_dict``,
+  ``repr`` and ``summary`` follow;
+* :mod:`.outcome`: a round without a valid reply keeps the model and says why; a
+  run that aggregates nothing raises :class:`NoRoundAggregatedError`;
+* :mod:`.metrics` and :func:`.privacy.record_privacy`: the round's metrics and
+  the epsilon ledger.
 
-Subclasses override small hooks: :meth:`train_config`, :meth:`node_train_config`,
-:meth:`expected_train_arrays`, :meth:`check_reply`, :meth:`aggregate_arrays`,
-:meth:`on_valid_replies`, :meth:`learn_num_clients`, :meth:`state_dict` /
-:meth:`load_state_dict`; and declare class attributes: ``rule_metric`` and
-``rule_name`` (what their clients must report), ``requires_num_clients``,
-``default_weighting``, ``stateful_clients``, ``straggler_policy``.
+An algorithm is a subclass that declares its state and overrides a few hooks:
+:meth:`ValidatedFedAvg.server_update` (its server rule, pure), and when it
+needs them :meth:`~ValidatedFedAvg.grown_state`, :meth:`~ValidatedFedAvg.train_config`,
+:meth:`~ValidatedFedAvg.train_records`, :meth:`~ValidatedFedAvg.node_train_records`,
+:meth:`~ValidatedFedAvg.expected_train_arrays`, :meth:`~ValidatedFedAvg.check_reply`;
+class attributes say what it is (``state_fields``, ``resume_settings``,
+``settings``, ``rule_metric``, ``stateful_clients``, ``requires_num_clients``).
 """
 
 from __future__ import annotations
@@ -94,11 +77,8 @@ from .outcome import (
 from .privacy import record_privacy
 from .records import (
     RecordSpec,
-    copy_arrays,
     dict_to_record,
-    float_keys,
     record_is_finite,
-    record_to_dict,
     spec_of,
 )
 from .sampling import PARTICIPATION, connected_nodes, draw_stragglers, sample_nodes
@@ -660,7 +640,6 @@ class ValidatedFedAvg(FedAvg):
             f"grown: {len(self.book.client_keys_seen)} client keys seen, "
             f"{self.book.retired_states} retired state(s)"
         )
-        self.on_num_clients_change(old, new)
         log(
             WARNING,
             "%s: K grows %d -> %d (%s)",
@@ -669,9 +648,6 @@ class ValidatedFedAvg(FedAvg):
             new,
             self.num_clients_source,
         )
-
-    def on_num_clients_change(self, old: int, new: int) -> None:
-        """Adjust state kept as a mean over K when K grows (sums need nothing)."""
 
     def learn_num_clients(self, num_clients: int) -> None:
         """Adopt ``num_clients`` learned from the grid or a checkpoint.
@@ -709,27 +685,6 @@ class ValidatedFedAvg(FedAvg):
             mean.add(reply.arrays[record or self.arrayrecord_key], weight)
         return mean.result()
 
-    def summed_updates(
-        self, replies: list[ValidReply], previous: dict[str, NDArray] | None
-    ) -> dict[str, NDArray]:
-        """Return ``previous + sum_k (theta_k - theta_t)`` over the float arrays.
-
-        The running sum of client drifts that FedDyn and FedDC keep instead of
-        one drift per client (``previous=None`` starts from zero).
-        """
-        assert self._global_arrays is not None
-        theta_t = record_to_dict(self._global_arrays)
-        keys = float_keys(theta_t)
-        total = copy_arrays(previous) or {k: np.zeros_like(theta_t[k]) for k in keys}
-        # An overflow gives inf, which the caller's check rejects (see
-        # _average_finite): no warning needed.
-        with np.errstate(over="ignore", invalid="ignore"):
-            for reply in replies:
-                sent = reply.arrays[self.arrayrecord_key]
-                for key in keys:
-                    total[key] += sent[key] - theta_t[key]
-        return total
-
     def server_update(
         self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
@@ -742,7 +697,7 @@ class ValidatedFedAvg(FedAvg):
         per round (a reply found non-finite is dropped and the rule re-run), so
         it must depend on its arguments only. Default: the weighted mean.
         """
-        return RoundUpdate(self.aggregate_arrays(server_round, replies))
+        return RoundUpdate(dict_to_record(self.weighted_mean(replies)))
 
     def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
         """Return ``state`` adjusted to K growing ``old`` -> ``new`` (not mutated).
@@ -751,22 +706,6 @@ class ValidatedFedAvg(FedAvg):
         a mean over K (SCAFFOLD's c) is rescaled.
         """
         return state
-
-    def aggregate_arrays(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> ArrayRecord:
-        """Return the new global model from the valid replies (weighted mean)."""
-        return dict_to_record(self.weighted_mean(replies))
-
-    def on_valid_replies(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> dict[str, Any]:
-        """Update algorithm state from the valid replies; return extra metrics.
-
-        Called after :meth:`aggregate_arrays` succeeded, and only then, so a
-        round that is not aggregated never touches the state.
-        """
-        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """Return the server state needed to resume a run exactly.
@@ -1096,7 +1035,7 @@ class ValidatedFedAvg(FedAvg):
             )
         for name, value in update.state.items():
             setattr(self, name, value)
-        extra = {**update.metrics, **self.on_valid_replies(server_round, valid)}
+        extra = dict(update.metrics)
         if self.monitor_dissimilarity:
             extra.update(dissimilarity_metrics(valid, self.reply_weight))
         metrics = self._aggregate_metrics(valid, self._custom_train_metrics)
