@@ -104,6 +104,8 @@ class SFedAvg(ValidatedFedAvg):
     rule_pieces = ("SFedAvgClient", "SFedRule")
     rule_name = "SFedAvg's full-gradient local steps and noisy upload"
     settings = ("num_clients", "rho", "k0", "inner_steps", "mu", "noise")
+    # The clients' iteration counter is (round - 1) * k0: a resume needs the same k0.
+    resume_settings = ("k0",)
 
     def __init__(
         self,
