@@ -41,7 +41,52 @@ from flwr.serverapp.strategy import (
 )
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-from .strategy import ValidatedFedAvg, finish_run
+from .keys import BUDGET_EXHAUSTED_REASON
+from .outcome import ReplyTally, finish_run
+from .strategy import ValidatedFedAvg
+from .validation import ReplyRejected
+
+
+def screen_replies(
+    strategy: ValidatedFedAvg, server_round: int, replies: Iterable[Message]
+) -> list[Message]:
+    """Return the replies ``strategy.aggregate_train`` would use, and error replies.
+
+    For wrappers that read replies before this strategy does (Flower's
+    central-DP wrappers, below): malformed replies are rejected
+    and logged here; error replies are passed on for the wrapper's own
+    policy; a client out of privacy budget is retired (absent).
+    """
+    errors: list[Message] = []
+    others: list[Message] = []
+    tally = ReplyTally()
+    sent_to = strategy.sent_message_nodes("train")
+    error_nodes: set[int] = set()
+    for message in replies:
+        passed_on = message.has_error() and not str(message.error.reason).startswith(
+            BUDGET_EXHAUSTED_REASON
+        )
+        (errors if passed_on else others).append(message)
+        if passed_on:  # counted here: the wrapper skips the round unseen
+            node_id = strategy.reply_node(message, sent_to)
+            error_nodes.add(node_id)
+            tally.add(node_id, ReplyRejected("error-reply", str(message.error.reason)))
+    sampled = strategy.train_nodes
+    valid, *_ = strategy.collect_replies(
+        server_round + strategy.round_offset,
+        others,
+        expected_arrays=strategy.expected_train_arrays(
+            server_round + strategy.round_offset
+        ),
+        sampled=None if sampled is None else sampled - error_nodes,
+        phase="screen_train",
+        tally=tally,
+    )
+    passed = errors + [r.message for r in valid if r.message is not None]
+    # What was screened out is counted here: aggregate_train, which sees
+    # only what is passed on, must not count those nodes again as silent.
+    strategy.train_nodes = {strategy.reply_node(m, sent_to) for m in passed}
+    return passed
 
 
 class _ValidatedReplies(Strategy):
@@ -103,7 +148,7 @@ class _ValidatedReplies(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Drop the replies the wrapped strategy rejects, then let Flower's run."""
         if isinstance(self.strategy, ValidatedFedAvg):
-            replies = self.strategy.screen_replies(server_round, replies)
+            replies = screen_replies(self.strategy, server_round, replies)
         # super() is the Flower wrapper after this mixin in the bases.
         return super().aggregate_train(server_round, replies)  # type: ignore[safe-super]
 

@@ -5,7 +5,7 @@ and the strategy's own check; a bad reply is logged with its node and reason,
 counted (:class:`.outcome.ReplyTally`, :attr:`ReplyScreen.rejections`) and
 otherwise ignored, exactly as if it had never arrived. Used by the base
 strategy for training and evaluation, by the central-DP wrappers before
-Flower's own aggregation (``screen_replies``) and, through its inner
+Flower's own aggregation (:func:`.central.screen_replies`) and, through its inner
 strategies, by P-FedAvg.
 """
 

@@ -56,7 +56,6 @@ from .fields import (
     settings_text,
 )
 from .keys import (
-    BUDGET_EXHAUSTED_REASON,
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     LOCAL_EPOCHS_KEY,
@@ -384,11 +383,11 @@ class ValidatedFedAvg(FedAvg):
         self._accumulate_in: type[np.floating] | None = None
         # The missing-rule warning is given once per run.
         self._rule_warned = False
-        # Set by configure_train, read by aggregate_train.
+        # The round's model and sampled nodes: set by configure_*, read by aggregate_*.
         self._global_arrays: ArrayRecord | None = None
         self._global_spec: RecordSpec | None = None
-        self._train_nodes: set[int] | None = None
-        self._evaluate_nodes: set[int] | None = None
+        self.train_nodes: set[int] | None = None
+        self.evaluate_nodes: set[int] | None = None
         # Rounds aggregated so far (state), and the offset a resumed run adds to
         # Strategy.start's round numbers so sampling and client seeds continue.
         self.rounds_completed = 0
@@ -781,7 +780,7 @@ class ValidatedFedAvg(FedAvg):
         self._global_arrays = arrays
         self._global_spec = spec_of(arrays)
         if self.fraction_train == 0.0:
-            self._train_nodes = set()
+            self.train_nodes = set()
             return []
         if self.num_clients is None and self.requires_num_clients:
             known = len(
@@ -861,7 +860,7 @@ class ValidatedFedAvg(FedAvg):
             if stragglers and self.straggler_policy == "keep-partial"
             else "",
         )
-        self._train_nodes = set(node_ids)
+        self.train_nodes = set(node_ids)
         shared = dict(config)
         shared[SERVER_ROUND_KEY] = server_round
         if self.local_epochs is not None:
@@ -961,7 +960,7 @@ class ValidatedFedAvg(FedAvg):
             server_round,
             replies,
             expected_arrays=self.expected_train_arrays(server_round),
-            sampled=self._train_nodes,
+            sampled=self.train_nodes,
             phase="aggregate_train",
             defer_finite=(self.arrayrecord_key,) if self.linear_aggregate else (),
         )
@@ -1042,49 +1041,6 @@ class ValidatedFedAvg(FedAvg):
         for key, value in {**counts, **extra}.items():
             metrics[key] = value
         return arrays, metrics
-
-    def screen_replies(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> list[Message]:
-        """Return the replies :meth:`aggregate_train` would use, and error replies.
-
-        For wrappers that read replies before this strategy does (Flower's
-        central-DP wrappers, :mod:`.central`): malformed replies are rejected
-        and logged here; error replies are passed on for the wrapper's own
-        policy; a client out of privacy budget is retired (absent).
-        """
-        errors: list[Message] = []
-        others: list[Message] = []
-        tally = ReplyTally()
-        sent_to = self.sent_message_nodes("train")
-        error_nodes: set[int] = set()
-        for message in replies:
-            passed_on = message.has_error() and not str(
-                message.error.reason
-            ).startswith(BUDGET_EXHAUSTED_REASON)
-            (errors if passed_on else others).append(message)
-            if passed_on:  # counted here: the wrapper skips the round unseen
-                node_id = self.reply_node(message, sent_to)
-                error_nodes.add(node_id)
-                tally.add(
-                    node_id, ReplyRejected("error-reply", str(message.error.reason))
-                )
-        sampled = self._train_nodes
-        valid, *_ = self.collect_replies(
-            server_round + self.round_offset,
-            others,
-            expected_arrays=self.expected_train_arrays(
-                server_round + self.round_offset
-            ),
-            sampled=None if sampled is None else sampled - error_nodes,
-            phase="screen_train",
-            tally=tally,
-        )
-        passed = errors + [r.message for r in valid if r.message is not None]
-        # What was screened out is counted here: aggregate_train, which sees
-        # only what is passed on, must not count those nodes again as silent.
-        self._train_nodes = {self.reply_node(m, sent_to) for m in passed}
-        return passed
 
     def extra_reply_records(self) -> list[str]:
         """Name the ArrayRecords a train reply carries besides the model."""
@@ -1185,7 +1141,7 @@ class ValidatedFedAvg(FedAvg):
         """Sample nodes for federated evaluation, one fresh message per node."""
         server_round += self.round_offset
         if self.fraction_evaluate == 0.0:
-            self._evaluate_nodes = set()
+            self.evaluate_nodes = set()
             return []
         node_ids, num_connected = self.sample_nodes(
             grid,
@@ -1200,7 +1156,7 @@ class ValidatedFedAvg(FedAvg):
             len(node_ids),
             num_connected,
         )
-        self._evaluate_nodes = set(node_ids)
+        self.evaluate_nodes = set(node_ids)
         shared = dict(config)
         shared[SERVER_ROUND_KEY] = server_round
         shared.update(self.evaluate_config(server_round))
@@ -1231,7 +1187,7 @@ class ValidatedFedAvg(FedAvg):
             server_round,
             replies,
             expected_arrays={},
-            sampled=self._evaluate_nodes,
+            sampled=self.evaluate_nodes,
             phase="aggregate_evaluate",
         )
         if not valid:
