@@ -49,8 +49,8 @@ def main() -> None:
     results = output / "results.json"
     with deployment(home / "flwr", num_nodes=4) as dep:
         overrides = (
-            f"strategy={args.strategy} num-clients=4 num-rounds={ROUNDS} "
-            "model=logreg train.local-epochs=1 quorum=2"
+            f"strategy={args.strategy} num_clients=4 num_rounds={ROUNDS} "
+            "model=logreg train.local_epochs=1 quorum=2"
         )
         run_id = dep.submit(
             f"overrides='{overrides}' output-dir='{output}'", timeout=120

@@ -169,8 +169,8 @@ def main() -> None:
                     "+experiment=non-iid-official",
                     *PARTITIONS[partition],
                     *STRATEGIES[name],
-                    f"num-rounds={args.rounds}",
-                    f"num-clients={args.clients}",
+                    f"num_rounds={args.rounds}",
+                    f"num_clients={args.clients}",
                     f"seed={seed}",
                 ]
                 results_path = job / "results.json"

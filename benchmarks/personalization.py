@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
 
 RUNS = {
-    "fedavg": ["strategy=fedavg", "train.finetune-steps=10"],
+    "fedavg": ["strategy=fedavg", "train.finetune_steps=10"],
     "apfl-0.25": ["strategy=apfl", "strategy.alpha=0.25"],
     "apfl-0.5": ["strategy=apfl", "strategy.alpha=0.5"],
     "apfl-0.75": ["strategy=apfl", "strategy.alpha=0.75"],
@@ -102,9 +102,9 @@ def main() -> None:
                     "+experiment=personalization",
                     *PARTITIONS[partition],
                     *RUNS[run],
-                    f"num-clients={clients}",
+                    f"num_clients={clients}",
                     f"strategy.fraction_train={FEDERATIONS.get(clients, 1.0)}",
-                    f"num-rounds={args.rounds}",
+                    f"num_rounds={args.rounds}",
                     f"seed={args.seed}",
                 ]
                 path = job / "results.json"

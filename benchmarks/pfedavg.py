@@ -77,12 +77,12 @@ def main() -> None:
         "model=mlp",
         "partition=dirichlet",
         "partition.alpha=0.3",
-        f"num-clients={args.clients}",
-        f"num-rounds={args.rounds}",
+        f"num_clients={args.clients}",
+        f"num_rounds={args.rounds}",
         f"seed={args.seed}",
-        "train.local-epochs=1",
-        "train.batch-size=50",
-        "train.learning-rate=0.1",
+        "train.local_epochs=1",
+        "train.batch_size=50",
+        "train.learning_rate=0.1",
     ]
     per_round = round(args.clients * args.fraction)
     fedavg_time = expected_round_times(

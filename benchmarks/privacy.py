@@ -44,11 +44,11 @@ SETTING = [
     "model=mlp",
     "partition=dirichlet",
     "partition.alpha=0.3",
-    "num-clients=100",
+    "num_clients=100",
     "strategy.fraction_train=0.1",
-    "train.local-epochs=1",
-    "train.batch-size=50",
-    "train.learning-rate=0.1",
+    "train.local_epochs=1",
+    "train.batch_size=50",
+    "train.learning_rate=0.1",
 ]
 
 
@@ -140,7 +140,7 @@ def main() -> None:
                 *SETTING,
                 *STRATEGIES[strategy],
                 *dp_overrides(sigma, args.clipping),
-                f"num-rounds={args.rounds}",
+                f"num_rounds={args.rounds}",
                 f"seed={args.seed}",
             ]
             with tempfile.TemporaryDirectory() as tmp:

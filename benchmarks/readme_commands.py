@@ -156,7 +156,7 @@ METRICS = {
     "rounds": "rounds with a central evaluation after round 0 (results.json)",
     "final-accuracy": "central test accuracy after the last round",
     "best-accuracy": "best central test accuracy over the rounds",
-    "to-target": "first round at the config's target-accuracy",
+    "to-target": "first round at the config's target_accuracy",
     "central-loss": "central test loss after the last round",
     "max-epsilon": "largest client epsilon after the last round (DP-SGD)",
     "retired": "clients retired after spending their budget (DP-SGD)",

@@ -36,7 +36,8 @@ you need, and extend the base's (``super()``) where it does work:
     ``reply.metrics``). Return the new model, the new state values (committed
     only if the round is aggregated) and extra metrics. It may run twice in a
     round (a reply found non-finite is dropped and the rule re-run): depend on
-    the arguments only. Default: ``self.weighted_mean(replies)``.
+    the arguments only (and ``self.global_arrays``, the model this round sent,
+    :math:`\theta^t`). Default: ``self.weighted_mean(replies)``.
 ``grown_state(state, old, new) -> dict``
     ``state`` adjusted to the number of all clients K growing ``old`` -> ``new``
     (a new client holds zero state: sums need nothing, a mean over K is

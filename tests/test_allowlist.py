@@ -123,7 +123,7 @@ def test_a_pack_path_through_an_imported_module_is_refused() -> None:
     "target",
     [
         "flwr_prox_strategies.experiment.sweep.flwr_run",  # starts processes
-        "flwr_prox_strategies.experiment.apps.write_app_dir",  # writes files
+        "flwr_prox_strategies.experiment.appdir.write_app_dir",  # writes files
         "flwr_prox_strategies.experiment.config._compose_cached",
         "flwr_prox_strategies.FedDyn.__init__",
         "flwr_prox_strategies.FedAvg.__init__.__globals__",
@@ -151,7 +151,7 @@ def test_the_client_side_refuses_too() -> None:
         node_id=7,
         node_config={"partition-id": 0, "num-partitions": 3},
         state=RecordDict(),
-        run_config={"overrides": "num-clients=3 client._target_=builtins.open"},
+        run_config={"overrides": "num_clients=3 client._target_=builtins.open"},
     )
     with pytest.raises(
         ConfigNotAllowedError, match=r"client\._target_='builtins\.open'"
@@ -222,7 +222,7 @@ def test_resolver_calls_are_refused(overrides: str, shown: str) -> None:
 
 
 def test_plain_references_still_work() -> None:
-    cfg = compose_config("strategy.min_available_nodes=${num-clients} num-clients=4")
+    cfg = compose_config("strategy.min_available_nodes=${num_clients} num_clients=4")
     assert cfg.strategy.min_available_nodes == 4
 
 
@@ -254,7 +254,7 @@ def test_every_option_of_the_pack_s_tree_is_accepted(override: str) -> None:
 
 
 def test_the_pack_s_objects_build() -> None:
-    cfg = compose_config("model=logreg strategy=pfedavg num-clients=4")
+    cfg = compose_config("model=logreg strategy=pfedavg num_clients=4")
     assert type(build_strategy(cfg)).__name__ == "PFedAvg"
     model = build_model(cfg)
     client = build_client(

@@ -176,10 +176,10 @@ def test_central_dp_from_the_privacy_group_clips_every_update(
         f"privacy.central.clipping={clipping}",
         "privacy.central.noise_multiplier=0.0",
         "privacy.central.clipping_norm=1e-6",
-        "num-clients=3",
-        "num-rounds=2",
+        "num_clients=3",
+        "num_rounds=2",
         "model=logreg",
-        "train.local-epochs=1",
+        "train.local_epochs=1",
     ]
     results = json.loads(run_inprocess(overrides, tmp_path, 3).read_text())
     assert results["central-dp"] == f"{clipping.title()}SideFixedClipping"

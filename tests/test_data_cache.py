@@ -103,7 +103,7 @@ def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
             node_id=3,
             node_config={"partition-id": 1, "num-partitions": 4},
             state=RecordDict(),
-            run_config={"overrides": "num-clients=4 model=logreg"},
+            run_config={"overrides": "num_clients=4 model=logreg"},
         )
         assert make_client(context) is not None
     finally:

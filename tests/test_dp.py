@@ -346,10 +346,10 @@ def test_every_client_trains_privately_from_the_privacy_group(
         f"strategy={strategy}",
         "privacy=dp-sgd",
         "privacy.dp.noise_multiplier=1.0",
-        "num-clients=3",
-        "num-rounds=2",
+        "num_clients=3",
+        "num_rounds=2",
         "model=logreg",
-        "train.local-epochs=1",
+        "train.local_epochs=1",
     ]
     if strategy == "apfl":
         overrides.append("strategy.sync_gap=5")
@@ -431,16 +431,16 @@ def test_a_run_whose_every_client_retires_stops_with_a_clear_message(
     base = [
         "strategy=fedavg",
         "privacy=dp-sgd",
-        "num-clients=3",
+        "num_clients=3",
         "model=logreg",
-        "train.local-epochs=1",
+        "train.local_epochs=1",
     ]
     one = json.loads(
-        run_inprocess([*base, "num-rounds=1"], tmp_path / "one", 3).read_text()
+        run_inprocess([*base, "num_rounds=1"], tmp_path / "one", 3).read_text()
     )
     first = one["rounds"][-1]["train"]["dp-epsilon-total-max"]
     # A budget the first round fits in and the second does not, for everyone.
-    overrides = [*base, "num-rounds=6", f"privacy.dp.target_epsilon={1.1 * first}"]
+    overrides = [*base, "num_rounds=6", f"privacy.dp.target_epsilon={1.1 * first}"]
     results = json.loads(run_inprocess(overrides, tmp_path / "six", 3).read_text())
     stopped = results["stopped-early"]
     assert (

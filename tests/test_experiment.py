@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_issue_example_overrides_compose() -> None:
-    cfg = compose_config("strategy=fedavg partition=iid model=logreg num-rounds=30")
-    assert cfg["num-rounds"] == 30
+    cfg = compose_config("strategy=fedavg partition=iid model=logreg num_rounds=30")
+    assert cfg["num_rounds"] == 30
     assert cfg.partition.scheme == "iid"
     assert cfg.model._target_.endswith("LogisticRegression")
     strategy = build_strategy(cfg)
@@ -36,13 +36,13 @@ def test_issue_example_overrides_compose() -> None:
 
 def test_run_config_keys_map_to_overrides_and_overrides_win() -> None:
     run_config = {
-        "overrides": "num-rounds=7 strategy.mu=0.5",
+        "overrides": "num_rounds=7 strategy.mu=0.5",
         "num-rounds": 3,
         "seed": 4,
     }
     overrides = overrides_from_run_config(run_config)
     cfg = compose_config(overrides)
-    assert cfg["num-rounds"] == 7 and cfg.seed == 4
+    assert cfg["num_rounds"] == 7 and cfg.seed == 4
     strategy = build_strategy(cfg)
     assert isinstance(strategy, FedProx) and strategy.mu == 0.5
     assert overrides_from_run_config({"num-rounds": 0, "seed": -1}) == []
@@ -50,7 +50,7 @@ def test_run_config_keys_map_to_overrides_and_overrides_win() -> None:
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_strategy_config_builds_its_strategy(name: str) -> None:
-    cfg = compose_config(f"strategy={name} num-clients=7")
+    cfg = compose_config(f"strategy={name} num_clients=7")
     strategy = build_strategy(cfg)
     assert type(strategy) is ALGORITHMS[name].strategy
     assert cfg.client._target_.endswith("Client")
@@ -98,7 +98,7 @@ def test_official_non_iid_preset() -> None:
     assert cfg.dataset.name == "fashion-mnist" and cfg.dataset.normalize == "official"
     assert cfg.partition._target_.endswith("official_dirichlet_partition")
     assert cfg.partition.alpha == 0.3
-    assert cfg["num-clients"] == 100 and cfg.train["lr-decay"] == 0.998
+    assert cfg["num_clients"] == 100 and cfg.train["lr_decay"] == 0.998
     strategy = build_strategy(cfg)
     assert strategy.fraction_train == 0.1 and strategy.lr_decay == 0.998
     assert strategy.participation == "bernoulli" and strategy.min_train_nodes == 1
@@ -110,6 +110,49 @@ def test_official_non_iid_preset() -> None:
     assert scaffold.control_lr == "base" and scaffold.participation == "bernoulli"
 
 
+def _keys(node, path=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield f"{path}.{key}" if path else str(key)
+            yield from _keys(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for value in node:
+            yield from _keys(value, path)
+
+
+def test_the_conf_tree_is_snake_case() -> None:
+    """Kebab-case is for the wire and Flower's --run-config, not for conf/."""
+    import yaml
+
+    kebab = [
+        f"{path.relative_to(REPO)}: {key}"
+        for path in sorted((REPO / "conf").rglob("*.yaml"))
+        for key in _keys(yaml.safe_load(path.read_text()) or {})
+        if "-" in key.rsplit(".", 1)[-1]
+    ]
+    assert not kebab, kebab
+
+
+@pytest.mark.parametrize(
+    ("override", "snake"),
+    [
+        ("num-clients=3", "num_clients"),
+        ("train.learning-rate=0.5", "train.learning_rate"),
+    ],
+)
+def test_an_old_kebab_key_names_its_snake_case_spelling(override, snake) -> None:
+    with pytest.raises(ValueError, match=f"write '{snake}'"):
+        compose_config(override)
+    out = subprocess.run(
+        [sys.executable, "-m", "flwr_prox_strategies.experiment", override],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert out.returncode != 0 and f"write '{snake}'" in out.stderr, out.stderr[-2000:]
+
+
 def test_unknown_override_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="strategy=nope"):
         compose_config("strategy=nope")
@@ -119,7 +162,7 @@ def test_node_count_mismatch_is_an_error_not_a_hang() -> None:
     grid = InProcessGrid(lambda m, c: m, num_nodes=3)
     with pytest.raises(RuntimeError, match="num-supernodes=5"):
         wait_for_clients(grid, 5, timeout=0.0)
-    with pytest.raises(RuntimeError, match="num-clients=2"):
+    with pytest.raises(RuntimeError, match="num_clients=2"):
         wait_for_clients(grid, 2, timeout=10.0)  # more nodes than clients: at once
 
 
@@ -127,8 +170,8 @@ def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
     from apps.client_app import app as client_app
 
     run_config = {
-        "overrides": "num-clients=5 num-rounds=2 model=logreg evaluate.fraction-clients=1.0"
-        " evaluate.local-test-fraction=0.2",
+        "overrides": "num_clients=5 num_rounds=2 model=logreg evaluate.fraction_clients=1.0"
+        " evaluate.local_test_fraction=0.2",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=5, run_config=run_config)
@@ -155,7 +198,7 @@ def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
     [
         ("strategy=apfl strategy.sync_gap=5", "personal-accuracy"),
         (
-            "strategy=fedavg train.local-steps=5 train.finetune-steps=5",
+            "strategy=fedavg train.local_steps=5 train.finetune_steps=5",
             "personal-accuracy",
         ),
     ],
@@ -168,8 +211,8 @@ def test_personalised_evaluation_reaches_results_and_plots(
     from apps.client_app import app as client_app
 
     run_config = {
-        "overrides": f"num-clients=4 num-rounds=2 model=logreg partition=pathological "
-        f"evaluate.fraction-clients=1.0 evaluate.local-test-fraction=0.25 {overrides}",
+        "overrides": f"num_clients=4 num_rounds=2 model=logreg partition=pathological "
+        f"evaluate.fraction_clients=1.0 evaluate.local_test_fraction=0.25 {overrides}",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
@@ -201,8 +244,8 @@ def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
         "flwr_prox_strategies.experiment",
         "-m",
         "engine=inprocess",
-        "num-clients=3",
-        "num-rounds=2",
+        "num_clients=3",
+        "num_rounds=2",
         "model=logreg",
         "strategy=fedavg,fedprox",
         "strategy.mu=0.01,1.0",
@@ -236,7 +279,7 @@ def test_a_run_where_every_client_fails_is_an_error(tmp_path: Path) -> None:
         raise RuntimeError("cannot load my data")
 
     run_config = {
-        "overrides": "num-clients=3 num-rounds=2 model=logreg",
+        "overrides": "num_clients=3 num_rounds=2 model=logreg",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(
@@ -254,8 +297,8 @@ def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -
     from apps.client_app import app as client_app
 
     run_config = {
-        "overrides": f"strategy={name} dataset=adult model=logreg num-clients=4 "
-        "num-rounds=2 strategy.k0=2 train.batch-size=4096",
+        "overrides": f"strategy={name} dataset=adult model=logreg num_clients=4 "
+        "num_rounds=2 strategy.k0=2 train.batch_size=4096",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
@@ -272,8 +315,8 @@ def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
     from apps.client_app import app as client_app
 
     run_config = {
-        "overrides": "strategy=pfedavg topology=ring topology.servers=4 num-clients=8 "
-        "num-rounds=2 model=logreg",
+        "overrides": "strategy=pfedavg topology=ring topology.servers=4 num_clients=8 "
+        "num_rounds=2 model=logreg",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=8, run_config=run_config)

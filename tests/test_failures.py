@@ -336,8 +336,8 @@ def test_the_packs_app_records_the_failure_then_raises(tmp_path) -> None:
 
     run_config = {
         # Every client refuses its settings: no reply can be aggregated.
-        "overrides": "num-clients=3 num-rounds=2 model=logreg train.local-epochs=1 "
-        "train.learning-rate=-1",
+        "overrides": "num_clients=3 num_rounds=2 model=logreg train.local_epochs=1 "
+        "train.learning_rate=-1",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=3, run_config=run_config)

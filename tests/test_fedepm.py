@@ -475,7 +475,7 @@ def test_app_path_on_adult_learns(tmp_path) -> None:
     from flwr_prox_strategies.experiment.server import run_experiment
 
     run_config = {
-        "overrides": "+experiment=fedepm-adult num-rounds=5",
+        "overrides": "+experiment=fedepm-adult num_rounds=5",
         "output-dir": str(tmp_path),
     }
     grid = InProcessGrid(client_app, num_nodes=100, run_config=run_config)

@@ -398,7 +398,7 @@ def test_the_app_passes_round_timeout_to_flower(tmp_path) -> None:
     from flwr_prox_strategies.experiment.server import run_experiment
 
     run_config = {
-        "overrides": "num-clients=2 num-rounds=1 model=logreg round-timeout=42.5",
+        "overrides": "num_clients=2 num_rounds=1 model=logreg round_timeout=42.5",
         "output-dir": str(tmp_path),
     }
     grid = TimedGrid(client_app, num_nodes=2, run_config=run_config)

@@ -28,7 +28,7 @@ from flwr_prox_strategies.experiment.checkpoint import (
 )
 from flwr_prox_strategies.experiment.server import run_experiment
 
-SMALL = "num-clients=4 num-rounds=4 model=logreg train.local-epochs=1"
+SMALL = "num_clients=4 num_rounds=4 model=logreg train.local_epochs=1"
 
 
 class SimulatedCrash(Exception):
@@ -64,7 +64,7 @@ def app_run(
     from apps.client_app import app as client_app
 
     run_config = {"overrides": overrides, "output-dir": str(out), **extra}
-    num_nodes = int(overrides.split("num-clients=")[1].split()[0])
+    num_nodes = int(overrides.split("num_clients=")[1].split()[0])
     if crash_round is None:
         grid = InProcessGrid(client_app, num_nodes=num_nodes, run_config=run_config)
     else:
@@ -85,7 +85,7 @@ def rounds_of(out: Path) -> list[dict]:
 
 
 CASES = {
-    "fedavg": "strategy=fedavg evaluate.fraction-clients=0.5",
+    "fedavg": "strategy=fedavg evaluate.fraction_clients=0.5",
     # partial participation: the accepted table matters for unsampled clients
     "scaffold": "strategy=scaffold strategy.fraction_train=0.5",
     "feddyn": "strategy=feddyn",
@@ -144,12 +144,12 @@ def test_elapsed_is_when_each_round_ended(tmp_path: Path) -> None:
 
 
 def test_resume_extends_a_finished_run(tmp_path: Path) -> None:
-    straight, _ = app_run(tmp_path / "a", SMALL.replace("num-rounds=4", "num-rounds=3"))
-    short = SMALL.replace("num-rounds=4", "num-rounds=2")
+    straight, _ = app_run(tmp_path / "a", SMALL.replace("num_rounds=4", "num_rounds=3"))
+    short = SMALL.replace("num_rounds=4", "num_rounds=2")
     app_run(tmp_path / "b", short)
     resumed, _ = app_run(
         tmp_path / "b",
-        short.replace("num-rounds=2", "num-rounds=3"),
+        short.replace("num_rounds=2", "num_rounds=3"),
         resume=str(tmp_path / "b"),
     )
     for x, y in zip(
@@ -162,12 +162,12 @@ def test_resume_extends_a_finished_run(tmp_path: Path) -> None:
 
 
 def test_checkpoint_every_n_rounds_and_the_last(tmp_path: Path) -> None:
-    overrides = f"{SMALL} strategy=fedavg checkpoint-every=3"
+    overrides = f"{SMALL} strategy=fedavg checkpoint_every=3"
     with pytest.raises(SimulatedCrash):
         app_run(tmp_path, overrides, crash_round=3)
     with pytest.raises(CheckpointError, match=r"holds no checkpoint\.npz"):
         app_run(tmp_path, overrides, resume=str(tmp_path))
-    app_run(tmp_path / "full", overrides.replace("num-rounds=4", "num-rounds=5"))
+    app_run(tmp_path / "full", overrides.replace("num_rounds=4", "num_rounds=5"))
     assert read_checkpoint(tmp_path / "full")["round"] == 5  # 3, then the last
 
 
@@ -181,11 +181,11 @@ def crashed_scaffold(tmp_path_factory) -> Path:
 
 
 def test_resume_refuses_another_configuration(crashed_scaffold: Path) -> None:
-    overrides = f"{SMALL} strategy=scaffold train.learning-rate=0.05 seed=3"
+    overrides = f"{SMALL} strategy=scaffold train.learning_rate=0.05 seed=3"
     with pytest.raises(CheckpointError) as err:
         app_run(crashed_scaffold, overrides, resume=str(crashed_scaffold))
     message = str(err.value)
-    assert "train.learning-rate: 0.1 there, 0.05 here" in message
+    assert "train.learning_rate: 0.1 there, 0.05 here" in message
     assert "seed: 0 there, 3 here" in message
     assert "config.yaml" in message
 
@@ -228,8 +228,8 @@ def test_resume_refuses_another_output_dir(crashed_scaffold: Path, tmp_path) -> 
 
 
 def test_stateful_clients_need_a_checkpoint_every_round(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="checkpoint-every=1"):
-        app_run(tmp_path, f"{SMALL} strategy=scaffold checkpoint-every=2")
+    with pytest.raises(ValueError, match="checkpoint_every=1"):
+        app_run(tmp_path, f"{SMALL} strategy=scaffold checkpoint_every=2")
 
 
 def test_apfl_is_not_resumed(tmp_path: Path) -> None:
@@ -244,7 +244,7 @@ def test_stateful_run_without_output_dir_is_not_resumed(tmp_path, monkeypatch) -
     from apps.client_app import app as client_app
 
     monkeypatch.setenv("FLWR_PROX_OUTPUT_ROOT", str(tmp_path))
-    run_config = {"overrides": f"{SMALL} strategy=feddyn num-rounds=1"}
+    run_config = {"overrides": f"{SMALL} strategy=feddyn num_rounds=1"}
     grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
     _, out = run_experiment(grid, run_config)
     assert read_checkpoint(out)["client-state"] is None

@@ -331,9 +331,9 @@ class APFL(ValidatedFedAvg):
 
     def average_model(self) -> ArrayRecord | None:
         r"""Return :math:`\hat\theta`, the seed's weighted global model (or None)."""
-        if self.average_sum is None or self._global_arrays is None:
+        if self.average_sum is None or self.global_arrays is None:
             return None
-        model = record_to_dict(self._global_arrays)
+        model = record_to_dict(self.global_arrays)
         for key, value in self.average_sum.items():
             model[key] = (value / self.average_weight).astype(model[key].dtype)
         return dict_to_record(model)

@@ -160,13 +160,13 @@ class FedDC(ValidatedFedAvg):
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Send :math:`c` (official) or :math:`g` (paper), zeros at first."""
-        assert self._global_arrays is not None
+        assert self.global_arrays is not None
         if self.correction == "official":
             if self.control is None:
-                self.control = zeros_like(record_to_dict(self._global_arrays))
+                self.control = zeros_like(record_to_dict(self.global_arrays))
             return {CONTROL_RECORD: dict_to_record(self.control)}
         if self.global_update is None:
-            model = record_to_dict(self._global_arrays)
+            model = record_to_dict(self.global_arrays)
             self.global_update = {k: np.zeros_like(v) for k, v in model.items()}
         return {GLOBAL_UPDATE_RECORD: dict_to_record(self.global_update)}
 
@@ -202,9 +202,9 @@ class FedDC(ValidatedFedAvg):
         if self.correction == "paper":
             update = self.weighted_mean(replies, LOCAL_UPDATE_RECORD)
             return RoundUpdate(dict_to_record(average), {"global_update": update})
-        assert self.num_clients is not None and self._global_arrays is not None
+        assert self.num_clients is not None and self.global_arrays is not None
         assert state["control"] is not None  # set when the round was configured
-        theta_t = record_to_dict(self._global_arrays)
+        theta_t = record_to_dict(self.global_arrays)
         models = [reply.arrays[self.arrayrecord_key] for reply in replies]
         drift = drift_sum(state["drift_sum"], theta_t, models)
         deltas = [reply.arrays[CONTROL_DELTA_RECORD] for reply in replies]

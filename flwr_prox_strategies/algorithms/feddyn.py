@@ -142,8 +142,8 @@ class FedDyn(ValidatedFedAvg):
         if self.track_all_clients:
             config[TRACK_LATEST_KEY] = True
             if self.initial is None:  # the first round's model is theta^0
-                assert self._global_arrays is not None and self.num_clients is not None
-                self.initial = record_to_dict(self._global_arrays)
+                assert self.global_arrays is not None and self.num_clients is not None
+                self.initial = record_to_dict(self.global_arrays)
                 self.latest_sum = {
                     k: v * self.num_clients
                     for k, v in self.initial.items()
@@ -169,9 +169,9 @@ class FedDyn(ValidatedFedAvg):
 
     def all_clients_model(self) -> ArrayRecord | None:
         """Mean of all clients' latest models (None unless ``track_all_clients``)."""
-        if self.latest_sum is None or self._global_arrays is None:
+        if self.latest_sum is None or self.global_arrays is None:
             return None
-        model = record_to_dict(self._global_arrays)
+        model = record_to_dict(self.global_arrays)
         for key, value in self.latest_sum.items():
             model[key] = (value / self.num_clients).astype(model[key].dtype)
         return dict_to_record(model)
@@ -196,8 +196,8 @@ class FedDyn(ValidatedFedAvg):
 
         :math:`\Lambda^{t+1} = \Lambda + \sum_S(\theta_k - \theta^t)`.
         """
-        assert self.num_clients is not None and self._global_arrays is not None
-        theta_t = record_to_dict(self._global_arrays)
+        assert self.num_clients is not None and self.global_arrays is not None
+        theta_t = record_to_dict(self.global_arrays)
         models = [reply.arrays[self.arrayrecord_key] for reply in replies]
         drift = drift_sum(state["drift_sum"], theta_t, models)
         model = drift_corrected(self.weighted_mean(replies), drift, self.num_clients)

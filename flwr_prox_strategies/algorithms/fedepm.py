@@ -366,8 +366,8 @@ class FedEPM(ValidatedFedAvg):
     def train_config(self, server_round: int) -> dict[str, Any]:
         """Send the penalties, the iteration counter and the noise level."""
         if self.uploads is None:  # every slot starts at the initial model
-            assert self._global_arrays is not None and self.num_clients is not None
-            initial = record_to_dict(self._global_arrays)
+            assert self.global_arrays is not None and self.num_clients is not None
+            initial = record_to_dict(self.global_arrays)
             self.uploads = {
                 key: np.repeat(initial[key][None], self.num_clients, axis=0)
                 for key in float_keys(initial)
@@ -402,7 +402,7 @@ class FedEPM(ValidatedFedAvg):
         slots are the round's state; the clients' mean objective at the sent
         model (when they report it) is its metric.
         """
-        assert state["uploads"] is not None and self._global_arrays is not None
+        assert state["uploads"] is not None and self.global_arrays is not None
         slots = dict(state["slots"])
         rows = []
         for reply in replies:
@@ -414,7 +414,7 @@ class FedEPM(ValidatedFedAvg):
             for row, reply in zip(rows, replies, strict=True):
                 table[row] = reply.arrays[self.arrayrecord_key][name]
             uploads[name] = table
-        model = record_to_dict(self._global_arrays)
+        model = record_to_dict(self.global_arrays)
         for name, table in uploads.items():
             model[name] = elastic_net_center(table, self.lam, self.eta).astype(
                 model[name].dtype

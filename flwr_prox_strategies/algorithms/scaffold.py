@@ -125,9 +125,9 @@ class Scaffold(ValidatedFedAvg):
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Send :math:`c`."""
-        assert self._global_arrays is not None
+        assert self.global_arrays is not None
         if self.control is None:
-            self.control = zeros_like(record_to_dict(self._global_arrays))
+            self.control = zeros_like(record_to_dict(self.global_arrays))
         assert self.control is not None
         return {CONTROL_RECORD: dict_to_record(self.control)}
 
@@ -150,11 +150,11 @@ class Scaffold(ValidatedFedAvg):
 
         :math:`c^+ = c + \frac{1}{N}\sum_S\Delta c_i`.
         """
-        assert self.num_clients is not None and self._global_arrays is not None
+        assert self.num_clients is not None and self.global_arrays is not None
         assert state["control"] is not None  # set when the round was configured
         model = self.weighted_mean(replies)
         if self.server_learning_rate != 1.0:  # else x + (mean y - x), exactly mean y
-            x = record_to_dict(self._global_arrays)
+            x = record_to_dict(self.global_arrays)
             for key in float_keys(x):
                 step = self.server_learning_rate * (model[key] - x[key])
                 model[key] = (x[key] + step).astype(x[key].dtype)

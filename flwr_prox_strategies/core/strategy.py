@@ -384,7 +384,7 @@ class ValidatedFedAvg(FedAvg):
         # The missing-rule warning is given once per run.
         self._rule_warned = False
         # The round's model and sampled nodes: set by configure_*, read by aggregate_*.
-        self._global_arrays: ArrayRecord | None = None
+        self.global_arrays: ArrayRecord | None = None
         self._global_spec: RecordSpec | None = None
         self.train_nodes: set[int] | None = None
         self.evaluate_nodes: set[int] | None = None
@@ -777,7 +777,7 @@ class ValidatedFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Sample nodes and build one fresh message per node."""
         server_round += self.round_offset
-        self._global_arrays = arrays
+        self.global_arrays = arrays
         self._global_spec = spec_of(arrays)
         if self.fraction_train == 0.0:
             self.train_nodes = set()

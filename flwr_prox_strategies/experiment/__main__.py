@@ -4,7 +4,7 @@ Examples
 --------
 One run (Flower's engine, 20 SuperNodes)::
 
-    python -m flwr_prox_strategies.experiment strategy=fedavg num-rounds=10
+    python -m flwr_prox_strategies.experiment strategy=fedavg num_rounds=10
 
 A sweep, summarised in ``multirun/<date>/<time>/summary.csv`` and ``comparison.png``::
 
@@ -12,10 +12,13 @@ A sweep, summarised in ``multirun/<date>/<time>/summary.csv`` and ``comparison.p
         strategy.mu=0.001,0.01,0.1 seed=0,1,2
 """
 
+import sys
+
 import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-from .config import CONF_DIR
+from .config import CONF_DIR, KebabKeyError, check_snake_key
 from .sweep import run_job
 
 
@@ -25,5 +28,24 @@ def main(cfg: DictConfig) -> float:
     return run_job(cfg)
 
 
+def refuse_kebab_keys(argv: list[str]) -> None:
+    """Exit with the snake_case spelling when an override uses a kebab-case key.
+
+    Hydra parses the command line itself and would only say that it cannot
+    override ``num-clients``.
+    """
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # Hydra reports its own parse errors
+        return
+    for override in parsed:
+        try:
+            check_snake_key(override.key_or_group, override.input_line or "")
+        except KebabKeyError as err:
+            sys.exit(f"Error: {err}")
+
+
 if __name__ == "__main__":
+    refuse_kebab_keys(sys.argv[1:])
     main()

@@ -179,7 +179,7 @@ def read_checkpoint(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(
             f"{folder} holds no {CHECKPOINT_FILE}: the run wrote none (it ended "
-            "before its first checkpoint, or had checkpoint-every=0)"
+            "before its first checkpoint, or had checkpoint_every=0)"
         )
     try:
         with np.load(path, allow_pickle=False) as data:
@@ -207,20 +207,20 @@ def read_checkpoint(folder: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the run's side
 #: conf key: write a checkpoint every N rounds (and after the last); 0: never.
-CHECKPOINT_EVERY = "checkpoint-every"
+CHECKPOINT_EVERY = "checkpoint_every"
 #: Sub-folder of the output folder where the app's clients mirror their state.
 CLIENT_STATE_DIR = "client-state"
 #: conf keys that may differ between a run and its resume: they change neither
-#: the model nor a round's results (``num-rounds`` may grow: extend a run).
+#: the model nor a round's results (``num_rounds`` may grow: extend a run).
 RESUME_FREE_KEYS = frozenset(
     {
-        "num-rounds",
+        "num_rounds",
         CHECKPOINT_EVERY,
-        "node-wait-timeout",
-        "round-timeout",
+        "node_wait_timeout",
+        "round_timeout",
         "engine",
-        "num-cpus-per-client",
-        "target-accuracy",
+        "num_cpus_per_client",
+        "target_accuracy",
         "hydra",
     }
 )
@@ -235,7 +235,7 @@ NOT_RESUMABLE = {
 
 
 def checkpoint_every(cfg: DictConfig) -> int:
-    """Return ``checkpoint-every`` (validated: an integer >= 0)."""
+    """Return ``checkpoint_every`` (validated: an integer >= 0)."""
     value = cfg.get(CHECKPOINT_EVERY, 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
@@ -300,7 +300,7 @@ def _inner_strategies(strategy: Any) -> list[Any]:
 
 
 def check_checkpointing(cfg: DictConfig, strategy: Any) -> int:
-    """Return ``checkpoint-every``; refuse a value a resume could not honour.
+    """Return ``checkpoint_every``; refuse a value a resume could not honour.
 
     A stateful client commits its round-``r`` state when it is next trained;
     with checkpoints more than one round apart, a client may commit a round
@@ -476,10 +476,10 @@ def load_resume(
             f"({folder / 'config.yaml'} is its configuration)"
         )
     done = int(saved["round"])
-    num_rounds = int(cfg["num-rounds"])
+    num_rounds = int(cfg["num_rounds"])
     if num_rounds < done:
         raise CheckpointError(
-            f"{where}: its checkpoint is at round {done}, beyond num-rounds="
+            f"{where}: its checkpoint is at round {done}, beyond num_rounds="
             f"{num_rounds}"
         )
     reasons = resume_blockers(cfg, strategy)

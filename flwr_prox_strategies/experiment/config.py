@@ -237,6 +237,32 @@ def _check_no_resolvers(node: Any, where: str = "") -> None:
         )
 
 
+class KebabKeyError(ValueError):
+    """An override names a key of conf/ in kebab-case (the tree is snake_case)."""
+
+
+def check_snake_key(key: str, text: str = "") -> None:
+    """Refuse a kebab-case key, naming its snake_case spelling.
+
+    The tree's keys were kebab-case before 0.2 (``num-clients``); Hydra would
+    only say it cannot override them. Kebab-case stays on the wire and in
+    Flower's ``--run-config`` (``num-rounds``, ``output-dir``), not in conf/.
+
+    Raises
+    ------
+    KebabKeyError
+        When a part of ``key`` (not a config-group path) holds a ``-``.
+    """
+    if "/" in key or "-" not in key:
+        return
+    snake = key.replace("-", "_")
+    raise KebabKeyError(
+        f"override {text or key!r}: the keys of conf/ are snake_case: write "
+        f"{snake!r} (kebab-case is for Flower's --run-config keys and the "
+        'messages, e.g. --run-config "num-rounds=5").'
+    )
+
+
 def check_overrides(overrides: Sequence[str]) -> None:
     """Refuse overrides of Hydra's own config and config-group options not in conf/.
 
@@ -246,6 +272,8 @@ def check_overrides(overrides: Sequence[str]) -> None:
         For ``hydra.*`` / ``hydra/...`` keys (``hydra.searchpath`` loads YAML from
         any folder) and for a group option that is not a file of ``conf/<group>/``
         (``dataset=../../x`` reads any YAML file).
+    KebabKeyError
+        For a kebab-case key (``num-clients``), naming the snake_case one.
     ValueError
         When Hydra cannot parse an override.
     """
@@ -257,6 +285,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
         key = override.key_or_group
         text = override.input_line or key
         package = override.package or ""
+        check_snake_key(key, text)
         if key.split(".")[0].split("/")[0] == "hydra" or package.startswith("hydra"):
             raise ConfigNotAllowedError(
                 f"override {text!r} changes Hydra's own configuration, which a "
@@ -304,7 +333,7 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
     result = []
     rounds = int(run_config.get(RUN_NUM_ROUNDS, 0) or 0)
     if rounds > 0:
-        result.append(f"num-rounds={rounds}")
+        result.append(f"num_rounds={rounds}")
     seed = int(run_config.get(RUN_SEED, -1) if run_config.get(RUN_SEED) != "" else -1)
     if seed >= 0:
         result.append(f"seed={seed}")
@@ -339,7 +368,7 @@ def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
     Parameters
     ----------
     overrides : str | Sequence[str]
-        E.g. ``"strategy=fedavg partition=iid num-rounds=30"`` or a list.
+        E.g. ``"strategy=fedavg partition=iid num_rounds=30"`` or a list.
 
     Raises
     ------
@@ -352,7 +381,7 @@ def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
     """
     try:
         cfg = _compose_cached(tuple(split_overrides(overrides)))
-    except ConfigNotAllowedError:
+    except (ConfigNotAllowedError, KebabKeyError):
         raise
     except Exception as err:  # Hydra raises several unrelated exception types
         raise ValueError(
@@ -405,7 +434,7 @@ def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
         return strategy
     # (central_dp refuses a strategy without one global model, P-FedAvg, clearly.)
     sampled = max(
-        int(int(cfg["num-clients"]) * float(getattr(strategy, "fraction_train", 1))),
+        int(int(cfg["num_clients"]) * float(getattr(strategy, "fraction_train", 1))),
         int(getattr(strategy, "min_train_nodes", 1)),
     )
     return central_dp(
@@ -424,12 +453,12 @@ def build_client(cfg: DictConfig, **runtime: Any) -> Any:
     # into a DictConfig.
     factory = instantiate(_kwargs(cfg.client), _partial_=True)
     return factory(
-        local_epochs=int(train["local-epochs"]),
-        learning_rate=float(train["learning-rate"]),
+        local_epochs=int(train["local_epochs"]),
+        learning_rate=float(train["learning_rate"]),
         momentum=float(train["momentum"]),
-        weight_decay=float(train["weight-decay"]),
-        max_grad_norm=train.get("max-grad-norm"),
-        finetune_steps=int(train.get("finetune-steps", 0) or 0),
+        weight_decay=float(train["weight_decay"]),
+        max_grad_norm=train.get("max_grad_norm"),
+        finetune_steps=int(train.get("finetune_steps", 0) or 0),
         dp=build_dp(cfg),
         **runtime,
     )

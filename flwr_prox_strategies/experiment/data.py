@@ -217,7 +217,9 @@ def split_held_out(
 ) -> tuple[ArrayDataset, ArrayDataset]:
     """Split a client's data into (train, held-out), seeded; both non-empty."""
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"local-test-fraction must be in (0, 1), got {fraction}")
+        raise ValueError(
+            f"evaluate.local_test_fraction must be in (0, 1), got {fraction}"
+        )
     count = len(data)
     held = min(max(1, round(count * fraction)), count - 1)
     if count < 2:

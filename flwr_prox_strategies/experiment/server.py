@@ -86,7 +86,7 @@ def output_dir_for(cfg: DictConfig, run_config: Mapping[str, Any]) -> Path:
 
 
 def wait_for_clients(grid: Grid, expected: int, timeout: float) -> None:
-    """Fail fast, with the fix, when the federation does not match ``num-clients``."""
+    """Fail fast, with the fix, when the federation does not match ``num_clients``."""
     deadline = time.monotonic() + timeout
     while True:
         count = len(list(grid.get_node_ids()))
@@ -94,10 +94,10 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float) -> None:
             return
         if count > expected or time.monotonic() >= deadline:
             raise RuntimeError(
-                f"the configuration says num-clients={expected}, but {count} "
+                f"the configuration says num_clients={expected}, but {count} "
                 "SuperNode(s) are connected. Size the simulation with `flwr run . "
                 f'--federation-config "num-supernodes={expected}"` (or start '
-                f"{expected} SuperNodes), or set num-clients={count} in the overrides."
+                f"{expected} SuperNodes), or set num_clients={count} in the overrides."
             )
         log(INFO, "Waiting for SuperNodes: %d of %d connected", count, expected)
         time.sleep(1.0)
@@ -168,16 +168,16 @@ def run_experiment(
         Flower's ``Result`` and the output folder.
     """
     cfg = cfg if cfg is not None else config_from_run_config(run_config)
-    num_clients = int(cfg["num-clients"])
-    num_rounds = int(cfg["num-rounds"])
-    wait_for_clients(grid, num_clients, float(cfg["node-wait-timeout"]))
+    num_clients = int(cfg["num_clients"])
+    num_rounds = int(cfg["num_rounds"])
+    wait_for_clients(grid, num_clients, float(cfg["node_wait_timeout"]))
     resume_dir = resume_folder(run_config)
     output_dir = resume_dir or output_dir_for(cfg, run_config)
     strategy = build_strategy(cfg)
     for inner in getattr(strategy, "inner", [strategy]):  # P-FedAvg's servers too
         if isinstance(inner, ValidatedFedAvg):
             inner.min_round_nodes = int(cfg["quorum"])
-            inner.node_wait_timeout = float(cfg["node-wait-timeout"])
+            inner.node_wait_timeout = float(cfg["node_wait_timeout"])
     every = check_checkpointing(cfg, strategy)
     resume = None
     if resume_dir is not None:  # the strategy's state is loaded here
@@ -197,7 +197,7 @@ def run_experiment(
             "partition-sizes": sizes,
             "config": OmegaConf.to_container(cfg, resolve=True),
         },
-        target=float(cfg["target-accuracy"]),
+        target=float(cfg["target_accuracy"]),
     )
     recorder.meta["checkpoint-every"] = every
     done = 0
@@ -269,7 +269,7 @@ def run_experiment(
                     initial_arrays=initial,
                     num_rounds=num_rounds - done,
                     # Seconds a round waits for replies (Flower's default: 3600).
-                    timeout=float(cfg["round-timeout"]),
+                    timeout=float(cfg["round_timeout"]),
                     evaluate_fn=round_end,
                 )
         else:
@@ -344,7 +344,7 @@ def run_experiment(
         "Finished: final accuracy %s, best %s, rounds to %.2f: %s, %.1f s",
         summary["final-accuracy"],
         summary["best-accuracy"],
-        float(cfg["target-accuracy"]),
+        float(cfg["target_accuracy"]),
         summary["rounds-to-target"],
         summary["wall-time-s"],
     )
@@ -383,16 +383,16 @@ def make_client(context: Context) -> Any:
             f"node_config lacks {err}; start SuperNodes with --node-config "
             '"partition-id=<i> num-partitions=<n>"'
         ) from err
-    expected = int(cfg.get("num-partitions", cfg["num-clients"]))
+    expected = int(cfg.get("num_partitions", cfg["num_clients"]))
     if num_partitions != expected:
         raise ProtocolError(
             f"this node says num-partitions={num_partitions}, the configuration says "
-            f"num-partitions={expected} (num-clients={cfg['num-clients']}): every "
+            f"num_partitions={expected} (num_clients={cfg['num_clients']}): every "
             "node must split the data the same way"
         )
     data = client_partition(cfg, partition_id, num_partitions)
     held_out = None
-    fraction = float(cfg.evaluate.get("local-test-fraction", 0.0))
+    fraction = float(cfg.evaluate.get("local_test_fraction", 0.0))
     if fraction > 0:
         data, held_out = split_held_out(
             data, fraction, seed=int(cfg.seed) + partition_id
@@ -401,7 +401,7 @@ def make_client(context: Context) -> Any:
     # this loader's shuffling too: reproducible, and a new order every round.
     seed = int(cfg.seed) * 10_007 + partition_id
     train_loader = to_loader(
-        data, batch_size=int(cfg.train["batch-size"]), shuffle=True
+        data, batch_size=int(cfg.train["batch_size"]), shuffle=True
     )
     sizes = partition_sizes(cfg, num_partitions)
     return build_client(
@@ -411,7 +411,7 @@ def make_client(context: Context) -> Any:
         test_loader=None
         if held_out is None
         else to_loader(
-            held_out, batch_size=int(cfg.train["batch-size"]), shuffle=False
+            held_out, batch_size=int(cfg.train["batch_size"]), shuffle=False
         ),
         relative_size=len(data) / (sum(sizes) / len(sizes)),
         seed=seed,

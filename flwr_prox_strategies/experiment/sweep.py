@@ -187,11 +187,11 @@ def run_job(cfg: DictConfig) -> float:
         results_path = flwr_run(
             overrides,
             job_dir,
-            num_supernodes=int(cfg["num-clients"]),
-            cpus_per_client=float(cfg["num-cpus-per-client"]),
+            num_supernodes=int(cfg["num_clients"]),
+            cpus_per_client=float(cfg["num_cpus_per_client"]),
         )
     else:
-        results_path = run_inprocess(overrides, job_dir, int(cfg["num-clients"]))
+        results_path = run_inprocess(overrides, job_dir, int(cfg["num_clients"]))
     results = json.loads(results_path.read_text())
     summary = {
         "overrides": " ".join(overrides),

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 def test_a_run_without_an_aggregated_round_is_failed_in_flwr_ls(tmp_path: Path) -> None:
     output = tmp_path / "out"
     overrides = (
-        "num-clients=4 num-rounds=2 model=logreg train.local-epochs=1 "
-        "train.learning-rate=-1"  # every client refuses it: nothing to aggregate
+        "num_clients=4 num_rounds=2 model=logreg train.local_epochs=1 "
+        "train.learning_rate=-1"  # every client refuses it: nothing to aggregate
     )
     with managed_engine(tmp_path / "home") as env:
         reply = flwr_run(

@@ -64,8 +64,8 @@ SUMS = {
 
 def overrides(name: str) -> str:
     return (
-        f"strategy={name} num-clients=4 num-partitions=5 num-rounds={ROUNDS} "
-        "model=logreg train.local-epochs=1 quorum=2"
+        f"strategy={name} num_clients=4 num_partitions=5 num_rounds={ROUNDS} "
+        "model=logreg train.local_epochs=1 quorum=2"
     )
 
 

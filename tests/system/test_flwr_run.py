@@ -16,7 +16,7 @@ from .engine import REPO, loopback_deployment, managed_engine, run_log, run_stat
 
 pytestmark = pytest.mark.slow
 
-SMALL = "num-clients=4 num-rounds=3 model=logreg train.local-epochs=1"
+SMALL = "num_clients=4 num_rounds=3 model=logreg train.local_epochs=1"
 
 
 def flwr_run(env, *args: str, timeout: float = 300) -> dict:
@@ -105,13 +105,13 @@ def test_node_count_mismatch_fails_fast_with_the_fix(tmp_path: Path) -> None:
             "--federation-config",
             "num-supernodes=3 client-resources-num-cpus=1",
             "--run-config",
-            f"overrides='{SMALL} node-wait-timeout=0' output-dir='{tmp_path}/o'",
+            f"overrides='{SMALL} node_wait_timeout=0' output-dir='{tmp_path}/o'",
             timeout=180,
         )
         status = run_status(reply["run-id"], env)
         assert status["status"] == "finished:failed", status
         log = run_log(reply["run-id"], env)
-    assert "num-supernodes=4" in log and "num-clients=4" in log
+    assert "num-supernodes=4" in log and "num_clients=4" in log
 
 
 def test_loopback_deployment(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_loopback_deployment(tmp_path: Path) -> None:
             env,
             connection,
             "--run-config",
-            f"overrides='strategy=fedavg num-clients=3 num-rounds=2 model=logreg' output-dir='{output}'",
+            f"overrides='strategy=fedavg num_clients=3 num_rounds=2 model=logreg' output-dir='{output}'",
             timeout=400,
         )
         status = run_status(reply["run-id"], env, connection)
@@ -144,8 +144,8 @@ def test_sweep_through_flwr_run(tmp_path: Path) -> None:
                 "flwr_prox_strategies.experiment",
                 "-m",
                 "strategy=fedavg,fedprox",
-                "num-clients=3",
-                "num-rounds=2",
+                "num_clients=3",
+                "num_rounds=2",
                 "model=logreg",
                 f"hydra.sweep.dir={sweep_dir}",
             ],

@@ -41,8 +41,8 @@ pytestmark = pytest.mark.slow
 
 ROUNDS = 5
 OVERRIDES = (
-    f"strategy=scaffold num-clients=4 num-rounds={ROUNDS} model=logreg "
-    "train.local-epochs=1"
+    f"strategy=scaffold num_clients=4 num_rounds={ROUNDS} model=logreg "
+    "train.local_epochs=1"
 )
 FEDERATION = "num-supernodes=4 client-resources-num-cpus=1"
 

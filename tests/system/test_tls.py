@@ -51,8 +51,8 @@ def test_tls_with_supernode_authentication(tmp_path: Path) -> None:
             deployment.env,
             deployment.connection,
             "--run-config",
-            "overrides='strategy=fedavg num-clients=2 num-rounds=2 model=logreg "
-            f"train.local-epochs=1' output-dir='{output}'",
+            "overrides='strategy=fedavg num_clients=2 num_rounds=2 model=logreg "
+            f"train.local_epochs=1' output-dir='{output}'",
             timeout=300,
         )
         status = run_status(reply["run-id"], deployment.env, deployment.connection)
@@ -65,7 +65,7 @@ def test_tls_with_supernode_authentication(tmp_path: Path) -> None:
             deployment.env,
             deployment.connection,
             "--run-config",
-            "overrides='num-clients=2 strategy._target_=builtins.open'",
+            "overrides='num_clients=2 strategy._target_=builtins.open'",
             timeout=120,
         )
         status = run_status(refused["run-id"], deployment.env, deployment.connection)
@@ -88,5 +88,5 @@ def test_tls_with_supernode_authentication(tmp_path: Path) -> None:
     assert "Failed to activate SuperNode" in node_log, node_log[-2000:]
     tls_log = (home / "supernode3" / "supernode.out").read_text()
     assert "CERTIFICATE_VERIFY_FAILED" in tls_log, tls_log[-2000:]
-    # The run saw exactly the two registered nodes (the app checks num-clients).
+    # The run saw exactly the two registered nodes (the app checks num_clients).
     check_results(output, 2, "FedAvg")
