@@ -184,8 +184,6 @@ class FedDC(ValidatedFedAvg):
     # -------------------------------------------------------- aggregation
     def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
         """Keep c the mean over all N clients (the drift sum needs nothing)."""
-        if state["control"] is None:
-            return state
         return {**state, "control": rescaled(state["control"], old / new)}
 
     def server_update(

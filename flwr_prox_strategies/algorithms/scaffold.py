@@ -139,8 +139,6 @@ class Scaffold(ValidatedFedAvg):
 
     def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
         r"""Keep :math:`c` the mean over all N clients: new ones hold zero."""
-        if state["control"] is None:
-            return state
         return {**state, "control": rescaled(state["control"], old / new)}
 
     def server_update(

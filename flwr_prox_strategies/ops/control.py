@@ -19,6 +19,7 @@ are updated. Every function returns new arrays and leaves its inputs untouched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import overload
 
 import numpy as np
 from numpy.typing import NDArray
@@ -69,8 +70,19 @@ def control_update(
     return new
 
 
-def rescaled(c: Mapping[str, NDArray], factor: float) -> dict[str, NDArray]:
-    """Return ``c * factor`` on the floating arrays (dtypes kept), others copied."""
+@overload
+def rescaled(c: None, factor: float) -> None: ...
+@overload
+def rescaled(c: Mapping[str, NDArray], factor: float) -> dict[str, NDArray]: ...
+def rescaled(
+    c: Mapping[str, NDArray] | None, factor: float
+) -> dict[str, NDArray] | None:
+    """Return ``c * factor`` on the floating arrays (dtypes kept), others copied.
+
+    None (no round configured yet) stays None.
+    """
+    if c is None:
+        return None
     keys = set(_floating(c))
     return {
         key: (value * factor).astype(value.dtype) if key in keys else value.copy()
