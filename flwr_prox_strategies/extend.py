@@ -18,9 +18,7 @@ you need, and extend the base's (``super()``) where it does work:
     under kebab-case keys defined beside the algorithm (``feddyn-alpha``).
 ``train_records(server_round)``, ``node_train_records(node_id, server_round)``
     Extra ``ArrayRecord``\ s (name -> record) sent with the model: to every
-    sampled node, or to one. ``node_train_config(node_id, server_round)`` is the
-    per-node config; with ``stateful_clients`` the base's carries the two-phase
-    commit, so return ``{**super().node_train_config(...), ...}``.
+    sampled node, or to one.
 ``expected_train_arrays(server_round) -> dict[str, RecordSpec]``
     The ``ArrayRecord``\ s a train reply must carry, name -> :data:`RecordSpec`.
     Start from ``super()``'s (the model) and add yours: a reply missing one, or
@@ -66,6 +64,11 @@ Class attributes declare the rest:
 ``requires_num_clients``
     The rule divides by K, the number of all clients: ``num_clients=None``
     means "learn K from the grid at the first round" (then checked).
+``central_dp_caveat``
+    What Flower's central-DP wrappers leave uncovered when they wrap the
+    strategy (server state built from un-noised aggregates), logged as a
+    warning when one does; records uploaded besides the model are named
+    without it.
 
 Constructors are keyword-only and check their arguments with
 :func:`check_int`, :func:`check_positive`, :func:`check_non_negative`,

@@ -22,6 +22,7 @@ from flwr_prox_strategies import (
     FedDyn,
     ServerSideFixedClipping,
 )
+from flwr_prox_strategies.core.central import dp_caveats, extra_reply_records
 
 from .helpers import model_arrays, record, sampling_grid
 from .test_contract import (
@@ -80,7 +81,7 @@ def aggregate(strategy, replies):
     "kind", sorted(set(BAD_REPLIES) - {"error-reply", "dead-node"})
 )
 def test_bad_reply_is_as_if_absent_inside_the_wrapper(wrapper, name, kind) -> None:
-    if wrapper == "server-side" and STRATEGIES[name]().extra_reply_records():
+    if wrapper == "server-side" and extra_reply_records(STRATEGIES[name]()):
         pytest.skip("server-side clipping treats every reply record as a model")
     with_bad, messages, good = setup(wrapper, name)
     without_bad, _, good_b = setup(wrapper, name)
@@ -151,11 +152,11 @@ def test_released_model_is_the_clipped_aggregate_plus_noise(wrapper) -> None:
 
 
 def test_caveats_name_what_central_dp_does_not_cover(caplog) -> None:
-    assert FedAvg(min_available_nodes=2).central_dp_caveats() == []
-    caveats = FedDyn(alpha=0.1, num_clients=2).central_dp_caveats()
+    assert dp_caveats(FedAvg(min_available_nodes=2)) == []
+    caveats = dp_caveats(FedDyn(alpha=0.1, num_clients=2))
     assert any("h" in c and "understates" in c for c in caveats)
     scaffold = STRATEGIES["scaffold"]()
-    assert any("control" in c for c in scaffold.central_dp_caveats())
+    assert any("control" in c for c in dp_caveats(scaffold))
     ServerSideFixedClipping(scaffold, 1.0, 1.0, 5)
     assert "SCAFFOLD" in caplog.text
 

@@ -124,6 +124,12 @@ class FedDC(ValidatedFedAvg):
     state_fields = ("drift_sum", "control", "global_update")
     resume_settings = ("correction",)
     settings = ("alpha", "num_clients", "correction")
+    # What the server keeps from un-noised aggregates (central DP's noise misses it).
+    central_dp_caveat = (
+        "FedDC's clients upload their drift and the server keeps the un- "
+        "noised mean of it in the next model: neither is clipped nor noised "
+        "by the wrapper"
+    )
 
     def __init__(
         self,
@@ -213,17 +219,6 @@ class FedDC(ValidatedFedAvg):
                 "control": control_update(state["control"], deltas, self.num_clients),
             },
         )
-
-    def central_dp_caveats(self) -> list[str]:
-        """Add what the server keeps from un-noised aggregates."""
-        return [
-            *super().central_dp_caveats(),
-            (
-                "FedDC's clients upload their drift and the server keeps the un- "
-                "noised mean of it in the next model: neither is clipped nor noised "
-                "by the wrapper"
-            ),
-        ]
 
 
 class FedDCRule(ClientRule):

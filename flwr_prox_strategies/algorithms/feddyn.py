@@ -116,6 +116,13 @@ class FedDyn(ValidatedFedAvg):
     state_fields = ("drift_sum", "initial", "latest_sum")
     resume_settings = ("alpha",)
     settings = ("alpha", "num_clients", "track_all_clients")
+    # What the server keeps from un-noised aggregates (central DP's noise misses it).
+    central_dp_caveat = (
+        "FedDyn's server state h accumulates the un-noised mean of the "
+        "clipped client models and every later global model carries "
+        "h/alpha, so a client's contribution is released again each round: "
+        "the wrapper's per-round epsilon understates FedDyn's"
+    )
 
     def __init__(
         self,
@@ -211,18 +218,6 @@ class FedDyn(ValidatedFedAvg):
             new_state,
             {"feddyn-drift-norm": norm(drift) / self.num_clients},
         )
-
-    def central_dp_caveats(self) -> list[str]:
-        """Add what the server keeps from un-noised aggregates."""
-        return [
-            *super().central_dp_caveats(),
-            (
-                "FedDyn's server state h accumulates the un-noised mean of the "
-                "clipped client models and every later global model carries "
-                "h/alpha, so a client's contribution is released again each round: "
-                "the wrapper's per-round epsilon understates FedDyn's"
-            ),
-        ]
 
 
 class FedDynRule(ClientRule):

@@ -62,6 +62,7 @@ from numpy.typing import NDArray
 from ..core.grid import GroupGrid
 from ..core.outcome import ReplyTally, finish_run
 from ..core.records import RecordSpec, dict_to_record, record_to_dict
+from ..core.screening import reply_node
 from ..core.strategy import ValidatedFedAvg
 from ..core.validation import reject_unknown_kwargs
 from ..ops.graphs import adjacency, from_adjacency
@@ -405,9 +406,9 @@ class PFedAvg(Strategy):
         sent_to: dict[str, int] = {}
         for strategy in self.inner:
             if isinstance(strategy, ValidatedFedAvg):
-                sent_to.update(strategy.sent_message_nodes("train"))
+                sent_to.update(strategy.screen.sent_nodes("train"))
         for reply in replies:
-            server = self.server_of.get(ValidatedFedAvg.reply_node(reply, sent_to))
+            server = self.server_of.get(reply_node(reply, sent_to))
             if server is None:
                 stray += 1
                 self.rejections["aggregate_train:unsampled"] += 1
@@ -521,9 +522,9 @@ class PFedAvg(Strategy):
         sent_to: dict[str, int] = {}
         for strategy in self.inner:
             if isinstance(strategy, ValidatedFedAvg):
-                sent_to.update(strategy.sent_message_nodes("evaluate"))
+                sent_to.update(strategy.screen.sent_nodes("evaluate"))
         for reply in replies:
-            server = self.server_of.get(ValidatedFedAvg.reply_node(reply, sent_to))
+            server = self.server_of.get(reply_node(reply, sent_to))
             if server is not None:
                 by_server[server].append(reply)
         records = [

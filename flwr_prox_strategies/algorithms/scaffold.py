@@ -102,6 +102,12 @@ class Scaffold(ValidatedFedAvg):
     rule_name = "SCAFFOLD's control-variate correction"
     state_fields = ("control",)
     settings = ("num_clients", "server_learning_rate", "control_lr")
+    # What the server keeps from un-noised aggregates (central DP's noise misses it).
+    central_dp_caveat = (
+        "SCAFFOLD's server control variate c is the un-noised mean of the "
+        "clients' control-variate updates and is sent to every client: the "
+        "wrapper's epsilon does not cover it"
+    )
 
     def __init__(
         self,
@@ -163,17 +169,6 @@ class Scaffold(ValidatedFedAvg):
             {"control": control},
             {"control-norm": norm(control)},
         )
-
-    def central_dp_caveats(self) -> list[str]:
-        """Add what the server keeps from un-noised aggregates."""
-        return [
-            *super().central_dp_caveats(),
-            (
-                "SCAFFOLD's server control variate c is the un-noised mean of the "
-                "clients' control-variate updates and is sent to every client: the "
-                "wrapper's epsilon does not cover it"
-            ),
-        ]
 
 
 class ScaffoldRule(ClientRule):

@@ -20,7 +20,8 @@ and the subclasses here add:
   variates, APFL's weighted average) or keeps server state built from the
   un-noised aggregate (FedDyn's h, SCAFFOLD's c), the wrapper's epsilon does not
   cover everything released; the constructor logs a warning naming it
-  (:meth:`~.strategy.ValidatedFedAvg.central_dp_caveats`).
+  (:func:`dp_caveats`: the records replies carry besides the model, and the
+  strategy's declared ``central_dp_caveat``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,33 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from .keys import BUDGET_EXHAUSTED_REASON
 from .outcome import ReplyTally, finish_run
+from .screening import reply_node
 from .strategy import ValidatedFedAvg
 from .validation import ReplyRejected
+
+
+def extra_reply_records(strategy: ValidatedFedAvg) -> list[str]:
+    """Name the ArrayRecords a train reply carries besides the model."""
+    return sorted(set(strategy.expected_train_arrays(1)) - {strategy.arrayrecord_key})
+
+
+def dp_caveats(strategy: ValidatedFedAvg) -> list[str]:
+    """Say what central DP's noise on the aggregated model does not cover.
+
+    Flower's fixed-clipping wrappers clip each update and noise the
+    aggregate; anything else a client uploads, or the server keeps from
+    un-noised aggregates (the strategy's ``central_dp_caveat``), is outside
+    their epsilon.
+    """
+    caveats = []
+    if extra := extra_reply_records(strategy):
+        caveats.append(
+            f"replies also carry {extra}, which central DP neither clips as "
+            "updates nor noises; its epsilon covers the model only"
+        )
+    if strategy.central_dp_caveat is not None:
+        caveats.append(strategy.central_dp_caveat)
+    return caveats
 
 
 def screen_replies(
@@ -60,7 +86,7 @@ def screen_replies(
     errors: list[Message] = []
     others: list[Message] = []
     tally = ReplyTally()
-    sent_to = strategy.sent_message_nodes("train")
+    sent_to = strategy.screen.sent_nodes("train")
     error_nodes: set[int] = set()
     for message in replies:
         passed_on = message.has_error() and not str(message.error.reason).startswith(
@@ -68,7 +94,7 @@ def screen_replies(
         )
         (errors if passed_on else others).append(message)
         if passed_on:  # counted here: the wrapper skips the round unseen
-            node_id = strategy.reply_node(message, sent_to)
+            node_id = reply_node(message, sent_to)
             error_nodes.add(node_id)
             tally.add(node_id, ReplyRejected("error-reply", str(message.error.reason)))
     sampled = strategy.train_nodes
@@ -85,7 +111,7 @@ def screen_replies(
     passed = errors + [r.message for r in valid if r.message is not None]
     # What was screened out is counted here: aggregate_train, which sees
     # only what is passed on, must not count those nodes again as silent.
-    strategy.train_nodes = {strategy.reply_node(m, sent_to) for m in passed}
+    strategy.train_nodes = {reply_node(m, sent_to) for m in passed}
     return passed
 
 
@@ -100,7 +126,7 @@ class _ValidatedReplies(Strategy):
     def __init__(self, strategy: Strategy, *args: Any, **kwargs: Any) -> None:
         super().__init__(strategy, *args, **kwargs)  # type: ignore[call-arg]
         if isinstance(strategy, ValidatedFedAvg):
-            for caveat in strategy.central_dp_caveats():
+            for caveat in dp_caveats(strategy):
                 log(
                     WARNING,
                     "%s(%s): %s",

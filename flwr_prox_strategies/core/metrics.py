@@ -11,7 +11,7 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import MetricRecord
+from flwr.app import MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from ..ops.aggregate import WeightedMean
@@ -22,6 +22,7 @@ from .keys import (
     NUM_EXAMPLES_KEY,
     STATE_ROUND_METRIC,
 )
+from .messages import payload_bytes
 from .rule import node_key
 from .validation import ValidReply
 
@@ -96,9 +97,71 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
     return table
 
 
+def log_client_spread(
+    server_round: int, replies: list[ValidReply], table: dict[str, Any]
+) -> None:
+    """Log the mean, spread and worst client of each accuracy in ``table``."""
+    for name in ("accuracy", "personal-accuracy"):
+        if f"{name}-worst" in table:
+            log(
+                INFO,
+                "aggregate_evaluate: round %d: %s over %d clients: "
+                "mean %.4f, std %.4f, worst %.4f",
+                server_round,
+                name,
+                len(replies),
+                table[f"{name}-clients-mean"],
+                table[f"{name}-std"],
+                table[f"{name}-worst"],
+            )
+
+
 def _number(value: Any) -> float:
     # Metric values are numbers or lists; a list is no table entry.
     return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def reply_metrics(
+    replies: list[ValidReply],
+    custom: Callable[[list[RecordDict], str], MetricRecord] | None,
+    weight_key: str | None = None,
+) -> MetricRecord:
+    """Aggregate the replies' metrics: the user's Flower-style function, or ours.
+
+    ``custom(contents, key)`` gets the valid replies' contents only, and
+    ``weight_key`` (``num-examples`` when None) as Flower's strategies give it.
+    """
+    if custom is not None:
+        contents = [r.message.content for r in replies if r.message is not None]
+        return custom(contents, weight_key or NUM_EXAMPLES_KEY)
+    return weighted_metric_mean(replies)
+
+
+def round_counts(
+    valid: list[ValidReply],
+    *,
+    failed: int,
+    rejected: int,
+    absent: int,
+    capped: int,
+    bytes_sent: int,
+) -> dict[str, Any]:
+    """Return a training round's counts of replies and its traffic in bytes.
+
+    ``bytes-sent``/``bytes-received``: the ArrayRecords' payload of this
+    round's messages (model and extra records) and of its valid replies.
+    """
+    return {
+        "replies-valid": len(valid),
+        "replies-failed": failed,
+        "replies-rejected": rejected,
+        "replies-absent": absent,
+        "replies-capped": capped,
+        "bytes-sent": bytes_sent,
+        "bytes-received": payload_bytes(
+            reply.message for reply in valid if reply.message is not None
+        ),
+    }
 
 
 def dissimilarity_metrics(

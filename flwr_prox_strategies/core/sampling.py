@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import time
 from logging import INFO
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from .outcome import EveryClientRetiredError
+
+if TYPE_CHECKING:
+    from flwr.app import ArrayRecord
+
+    from .strategy import ValidatedFedAvg
 
 PARTICIPATION = ("fixed", "bernoulli")
 # Redraws of a Bernoulli sample below min_train_nodes before giving up (the official
@@ -113,3 +122,81 @@ def draw_stragglers(
     stragglers = sorted(node_ids[i] for i in order[num_active:])
     epochs = rng.integers(1, local_epochs, size=len(stragglers))
     return {node: int(e) for node, e in zip(stragglers, epochs, strict=True)}
+
+
+def training_sample(
+    strategy: ValidatedFedAvg,
+    grid: Grid,
+    server_round: int,
+    arrays: ArrayRecord,
+) -> tuple[list[int], dict[int, int]]:
+    """Return the nodes that train this round and the stragglers' epochs.
+
+    Retired nodes (privacy budget spent) are never drawn; when every connected
+    node is retired, training stops (:class:`.outcome.EveryClientRetiredError`,
+    with ``arrays``, the last aggregated model). Stragglers are dropped or kept
+    with partial work, as the strategy's ``straggler_policy`` says.
+    """
+    name = type(strategy).__name__
+    node_ids, num_connected = strategy.sample_nodes(
+        grid,
+        server_round,
+        fraction=strategy.fraction_train,
+        minimum=strategy.min_train_nodes,
+        stream=0,
+        exclude=strategy.retired_nodes,
+        bernoulli=strategy.participation == "bernoulli",
+    )
+    if (
+        strategy.requires_num_clients
+        and strategy.num_clients is not None
+        and num_connected != strategy.num_clients
+    ):
+        log(
+            INFO,
+            "configure_train: %d node(s) connected, K=%d clients (%s): absent "
+            "clients keep their state in the sums; new ones join K when they "
+            "first reply",
+            num_connected,
+            strategy.num_clients,
+            strategy.num_clients_source,
+        )
+    if not node_ids and num_connected and strategy.retired_nodes:
+        raise EveryClientRetiredError(
+            f"{name}: round {server_round}: every one of the "
+            f"{num_connected} connected node(s) has spent its privacy budget "
+            f"(retired: {len(strategy.retired_nodes)}); training stops here instead "
+            f"of idling through the remaining rounds. The model is the one "
+            f"aggregated last (round {server_round - 1}). To train longer, "
+            "raise the budget (privacy.dp.target_epsilon) or spend it more "
+            "slowly (more noise, fewer local steps, fewer rounds).",
+            Result(arrays=arrays),
+            server_round,
+        )
+    stragglers = draw_stragglers(
+        node_ids,
+        server_round,
+        seed=strategy.seed,
+        drop_percent=strategy.drop_percent,
+        local_epochs=strategy.local_epochs,
+    )
+    keep_partial = strategy.straggler_policy == "keep-partial"
+    if stragglers and not keep_partial:
+        node_ids = [n for n in node_ids if n not in stragglers]
+        log(INFO, "configure_train: dropping %d straggler(s)", len(stragglers))
+    if strategy.retired_nodes:
+        log(
+            INFO,
+            "configure_train: %d node(s) retired (privacy budget spent)",
+            len(strategy.retired_nodes),
+        )
+    log(
+        INFO,
+        "configure_train: sampled %d nodes (out of %d)%s",
+        len(node_ids),
+        num_connected,
+        f", {len(stragglers)} straggler(s) keep partial work"
+        if stragglers and keep_partial
+        else "",
+    )
+    return node_ids, stragglers

@@ -1,0 +1,70 @@
+"""The run's summary of a strategy: its declared settings, then the base's checks.
+
+Logged at the start of ``Strategy.start`` (Flower's ``summary()``), before
+Flower's own lines, so a log says what ran.
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from typing import TYPE_CHECKING
+
+from flwr.common.logger import log
+
+if TYPE_CHECKING:
+    from .strategy import ValidatedFedAvg
+
+
+def weighting_text(strategy: ValidatedFedAvg) -> str:
+    """Return how replies are weighted, in words."""
+    if strategy.weighting == "metric":
+        return f"by metric '{strategy.weighted_by_key}'"
+    return strategy.weighting
+
+
+def caps_text(strategy: ValidatedFedAvg) -> str:
+    """Return the caps on a reply's claimed ``num-examples``, in words."""
+    caps = []
+    if strategy.max_weight_ratio is not None:
+        caps.append(f"{strategy.max_weight_ratio:g} x the round's median")
+    if strategy.max_num_examples is not None:
+        caps.append(f"{strategy.max_num_examples:g}")
+    return " and ".join(caps) or "none"
+
+
+def log_summary(strategy: ValidatedFedAvg, base_settings: tuple[str, ...]) -> None:
+    """Log the algorithm's settings (when it declares its own), then the base's."""
+    settings = strategy.settings
+    if settings != base_settings:
+        log(INFO, "\t├──> %s settings:", type(strategy).__name__)
+        for number, name in enumerate(settings, 1):
+            branch = "└" if number == len(settings) else "├"
+            log(INFO, "\t│\t%s── %s: %s", branch, name, getattr(strategy, name))
+    log(INFO, "\t├──> Validation and sampling (flwr-prox-strategies):")
+    log(INFO, "\t│\t├── Weighting: %s", weighting_text(strategy))
+    if strategy.rule_metric is not None:
+        log(
+            INFO,
+            "\t│\t├── Clients must report: '%s' (%s)",
+            strategy.rule_metric,
+            "replies without it rejected" if strategy.strict else "else warned",
+        )
+    log(INFO, "\t│\t├── Seed: %d", strategy.seed)
+    log(INFO, "\t│\t├── Participation: %s", strategy.participation)
+    log(
+        INFO,
+        "\t│\t├── num-examples cap: %s; largest reply: %s",
+        caps_text(strategy),
+        f"{strategy.max_reply_bytes:,} bytes"
+        if strategy.max_reply_bytes is not None
+        else "2 x the expected records + 1 MiB",
+    )
+    log(INFO, "\t│\t├── Local epochs: %s", strategy.local_epochs or "client's own")
+    if strategy.local_steps is not None:
+        log(INFO, "\t│\t├── Local steps: %d", strategy.local_steps)
+    log(
+        INFO,
+        "\t│\t└── Stragglers: %.0f%% (%s)",
+        100 * strategy.drop_percent,
+        strategy.straggler_policy,
+    )
