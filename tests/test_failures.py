@@ -33,7 +33,7 @@ from flwr_prox_strategies import (
 from flwr_prox_strategies.algorithms.fedprox import PROXIMAL_MU_APPLIED_KEY
 from flwr_prox_strategies.core.central import ServerSideFixedClipping
 from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.strategy import NoRoundAggregatedError, short_reason
+from flwr_prox_strategies.core.outcome import NoRoundAggregatedError, short_reason
 
 from .helpers import model_arrays, record
 

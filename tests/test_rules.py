@@ -55,7 +55,7 @@ from flwr_prox_strategies import (
 )
 from flwr_prox_strategies.algorithms import ALGORITHMS
 from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.strategy import NoRoundAggregatedError
+from flwr_prox_strategies.core.outcome import NoRoundAggregatedError
 from flwr_prox_strategies.core.training import BatchFormatError
 
 from .lsq import LeastSquares, half_sse

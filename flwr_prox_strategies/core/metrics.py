@@ -97,6 +97,26 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
     return table
 
 
+def evaluation_metrics(
+    server_round: int,
+    replies: list[ValidReply],
+    custom: Callable[[list[RecordDict], str], MetricRecord] | None,
+) -> MetricRecord:
+    """Aggregate an evaluation round: the user's function, or ours and the table.
+
+    Ours: the weighted means, and the per-client table (:func:`per_client_table`)
+    whose spread is logged; ``replies-valid`` either way.
+    """
+    record = reply_metrics(replies, custom)
+    record["replies-valid"] = len(replies)
+    if custom is None:
+        table = per_client_table(replies)
+        for key, value in table.items():
+            record[key] = value
+        log_client_spread(server_round, replies, table)
+    return record
+
+
 def log_client_spread(
     server_round: int, replies: list[ValidReply], table: dict[str, Any]
 ) -> None:

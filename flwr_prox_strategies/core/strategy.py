@@ -45,46 +45,15 @@ from flwr.serverapp.strategy import FedAvg, Result
 from numpy.typing import NDArray
 
 from ..ops.aggregate import WeightedMean
-from . import population
+from . import keys, metrics, population, sampling, screening
 from .commit import ClientBook
 from .fields import RoundUpdate, settings_text
 from .finite import finite_update
-from .keys import (
-    CLIENT_KEY_METRIC,
-    GRADIENT_RECORD,
-    LOCAL_EPOCHS_KEY,
-    LOCAL_STEPS_KEY,
-    LR_SCALE_KEY,
-    REPORT_GRADIENT_KEY,
-    SERVER_ROUND_KEY,
-)
 from .messages import node_messages, payload_bytes
-from .metrics import (
-    dissimilarity_metrics,
-    log_client_spread,
-    per_client_table,
-    reply_metrics,
-    round_counts,
-)
-from .outcome import (
-    EveryClientRetiredError,
-    NoRoundAggregatedError,
-    ReplyTally,
-    finish_run,
-    short_reason,
-)
+from .outcome import finish_run
 from .privacy import record_privacy
 from .records import RecordSpec, dict_to_record, spec_of
 from .resume import restore_strategy, strategy_state
-from .sampling import PARTICIPATION, sample_nodes, training_sample
-from .screening import (
-    ReplyScreen,
-    cap_claims,
-    reply_order,
-    reply_size_limit,
-    reports_rule,
-    warn_rule_not_applied,
-)
 from .summary import log_summary
 from .validation import (
     ReplyRejected,
@@ -97,17 +66,6 @@ from .validation import (
     resolve_weighting,
 )
 
-# The run outcome's names are re-exported: they were first defined here.
-__all__ = [
-    "EveryClientRetiredError",
-    "NoRoundAggregatedError",
-    "ReplyTally",
-    "ValidatedFedAvg",
-    "finish_run",
-    "short_reason",
-]
-
-STRAGGLER_POLICIES = ("drop", "keep-partial")
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
@@ -263,7 +221,7 @@ class ValidatedFedAvg(FedAvg):
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
             participation=participation,
-            participations=PARTICIPATION,
+            participations=sampling.PARTICIPATION,
             min_train_nodes=min_train_nodes,
             min_evaluate_nodes=min_evaluate_nodes,
             min_available_nodes=min_available_nodes,
@@ -309,7 +267,7 @@ class ValidatedFedAvg(FedAvg):
         self.max_num_examples = max_num_examples
         self.max_weight_ratio = max_weight_ratio
         self.max_reply_bytes = max_reply_bytes
-        self.screen = ReplyScreen()  # reply validation, and what was not used
+        self.screen = screening.ReplyScreen()  # reply validation, and what was not used
         self.book = ClientBook()  # the two-phase commit of client state (state)
         # The round's model and sampled nodes: set by configure_*, read by aggregate_*.
         self.global_arrays: ArrayRecord | None = None
@@ -401,7 +359,7 @@ class ValidatedFedAvg(FedAvg):
         if self._sampled_once and self.min_round_nodes is not None:
             quorum = self.min_round_nodes
         self._sampled_once = True
-        return sample_nodes(
+        return sampling.sample_nodes(
             grid,
             server_round,
             seed=self.seed,
@@ -450,12 +408,12 @@ class ValidatedFedAvg(FedAvg):
         spec = {} if self._global_spec is None else self._global_spec
         expected = {self.arrayrecord_key: spec}
         if self.monitor_dissimilarity:
-            expected[GRADIENT_RECORD] = spec
+            expected[keys.GRADIENT_RECORD] = spec
         return expected
 
     def check_reply(self, reply: ValidReply) -> None:
         """Extra checks on a structurally valid reply; raise ``ReplyRejected``."""
-        if self.strict and not reports_rule(reply, self.rule_metric):
+        if self.strict and not screening.reports_rule(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
                 f"no '{self.rule_metric}' metric: the client is not applying "
@@ -464,11 +422,11 @@ class ValidatedFedAvg(FedAvg):
         if self.weighting == "metric":
             check_weight(reply.metrics, self.weighted_by_key, kind="weight")
         if self.stateful_clients:
-            key = reply.metrics.get(CLIENT_KEY_METRIC)
+            key = reply.metrics.get(keys.CLIENT_KEY_METRIC)
             if isinstance(key, bool) or not isinstance(key, int):
                 raise ReplyRejected(
                     "client-key",
-                    f"no integer '{CLIENT_KEY_METRIC}' metric: is the client a "
+                    f"no integer '{keys.CLIENT_KEY_METRIC}' metric: is the client a "
                     f"{type(self).__name__} client?",
                 )
 
@@ -542,23 +500,25 @@ class ValidatedFedAvg(FedAvg):
             self.train_nodes = set()
             return []
         population.learn_from_grid(self, grid, server_round)
-        node_ids, stragglers = training_sample(self, grid, server_round, arrays)
+        node_ids, stragglers = sampling.training_sample(
+            self, grid, server_round, arrays
+        )
         self.train_nodes = set(node_ids)
-        shared = {**config, SERVER_ROUND_KEY: server_round}
+        shared = {**config, keys.SERVER_ROUND_KEY: server_round}
         if self.local_epochs is not None:
-            shared[LOCAL_EPOCHS_KEY] = self.local_epochs
+            shared[keys.LOCAL_EPOCHS_KEY] = self.local_epochs
         if self.local_steps is not None:
-            shared[LOCAL_STEPS_KEY] = self.local_steps
+            shared[keys.LOCAL_STEPS_KEY] = self.local_steps
         if self.lr_decay != 1.0:
-            shared[LR_SCALE_KEY] = self.lr_decay ** (server_round - 1)
+            shared[keys.LR_SCALE_KEY] = self.lr_decay ** (server_round - 1)
         if self.monitor_dissimilarity:
-            shared[REPORT_GRADIENT_KEY] = True
+            shared[keys.REPORT_GRADIENT_KEY] = True
         shared.update(self.train_config(server_round))
 
         def node_config(node_id: int) -> dict[str, Any]:
             config: dict[str, Any] = {}
             if node_id in stragglers:
-                config[LOCAL_EPOCHS_KEY] = stragglers[node_id]
+                config[keys.LOCAL_EPOCHS_KEY] = stragglers[node_id]
             if self.stateful_clients:  # what the node needs to resolve its state
                 config.update(self.book.node_config(node_id))
             return config
@@ -597,7 +557,19 @@ class ValidatedFedAvg(FedAvg):
 
     def reply_size_limit(self, expected_arrays: Mapping[str, RecordSpec]) -> int:
         """Return the largest reply accepted, in bytes (:attr:`max_reply_bytes`)."""
-        return reply_size_limit(self.max_reply_bytes, expected_arrays)
+        return screening.reply_size_limit(self.max_reply_bytes, expected_arrays)
+
+    def cap_claims(
+        self, server_round: int, replies: list[ValidReply], phase: str
+    ) -> int:
+        """Lower claims above the caps (:func:`.screening.cap_claims`); count them."""
+        return screening.cap_claims(
+            server_round,
+            replies,
+            phase,
+            max_num_examples=self.max_num_examples,
+            max_weight_ratio=self.max_weight_ratio,
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -619,7 +591,7 @@ class ValidatedFedAvg(FedAvg):
         )
         # A fixed order (client key, else node id), not the arrival order: the
         # float sums depend on it, and a run should not.
-        valid.sort(key=reply_order)
+        valid.sort(key=screening.reply_order)
         k_before = self.num_clients
         if self.stateful_clients:
             valid, unusable = self.book.reconcile(
@@ -630,13 +602,7 @@ class ValidatedFedAvg(FedAvg):
                 count=lambda node, why: self.screen.count(node, why, "aggregate_train"),
             )
             rejected += unusable
-        capped = cap_claims(
-            server_round,
-            valid,
-            "aggregate_train",
-            max_num_examples=self.max_num_examples,
-            max_weight_ratio=self.max_weight_ratio,
-        )
+        capped = self.cap_claims(server_round, valid, "aggregate_train")
 
         def rule(candidates: list[ValidReply], wide: bool) -> RoundUpdate:
             self._accumulate_in = np.float64 if wide else None
@@ -657,7 +623,7 @@ class ValidatedFedAvg(FedAvg):
         if keep is None:
             self.run_tally.aggregated += 1
             self._warn_rule_not_applied(server_round, valid)
-        counts = round_counts(
+        counts = metrics.round_counts(
             valid,
             failed=failed,
             rejected=rejected,
@@ -688,13 +654,15 @@ class ValidatedFedAvg(FedAvg):
             )
         for name, value in update.state.items():
             setattr(self, name, value)
-        metrics = reply_metrics(valid, self._custom_metrics[0], self.weighted_by_key)
+        record = metrics.reply_metrics(
+            valid, self._custom_metrics[0], self.weighted_by_key
+        )
         extra = dict(update.metrics)
         if self.monitor_dissimilarity:
-            extra.update(dissimilarity_metrics(valid, self.reply_weight))
+            extra.update(metrics.dissimilarity_metrics(valid, self.reply_weight))
         for key, value in {**counts, **extra}.items():
-            metrics[key] = value
-        return update.arrays, metrics
+            record[key] = value
+        return update.arrays, record
 
     def _warn_rule_not_applied(
         self, server_round: int, replies: list[ValidReply]
@@ -703,7 +671,7 @@ class ValidatedFedAvg(FedAvg):
         if self._rule_warned or self.rule_metric is None:
             return
         name = type(self).__name__
-        self._rule_warned = warn_rule_not_applied(
+        self._rule_warned = screening.warn_rule_not_applied(
             name,
             server_round,
             replies,
@@ -734,7 +702,7 @@ class ValidatedFedAvg(FedAvg):
             num_connected,
         )
         self.evaluate_nodes = set(node_ids)
-        shared = {**config, SERVER_ROUND_KEY: server_round}
+        shared = {**config, keys.SERVER_ROUND_KEY: server_round}
         shared.update(self.evaluate_config(server_round))
         messages = node_messages(
             node_ids,
@@ -760,19 +728,5 @@ class ValidatedFedAvg(FedAvg):
         )
         if not valid:
             return None
-        cap_claims(
-            server_round,
-            valid,
-            "aggregate_evaluate",
-            max_num_examples=self.max_num_examples,
-            max_weight_ratio=self.max_weight_ratio,
-        )
-        custom = self._custom_metrics[1]
-        metrics = reply_metrics(valid, custom)
-        metrics["replies-valid"] = len(valid)
-        if custom is None:
-            table = per_client_table(valid)
-            for key, value in table.items():
-                metrics[key] = value
-            log_client_spread(server_round, valid, table)
-        return metrics
+        self.cap_claims(server_round, valid, "aggregate_evaluate")
+        return metrics.evaluation_metrics(server_round, valid, self._custom_metrics[1])

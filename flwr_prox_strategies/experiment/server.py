@@ -23,12 +23,8 @@ from flwr.serverapp.strategy import Result
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.client import ProtocolError
-from ..core.strategy import (
-    EveryClientRetiredError,
-    NoRoundAggregatedError,
-    ReplyTally,
-    ValidatedFedAvg,
-)
+from ..core.outcome import EveryClientRetiredError, NoRoundAggregatedError, ReplyTally
+from ..core.strategy import ValidatedFedAvg
 from ..core.training import evaluate_model
 from .checkpoint import (
     CHECKPOINT_FILE,
