@@ -10,8 +10,14 @@ The server side: subclass :class:`ValidatedFedAvg`
 -------------------------------------------------
 Replies reach your code validated (shapes, dtypes, finite values, a positive
 ``num-examples``; a bad one is logged with its node and dropped), sampling is
-seeded, a round without a valid reply keeps the model. Override only the hooks
-you need, and extend the base's (``super()``) where it does work:
+seeded, a round without a valid reply keeps the model. Seven names do the work:
+``server_update`` (returning a :class:`RoundUpdate`), ``state_fields`` (with
+``resume_settings`` and ``settings``), ``train_config``, ``train_records`` /
+``node_train_records``, ``expected_train_arrays``, ``check_reply`` and
+``grown_state``; a rule reads ``self.global_arrays`` (the model this round
+sent), ``self.num_clients`` (K) and may call ``self.weighted_mean(replies,
+record)``. Override only the hooks you need, and extend the base's
+(``super()``) where it does work:
 
 ``train_config(server_round) -> dict``
     Values added to every sampled node's train ``ConfigRecord`` this round,
