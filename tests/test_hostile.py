@@ -373,8 +373,8 @@ def test_p_fedavg_routes_a_dead_nodes_reply_to_its_server() -> None:
     grid = InProcessGrid(echo_app, num_nodes=4)
     grid.dead_nodes.add(1002)
     strategy = PFedAvg(servers=2, assignment={1001 + i: i % 2 for i in range(4)})
-    strategy.start(grid, record(model_arrays()), num_rounds=1)
-    report = strategy.last_round_report
+    result = strategy.start(grid, record(model_arrays()), num_rounds=1)
+    report = result.train_metrics_clientapp[1]
     assert report["replies-failed"] == 1 and report["replies-rejected"] == 0
     server = strategy.inner[1]
     assert isinstance(server, ValidatedFedAvg)

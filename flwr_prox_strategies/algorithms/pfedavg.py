@@ -210,7 +210,6 @@ class PFedAvg(Strategy):
         self.models: list[dict[str, NDArray]] | None = None
         self.rejections: Counter[str] = Counter()
         self._accept_failures = True
-        self.last_round_report: dict[str, Any] = {}
         # This run's rounds mixed, stray replies, and rounds kept (and why).
         self.run_tally = ReplyTally()
 
@@ -444,7 +443,6 @@ class PFedAvg(Strategy):
         for key, value in counts.items():
             metrics[key] = value
         failures = counts["replies-failed"] + counts["replies-rejected"]
-        self.last_round_report = dict(metrics)
         if fresh == 0 or (failures and not self.accept_failures):
             why = (
                 "no server updated"
