@@ -12,6 +12,7 @@ from flwr_prox_strategies import FedAvg, FedAvgClient, FedProx, PFedAvg, to_clie
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.ops.graphs import adjacency
 from flwr_prox_strategies.ops.mixing import (
+    mix_row,
     check_mixing,
     consensus_average,
     consensus_distance,
@@ -208,6 +209,29 @@ def test_mix_models_by_hand() -> None:
         assert got["w"].dtype == np.float32
         np.testing.assert_array_equal(got["w"], want)
         np.testing.assert_array_equal(got["steps"], [steps])
+
+
+def test_mix_row_renormalises_over_the_models_at_hand_by_hand() -> None:
+    """Server 1 of the path, W_1 = (.25, .5, .25), y = (4, 0), (0, 8), (8, 4).
+    All at hand: x_1 = (3, 5) as mix_models, weight 1. Server 2 lost: weights
+    (.25, .5) / .75 = (1/3, 2/3): x_1 = (4/3, 0) + (0, 16/3) = (4/3, 16/3).
+    Only itself: x_1 = y_1. Server 0 never needs server 2 (W_02 = 0)."""
+    y = dict(enumerate(path_models()))
+    mixed, weight = mix_row(PATH_W[1], 1, y)
+    assert weight == 1.0
+    np.testing.assert_array_equal(mixed["w"], mix_models(PATH_W, path_models())[1]["w"])
+    mixed, weight = mix_row(PATH_W[1], 1, {0: y[0], 1: y[1]})
+    assert weight == pytest.approx(0.75)
+    np.testing.assert_allclose(mixed["w"], [4 / 3, 16 / 3], rtol=1e-6)
+    assert mixed["w"].dtype == np.float32 and mixed["steps"] is y[1]["steps"]
+    mixed, weight = mix_row(PATH_W[1], 1, {1: y[1]})
+    assert weight == pytest.approx(0.5)
+    np.testing.assert_array_equal(mixed["w"], y[1]["w"])
+    mixed, weight = mix_row(PATH_W[0], 0, {0: y[0], 1: y[1]})  # 2 is no neighbour
+    assert weight == 1.0
+    np.testing.assert_array_equal(mixed["w"], [3, 2])
+    with pytest.raises(ValueError, match="model 1 .* is missing"):
+        mix_row(PATH_W[1], 1, {0: y[0]})
 
 
 def test_consensus_average_model_and_distance_by_hand() -> None:

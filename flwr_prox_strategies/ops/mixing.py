@@ -2,7 +2,7 @@ r"""Mixing (gossip) matrices of P-FedAvg's servers, and the mixing of their mode
 
 What it is for: choosing :math:`W` on a graph of :mod:`.graphs`, measuring how
 fast it mixes, and applying it to the servers' models (:func:`mix_models`,
-:func:`consensus_average`, :func:`consensus_model`,
+:func:`mix_row`, :func:`consensus_average`, :func:`consensus_model`,
 :func:`consensus_distance`), on plain ``name -> ndarray`` dicts.
 
 After aggregating its clients into :math:`y_i`, server :math:`i` mixes with
@@ -283,16 +283,87 @@ def _is_float(array: NDArray) -> bool:
     return bool(np.issubdtype(array.dtype, np.floating))
 
 
+def mix_row(
+    row: ArrayLike, own: int, models: Mapping[int, Mapping[str, NDArray]]
+) -> tuple[dict[str, NDArray], float]:
+    r"""Server :math:`i`'s mixing step over the models it has, re-normalised.
+
+    .. math::
+        x_i = \frac{\sum_{j \in A} W_{ij}\, y_j}{\sum_{j \in A} W_{ij}},
+        \qquad A = \{j : W_{ij} \ne 0,\ y_j \text{ at hand}\}.
+
+    With every neighbour's model at hand the denominator is the row sum, 1, and
+    :math:`x_i = \sum_j W_{ij} y_j` exactly as :func:`mix_models` computes it
+    (no division: the same floats). A neighbour whose model did not arrive is
+    left out and the weights of the others (:math:`i` itself included) are scaled
+    up to sum to 1, so :math:`x_i` stays a convex combination (for
+    :math:`W \ge 0`) and a lost neighbour never shrinks the model towards zero.
+    Floating-point arrays are summed in float64, in the order of :math:`j`, and
+    cast back to :math:`y_i`'s dtype; any other array is :math:`y_i`'s own.
+
+    Parameters
+    ----------
+    row : array_like, shape (M,)
+        Row :math:`i` of :math:`W`.
+    own : int
+        :math:`i`; ``models[own]`` must be present.
+    models : mapping of int to mapping of str to ndarray
+        The models at hand, by server: :math:`y_i` and the neighbours' that
+        arrived (others are ignored: :math:`W_{ij} = 0`).
+
+    Returns
+    -------
+    tuple[dict[str, ndarray], float]
+        :math:`x_i`, and the weight :math:`\sum_{j \in A} W_{ij}` that was at
+        hand (1.0 when every neighbour's model was).
+
+    Raises
+    ------
+    ValueError
+        ``models`` lacks ``own``, or a neighbour's model lacks a key or has
+        another shape (a sum would otherwise broadcast silently).
+    """
+    weights = np.asarray(row, dtype=np.float64)
+    if own not in models:
+        raise ValueError(f"model {own} (the server's own) is missing")
+    neighbours = [int(j) for j in np.flatnonzero(weights)]
+    present = [j for j in neighbours if j in models]
+    scale = None  # every neighbour present: x_i = sum_j W_ij y_j, not divided
+    total = 1.0
+    if len(present) < len(neighbours):
+        total = float(sum(weights[j] for j in present))
+        if total == 0.0:
+            raise ValueError(f"no weight at hand: row {own} is {weights}")
+        scale = 1.0 / total
+    mixed = {}
+    for key, value in models[own].items():
+        if not _is_float(value):
+            mixed[key] = value
+            continue
+        acc = np.zeros(value.shape, dtype=np.float64)
+        for j in present:
+            other = models[j].get(key)
+            if other is None or other.shape != value.shape:
+                raise ValueError(
+                    f"model {j} has {key!r} "
+                    f"{'missing' if other is None else f'of shape {other.shape}'}"
+                    f", model {own} has shape {value.shape}"
+                )
+            weight = weights[j] if scale is None else weights[j] * scale
+            acc += weight * other
+        mixed[key] = acc.astype(value.dtype)
+    return mixed, total
+
+
 def mix_models(
     mixing: ArrayLike, models: Sequence[Mapping[str, NDArray]]
 ) -> list[dict[str, NDArray]]:
     r"""One mixing step over the servers' models, :math:`x_i = \sum_j W_{ij} y_j`.
 
     Server :math:`i` reads only the models :math:`y_j` with
-    :math:`W_{ij} \ne 0` (itself and its neighbours), so the step could run
-    across machines. Floating-point arrays are summed in float64, in the order
-    of :math:`j`, and cast back to server :math:`i`'s dtype; any other array
-    is server :math:`i`'s own, unmixed.
+    :math:`W_{ij} \ne 0` (itself and its neighbours): row by row,
+    :func:`mix_row` with every model at hand, which is the step a parameter
+    server runs on its own (:class:`~flwr_prox_strategies.PFedAvgServer`).
 
     Parameters
     ----------
@@ -310,7 +381,7 @@ def mix_models(
     ------
     ValueError
         ``mixing`` is not M x M, or a neighbour's model lacks a key or has
-        another shape (a sum would otherwise broadcast silently).
+        another shape.
     """
     weights = np.asarray(mixing, dtype=np.float64)
     if weights.shape != (len(models), len(models)):
@@ -318,27 +389,8 @@ def mix_models(
             f"mixing is {weights.shape} for {len(models)} models, expected "
             f"({len(models)}, {len(models)})"
         )
-    mixed = []
-    for i, own in enumerate(models):
-        neighbours = np.flatnonzero(weights[i])
-        out = {}
-        for key, value in own.items():
-            if not _is_float(value):
-                out[key] = value
-                continue
-            acc = np.zeros(value.shape, dtype=np.float64)
-            for j in neighbours:
-                other = models[int(j)].get(key)
-                if other is None or other.shape != value.shape:
-                    raise ValueError(
-                        f"model {j} has {key!r} "
-                        f"{'missing' if other is None else f'of shape {other.shape}'}"
-                        f", model {i} has shape {value.shape}"
-                    )
-                acc += weights[i, j] * other
-            out[key] = acc.astype(value.dtype)
-        mixed.append(out)
-    return mixed
+    at_hand = dict(enumerate(models))
+    return [mix_row(weights[i], i, at_hand)[0] for i in range(len(models))]
 
 
 def consensus_average(
