@@ -42,6 +42,7 @@ import inspect
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -145,51 +146,20 @@ class PFedAvg(Strategy):
                 if name not in ("self", "unknown")
             ],
         )
-        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
-            raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+        graph = server_graph(
+            servers,
+            topology=topology,
+            mixing=mixing,
+            adjacency_matrix=adjacency_matrix,
+            weights=weights,
+            degree=degree,
+            probability=probability,
+            rows=rows,
+            seed=seed,
+        )
         self.servers = servers
-        if weights is not None:
-            self.weights = np.asarray(weights, dtype=np.float64)
-            self.adjacency = mixing_graph(self.weights)
-            self.topology = "custom"
-        else:
-            if adjacency_matrix is not None:
-                self.adjacency = from_adjacency(adjacency_matrix)
-                self.topology = "custom"
-            elif servers == 1:
-                self.adjacency = np.zeros((1, 1), dtype=int)
-                self.topology = "single"
-            else:
-                try:
-                    self.adjacency = adjacency(
-                        topology,
-                        servers,
-                        degree=degree,
-                        probability=probability,
-                        rows=rows,
-                        seed=seed,
-                    )
-                except ValueError as err:
-                    raise ValueError(f"topology={topology!r}: {err}") from err
-                self.topology = topology
-            try:
-                self.weights = (
-                    np.ones((1, 1))
-                    if servers == 1
-                    else mixing_matrix(self.adjacency, mixing)
-                )
-            except ValueError as err:
-                raise ValueError(f"mixing={mixing!r}: {err}") from err
-        if self.weights.shape != (servers, servers):
-            raise ValueError(
-                f"weights is {self.weights.shape}, expected ({servers}, {servers})"
-            )
-        try:
-            check_mixing(self.weights, self.adjacency)
-        except ValueError as err:
-            raise ValueError(f"weights: {err}") from err
-        self.mixing = mixing if weights is None else "custom"
-        self.rho = consensus_rate(self.weights)
+        self.adjacency, self.weights = graph.adjacency, graph.weights
+        self.topology, self.mixing, self.rho = graph.topology, graph.mixing, graph.rho
         factory = inner or functools.partial(
             FedAvg, min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1
         )
@@ -570,6 +540,76 @@ class PFedAvg(Strategy):
         for i, strategy in enumerate(self.inner):
             if hasattr(strategy, "load_state_dict"):
                 strategy.load_state_dict(state["inner"][str(i)])
+
+
+@dataclass(frozen=True)
+class ServerGraph:
+    """The servers' overlay graph and mixing matrix, as every server derives them."""
+
+    adjacency: NDArray[np.int_]
+    weights: NDArray[np.float64]
+    topology: str
+    mixing: str
+    rho: float
+
+
+def server_graph(
+    servers: int,
+    *,
+    topology: str = "ring",
+    mixing: str = "metropolis",
+    adjacency_matrix: Any = None,
+    weights: Any = None,
+    degree: int | None = None,
+    probability: float | None = None,
+    rows: int | None = None,
+    seed: int = 0,
+) -> ServerGraph:
+    """Build and check W: the one place the logical and deployed P-FedAvg get it.
+
+    ``weights`` (your own W) wins over ``adjacency_matrix`` (your own graph),
+    which wins over ``topology``; random topologies are seeded by ``seed``, so
+    servers built apart from the same settings derive the same W.
+    """
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+    if weights is not None:
+        matrix = np.asarray(weights, dtype=np.float64)
+        graph, topology = mixing_graph(matrix), "custom"
+    else:
+        if adjacency_matrix is not None:
+            graph, topology = from_adjacency(adjacency_matrix), "custom"
+        elif servers == 1:
+            graph, topology = np.zeros((1, 1), dtype=int), "single"
+        else:
+            try:
+                graph = adjacency(
+                    topology,
+                    servers,
+                    degree=degree,
+                    probability=probability,
+                    rows=rows,
+                    seed=seed,
+                )
+            except ValueError as err:
+                raise ValueError(f"topology={topology!r}: {err}") from err
+        try:
+            matrix = np.ones((1, 1)) if servers == 1 else mixing_matrix(graph, mixing)
+        except ValueError as err:
+            raise ValueError(f"mixing={mixing!r}: {err}") from err
+    if matrix.shape != (servers, servers):
+        raise ValueError(f"weights is {matrix.shape}, expected ({servers}, {servers})")
+    try:
+        check_mixing(matrix, graph)
+    except ValueError as err:
+        raise ValueError(f"weights: {err}") from err
+    return ServerGraph(
+        adjacency=graph,
+        weights=matrix,
+        topology=topology,
+        mixing=mixing if weights is None else "custom",
+        rho=consensus_rate(matrix),
+    )
 
 
 def _count(value: Any) -> int:
