@@ -1,0 +1,593 @@
+"""P-FedAvg's server-to-server exchange: gRPC, neighbours only, deadlines, TLS.
+
+Each parameter server runs one gRPC server (grpcio, Flower's own transport) with
+two unary methods of the service ``flwr_prox_strategies.ModelExchange``, whose
+messages are Flower's own ``RecordDict`` protobuf (``flwr.common.serde``):
+
+``Deliver``
+    ``{"meta": ConfigRecord(federation, sender, round), "model": ArrayRecord}``:
+    a neighbour's model :math:`y_j` of one round, kept in a mailbox until this
+    server reaches that round (at most :data:`ROUNDS_AHEAD` rounds ahead; older
+    than the round it waits for: refused as stale). Answer ``meta.status``.
+``Status``
+    ``{"meta": ConfigRecord(federation[, round])}`` -> this server's last mixed
+    model :math:`x_i` (or that of ``round``, among the last :data:`KEPT_ROUNDS`)
+    and its round: how a restarted server catches up, and how the launcher
+    reads every server's model to compute the consensus distance.
+
+A server sends its model to its neighbours only and reads only theirs. Every
+round has a deadline (``timeout`` seconds after the server sends): a neighbour
+that has not delivered by then is left out of the round, logged, and the
+others' weights are re-normalised (:func:`..ops.mixing.mix_row`). A neighbour
+that missed the previous round, or that cannot be reached at all (connection
+refused: it is down), is waited for only ``rejoin_grace`` seconds, so a dead
+server costs its neighbours one full deadline, not one per round; it rejoins
+the round its model arrives within that grace again. Nothing here ever waits
+without a deadline.
+
+Security (:class:`PeerSecurity`): without certificates nothing between servers
+is encrypted (loopback, trusted networks). With ``root_certificates``,
+``certificate`` and ``private_key``, every connection is mutual TLS: the models
+and metadata are encrypted, each server proves itself with a certificate signed
+by the federation's CA, and a caller without one is refused by the TLS handshake.
+A shared ``token`` (sent as call metadata, compared in constant time) adds a
+check on top; without TLS it travels in the clear. Which server sent a message
+is what it says (``sender``, checked to be a neighbour): TLS authenticates the
+federation, not the index.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.logger import log
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+from .records import record_is_finite, spec_of
+
+SERVICE = "flwr_prox_strategies.ModelExchange"
+TOKEN_METADATA = "x-pfedavg-token"
+# A neighbour's model may arrive this many rounds before this server needs it.
+ROUNDS_AHEAD = 2
+# Mixed models kept for Status (a catching-up neighbour, the launcher's reads).
+KEPT_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class PeerSecurity:
+    """Credentials of the server-to-server links (see the module docstring).
+
+    Attributes
+    ----------
+    root_certificates : bytes | None
+        PEM of the CA that signed every server's certificate.
+    certificate, private_key : bytes | None
+        PEM of this server's certificate (valid for its address, for both server
+        and client authentication) and key.
+    token : str | None
+        Shared secret every call must carry.
+    """
+
+    root_certificates: bytes | None = None
+    certificate: bytes | None = None
+    private_key: bytes | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            x is not None
+            for x in (self.root_certificates, self.certificate, self.private_key)
+        ]
+        if any(given) and not all(given):
+            raise ValueError(
+                "TLS between servers needs root_certificates, certificate and "
+                "private_key together (mutual TLS), or none of them"
+            )
+        if self.token is not None and not self.token:
+            raise ValueError("token must be a non-empty string or None")
+
+    @property
+    def tls(self) -> bool:
+        """True when the links are mutual TLS."""
+        return self.root_certificates is not None
+
+    @classmethod
+    def from_files(
+        cls,
+        *,
+        root_certificates: str | Path | None = None,
+        certificate: str | Path | None = None,
+        private_key: str | Path | None = None,
+        token_file: str | Path | None = None,
+    ) -> PeerSecurity:
+        """Read the credentials from PEM files (and a token file), None: unset."""
+
+        def read(path: str | Path | None) -> bytes | None:
+            return None if path in (None, "") else Path(str(path)).read_bytes()
+
+        token = read(token_file)
+        return cls(
+            root_certificates=read(root_certificates),
+            certificate=read(certificate),
+            private_key=read(private_key),
+            token=None if token is None else token.decode().strip(),
+        )
+
+    def describe(self) -> str:
+        """Say in words what is and is not protected."""
+        if self.tls:
+            return "mutual TLS (models encrypted, servers authenticated by the CA)"
+        return "no TLS: models and metadata travel unencrypted" + (
+            " (the token in the clear too)" if self.token else ""
+        )
+
+
+@dataclass
+class Exchanged:
+    """What one round's exchange gave: the neighbours' models and its costs."""
+
+    models: dict[int, ArrayRecord]
+    missing: list[int]
+    rejected: list[int] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+def _encode(meta: Mapping[str, Any], model: ArrayRecord | None = None) -> bytes:
+    content = RecordDict({"meta": ConfigRecord(dict(meta))})
+    if model is not None:
+        content["model"] = model
+    return bytes(recorddict_to_proto(content).SerializeToString())
+
+
+def _decode(payload: bytes) -> tuple[dict[str, Any], ArrayRecord | None]:
+    proto = ProtoRecordDict()
+    proto.ParseFromString(payload)
+    content = recorddict_from_proto(proto)
+    meta = dict(content.config_records["meta"])
+    model = content.array_records.get("model")
+    return meta, model
+
+
+def _identity(payload: bytes) -> bytes:
+    return payload
+
+
+def _refuse(context: grpc.ServicerContext, code: grpc.StatusCode, why: str) -> NoReturn:
+    """End the call with ``code`` (``abort`` raises; the raise below is for mypy)."""
+    context.abort(code, why)
+    raise RuntimeError(why)
+
+
+class PeerExchange:
+    r"""One parameter server's end of the exchange with its graph neighbours.
+
+    Parameters
+    ----------
+    index : int
+        This server, :math:`i`.
+    addresses : sequence of str
+        ``host:port`` of every server's exchange, in server order (the same
+        list on every server); this server listens on ``addresses[index]``.
+    neighbours : iterable of int
+        The servers :math:`j \ne i` with :math:`W_{ij} \ne 0`.
+    federation : str (default: "pfedavg")
+        Names the federation; a message from another is refused.
+    timeout : float (default: 60.0)
+        Seconds a round waits for its neighbours' models after sending its own.
+    rejoin_grace : float (default: 10.0)
+        Seconds a round waits for a neighbour that missed the previous round or
+        cannot be reached.
+    security : PeerSecurity | None (default: None)
+        TLS and token; None: insecure.
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        addresses: Sequence[str],
+        neighbours: Iterable[int],
+        federation: str = "pfedavg",
+        timeout: float = 60.0,
+        rejoin_grace: float = 10.0,
+        security: PeerSecurity | None = None,
+    ) -> None:
+        self.index = index
+        self.addresses = list(addresses)
+        self.neighbours = sorted(int(j) for j in neighbours)
+        if not 0 <= index < len(self.addresses):
+            raise ValueError(
+                f"index {index} outside the {len(self.addresses)} addresses"
+            )
+        if any(not 0 <= j < len(self.addresses) or j == index for j in self.neighbours):
+            raise ValueError(f"neighbours {self.neighbours} of server {index}")
+        self.federation = federation
+        self.timeout = float(timeout)
+        self.rejoin_grace = min(float(rejoin_grace), self.timeout)
+        self.security = security or PeerSecurity()
+        self._cond = threading.Condition()
+        self._inbox: dict[int, dict[int, tuple[ArrayRecord, int]]] = {
+            j: {} for j in self.neighbours
+        }
+        self._waiting_round = 1  # older rounds are stale
+        self._absent: set[int] = set()  # missed the last round
+        self._unreachable: set[int] = set()  # connection refused this round
+        self._published: dict[int, ArrayRecord] = {}  # round -> x_i
+        self._server: grpc.Server | None = None
+        self._channels: dict[int, grpc.Channel] = {}
+        self._senders: futures.ThreadPoolExecutor | None = None
+        self._metadata = (
+            ()
+            if self.security.token is None
+            else ((TOKEN_METADATA, self.security.token),)
+        )
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self, max_message_bytes: int) -> None:
+        """Listen on this server's address and open channels to the neighbours."""
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # A restarted neighbour is found again within a few seconds, not
+            # after gRPC's default backoff of up to two minutes.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2 * len(self.neighbours) + 4),
+            options=options,
+        )
+        handlers = {
+            "Deliver": grpc.unary_unary_rpc_method_handler(
+                self._on_deliver,
+                request_deserializer=_identity,
+                response_serializer=_identity,
+            ),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self._on_status,
+                request_deserializer=_identity,
+                response_serializer=_identity,
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
+        address = self.addresses[self.index]
+        if self.security.tls:
+            credentials = grpc.ssl_server_credentials(
+                [(self.security.private_key, self.security.certificate)],
+                root_certificates=self.security.root_certificates,
+                require_client_auth=True,
+            )
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+        if not bound:
+            raise RuntimeError(
+                f"P-FedAvg server {self.index}: cannot listen on {address}"
+            )
+        server.start()
+        self._server = server
+        for j in self.neighbours:
+            self._channels[j] = open_channel(self.addresses[j], self.security, options)
+        self._senders = futures.ThreadPoolExecutor(
+            max_workers=max(1, len(self.neighbours))
+        )
+        log(
+            INFO,
+            "P-FedAvg server %d: exchange on %s with neighbours %s (%s)",
+            self.index,
+            address,
+            self.neighbours,
+            self.security.describe(),
+        )
+
+    def stop(self) -> None:
+        """Stop listening and close the channels."""
+        if self._senders is not None:
+            self._senders.shutdown(wait=False, cancel_futures=True)
+        for channel in self._channels.values():
+            channel.close()
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(2.0)
+        self._server, self._channels, self._senders = None, {}, None
+
+    # ------------------------------------------------------------- receiving
+    def _authorised(self, context: grpc.ServicerContext) -> None:
+        if self.security.token is None:
+            return
+        given = dict(context.invocation_metadata()).get(TOKEN_METADATA, "")
+        if not hmac.compare_digest(str(given), self.security.token):
+            _refuse(context, grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
+
+    def _parse(
+        self, payload: bytes, context: grpc.ServicerContext
+    ) -> tuple[dict[str, Any], ArrayRecord | None]:
+        try:
+            meta, model = _decode(payload)
+        except Exception as err:  # a hostile or broken peer: say so, keep serving
+            _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"undecodable: {err}")
+        if meta.get("federation") != self.federation:
+            _refuse(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"federation {meta.get('federation')!r}, expected {self.federation!r}",
+            )
+        return meta, model
+
+    def _on_deliver(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
+        self._authorised(context)
+        meta, model = self._parse(payload, context)
+        sender, rnd = meta.get("sender"), meta.get("round")
+        if not isinstance(sender, int) or sender not in self._inbox:
+            _refuse(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"server {sender!r} is not a neighbour of server {self.index}",
+            )
+        if not isinstance(rnd, int) or model is None:
+            _refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "no integer round or model"
+            )
+        with self._cond:
+            floor = self._waiting_round
+            if rnd < floor:
+                return _encode({"status": "stale", "round": floor})
+            if rnd > floor + ROUNDS_AHEAD:
+                return _encode({"status": "too-early", "round": floor})
+            self._inbox[sender][rnd] = (model, len(payload))
+            self._cond.notify_all()
+        return _encode({"status": "ok", "round": floor})
+
+    def _on_status(self, payload: bytes, context: grpc.ServicerContext) -> bytes:
+        self._authorised(context)
+        meta, _ = self._parse(payload, context)
+        with self._cond:
+            if not self._published:
+                return _encode({"round": 0, "index": self.index})
+            wanted = meta.get("round")
+            rnd = max(self._published) if wanted is None else int(wanted)
+            model = self._published.get(rnd)
+        if model is None:
+            return _encode({"round": max(self._published), "index": self.index})
+        return _encode({"round": rnd, "index": self.index}, model)
+
+    # --------------------------------------------------------------- sending
+    def _call(self, j: int, method: str, payload: bytes, timeout: float) -> bytes:
+        call = self._channels[j].unary_unary(
+            f"/{SERVICE}/{method}",
+            request_serializer=_identity,
+            response_deserializer=_identity,
+        )
+        return bytes(call(payload, timeout=timeout, metadata=self._metadata))
+
+    def _deliver(self, j: int, rnd: int, payload: bytes, deadline: float) -> str:
+        """Send one model to neighbour ``j``, retrying while it is unreachable."""
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                meta, _ = _decode(self._call(j, "Deliver", payload, remaining))
+                return str(meta.get("status"))
+            except grpc.RpcError as err:
+                code = err.code()  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    with self._cond:
+                        self._unreachable.add(j)
+                        self._cond.notify_all()
+                    time.sleep(min(0.5, max(remaining, 0.0)))
+                    continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return "timeout"
+                log(
+                    WARNING,
+                    "P-FedAvg server %d: round %d: server %d refused the model: %s %s",
+                    self.index,
+                    rnd,
+                    j,
+                    code.name,
+                    err.details(),  # type: ignore[attr-defined]
+                )
+                return "refused"
+        return "timeout"
+
+    def exchange(
+        self, server_round: int, model: ArrayRecord, spec_of_model: Any = None
+    ) -> Exchanged:
+        """Send ``model`` (:math:`y_i`) to the neighbours; return theirs of this round.
+
+        Waits as the module docstring says; a neighbour's model whose arrays do
+        not match ``model``'s keys, shapes and dtypes, or hold NaN or inf, is
+        rejected (logged) and counted as missing.
+        """
+        start = time.monotonic()
+        deadline = start + self.timeout
+        grace_end = start + self.rejoin_grace
+        payload = _encode(
+            {
+                "federation": self.federation,
+                "sender": self.index,
+                "round": server_round,
+            },
+            model,
+        )
+        with self._cond:
+            self._waiting_round = server_round
+            self._unreachable = set()
+            for inbox in self._inbox.values():  # older rounds can no longer be used
+                for rnd in [r for r in inbox if r < server_round]:
+                    del inbox[rnd]
+        assert self._senders is not None, "start() the exchange first"
+        sends = [
+            self._senders.submit(self._deliver, j, server_round, payload, deadline)
+            for j in self.neighbours
+        ]
+        with self._cond:
+            while True:
+                missing = [
+                    j for j in self.neighbours if server_round not in self._inbox[j]
+                ]
+                now = time.monotonic()
+                slow = self._absent | self._unreachable
+                awaited = [j for j in missing if j not in slow or now < grace_end]
+                if not missing or not awaited or now >= deadline:
+                    break
+                until = deadline if all(j not in slow for j in awaited) else grace_end
+                self._cond.wait(max(0.0, min(until, deadline) - now))
+            arrived = {
+                j: self._inbox[j].pop(server_round)
+                for j in self.neighbours
+                if server_round in self._inbox[j]
+            }
+            self._waiting_round = server_round + 1
+        expected = spec_of(model) if spec_of_model is None else spec_of_model
+        models, rejected = {}, []
+        for j, (record, _) in arrived.items():
+            problem = None
+            if spec_of(record) != expected:
+                problem = "its arrays do not match this server's model"
+            elif not record_is_finite(record):
+                problem = "it holds NaN or inf"
+            if problem is None:
+                models[j] = record
+                continue
+            rejected.append(j)
+            log(
+                WARNING,
+                "P-FedAvg server %d: round %d: model of server %d not used: %s",
+                self.index,
+                server_round,
+                j,
+                problem,
+            )
+        missing = [j for j in self.neighbours if j not in models]
+        with self._cond:
+            for j in missing:
+                if j not in rejected and j not in self._absent:
+                    log(
+                        WARNING,
+                        "P-FedAvg server %d: round %d: no model from server %d "
+                        "within %.0f s (%s); mixing without it",
+                        self.index,
+                        server_round,
+                        j,
+                        self.timeout
+                        if j not in self._unreachable
+                        else self.rejoin_grace,
+                        "unreachable" if j in self._unreachable else "no delivery",
+                    )
+            for j in models:
+                if j in self._absent:
+                    log(INFO, "P-FedAvg server %d: server %d is back", self.index, j)
+            self._absent = set(missing)
+        del sends  # the deliveries finish (or give up) by the deadline on their own
+        return Exchanged(
+            models=models,
+            missing=missing,
+            rejected=rejected,
+            bytes_sent=len(payload) * len(self.neighbours),
+            bytes_received=sum(size for _, size in arrived.values()),
+            seconds=time.monotonic() - start,
+        )
+
+    def begin_round(self, server_round: int) -> None:
+        """Accept models of ``server_round`` on (older ones are stale from now)."""
+        with self._cond:
+            self._waiting_round = max(self._waiting_round, server_round)
+
+    def publish(self, server_round: int, model: ArrayRecord) -> None:
+        """Keep this round's mixed model :math:`x_i` for ``Status`` calls."""
+        with self._cond:
+            self._published[server_round] = model
+            for rnd in sorted(self._published)[:-KEPT_ROUNDS]:
+                del self._published[rnd]
+
+    # ---------------------------------------------------------------- status
+    def neighbour_status(
+        self, j: int, timeout: float, server_round: int | None = None
+    ) -> tuple[int, ArrayRecord | None] | None:
+        """Ask neighbour ``j`` for its round and mixed model (None: no answer)."""
+        meta: dict[str, Any] = {"federation": self.federation}
+        if server_round is not None:
+            meta["round"] = server_round
+        try:
+            answer, model = _decode(self._call(j, "Status", _encode(meta), timeout))
+        except grpc.RpcError:
+            return None
+        return int(answer["round"]), model
+
+    def wait_for_neighbours(
+        self, timeout: float
+    ) -> dict[int, tuple[int, ArrayRecord | None]]:
+        """Return the status of every neighbour that answers within ``timeout`` s.
+
+        Polls until all answered or the time is up (servers of one federation
+        start at different moments).
+        """
+        deadline = time.monotonic() + timeout
+        answers: dict[int, tuple[int, ArrayRecord | None]] = {}
+        while True:
+            for j in self.neighbours:
+                if j not in answers:
+                    remaining = max(0.1, min(2.0, deadline - time.monotonic()))
+                    status = self.neighbour_status(j, remaining)
+                    if status is not None:
+                        answers[j] = status
+            if len(answers) == len(self.neighbours) or time.monotonic() >= deadline:
+                return answers
+            time.sleep(0.5)
+
+
+def open_channel(
+    address: str, security: PeerSecurity, options: list[tuple[str, Any]] | None = None
+) -> grpc.Channel:
+    """Open a channel to a server's exchange with the federation's credentials."""
+    if security.tls:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=security.root_certificates,
+            private_key=security.private_key,
+            certificate_chain=security.certificate,
+        )
+        return grpc.secure_channel(address, credentials, options=options)
+    return grpc.insecure_channel(address, options=options)
+
+
+def read_status(
+    address: str,
+    *,
+    federation: str = "pfedavg",
+    security: PeerSecurity | None = None,
+    server_round: int | None = None,
+    timeout: float = 5.0,
+) -> tuple[int, ArrayRecord | None] | None:
+    """Ask the server at ``address`` for its round and mixed model (launcher's read)."""
+    security = security or PeerSecurity()
+    meta: dict[str, Any] = {"federation": federation}
+    if server_round is not None:
+        meta["round"] = server_round
+    metadata = () if security.token is None else ((TOKEN_METADATA, security.token),)
+    with open_channel(address, security) as channel:
+        call = channel.unary_unary(
+            f"/{SERVICE}/Status",
+            request_serializer=_identity,
+            response_deserializer=_identity,
+        )
+        try:
+            answer, model = _decode(
+                bytes(call(_encode(meta), timeout=timeout, metadata=metadata))
+            )
+        except grpc.RpcError:
+            return None
+    return int(answer["round"]), model
