@@ -21,6 +21,7 @@ from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
 from .algorithms.fedepm import FedEPM, FedEPMClient, FedEPMRule
 from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient, FedProxRule
 from .algorithms.pfedavg import PFedAvg
+from .algorithms.pfedavg_server import PFedAvgServer
 from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
 from .algorithms.sfed import (
     SFedAvg,
@@ -59,6 +60,7 @@ __all__ = [
     "FedProxRule",
     "LaplaceUploadMod",
     "PFedAvg",
+    "PFedAvgServer",
     "PrivacyBudgetExhausted",
     "ProtocolError",
     "SFedAvg",

@@ -81,7 +81,9 @@ def test_the_package_exports_exactly_the_tables_pieces() -> None:
         and issubclass(obj, Strategy)
         and obj.__module__.startswith("flwr_prox_strategies.algorithms")
     }
-    assert strategies == {entry.strategy for entry in ALGORITHMS.values()}
+    assert strategies == {entry.strategy for entry in ALGORITHMS.values()} | {
+        entry.deployed for entry in ALGORITHMS.values() if entry.deployed is not None
+    }
 
 
 #: What a user of the algorithms imports; contributors' names are in .extend.
@@ -91,7 +93,7 @@ USER_API = {
     "FedProxRule", "FedDynRule", "FedDCRule", "Scaffold", "ScaffoldClient",
     "ScaffoldRule", "APFL", "APFLClient", "APFLRule", "FedEPM", "FedEPMClient",
     "FedEPMRule", "SFedAvg", "SFedAvgClient", "SFedProx", "SFedProxClient",
-    "SFedRule", "PFedAvg", "ClientRule",  # FedAvg's rule
+    "SFedRule", "PFedAvg", "PFedAvgServer", "ClientRule",  # FedAvg's rule
     "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError",
     "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod",
     "ClientSideFixedClipping", "ServerSideFixedClipping",

@@ -12,13 +12,13 @@ from flwr_prox_strategies import FedAvg, FedAvgClient, FedProx, PFedAvg, to_clie
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.ops.graphs import adjacency
 from flwr_prox_strategies.ops.mixing import (
-    mix_row,
     check_mixing,
     consensus_average,
     consensus_distance,
     consensus_model,
     consensus_rate,
     mix_models,
+    mix_row,
     mixing_graph,
     mixing_matrix,
 )
@@ -230,7 +230,7 @@ def test_mix_row_renormalises_over_the_models_at_hand_by_hand() -> None:
     mixed, weight = mix_row(PATH_W[0], 0, {0: y[0], 1: y[1]})  # 2 is no neighbour
     assert weight == 1.0
     np.testing.assert_array_equal(mixed["w"], [3, 2])
-    with pytest.raises(ValueError, match="model 1 .* is missing"):
+    with pytest.raises(ValueError, match=r"model 1 .* is missing"):
         mix_row(PATH_W[1], 1, {0: y[0]})
 
 

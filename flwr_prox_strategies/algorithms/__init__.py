@@ -19,6 +19,7 @@ from .feddyn import FedDyn, FedDynClient, FedDynRule
 from .fedepm import FedEPM, FedEPMClient, FedEPMRule
 from .fedprox import FedProx, FedProxClient, FedProxRule
 from .pfedavg import PFedAvg
+from .pfedavg_server import PFedAvgServer
 from .scaffold import Scaffold, ScaffoldClient, ScaffoldRule
 from .sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient, SFedRule
 
@@ -28,12 +29,15 @@ class Algorithm:
     """An algorithm's pieces: its strategy, and the client and rule that match it.
 
     ``client`` and ``rule`` are None for a strategy that composes others
-    (P-FedAvg: its clients are those of its inner strategy).
+    (P-FedAvg: its clients are those of its inner strategy). ``deployed`` is the
+    strategy that runs one of its servers as a deployment of its own, when the
+    algorithm has one (P-FedAvg's :class:`~.pfedavg_server.PFedAvgServer`).
     """
 
     strategy: type
     client: type[TorchClient] | None
     rule: type[ClientRule] | None
+    deployed: type | None = None
 
 
 #: Every algorithm of the pack, by its conf name (``strategy=<name>``).
@@ -47,7 +51,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "fedepm": Algorithm(FedEPM, FedEPMClient, FedEPMRule),
     "sfedavg": Algorithm(SFedAvg, SFedAvgClient, SFedRule),
     "sfedprox": Algorithm(SFedProx, SFedProxClient, SFedRule),
-    "pfedavg": Algorithm(PFedAvg, None, None),
+    "pfedavg": Algorithm(PFedAvg, None, None, deployed=PFedAvgServer),
 }
 
 __all__ = ["ALGORITHMS", "Algorithm"]

@@ -229,6 +229,8 @@ class PeerExchange:
         self._server: grpc.Server | None = None
         self._channels: dict[int, grpc.Channel] = {}
         self._senders: futures.ThreadPoolExecutor | None = None
+        self._sends: list[futures.Future[str]] = []
+        self._stopping = threading.Event()
         self._metadata = (
             ()
             if self.security.token is None
@@ -282,6 +284,7 @@ class PeerExchange:
             )
         server.start()
         self._server = server
+        self._stopping.clear()
         for j in self.neighbours:
             self._channels[j] = open_channel(self.addresses[j], self.security, options)
         self._senders = futures.ThreadPoolExecutor(
@@ -297,9 +300,17 @@ class PeerExchange:
         )
 
     def stop(self) -> None:
-        """Stop listening and close the channels."""
+        """Finish the deliveries in flight, stop listening, close the channels.
+
+        The last round's model must still reach the neighbours (a server that
+        found theirs waiting ends its run before its own sends ran); a
+        neighbour that cannot be reached is not retried any longer.
+        """
+        self._stopping.set()
         if self._senders is not None:
+            futures.wait(self._sends, timeout=self.timeout)
             self._senders.shutdown(wait=False, cancel_futures=True)
+        self._sends = []
         for channel in self._channels.values():
             channel.close()
         if self._server is not None:
@@ -387,7 +398,8 @@ class PeerExchange:
                     with self._cond:
                         self._unreachable.add(j)
                         self._cond.notify_all()
-                    time.sleep(min(0.5, max(remaining, 0.0)))
+                    if self._stopping.wait(min(0.5, max(remaining, 0.0))):
+                        return "unreachable"
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     return "timeout"
@@ -430,7 +442,7 @@ class PeerExchange:
                 for rnd in [r for r in inbox if r < server_round]:
                     del inbox[rnd]
         assert self._senders is not None, "start() the exchange first"
-        sends = [
+        self._sends = [f for f in self._sends if not f.done()] + [
             self._senders.submit(self._deliver, j, server_round, payload, deadline)
             for j in self.neighbours
         ]
@@ -492,7 +504,6 @@ class PeerExchange:
                 if j in self._absent:
                     log(INFO, "P-FedAvg server %d: server %d is back", self.index, j)
             self._absent = set(missing)
-        del sends  # the deliveries finish (or give up) by the deadline on their own
         return Exchanged(
             models=models,
             missing=missing,

@@ -304,7 +304,7 @@ def mix_row(
     Parameters
     ----------
     row : array_like, shape (M,)
-        Row :math:`i` of :math:`W`.
+        Row :math:`i` of :math:`W` (non-negative weights summing to one).
     own : int
         :math:`i`; ``models[own]`` must be present.
     models : mapping of int to mapping of str to ndarray
