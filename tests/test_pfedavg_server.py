@@ -181,3 +181,76 @@ def test_bad_settings_fail_at_construction() -> None:
         PFedAvgServer(index=0, servers=2, addresses="a:1,b:2", timeout=0)
     with pytest.raises(ValueError, match="together"):
         PFedAvgServer(index=0, servers=2, addresses="a:1,b:2", certificate=__file__)
+
+
+def serve(overrides: str, output: str, index: int) -> None:
+    """Run one P-FedAvg server of the app on its two in-process clients (a process)."""
+    from apps.client_app import app as client_app
+
+    from flwr_prox_strategies.experiment.server import run_experiment
+
+    run_config = {"overrides": overrides, "output-dir": output}
+    grid = InProcessGrid(
+        client_app,
+        num_nodes=2,
+        run_config=run_config,
+        node_config=lambda k: {"partition-id": index + 3 * k, "num-partitions": 6},
+    )
+    run_experiment(grid, run_config)
+
+
+def test_the_app_runs_three_servers_as_the_logical_p_fedavg(tmp_path) -> None:
+    """The app's own path (conf deploy=peers, run_experiment, checkpoints): three
+    servers, each a process with an in-process grid of its two clients, against
+    the same app with strategy=pfedavg on all six. Each server's final model is
+    the logical server's, bit for bit, on a path of three servers. (Processes: the servers seed torch's
+    global generator, which threads would share.)"""
+    import multiprocessing
+
+    from apps.client_app import app as client_app
+
+    from flwr_prox_strategies.experiment.checkpoint import read_checkpoint
+    from flwr_prox_strategies.experiment.server import run_experiment
+
+    common = (
+        "strategy=pfedavg topology=grid topology.rows=1 topology.servers=3 model=logreg "
+        "num_rounds=2 num_partitions=6"
+    )
+    logical_cfg = {
+        "overrides": f"{common} num_clients=6",
+        "output-dir": str(tmp_path / "logical"),
+    }
+    run_experiment(
+        InProcessGrid(client_app, num_nodes=6, run_config=logical_cfg), logical_cfg
+    )
+    logical = read_checkpoint(tmp_path / "logical")["strategy"]["models"]
+
+    addresses = "[" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(3)) + "]"
+    spawn = multiprocessing.get_context("spawn")
+    procs = [
+        spawn.Process(
+            target=serve,
+            args=(
+                f"{common} num_clients=2 deploy=peers deploy.index={i} "
+                f"deploy.addresses={addresses}",
+                str(tmp_path / f"server-{i}"),
+                i,
+            ),
+        )
+        for i in range(3)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(300)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
+    for i in range(3):
+        checkpoint = read_checkpoint(tmp_path / f"server-{i}")
+        assert checkpoint["strategy"]["strategy"] == "PFedAvgServer"
+        model = checkpoint["model"]
+        for name, value in zip(model["names"], model["arrays"], strict=True):
+            np.testing.assert_array_equal(value, logical[str(i)][name])
+    # A path 0 - 1 - 2: the servers' models differ (the check above means something).
+    assert not np.array_equal(
+        logical["0"]["linear.weight"], logical["1"]["linear.weight"]
+    )

@@ -172,6 +172,7 @@ class PFedAvgServer(Strategy):
             security=self.security,
         )
         self._started = False
+        self._joined: dict[int, tuple[int, ArrayRecord | None]] | None = None
         self.rounds_completed = 0
         self.round_offset = 0
         self.model: ArrayRecord | None = None  # x_i sent this round
@@ -239,6 +240,20 @@ class PFedAvgServer(Strategy):
             self.exchange.start(max_message_bytes=2 * model.count_bytes() + (8 << 20))
             self._started = True
 
+    def _join(self, model: ArrayRecord) -> dict[int, tuple[int, ArrayRecord | None]]:
+        """Open the exchange and wait for the neighbours (once per run)."""
+        self._ensure_exchange(model)
+        self._joined = self.exchange.wait_for_neighbours(self.join_timeout)
+        missing = sorted(set(self.neighbours) - set(self._joined))
+        log(
+            INFO,
+            "P-FedAvg server %d: neighbours %s answered%s",
+            self.index,
+            sorted(self._joined),
+            f"; {missing} did not within {self.join_timeout:.0f} s" if missing else "",
+        )
+        return self._joined
+
     def rejoin(self, arrays: ArrayRecord, done: int) -> tuple[ArrayRecord, int]:
         """Catch up with neighbours that are ahead: return (model, rounds done).
 
@@ -248,8 +263,7 @@ class PFedAvgServer(Strategy):
         models of it (re-normalised over those that gave one); otherwise
         ``(arrays, done)`` is returned unchanged.
         """
-        self._ensure_exchange(arrays)
-        statuses = self.exchange.wait_for_neighbours(self.join_timeout)
+        statuses = self._join(arrays)
         latest = max((rnd for rnd, _ in statuses.values()), default=0)
         if latest <= done:
             return arrays, done
@@ -297,19 +311,9 @@ class PFedAvgServer(Strategy):
         self.run_tally = ReplyTally()
         if isinstance(self.local, ValidatedFedAvg):
             self.local.reset_run()
-        self._ensure_exchange(initial_arrays)
         try:
-            answered = self.exchange.wait_for_neighbours(self.join_timeout)
-            missing = sorted(set(self.neighbours) - set(answered))
-            log(
-                INFO,
-                "P-FedAvg server %d: neighbours %s answered%s",
-                self.index,
-                sorted(answered),
-                f"; {missing} did not within {self.join_timeout:.0f} s"
-                if missing
-                else "",
-            )
+            if self._joined is None:
+                self._join(initial_arrays)
             result = super().start(
                 grid=grid,
                 initial_arrays=initial_arrays,
@@ -321,7 +325,7 @@ class PFedAvgServer(Strategy):
             )
         finally:
             self.exchange.stop()
-            self._started = False
+            self._started, self._joined = False, None
         tally = ReplyTally(aggregated=self.run_tally.aggregated)
         tally.update(self.run_tally)
         if isinstance(self.local, ValidatedFedAvg):

@@ -38,8 +38,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
+from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ..algorithms import ALGORITHMS
 from ..core.central import central_dp
 from ..core.dp import make_private_model
 
@@ -408,8 +410,30 @@ def _kwargs(node: DictConfig) -> dict[str, Any]:
 
 
 def build_strategy(cfg: DictConfig, **runtime: Any) -> Any:
-    """Instantiate ``cfg.strategy`` (keys listed in ``_unused_`` are dropped)."""
-    return instantiate(_kwargs(cfg.strategy), **runtime)
+    """Instantiate ``cfg.strategy`` (keys listed in ``_unused_`` are dropped).
+
+    With ``deploy`` set (``deploy=peers``), the algorithm's deployed form
+    instead: one of P-FedAvg's servers, :class:`..PFedAvgServer`, built from
+    the same keys plus ``deploy``'s.
+    """
+    node = _kwargs(cfg.strategy)
+    deploy = cfg.get("deploy")
+    if deploy is None:
+        return instantiate(node, **runtime)
+    target = get_class(str(node["_target_"]))
+    deployed = [a.deployed for a in ALGORITHMS.values() if a.strategy is target]
+    if not deployed or deployed[0] is None:
+        raise ValueError(
+            f"deploy=peers runs one parameter server of P-FedAvg; strategy "
+            f"{target.__name__} has no deployed form (use strategy=pfedavg)"
+        )
+    settings = dict(node)
+    settings.pop("assignment", None)  # a server's clients are its own SuperNodes
+    settings["_target_"] = f"{deployed[0].__module__}.{deployed[0].__name__}"
+    settings.update(OmegaConf.to_container(deploy, resolve=True))  # type: ignore[arg-type]
+    if isinstance(settings.get("addresses"), list):
+        settings["addresses"] = [str(a) for a in settings["addresses"]]
+    return instantiate(settings, **runtime)
 
 
 def build_model(cfg: DictConfig) -> Any:

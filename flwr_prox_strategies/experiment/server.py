@@ -234,6 +234,15 @@ def run_experiment(
             )
         for reason in resume_blockers(cfg, strategy):
             log(WARNING, "This run cannot be resumed after a crash: %s", reason)
+    initial = resume.arrays if resume is not None else ArrayRecord(model.state_dict())
+    rejoin = getattr(strategy, "rejoin", None)  # one P-FedAvg server of many
+    if rejoin is not None and done < num_rounds:
+        initial, caught_up = rejoin(initial, done)
+        if caught_up > done:  # its neighbours went on without it
+            recorder.meta.setdefault("rejoined", []).append(
+                {"from-round": done, "to-round": caught_up}
+            )
+            done = caught_up
     round_end = RoundEnd(
         recorder=recorder,
         central=make_evaluate_fn(cfg, recorder, num_rounds, strategy)
@@ -253,7 +262,6 @@ def run_experiment(
     if released is not strategy:
         recorder.meta["central-dp"] = type(released).__name__
         log(INFO, "Central DP: %r around %r", released, strategy)
-    initial = resume.arrays if resume is not None else ArrayRecord(model.state_dict())
     if resume is not None:  # last: building models above drew from torch's RNG
         restore_rng(resume.rng)
     failure: NoRoundAggregatedError | None = None
