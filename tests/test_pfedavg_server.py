@@ -186,7 +186,6 @@ def test_bad_settings_fail_at_construction() -> None:
 def serve(overrides: str, output: str, index: int) -> None:
     """Run one P-FedAvg server of the app on its two in-process clients (a process)."""
     from apps.client_app import app as client_app
-
     from flwr_prox_strategies.experiment.server import run_experiment
 
     run_config = {"overrides": overrides, "output-dir": output}
@@ -208,7 +207,6 @@ def test_the_app_runs_three_servers_as_the_logical_p_fedavg(tmp_path) -> None:
     import multiprocessing
 
     from apps.client_app import app as client_app
-
     from flwr_prox_strategies.experiment.checkpoint import read_checkpoint
     from flwr_prox_strategies.experiment.server import run_experiment
 
