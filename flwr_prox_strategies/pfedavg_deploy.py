@@ -1,0 +1,608 @@
+r"""P-FedAvg as M real Flower deployments on this machine: one command, on loopback.
+
+Starts, for each parameter server :math:`i`, a SuperLink of its own, its
+SuperNodes (clients ``i, i + M, i + 2M, ...`` of the ``M x clients-per-server``
+partitions) and, with ``flwr run``, its ServerApp (the pack's app with
+``deploy=peers``: :class:`~flwr_prox_strategies.PFedAvgServer`); the servers
+exchange models with their graph neighbours over gRPC. While they run it prints
+one line per round (every server's central accuracy, the consensus distance
+:math:`\sum_i \lVert x_i - \bar x\rVert^2` read from the servers, the bytes
+exchanged), and at the end writes one folder::
+
+    <output>/server-<i>/results.json   each server's run (and its checkpoint)
+    <output>/results.json              the rounds side by side, and a summary
+    <output>/pfedavg-deploy.png        accuracies and consensus distance
+    <output>/engine/                   the SuperLinks' and SuperNodes' folders, logs
+
+Every process it started is stopped, by process group, on exit, on Ctrl-C and
+on SIGTERM. Example (3 servers on a ring, 2 clients each, 5 rounds)::
+
+    python -m flwr_prox_strategies.pfedavg_deploy --servers 3 --clients-per-server 2 \
+        --rounds 5 --overrides "model=logreg"
+
+``--kill-server I --kill-after R`` stops server I's deployment once it has
+finished round R and, with ``--restart-after S``, starts it again S seconds
+later, resumed from its checkpoint: the other servers go on without it
+(re-normalised weights) and it rejoins at their round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .core.exchange import read_status
+from .core.records import record_to_dict
+from .experiment.checkpoint import CheckpointError, read_checkpoint
+from .ops.mixing import consensus_average, consensus_distance
+
+REPO_MARKER = "pyproject.toml"
+
+
+def free_port() -> int:
+    """Return a TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _cmdlines() -> dict[int, str]:
+    lines = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                raw = (entry / "cmdline").read_bytes()
+                if raw:
+                    lines[int(entry.name)] = raw.replace(b"\0", b" ").decode(
+                        errors="replace"
+                    )
+    return lines
+
+
+def descendants_groups(roots: set[int]) -> set[int]:
+    """Return the process groups of ``roots`` and of what they started.
+
+    Flower's SuperExecs name their parent with ``--parent-pid``; other children
+    are found by their parent pid.
+    """
+    lines = _cmdlines()
+    pids = set(roots)
+    for _ in range(3):  # SuperLink -> SuperExec -> ServerApp / ClientApp
+        pids |= {
+            pid
+            for pid, cmd in lines.items()
+            if any(f"--parent-pid {root}" in cmd for root in pids)
+        }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = line.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) in pids:  # its parent is one of ours
+                    pids.add(int(line.parent.name))
+    groups = set()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))
+    groups.discard(os.getpgid(0))  # never our own
+    return groups
+
+
+def kill_groups(groups: set[int]) -> None:
+    """SIGTERM, then SIGKILL, every group (Ray's and gRPC's threads ignore SIGTERM)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(g) for g in groups):
+            time.sleep(0.2)
+
+
+def _alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class Server:
+    """One parameter server's deployment: SuperLink, SuperNodes, its run."""
+
+    index: int
+    home: Path
+    link_port: int
+    exchange: str
+    partitions: list[int]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    run_id: str | None = None
+    status: str = "not started"
+    restarts: int = 0
+
+    @property
+    def connection(self) -> str:
+        """Name of the ``flwr`` CLI connection to this server's SuperLink."""
+        return f"server-{self.index}"
+
+
+class Launcher:
+    """Start, watch and stop M deployments of the pack's app on loopback."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.app = Path(args.app).resolve()
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.output = Path(
+            args.output or Path("outputs") / f"{stamp}-pfedavg-deploy"
+        ).resolve()
+        self.engine = self.output / "engine"
+        self.env = dict(os.environ)
+        self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+        self.env.pop("FLWR_HOME", None)
+        m, per = args.servers, args.clients_per_server
+        self.num_partitions = m * per
+        self.servers = [
+            Server(
+                index=i,
+                home=self.engine / f"server-{i}",
+                link_port=free_port(),
+                exchange=f"127.0.0.1:{free_port()}",
+                partitions=[i + m * k for k in range(per)],
+            )
+            for i in range(m)
+        ]
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ processes
+    def _env(self, home: Path) -> dict[str, str]:
+        return {**self.env, "FLWR_HOME": str(home)}
+
+    def _spawn(
+        self, server: Server, command: list[str], folder: Path, log: str
+    ) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=folder,
+            env=self._env(folder),
+            start_new_session=True,
+            stdout=open(folder / log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        server.procs.append(proc)
+
+    def start_deployment(self, server: Server) -> None:
+        """Start server's SuperLink and SuperNodes; wait until all are online."""
+        server.home.mkdir(parents=True, exist_ok=True)
+        (server.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{server.connection}"\n\n'
+            f"[superlink.{server.connection}]\n"
+            f'address = "127.0.0.1:{server.link_port}"\ninsecure = true\n'
+        )
+        link = server.home / f"superlink-{server.restarts}"
+        self._spawn(
+            server,
+            [
+                "flower-superlink",
+                "--insecure",
+                *("--host", "127.0.0.1", "--port", str(server.link_port)),
+                *("--database", str(link / "state.db")),
+                "--disable-runtime-dependency-installation",
+            ],
+            link,
+            "superlink.log",
+        )
+        for partition in server.partitions:
+            self._spawn(
+                server,
+                [
+                    "flower-supernode",
+                    "--insecure",
+                    *("--superlink", f"127.0.0.1:{server.link_port}"),
+                    *("--host", "127.0.0.1", "--port", str(free_port())),
+                    "--node-config",
+                    f"partition-id={partition} num-partitions={self.num_partitions}",
+                ],
+                server.home / f"supernode-{partition}-{server.restarts}",
+                "supernode.log",
+            )
+        self._wait_online(server)
+
+    def _flwr(self, server: Server, *args: str, timeout: float = 120) -> Any:
+        out = subprocess.run(
+            ["flwr", *args],
+            capture_output=True,
+            text=True,
+            env=self._env(server.home),
+            cwd=self.app,
+            timeout=timeout,
+            check=False,
+        )
+        try:
+            return json.loads(out.stdout)
+        except ValueError:
+            return {"success": False, "error": out.stdout + out.stderr}
+
+    def _wait_online(self, server: Server, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            listing = self._flwr(
+                server, "supernode", "list", server.connection, "--format", "json"
+            )
+            if str(listing).count("'online'") >= len(server.partitions):
+                return
+            time.sleep(1)
+        raise TimeoutError(
+            f"server {server.index}: {len(server.partitions)} SuperNodes did not come "
+            f"online in {timeout:.0f} s (logs in {server.home})"
+        )
+
+    def overrides(self, server: Server) -> str:
+        """Return the Hydra overrides that make server's ServerApp server i."""
+        a = self.args
+        addresses = "[" + ",".join(s.exchange for s in self.servers) + "]"
+        return " ".join(
+            [
+                "strategy=pfedavg",
+                f"topology={a.topology}",
+                f"topology.servers={a.servers}",
+                f"topology.mixing={a.mixing}",
+                f"num_clients={len(server.partitions)}",
+                f"num_partitions={self.num_partitions}",
+                f"num_rounds={a.rounds}",
+                f"seed={a.seed}",
+                "deploy=peers",
+                f"deploy.index={server.index}",
+                f"deploy.addresses={addresses}",
+                f"deploy.timeout={a.exchange_timeout}",
+                f"deploy.rejoin_grace={a.rejoin_grace}",
+                a.overrides,
+            ]
+        ).strip()
+
+    def submit(self, server: Server, resume: bool = False) -> None:
+        """``flwr run`` the app on server's SuperLink (resumed from its folder)."""
+        folder = self.output / f"server-{server.index}"
+        run_config = f"overrides='{self.overrides(server)}' output-dir='{folder}'"
+        if resume:
+            run_config += f" resume='{folder}'"
+        reply = self._flwr(
+            server,
+            "run",
+            str(self.app),
+            server.connection,
+            "--format",
+            "json",
+            "--run-config",
+            run_config,
+        )
+        if not reply.get("success"):
+            raise RuntimeError(f"server {server.index}: flwr run failed: {reply}")
+        server.run_id = str(reply["run-id"])
+        server.status = "running"
+
+    def refresh_status(self, server: Server) -> str:
+        """Read server's run status (``flwr ls``), e.g. ``finished:completed``."""
+        if server.run_id is None:
+            return server.status
+        reply = self._flwr(
+            server,
+            "ls",
+            server.connection,
+            "--run-id",
+            server.run_id,
+            "--format",
+            "json",
+        )
+        with contextlib.suppress(KeyError, IndexError, TypeError):
+            server.status = str(reply["runs"][0]["status"])
+        return server.status
+
+    def stop_deployment(self, server: Server) -> None:
+        """Kill server's SuperLink, SuperNodes and what they started."""
+        kill_groups(descendants_groups({p.pid for p in server.procs}))
+        for proc in server.procs:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+        server.procs = []
+        server.status = "killed"
+
+    def stop_all(self) -> None:
+        """Stop every deployment still running."""
+        for server in self.servers:
+            if server.procs:
+                self.stop_deployment(server)
+
+    # --------------------------------------------------------------- watching
+    def rounds_of(self, server: Server) -> dict[int, dict[str, Any]]:
+        """Return server's rounds recorded so far in its ``results.json``."""
+        path = self.output / f"server-{server.index}" / "results.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {int(r["round"]): r for r in data.get("rounds", [])}
+
+    def model_of(self, server: Server, rnd: int) -> dict[str, np.ndarray] | None:
+        """Return server's mixed model of round ``rnd`` (None: not found).
+
+        Asked of the running server (it keeps its last rounds), else read from
+        its checkpoint (a server that has ended).
+        """
+        status = read_status(server.exchange, server_round=rnd, timeout=2.0)
+        if status is not None and status[0] == rnd and status[1] is not None:
+            return record_to_dict(status[1])
+        with contextlib.suppress(CheckpointError):
+            checkpoint = read_checkpoint(self.output / f"server-{server.index}")
+            if int(checkpoint["round"]) == rnd:
+                model = checkpoint["model"]
+                return dict(zip(model["names"], model["arrays"], strict=True))
+        return None
+
+    def watch_round(
+        self, rnd: int, per_server: list[dict[int, dict[str, Any]]]
+    ) -> None:
+        """Record (and print) round ``rnd`` once every running server has it."""
+        accuracy, sent = [], 0
+        for rounds in per_server:
+            row = rounds.get(rnd, {})
+            accuracy.append(row.get("central", {}).get("accuracy"))
+            sent += int(row.get("train", {}).get("exchange-bytes-sent", 0))
+        models = [m for s in self.servers if (m := self.model_of(s, rnd)) is not None]
+        distance = (
+            consensus_distance(models, consensus_average(models))
+            if len(models) == len(self.servers)
+            else None
+        )
+        self.rows[rnd] = {
+            "round": rnd,
+            "accuracy": accuracy,
+            "consensus-distance": distance,
+            "exchange-bytes-sent": sent,
+            "elapsed-s": round(time.monotonic() - self.started, 2),
+        }
+        known = [a for a in accuracy if a is not None]
+        print(
+            f"[pfedavg-deploy] round {rnd}/{self.args.rounds}: accuracy "
+            + " ".join("  -   " if a is None else f"{a:.4f}" for a in accuracy)
+            + (f" (mean {np.mean(known):.4f})" if known else "")
+            + (
+                f", consensus distance {distance:.3g}"
+                if distance is not None
+                else ", consensus distance n/a"
+            )
+            + f", exchanged {sent / 1e6:.2f} MB, {self.rows[rnd]['elapsed-s']:.0f} s",
+            flush=True,
+        )
+
+    def run(self) -> int:
+        """Start everything, watch the rounds, kill/restart as asked; exit code."""
+        a = self.args
+        self.output.mkdir(parents=True, exist_ok=True)
+        print(f"[pfedavg-deploy] output: {self.output}", flush=True)
+        for server in self.servers:
+            self.start_deployment(server)
+            print(
+                f"[pfedavg-deploy] server {server.index}: SuperLink 127.0.0.1:"
+                f"{server.link_port}, clients {server.partitions}, exchange "
+                f"{server.exchange}",
+                flush=True,
+            )
+        for server in self.servers:
+            self.submit(server)
+        killed_at: float | None = None
+        deadline = time.monotonic() + a.max_seconds
+        last_status = 0.0
+        while time.monotonic() < deadline:
+            per_server = [self.rounds_of(s) for s in self.servers]
+            live = [
+                rounds
+                for server, rounds in zip(self.servers, per_server, strict=True)
+                if server.status == "running"
+            ]
+            done_rounds = [max(r, default=0) for r in live] or [0]
+            for rnd in range(1, min(done_rounds) + 1):
+                if rnd not in self.rows:
+                    self.watch_round(rnd, per_server)
+            victim = a.kill_server
+            if (
+                victim is not None
+                and killed_at is None
+                and a.kill_after is not None
+                and max(per_server[victim], default=0) >= a.kill_after
+            ):
+                print(f"[pfedavg-deploy] killing server {victim}", flush=True)
+                self.stop_deployment(self.servers[victim])
+                killed_at = time.monotonic()
+            if (
+                killed_at is not None
+                and a.restart_after is not None
+                and self.servers[victim].status == "killed"
+                and time.monotonic() - killed_at >= a.restart_after
+            ):
+                server = self.servers[victim]
+                server.restarts += 1
+                print(f"[pfedavg-deploy] restarting server {victim}", flush=True)
+                self.start_deployment(server)
+                self.submit(server, resume=True)
+            if time.monotonic() - last_status > 3:
+                last_status = time.monotonic()
+                for server in self.servers:
+                    if server.status == "running":
+                        self.refresh_status(server)
+                if all(not s.status.startswith("running") for s in self.servers):
+                    break
+            time.sleep(0.5)
+        return self.finish()
+
+    def finish(self) -> int:
+        """Write the combined results and plot; say how each server ended."""
+        per_server = [self.rounds_of(s) for s in self.servers]
+        for rnd in range(1, self.args.rounds + 1):
+            if rnd not in self.rows and any(rnd in r for r in per_server):
+                self.watch_round(rnd, per_server)
+        final = [
+            (r.get(self.args.rounds) or {}).get("central", {}).get("accuracy")
+            for r in per_server
+        ]
+        statuses = [s.status for s in self.servers]
+        ok = all(s == "finished:completed" for s in statuses) and all(
+            f is not None for f in final
+        )
+        results = {
+            "servers": self.args.servers,
+            "clients-per-server": self.args.clients_per_server,
+            "topology": self.args.topology,
+            "mixing": self.args.mixing,
+            "num-rounds": self.args.rounds,
+            "statuses": statuses,
+            "rounds": [self.rows[r] for r in sorted(self.rows)],
+            "summary": {
+                "final-accuracy": final,
+                "final-accuracy-mean": float(
+                    np.mean([f for f in final if f is not None])
+                )
+                if any(f is not None for f in final)
+                else None,
+                "complete": ok,
+                "wall-time-s": round(time.monotonic() - self.started, 1),
+            },
+        }
+        (self.output / "results.json").write_text(json.dumps(results, indent=1))
+        plot = self.plot(results)
+        print(
+            f"[pfedavg-deploy] {'finished' if ok else 'FAILED'}: statuses {statuses}, "
+            f"final accuracy {final}",
+            flush=True,
+        )
+        print(f"[pfedavg-deploy] results: {self.output / 'results.json'}", flush=True)
+        if plot is not None:
+            print(f"[pfedavg-deploy] plot: {plot}", flush=True)
+        return 0 if ok else 1
+
+    def plot(self, results: dict[str, Any]) -> Path | None:
+        """Plot every server's accuracy and the consensus distance (None: no plot)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        rows = results["rounds"]
+        if not rows:
+            return None
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        rounds = [r["round"] for r in rows]
+        for i in range(results["servers"]):
+            left.plot(
+                rounds,
+                [
+                    r["accuracy"][i] if r["accuracy"][i] is not None else np.nan
+                    for r in rows
+                ],
+                marker="o",
+                label=f"server {i}",
+            )
+        left.set(
+            xlabel="round", ylabel="central accuracy", title="every server's model"
+        )
+        left.legend()
+        distances = [r["consensus-distance"] for r in rows]
+        right.semilogy(
+            rounds, [d if d is not None and d > 0 else np.nan for d in distances], "k.-"
+        )
+        right.set(
+            xlabel="round",
+            ylabel="sum_i ||x_i - mean||^2",
+            title="consensus distance",
+        )
+        fig.suptitle(
+            f"P-FedAvg, {results['servers']} deployments ({results['topology']}, "
+            f"{results['mixing']}), {results['clients-per-server']} clients each"
+        )
+        fig.tight_layout()
+        path = self.output / "pfedavg-deploy.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Read the command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flwr_prox_strategies.pfedavg_deploy",
+        description="P-FedAvg as M Flower deployments (SuperLink + SuperNodes + "
+        "ServerApp each) on 127.0.0.1, mixing over gRPC.",
+    )
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--clients-per-server", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--topology", default="ring")
+    parser.add_argument("--mixing", default="metropolis")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--overrides", default="", help="more Hydra overrides for every server"
+    )
+    parser.add_argument("--output", default=None, help="results folder")
+    parser.add_argument("--app", default=".", help="the Flower app's folder")
+    parser.add_argument("--exchange-timeout", type=float, default=60.0)
+    parser.add_argument("--rejoin-grace", type=float, default=10.0)
+    parser.add_argument("--max-seconds", type=float, default=3600.0)
+    parser.add_argument("--kill-server", type=int, default=None)
+    parser.add_argument("--kill-after", type=int, default=None, help="a round")
+    parser.add_argument("--restart-after", type=float, default=None, help="seconds")
+    args = parser.parse_args(argv)
+    if args.servers < 1 or args.clients_per_server < 1 or args.rounds < 1:
+        parser.error("--servers, --clients-per-server and --rounds must be >= 1")
+    if not (Path(args.app) / REPO_MARKER).is_file():
+        parser.error(f"--app {args.app!r} holds no {REPO_MARKER}: not a Flower app")
+    if args.kill_server is not None and not 0 <= args.kill_server < args.servers:
+        parser.error(f"--kill-server must be in 0..{args.servers - 1}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the launcher; every process it started is stopped however it ends."""
+    args = parse_args(argv)
+    for tool in ("flower-superlink", "flower-supernode", "flwr"):
+        if shutil.which(tool) is None:
+            print(f"{tool} not found: pip install 'flwr-prox-strategies[experiment]'")
+            return 2
+    launcher = Launcher(args)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    # Ray's sockets (if a server ever runs a simulation) need a short path.
+    launcher.env.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    try:
+        return launcher.run()
+    except KeyboardInterrupt:
+        print("[pfedavg-deploy] interrupted: stopping every process", flush=True)
+        launcher.finish()
+        return 130
+    finally:
+        launcher.stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
