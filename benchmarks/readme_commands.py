@@ -154,7 +154,7 @@ def commands(readme: Path) -> list[Command]:
 # The figures a command's expectation may name, and where they come from.
 METRICS = {
     "rounds": "rounds with a central evaluation after round 0 (results.json)",
-    "final-accuracy": "central test accuracy after the last round",
+    "final-accuracy": "central test accuracy after the last round (P-FedAvg launcher: the lowest server's)",
     "best-accuracy": "best central test accuracy over the rounds",
     "to-target": "first round at the config's target_accuracy",
     "central-loss": "central test loss after the last round",
@@ -237,6 +237,15 @@ def sweep_metrics(csv_path: Path) -> dict[str, float]:
     }
 
 
+def deploy_metrics(results: dict) -> tuple[dict[str, float], str]:
+    """P-FedAvg's launcher: its rounds and the servers' lowest final accuracy."""
+    final = results["summary"]["final-accuracy"]
+    metrics = {"rounds": float(len(results["rounds"]))}
+    if final and all(f is not None for f in final):
+        metrics["final-accuracy"] = float(min(final))
+    return metrics, "" if results["summary"]["complete"] else "a server did not finish"
+
+
 def last_match(pattern: str, output: str) -> str | None:
     found = re.findall(pattern, output)
     return found[-1].strip() if found else None
@@ -264,9 +273,14 @@ def measure(command: Command, log_file: Path) -> Outcome:
         outcome.error = f"exit {code}"
         return outcome
     results = last_match(r"Results: (\S+results\.json)", output)
+    deployed = last_match(r"\[pfedavg-deploy\] results: (\S+results\.json)", output)
     summary = last_match(r"(\S+summary\.csv)", output)
     speed_up = last_match(r"expected speed-up: (\d+(?:\.\d+)?)", output)
-    if results:
+    if deployed:
+        outcome.metrics, outcome.error = deploy_metrics(
+            json.loads(Path(deployed).read_text())
+        )
+    elif results:
         data = json.loads(Path(results).read_text())
         if not data["summary"].get("complete") and not data["summary"].get(
             "stopped-early"
