@@ -157,18 +157,26 @@ class Launcher:
         self.env.pop("FLWR_HOME", None)
         m, per = args.servers, args.clients_per_server
         self.num_partitions = m * per
+        self.ports: set[int] = set()
         self.servers = [
             Server(
                 index=i,
                 home=self.engine / f"server-{i}",
-                link_port=free_port(),
-                exchange=f"127.0.0.1:{free_port()}",
+                link_port=self.port(),
+                exchange=f"127.0.0.1:{self.port()}",
                 partitions=[i + m * k for k in range(per)],
             )
             for i in range(m)
         ]
         self.rows: dict[int, dict[str, Any]] = {}
         self.started = time.monotonic()
+
+    def port(self) -> int:
+        """Return a port free now and not yet handed out by this launcher."""
+        while (port := free_port()) in self.ports:
+            pass
+        self.ports.add(port)
+        return port
 
     # ------------------------------------------------------------ processes
     def _env(self, home: Path) -> dict[str, str]:
@@ -216,7 +224,7 @@ class Launcher:
                     "flower-supernode",
                     "--insecure",
                     *("--superlink", f"127.0.0.1:{server.link_port}"),
-                    *("--host", "127.0.0.1", "--port", str(free_port())),
+                    *("--host", "127.0.0.1", "--port", str(self.port())),
                     "--node-config",
                     f"partition-id={partition} num-partitions={self.num_partitions}",
                 ],
@@ -346,7 +354,7 @@ class Launcher:
         Asked of the running server (it keeps its last rounds), else read from
         its checkpoint (a server that has ended).
         """
-        status = read_status(server.exchange, server_round=rnd, timeout=2.0)
+        status = read_status(server.exchange, server_round=rnd, timeout=10.0)
         if status is not None and status[0] == rnd and status[1] is not None:
             return record_to_dict(status[1])
         with contextlib.suppress(CheckpointError):

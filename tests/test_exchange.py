@@ -314,3 +314,12 @@ def test_security_needs_all_three_tls_files_or_none() -> None:
         PeerExchange(index=3, addresses=["a:1"], neighbours=[])
     with pytest.raises(ValueError, match="neighbours"):
         PeerExchange(index=0, addresses=["a:1", "b:2"], neighbours=[0])
+
+
+def test_a_taken_address_is_refused_not_shared() -> None:
+    # gRPC's default SO_REUSEPORT would let a second server bind the same port and
+    # the kernel split the neighbours' calls between two federations.
+    with servers(2) as (addresses, _):
+        twin = PeerExchange(index=0, addresses=addresses, neighbours=[1])
+        with pytest.raises(RuntimeError, match="cannot listen on"):
+            twin.start(4 * MB)

@@ -251,7 +251,10 @@ class PeerExchange:
         ]
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=2 * len(self.neighbours) + 4),
-            options=options,
+            # gRPC binds with SO_REUSEPORT by default on Linux: a second server
+            # on a taken port would start, and the kernel would share the
+            # neighbours' calls between the two. Refuse the port instead.
+            options=[*options, ("grpc.so_reuseport", 0)],
         )
         handlers = {
             "Deliver": grpc.unary_unary_rpc_method_handler(
@@ -269,18 +272,22 @@ class PeerExchange:
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )
         address = self.addresses[self.index]
-        if self.security.tls:
-            credentials = grpc.ssl_server_credentials(
-                [(self.security.private_key, self.security.certificate)],
-                root_certificates=self.security.root_certificates,
-                require_client_auth=True,
-            )
-            bound = server.add_secure_port(address, credentials)
-        else:
-            bound = server.add_insecure_port(address)
+        try:
+            if self.security.tls:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.security.private_key, self.security.certificate)],
+                    root_certificates=self.security.root_certificates,
+                    require_client_auth=True,
+                )
+                bound = server.add_secure_port(address, credentials)
+            else:
+                bound = server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            bound = 0
         if not bound:
             raise RuntimeError(
-                f"P-FedAvg server {self.index}: cannot listen on {address}"
+                f"P-FedAvg server {self.index}: cannot listen on {address} "
+                "(taken by another process?)"
             )
         server.start()
         self._server = server
