@@ -136,6 +136,13 @@ class Server:
     restarts: int = 0
 
     @property
+    def active(self) -> bool:
+        """Its run was submitted and has not ended (pending, starting, running)."""
+        return self.run_id is not None and not self.status.startswith(
+            ("finished", "killed")
+        )
+
+    @property
     def connection(self) -> str:
         """Name of the ``flwr`` CLI connection to this server's SuperLink."""
         return f"server-{self.index}"
@@ -423,7 +430,7 @@ class Launcher:
             live = [
                 rounds
                 for server, rounds in zip(self.servers, per_server, strict=True)
-                if server.status == "running"
+                if server.active
             ]
             done_rounds = [max(r, default=0) for r in live] or [0]
             for rnd in range(1, min(done_rounds) + 1):
@@ -453,9 +460,9 @@ class Launcher:
             if time.monotonic() - last_status > 3:
                 last_status = time.monotonic()
                 for server in self.servers:
-                    if server.status == "running":
+                    if server.active:  # flwr ls: pending, starting, running, finished:*
                         self.refresh_status(server)
-                if all(not s.status.startswith("running") for s in self.servers):
+                if not any(s.active for s in self.servers):
                     break
             time.sleep(0.5)
         return self.finish()

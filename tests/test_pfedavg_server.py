@@ -252,3 +252,24 @@ def test_the_app_runs_three_servers_as_the_logical_p_fedavg(tmp_path) -> None:
     assert not np.array_equal(
         logical["0"]["linear.weight"], logical["1"]["linear.weight"]
     )
+
+
+def test_the_launcher_waits_while_a_run_is_pending_or_starting(tmp_path) -> None:
+    """`flwr ls` says pending/starting before running: not an ended run.
+
+    (The launcher once stopped watching a server whose run was still starting
+    under load, and reported the run failed.)
+    """
+    from flwr_prox_strategies.pfedavg_deploy import Server
+
+    server = Server(
+        index=0, home=tmp_path, link_port=1, exchange="127.0.0.1:2", partitions=[0]
+    )
+    assert not server.active  # nothing submitted yet
+    server.run_id = "1"
+    for status in ("running", "pending", "starting"):
+        server.status = status
+        assert server.active, status
+    for status in ("finished:completed", "finished:failed", "killed"):
+        server.status = status
+        assert not server.active, status
