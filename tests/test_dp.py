@@ -363,6 +363,8 @@ def test_every_client_trains_privately_from_the_privacy_group(
     assert results["summary"]["final-epsilon-max"] == max(per_client)
     assert results["summary"]["delta"] == pytest.approx(1e-5)
     assert (tmp_path / "privacy.png").stat().st_size > 0
+    ledger = json.loads((tmp_path / "privacy-ledger.json").read_text())
+    assert sorted(ledger["epsilon-total"].values()) == sorted(per_client)
 
 
 @pytest.mark.parametrize("mixing", [None, "parameters", "outputs"])
@@ -453,3 +455,19 @@ def test_a_run_whose_every_client_retires_stops_with_a_clear_message(
     assert rounds[1]["train"]["replies-valid"] == 3
     assert rounds[last]["train"]["dp-clients-retired"] == 3
     assert results["summary"]["final-accuracy"] is not None
+
+
+def test_round_rows_list_every_client_only_up_to_the_limit() -> None:
+    """10,000 clients' epsilons are not copied into every round's metrics."""
+    from flwr_prox_strategies.core.privacy import PER_CLIENT_LIMIT, privacy_metrics
+
+    small = privacy_metrics({k: float(k) for k in range(PER_CLIENT_LIMIT)})
+    assert small["dp-epsilon-total-per-client"] == [float(k) for k in range(100)]
+    assert "dp-epsilon-total-median" not in small
+    large = privacy_metrics({k: float(k) for k in range(10_001)})
+    assert "dp-epsilon-total-per-client" not in large
+    assert "dp-epsilon-client-keys" not in large
+    assert large["dp-epsilon-total-median"] == 5000.0
+    assert large["dp-epsilon-total-max"] == 10_000.0
+    assert large["dp-epsilon-total-mean"] == 5000.0
+    assert large["dp-clients-reporting"] == 10_001

@@ -47,24 +47,38 @@ def spend_epsilon(state_records: Any, epsilon: float) -> float:
     return total
 
 
-def privacy_metrics(totals: dict[int, float]) -> dict[str, float | list[float]]:
+# Above this many clients a round's metrics carry no per-client lists: a round
+# row of 10,000 clients' epsilons is 440 KB, and Flower's Result keeps every
+# round's. The whole ledger stays in the checkpoint (and the experiment writes
+# it to privacy-ledger.json).
+PER_CLIENT_LIMIT = 100
+
+
+def privacy_metrics(
+    totals: dict[int, float], per_client_limit: int = PER_CLIENT_LIMIT
+) -> dict[str, float | list[float]]:
     """Summarise per-client epsilon totals: max, mean, and every client's.
 
     ``dp-epsilon-total-per-client`` lists the totals in the order of
     ``dp-epsilon-client-keys`` (sorted client keys), so ``results.json`` holds
-    every client's epsilon every round.
+    every client's epsilon every round, while at most ``per_client_limit``
+    clients have reported; beyond that, the median takes the lists' place.
     """
     if not totals:
         return {}
     keys = sorted(totals)
     values = [totals[k] for k in keys]
-    return {
+    metrics: dict[str, float | list[float]] = {
         "dp-epsilon-total-max": max(values),
         "dp-epsilon-total-mean": sum(values) / len(values),
         "dp-clients-reporting": len(values),
-        "dp-epsilon-total-per-client": values,
-        "dp-epsilon-client-keys": [float(k) for k in keys],
     }
+    if len(values) <= per_client_limit:
+        metrics["dp-epsilon-total-per-client"] = values
+        metrics["dp-epsilon-client-keys"] = [float(k) for k in keys]
+    else:
+        metrics["dp-epsilon-total-median"] = float(np.median(values))
+    return metrics
 
 
 def record_privacy(

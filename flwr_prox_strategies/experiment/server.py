@@ -55,7 +55,7 @@ from .data import (
     split_held_out,
     to_loader,
 )
-from .results import RunRecorder, plot_run
+from .results import RunRecorder, plot_run, write_json
 
 OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
 
@@ -340,6 +340,12 @@ def run_experiment(
         log(WARNING, "Rounds without a valid reply (model kept): %s", idle)
     recorder.complete = True
     recorder.flush()
+    ledger = getattr(strategy, "epsilon_totals", None)
+    if ledger:  # every client's epsilon; round rows list them only up to 100
+        write_json(
+            output_dir / "privacy-ledger.json",
+            {"epsilon-total": {str(k): ledger[k] for k in sorted(ledger)}},
+        )
     results = recorder.as_dict()
     plots = plot_run(results, output_dir)
     summary = results["summary"]
