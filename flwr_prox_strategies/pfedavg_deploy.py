@@ -241,21 +241,29 @@ class Launcher:
         self._wait_online(server)
 
     def _flwr(self, server: Server, *args: str, timeout: float = 120) -> Any:
-        out = subprocess.run(
-            ["flwr", *args],
-            capture_output=True,
-            text=True,
-            env=self._env(server.home),
-            cwd=self.app,
-            timeout=timeout,
-            check=False,
-        )
+        try:
+            out = subprocess.run(
+                ["flwr", *args],
+                capture_output=True,
+                text=True,
+                env=self._env(server.home),
+                cwd=self.app,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:  # a loaded machine: the caller retries
+            return {
+                "success": False,
+                "error": f"flwr {args[0]}: no answer in {timeout} s",
+            }
         try:
             return json.loads(out.stdout)
         except ValueError:
             return {"success": False, "error": out.stdout + out.stderr}
 
-    def _wait_online(self, server: Server, timeout: float = 180) -> None:
+    def _wait_online(self, server: Server) -> None:
+        # Each SuperNode takes seconds of CPU to start: 40 on 2 cores, minutes.
+        timeout = 120 + 10 * len(server.partitions)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             listing = self._flwr(

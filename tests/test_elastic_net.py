@@ -9,6 +9,7 @@ from flwr_prox_strategies.ops.elastic_net import (
     elastic_net_center,
     elastic_net_objective,
     soft_threshold,
+    weighted_elastic_net_center,
 )
 
 
@@ -80,3 +81,31 @@ def test_shapes_dtypes_and_errors() -> None:
 def test_soft_threshold() -> None:
     x = np.array([-3.0, -0.5, 0.0, 0.2, 2.0])
     np.testing.assert_array_equal(soft_threshold(x, 1.0), [-2.0, 0.0, 0.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_weighted_centre_is_the_centre_of_the_repeated_table(seed: int) -> None:
+    """One row of weight w stands for w identical uploads (FedEPM's unseen clients)."""
+    rng = np.random.default_rng(seed)
+    r = int(rng.integers(1, 8))
+    z = np.round(rng.normal(size=(r, 3, 5)), int(rng.integers(0, 3)))  # ties too
+    weights = rng.integers(1, 6, size=r)
+    weights[0] = int(rng.integers(1, 200))  # the initial model's many copies
+    lam = float(rng.choice([0.0, 1e-3, 0.5, 3.0]))
+    eta = float(rng.choice([0.0, 1e-5, 0.1, 2.0])) if lam > 0 else 1.0
+    dense = elastic_net_center(np.repeat(z, weights, axis=0), lam, eta)
+    got = weighted_elastic_net_center(z, weights, lam, eta, block=4)  # 4 blocks
+    assert got.shape == (3, 5)
+    np.testing.assert_allclose(got, dense, rtol=1e-12, atol=1e-12)
+
+
+def test_weighted_centre_by_hand_and_refusals() -> None:
+    # 0 (x3) and 10 (x1): l1 dominant -> the lower median 0; pure mean -> 2.5
+    z = np.array([[0.0], [10.0]])
+    assert weighted_elastic_net_center(z, [3, 1], 1e6, 1.0)[0] == 0.0
+    assert weighted_elastic_net_center(z, [3, 1], 0.0, 1.0)[0] == pytest.approx(2.5)
+    assert weighted_elastic_net_center(z, [1, 3], 1.0, 0.0)[0] == 10.0
+    with pytest.raises(ValueError, match="one integer weight per row"):
+        weighted_elastic_net_center(z, [1.0, 2.0], 1.0, 1.0)
+    with pytest.raises(ValueError, match=">= 1"):
+        weighted_elastic_net_center(z, [0, 2], 1.0, 1.0)

@@ -206,6 +206,45 @@ def test_without_the_l1_term_fedepm_reaches_the_original_optimum(rho) -> None:
     np.testing.assert_allclose(x, FED.optimum, atol=1e-9)
 
 
+def test_a_table_of_the_clients_seen_gives_the_dense_tables_models() -> None:
+    """table="seen": one row per client that uploaded, plus x^0 weighted by the rest.
+
+    8 clients, 2 sampled a round: the models equal the dense table's (to float
+    addition order) while the table grows from 1 row to 1 + the clients seen.
+    """
+    fed = Federation(m=8)
+    models, sizes = {}, []
+    for table in ("dense", "seen"):
+        strategy = FedEPM(
+            num_clients=fed.m,
+            rho=0.25,
+            k0=3,
+            eta=2.0,
+            lam=0.3,
+            noise=0.0,
+            table=table,
+            min_available_nodes=fed.m,
+            fraction_evaluate=0.0,
+        )
+        for rounds in (1, 2, 6):
+            result = strategy.start(
+                grid=fed.grid(), initial_arrays=fed.initial(), num_rounds=rounds
+            )
+            models[table, rounds] = result.arrays.to_numpy_ndarrays()[0]
+            if table == "seen":
+                (uploads,) = strategy.uploads.values()
+                sizes.append((len(uploads), len(strategy.slots)))
+    for rounds in (1, 2, 6):
+        np.testing.assert_allclose(
+            models["seen", rounds], models["dense", rounds], rtol=1e-12, atol=1e-12
+        )
+    assert sizes[0] == (3, 2)  # x^0 and the 2 clients of round 1
+    assert all(rows == 1 + seen for rows, seen in sizes)
+    assert sizes[-1][1] > 2 and not np.allclose(models["seen", 6], 0.0)
+    with pytest.raises(ValueError, match="table"):
+        FedEPM(num_clients=4, table="sparse")
+
+
 def test_with_the_l1_term_fedepm_stops_in_the_stationarity_band() -> None:
     """lam > 0: FedEPM (gradients at the server point) stops where, coordinate by
     coordinate, 0 is in sum_i phi(g_i) (phi(g) = g if |g| > lam, else [-lam, lam]):

@@ -106,11 +106,16 @@ from ..core.training import TrainReport, evaluate_model, full_gradient, trainabl
 from ..core.validation import (
     ReplyRejected,
     ValidReply,
+    check_choice,
     check_int,
     check_non_negative,
     check_positive,
 )
-from ..ops.elastic_net import elastic_net_center, soft_threshold
+from ..ops.elastic_net import (
+    elastic_net_center,
+    soft_threshold,
+    weighted_elastic_net_center,
+)
 from ..ops.privacy import add_laplace_noise
 
 ITERATION_KEY = "fedepm-iteration"
@@ -268,6 +273,16 @@ class FedEPM(ValidatedFedAvg):
         Per-iteration growth of :math:`\mu_i`.
     noise : float (default: 0.1)
         :math:`\varepsilon` per upload; 0 turns the noise off.
+    table : str (default: "dense")
+        The server's table of every client's latest upload, inherent to the
+        method: ``"dense"`` allocates all :math:`m` rows at the start (as the
+        official code does: :math:`m \times` the model, 8 GB for 10,000 clients
+        of a 0.8 MB model); ``"seen"`` keeps a row for each client that has
+        uploaded and one for the initial model that every other client still
+        holds, weighted by their number
+        (:func:`..ops.elastic_net.weighted_elastic_net_center`): the same centre
+        up to the order of float additions, in memory that grows with the
+        clients seen (10 a round for 50 rounds: 500 rows), not with :math:`m`.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (sampling
@@ -290,8 +305,9 @@ class FedEPM(ValidatedFedAvg):
     rule_name = "FedEPM's local proximal iterations and noisy upload"
     state_fields = ("uploads", "slots")
     # The iteration counter sent to clients is (round - 1) * k0.
-    resume_settings = ("k0",)
+    resume_settings = ("k0", "table")
     settings = ("num_clients", "rho", "k0", "eta", "lam", "r0", "growth", "noise")
+    tables = ("dense", "seen")
 
     def __init__(
         self,
@@ -304,8 +320,10 @@ class FedEPM(ValidatedFedAvg):
         r0: float = 0.05,
         growth: float = 1.001,
         noise: float = 0.1,
+        table: str = "dense",
         **kwargs: Any,
     ) -> None:
+        check_choice("table", table, self.tables)
         if num_clients is not None:
             check_int("num_clients", num_clients, 1)
         if not (isinstance(rho, (int, float)) and 0.0 < rho <= 1.0):
@@ -349,7 +367,10 @@ class FedEPM(ValidatedFedAvg):
         self.r0 = float(r0)
         self.growth = float(growth)
         self.noise = float(noise)
-        self.uploads: dict[str, NDArray] | None = None  # key -> (m, *shape)
+        self.table = table
+        # key -> (rows, *shape): m rows ("dense"), or row 0 the initial model and
+        # one row per client seen ("seen")
+        self.uploads: dict[str, NDArray] | None = None
         self.slots: dict[int, int] = {}  # client key -> row of self.uploads
 
     def learn_num_clients(self, num_clients: int) -> None:
@@ -368,8 +389,9 @@ class FedEPM(ValidatedFedAvg):
         if self.uploads is None:  # every slot starts at the initial model
             assert self.global_arrays is not None and self.num_clients is not None
             initial = record_to_dict(self.global_arrays)
+            rows = self.num_clients if self.table == "dense" else 1
             self.uploads = {
-                key: np.repeat(initial[key][None], self.num_clients, axis=0)
+                key: np.repeat(initial[key][None], rows, axis=0)
                 for key in float_keys(initial)
             }
         return {
@@ -403,22 +425,39 @@ class FedEPM(ValidatedFedAvg):
         model (when they report it) is its metric.
         """
         assert state["uploads"] is not None and self.global_arrays is not None
+        assert self.num_clients is not None
         slots = dict(state["slots"])
+        first_row = 0 if self.table == "dense" else 1  # "seen": row 0 is x^0
         rows = []
         for reply in replies:
             key = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
-            rows.append(slots.setdefault(key, len(slots)))
+            rows.append(slots.setdefault(key, first_row + len(slots)))
         uploads = {}
         for name, table in state["uploads"].items():
-            table = table.copy()
+            if len(slots) + first_row > len(table):  # "seen": rows for new clients
+                table = np.concatenate(
+                    [
+                        table,
+                        np.repeat(table[:1], len(slots) + first_row - len(table), 0),
+                    ]
+                )
+            else:
+                table = table.copy()
             for row, reply in zip(rows, replies, strict=True):
                 table[row] = reply.arrays[self.arrayrecord_key][name]
             uploads[name] = table
         model = record_to_dict(self.global_arrays)
+        unseen = self.num_clients - len(slots)  # clients still at x^0 ("seen")
         for name, table in uploads.items():
-            model[name] = elastic_net_center(table, self.lam, self.eta).astype(
-                model[name].dtype
-            )
+            if self.table == "dense":
+                centre = elastic_net_center(table, self.lam, self.eta)
+            elif unseen > 0:
+                weights = np.ones(len(table), dtype=np.int64)
+                weights[0] = unseen
+                centre = weighted_elastic_net_center(table, weights, self.lam, self.eta)
+            else:
+                centre = elastic_net_center(table[1:], self.lam, self.eta)
+            model[name] = centre.astype(model[name].dtype)
         values = [
             float(v)
             for r in replies
