@@ -34,7 +34,6 @@ import argparse
 import datetime as dt
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 import traceback
@@ -42,18 +41,14 @@ from typing import Any
 
 import numpy as np
 
+from flwr_prox_strategies.pfedavg_deploy import free_port
+
 SHAPES = {"w1": (784, 200), "b1": (200,), "w2": (200, 200), "b2": (200,)}
 SHAPES |= {"w3": (200, 10), "b3": (10,)}
 DIE_AFTER, LAST_FAULT_ROUND, DEADLINE, RESTART_DELAY = 3, 8, 5.0, 2.0
 TRAIN_SECONDS = (
     2.0  # a fault round's local training, so the survivors outlive the restart
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ring(i: int, m: int) -> list[int]:

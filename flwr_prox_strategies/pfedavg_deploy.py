@@ -218,7 +218,10 @@ class Launcher:
                 "flower-superlink",
                 "--insecure",
                 *("--host", "127.0.0.1", "--port", str(server.link_port)),
-                *("--database", str(link / "state.db")),
+                # State in memory: with a database file, 8 SuperNodes pushing
+                # replies at once made the SuperLink fail pushes with "database
+                # is locked" and the round waited for its timeout. A restarted
+                # server gets a new SuperLink anyway.
                 "--disable-runtime-dependency-installation",
             ],
             link,
