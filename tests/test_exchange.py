@@ -112,6 +112,36 @@ def test_a_dead_neighbour_costs_the_grace_then_rejoins() -> None:
     assert values(got[0].models[2]) == 3.0
 
 
+def test_a_neighbour_late_behind_the_grace_is_waited_for_once_heard() -> None:
+    """Server 1 rejoined 2 s behind server 0 (grace 0.5 s): its round-1 model comes
+    after server 0 closed round 1; from then on server 0 waits for it in full, so
+    round 2 has it although it is 2 s late again (not mixed out for good)."""
+    with servers(2, timeout=20, rejoin_grace=0.5) as (_, ex):
+        ex[0]._absent = {1}  # as after a round it missed
+        late = {}
+
+        def lagging(rnd):
+            time.sleep(2.0)
+            late[rnd] = ex[1].exchange(rnd, model(2.0))
+
+        thread = threading.Thread(target=lagging, args=(1,))
+        thread.start()
+        first = ex[0].exchange(1, model(1.0))
+        thread.join(30)
+        assert first.missing == [1]  # 0.5 s grace: round 1 goes on without it
+        deadline = time.monotonic() + 10  # server 1's send is asynchronous
+        while 1 in ex[0]._absent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 1 not in ex[0]._absent  # its stale round-1 model says it is alive
+        thread = threading.Thread(target=lagging, args=(2,))
+        thread.start()
+        start = time.monotonic()
+        second = ex[0].exchange(2, model(1.0))
+        thread.join(30)
+    assert second.missing == [] and values(second.models[1]) == 2.0
+    assert 1.5 < time.monotonic() - start < 15
+
+
 def test_a_silent_neighbour_is_left_out_at_the_deadline() -> None:
     # Server 1 listens but never sends: server 0 waits the deadline, 1.5 s.
     with servers(2, timeout=1.5) as (_, ex):

@@ -434,13 +434,9 @@ class FedEPM(ValidatedFedAvg):
             rows.append(slots.setdefault(key, first_row + len(slots)))
         uploads = {}
         for name, table in state["uploads"].items():
-            if len(slots) + first_row > len(table):  # "seen": rows for new clients
-                table = np.concatenate(
-                    [
-                        table,
-                        np.repeat(table[:1], len(slots) + first_row - len(table), 0),
-                    ]
-                )
+            new_rows = len(slots) + first_row - len(table)
+            if new_rows > 0:  # "seen": a row (x^0 until written) per new client
+                table = np.concatenate([table, np.repeat(table[:1], new_rows, 0)])
             else:
                 table = table.copy()
             for row, reply in zip(rows, replies, strict=True):

@@ -22,8 +22,9 @@ others' weights are re-normalised (:func:`..ops.mixing.mix_row`). A neighbour
 that missed the previous round, or that cannot be reached at all (connection
 refused: it is down), is waited for only ``rejoin_grace`` seconds, so a dead
 server costs its neighbours one full deadline, not one per round; it rejoins
-the round its model arrives within that grace again. Nothing here ever waits
-without a deadline.
+the round its model arrives within that grace again, and once any model of it
+arrives, even too late for its round, the next round waits for it in full.
+Nothing here ever waits without a deadline.
 
 Security (:class:`PeerSecurity`): without certificates nothing between servers
 is encrypted (loopback, trusted networks). With ``root_certificates``,
@@ -364,6 +365,19 @@ class PeerExchange:
         with self._cond:
             floor = self._waiting_round
             if rnd < floor:
+                if sender in self._absent:
+                    # Alive, only late: wait for it in full from the next round,
+                    # or a server that rejoined a few seconds behind its
+                    # neighbours would stay behind their grace, mixed out for good.
+                    self._absent.discard(sender)
+                    log(
+                        INFO,
+                        "P-FedAvg server %d: server %d is alive (its round %d came "
+                        "late); the next round waits for it in full",
+                        self.index,
+                        sender,
+                        rnd,
+                    )
                 return _encode({"status": "stale", "round": floor})
             if rnd > floor + ROUNDS_AHEAD:
                 return _encode({"status": "too-early", "round": floor})
