@@ -1,0 +1,251 @@
+"""Thousands of simulated SuperNodes, 10 sampled a round: the pack against Flower's FedAvg.
+
+Every case is one ``flwr run`` simulation on a private managed SuperLink (its own
+``FLWR_HOME``, ports and Ray folder), ``client-resources-num-cpus=1`` (two Ray
+actors on 2 cores), side by side in one run:
+
+``flower``
+    Flower's own ``FedAvg`` (``benchmarks/scale_app``) with a trivial client that
+    keeps two model-sized arrays in ``context.state`` (a FedDC-sized client
+    state), on the MLP 784-200-200-10 (0.8 MB).
+``pack:<strategy>``
+    The pack's app (``flwr run .``) on Fashion-MNIST (iid), the same MLP, each
+    client one SGD step on one sample (``train.local_steps=1
+    train.batch_size=1``): almost no computation, the pack's real client and
+    client-state handling. No central evaluation and no checkpoint unless the
+    case says ``+central`` / ``+checkpoint``, so that the differences between
+    cases split the pack's round into its parts.
+
+Printed per case: seconds per round (median over rounds 2..R, from the time each
+round ended: ``elapsed-s`` in the pack's ``results.json``, the evaluate
+callback's clock in Flower's app), the first round, the peak memory (RSS) of the
+simulation process (ServerApp, Ray driver and Flower's node contexts) and of all
+the run's processes (sampled every 0.5 s), and the size of ``results.json``.
+
+Run: ``python benchmarks/scale.py [--nodes 1000 10000] [--rounds 12] [--cases ...]``
+(nothing else running: it times rounds).
+
+Status (2026-12-02): written for issue 17, not yet run to a result; no figure in
+``benchmarks/README.md`` comes from it yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from flwr_prox_strategies.pfedavg_deploy import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOWER_APP = ROOT / "benchmarks" / "scale_app"
+OUT = ROOT / "benchmarks" / "results" / "scale"
+PER_ROUND = 10
+
+# case -> pack overrides (None: Flower's app)
+CASES: dict[str, str | None] = {
+    "flower": None,
+    "pack:fedavg": "strategy=fedavg",
+    "pack:fedavg+checkpoint": "strategy=fedavg checkpoint_every=1",
+    "pack:fedavg+central": "strategy=fedavg evaluate.central=true",
+    "pack:scaffold": "strategy=scaffold",
+    "pack:feddyn": "strategy=feddyn",
+    "pack:feddyn+track": "strategy=feddyn strategy.track_all_clients=true",
+    "pack:feddc": "strategy=feddc",
+    "pack:apfl": "strategy=apfl",
+    "pack:fedepm": "strategy=fedepm",
+    "pack:fedepm+seen": "strategy=fedepm strategy.table=seen",
+}
+
+
+def processes_of(home: str) -> dict[int, str]:
+    """PID -> command line of every process whose environment has FLWR_HOME=home."""
+    found = {}
+    marker = f"FLWR_HOME={home}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                found[int(entry.name)] = cmd.decode(errors="replace")
+    return found
+
+
+def rss_mb(pid: int) -> float:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Memory(threading.Thread):
+    """Peak RSS of the simulation process and of all the run's processes."""
+
+    def __init__(self, home: str) -> None:
+        super().__init__(daemon=True)
+        self.home, self.running = home, True
+        self.peak_all = self.peak_server = 0.0
+
+    def run(self) -> None:
+        while self.running:
+            procs = processes_of(self.home)
+            sizes = {pid: rss_mb(pid) for pid in procs}
+            self.peak_all = max(self.peak_all, sum(sizes.values()))
+            server = [s for pid, s in sizes.items() if "flwr-simulation" in procs[pid]]
+            self.peak_server = max(self.peak_server, max(server, default=0.0))
+            time.sleep(0.5)
+
+
+def stop_processes(home: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in processes_of(home):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        time.sleep(2)
+
+
+def round_seconds(ended: dict[int, float]) -> tuple[float, float]:
+    """(median seconds per round over rounds 2..R, seconds of round 1)."""
+    rounds = sorted(r for r in ended if r >= 1)
+    gaps = [ended[r] - ended[r - 1] for r in rounds if r >= 2 and r - 1 in ended]
+    first = ended[1] - ended.get(0, 0.0) if 1 in ended else float("nan")
+    return (statistics.median(gaps) if gaps else float("nan")), first
+
+
+def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
+    folder = OUT / f"{nodes}" / case.replace(":", "-").replace("+", "-")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    home = tempfile.mkdtemp(prefix="flwr-scale-")
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=home,
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(free_port()),
+        FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+        RAY_TMPDIR=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+    )
+    overrides = CASES[case]
+    federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
+    if overrides is None:
+        times = folder / "times.json"
+        command = [
+            *("flwr", "run", str(FLOWER_APP), "--stream"),
+            *("--federation-config", federation),
+            "--run-config",
+            f"num-rounds={rounds} per-round={PER_ROUND} num-nodes={nodes} "
+            f"times-file='{times}'",
+        ]
+    else:
+        fraction = f"strategy.rho={PER_ROUND / nodes}"
+        if "fedepm" not in overrides:
+            fraction = f"strategy.fraction_train={PER_ROUND / nodes}"
+        everything = (
+            f"{overrides} dataset=fashion-mnist partition=iid model=mlp "
+            f"num_clients={nodes} num_rounds={rounds} {fraction} "
+            "train.local_steps=1 train.batch_size=1"
+        )
+        if "evaluate.central" not in overrides:
+            everything += " evaluate.central=false"
+        if "checkpoint_every" not in overrides:
+            everything += " checkpoint_every=0"
+        command = [
+            *("flwr", "run", str(ROOT), "--stream"),
+            *("--federation-config", federation),
+            "--run-config",
+            f"overrides='{everything}' output-dir='{folder}'",
+        ]
+    memory = Memory(home)
+    memory.start()
+    start = time.monotonic()
+    try:
+        out = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=3600,
+            check=False,
+        )
+    finally:
+        memory.running = False
+        stop_processes(home)
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+    (folder / "flwr-run.log").write_text(out.stdout + out.stderr)
+    wall = time.monotonic() - start
+    if overrides is None:
+        ended = {int(k): v for k, v in json.loads(times.read_text()).items()}
+        size = 0
+    else:
+        results = folder / "results.json"
+        data = json.loads(results.read_text())
+        if not data["summary"].get("complete"):
+            raise RuntimeError(f"{case} at {nodes}: run not complete, see {folder}")
+        ended = {int(r["round"]): r["elapsed-s"] for r in data["rounds"]}
+        size = results.stat().st_size
+    if max(ended, default=0) < rounds:
+        raise RuntimeError(f"{case} at {nodes}: {max(ended, default=0)} rounds")
+    per_round, first = round_seconds(ended)
+    return {
+        "case": case,
+        "nodes": nodes,
+        "s-per-round": per_round,
+        "first-round-s": first,
+        "wall-s": wall,
+        "server-peak-mb": memory.peak_server,
+        "all-peak-mb": memory.peak_all,
+        "results-kb": size / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    args = parser.parse_args()
+    rows = []
+    header = (
+        f"{'case':24}{'nodes':>7}{'s/round':>9}{'x flower':>9}{'round 1 s':>10}"
+        f"{'server MB':>10}{'all MB':>9}{'results KB':>11}"
+    )
+    print(header, flush=True)
+    for nodes in args.nodes:
+        base = None
+        for case in args.cases:
+            try:
+                row = run_case(case, nodes, args.rounds)
+            except (RuntimeError, OSError, ValueError, KeyError) as err:
+                print(f"{case:24}{nodes:>7}  FAILED: {err}", flush=True)
+                continue
+            if case == "flower":
+                base = row["s-per-round"]
+            row["ratio"] = row["s-per-round"] / base if base else float("nan")
+            rows.append(row)
+            print(
+                f"{case:24}{nodes:>7}{row['s-per-round']:9.3f}{row['ratio']:9.2f}"
+                f"{row['first-round-s']:10.1f}{row['server-peak-mb']:10.0f}"
+                f"{row['all-peak-mb']:9.0f}{row['results-kb']:11.1f}",
+                flush=True,
+            )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "scale.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nwritten: {OUT / 'scale.json'}")
+
+
+if __name__ == "__main__":
+    main()

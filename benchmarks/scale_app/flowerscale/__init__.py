@@ -1,0 +1,1 @@
+"""Flower's FedAvg with trivial stateful clients (benchmarks/scale.py's baseline)."""
