@@ -10,8 +10,10 @@ actors on 2 cores), side by side in one run:
     state), on the MLP 784-200-200-10 (0.8 MB).
 ``pack:<strategy>``
     The pack's app (``flwr run .``) on Fashion-MNIST (iid), the same MLP, each
-    client one SGD step on one sample (``train.local_steps=1
-    train.batch_size=1``): almost no computation, the pack's real client and
+    client one local epoch in batches of 64 (``train.local_epochs=1
+    train.batch_size=64``: one SGD step on its 60 samples at 1,000 nodes, on its
+    6 at 10,000; SCAFFOLD, FedDyn and FedDC count epochs, not steps): almost no
+    computation, the pack's real client and
     client-state handling. No central evaluation and no checkpoint unless the
     case says ``+central`` / ``+checkpoint``, so that the differences between
     cases split the pack's round into its parts.
@@ -62,9 +64,10 @@ CASES: dict[str, str | None] = {
     "pack:feddyn": "strategy=feddyn",
     "pack:feddyn+track": "strategy=feddyn strategy.track_all_clients=true",
     "pack:feddc": "strategy=feddc",
-    "pack:apfl": "strategy=apfl",
-    "pack:fedepm": "strategy=fedepm",
-    "pack:fedepm+seen": "strategy=fedepm strategy.table=seen",
+    # APFL and FedEPM count local steps in their own keys (tau, k0): one step.
+    "pack:apfl": "strategy=apfl strategy.sync_gap=1",
+    "pack:fedepm": "strategy=fedepm strategy.k0=1",
+    "pack:fedepm+seen": "strategy=fedepm strategy.k0=1 strategy.table=seen",
 }
 
 
@@ -155,7 +158,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
         everything = (
             f"{overrides} dataset=fashion-mnist partition=iid model=mlp "
             f"num_clients={nodes} num_rounds={rounds} {fraction} "
-            "train.local_steps=1 train.batch_size=1"
+            "train.local_epochs=1 train.batch_size=64"
         )
         if "evaluate.central" not in overrides:
             everything += " evaluate.central=false"

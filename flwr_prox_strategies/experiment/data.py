@@ -178,30 +178,29 @@ def _partitions(
     return tuple(arrays[str(i)] for i in range(num_partitions))
 
 
+def partition_indices(cfg: DictConfig, num_partitions: int) -> tuple[np.ndarray, ...]:
+    """Return every client's training-sample indices (seeded, alike on every node)."""
+    return _partitions(
+        OmegaConf.to_yaml(cfg.dataset.loader),
+        OmegaConf.to_yaml(cfg.partition),
+        num_partitions,
+        int(cfg.seed),
+    )
+
+
 def client_partition(
     cfg: DictConfig, partition_id: int, num_partitions: int
 ) -> ArrayDataset:
     """Return the training data of one client (seeded, identical on every node)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
-    parts = _partitions(
-        OmegaConf.to_yaml(cfg.dataset.loader),
-        OmegaConf.to_yaml(cfg.partition),
-        num_partitions,
-        int(cfg.seed),
-    )
+    parts = partition_indices(cfg, num_partitions)
     return load_data(cfg).train.subset(parts[partition_id])
 
 
 def partition_sizes(cfg: DictConfig, num_partitions: int) -> list[int]:
     """Sizes of every client's partition (for logs and results)."""
-    parts = _partitions(
-        OmegaConf.to_yaml(cfg.dataset.loader),
-        OmegaConf.to_yaml(cfg.partition),
-        num_partitions,
-        int(cfg.seed),
-    )
-    return [len(p) for p in parts]
+    return [len(p) for p in partition_indices(cfg, num_partitions)]
 
 
 def to_loader(

@@ -7,14 +7,18 @@ call the same functions, so there is one code path.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime as dt
+import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
@@ -41,16 +45,18 @@ from .checkpoint import (
 from .config import (
     RUN_OUTPUT_DIR,
     RUN_OUTPUT_ROOT,
-    build_client,
+    allowed_targets,
     build_model,
     build_strategy,
+    client_factory,
     compose_config,
     overrides_from_run_config,
     wrap_central_dp,
 )
 from .data import (
-    client_partition,
+    ArrayDataset,
     load_data,
+    partition_indices,
     partition_sizes,
     split_held_out,
     to_loader,
@@ -382,9 +388,56 @@ def run_experiment(
     return result, output_dir
 
 
+@dataclasses.dataclass(frozen=True)
+class ClientRecipe:
+    """What every client of one run shares, built once per process.
+
+    Flower builds a client for every message; at thousands of nodes with a few
+    sampled a round, composing the config, instantiating the model and client
+    through Hydra and hashing the data's cache keys cost more than one local
+    step (``benchmarks/scale.py``). A client built from the recipe is the same
+    as one built from scratch: its model is a copy of the template, and every
+    fit and evaluate loads the server's arrays into it first.
+    """
+
+    cfg: DictConfig
+    model: torch.nn.Module
+    factory: Callable[..., Any]
+    train: ArrayDataset
+    parts: tuple[np.ndarray, ...]
+    mean_size: float
+    state_dir: str | None
+
+
+@functools.lru_cache(maxsize=8)
+def _client_recipe(
+    run_config: tuple[tuple[str, Any], ...],
+    allowed: tuple[str, ...],  # part of the key: the allow-list may change
+) -> ClientRecipe:
+    settings = dict(run_config)
+    cfg = config_from_run_config(settings)
+    num_partitions = int(cfg.get("num_partitions", cfg["num_clients"]))
+    parts = partition_indices(cfg, num_partitions)
+    sizes = [len(p) for p in parts]
+    return ClientRecipe(
+        cfg=cfg,
+        model=build_model(cfg),
+        factory=client_factory(cfg),
+        train=load_data(cfg).train,
+        parts=parts,
+        mean_size=sum(sizes) / len(sizes),
+        # Stateful clients mirror their state into the run's output folder, so
+        # a resumed run (a new Flower run: empty context.state) gets it back.
+        state_dir=client_state_dir(cfg, settings),
+    )
+
+
 def make_client(context: Context) -> Any:
     """Build this node's client from the composed config and its partition."""
-    cfg = config_from_run_config(context.run_config)
+    recipe = _client_recipe(
+        tuple(sorted(context.run_config.items())), allowed_targets()
+    )
+    cfg = recipe.cfg
     try:
         partition_id = int(context.node_config["partition-id"])
         num_partitions = int(context.node_config["num-partitions"])
@@ -393,14 +446,16 @@ def make_client(context: Context) -> Any:
             f"node_config lacks {err}; start SuperNodes with --node-config "
             '"partition-id=<i> num-partitions=<n>"'
         ) from err
-    expected = int(cfg.get("num_partitions", cfg["num_clients"]))
+    expected = len(recipe.parts)
     if num_partitions != expected:
         raise ProtocolError(
             f"this node says num-partitions={num_partitions}, the configuration says "
             f"num_partitions={expected} (num_clients={cfg['num_clients']}): every "
             "node must split the data the same way"
         )
-    data = client_partition(cfg, partition_id, num_partitions)
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
+    data = recipe.train.subset(recipe.parts[partition_id])
     held_out = None
     fraction = float(cfg.evaluate.get("local_test_fraction", 0.0))
     if fraction > 0:
@@ -410,22 +465,14 @@ def make_client(context: Context) -> Any:
     # The client seeds torch per (seed, server-round) at each fit, which fixes
     # this loader's shuffling too: reproducible, and a new order every round.
     seed = int(cfg.seed) * 10_007 + partition_id
-    train_loader = to_loader(
-        data, batch_size=int(cfg.train["batch_size"]), shuffle=True
-    )
-    sizes = partition_sizes(cfg, num_partitions)
-    return build_client(
-        cfg,
-        model=build_model(cfg),
-        train_loader=train_loader,
+    batch_size = int(cfg.train["batch_size"])
+    return recipe.factory(
+        model=copy.deepcopy(recipe.model),
+        train_loader=to_loader(data, batch_size=batch_size, shuffle=True),
         test_loader=None
         if held_out is None
-        else to_loader(
-            held_out, batch_size=int(cfg.train["batch_size"]), shuffle=False
-        ),
-        relative_size=len(data) / (sum(sizes) / len(sizes)),
+        else to_loader(held_out, batch_size=batch_size, shuffle=False),
+        relative_size=len(data) / recipe.mean_size,
         seed=seed,
-        # Stateful clients mirror their state into the run's output folder, so
-        # a resumed run (a new Flower run: empty context.state) gets it back.
-        state_dir=client_state_dir(cfg, context.run_config),
+        state_dir=recipe.state_dir,
     )
