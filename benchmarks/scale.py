@@ -53,6 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOWER_APP = ROOT / "benchmarks" / "scale_app"
 OUT = ROOT / "benchmarks" / "results" / "scale"
 PER_ROUND = 10
+ACTORS = 2  # client-resources-num-cpus=1 on 2 cores
+# The parts of a round the pack's results.json records (``timing``).
+PARTS = ("grid-s", "strategy-s", "central-s", "write-s")
 
 # case -> pack overrides (None: Flower's app)
 CASES: dict[str, str | None] = {
@@ -127,6 +130,84 @@ def round_seconds(ended: dict[int, float]) -> tuple[float, float]:
     return (statistics.median(gaps) if gaps else float("nan")), first
 
 
+def pack_overrides(overrides: str, nodes: int, rounds: int) -> str:
+    """The pack's Hydra overrides of a case at ``nodes`` SuperNodes."""
+    fraction = f"strategy.rho={PER_ROUND / nodes}"
+    if "fedepm" not in overrides:
+        fraction = f"strategy.fraction_train={PER_ROUND / nodes}"
+    everything = (
+        f"{overrides} dataset=fashion-mnist partition=iid model=mlp "
+        f"num_clients={nodes} num_rounds={rounds} {fraction} "
+        "train.local_epochs=1 train.batch_size=64"
+    )
+    if "evaluate.central" not in overrides:
+        everything += " evaluate.central=false"
+    if "checkpoint_every" not in overrides:
+        everything += " checkpoint_every=0"
+    return everything
+
+
+def client_call_ms(case: str, nodes: int, rounds: int) -> float:
+    """Median milliseconds of one ClientApp call, in this process (no engine).
+
+    The same ServerApp and ClientApp as the case, on
+    :class:`~flwr_prox_strategies.core.inprocess.InProcessGrid`, every call
+    timed; the first round's calls (imports, first optimiser) are left out,
+    as each Ray actor pays them once.
+    """
+    import sys
+
+    from flwr.app import Context, RecordDict
+
+    from flwr_prox_strategies.core.inprocess import InProcessGrid
+
+    overrides = CASES[case]
+    times: list[tuple[int, float]] = []
+    if overrides is None:
+        sys.path.insert(0, str(FLOWER_APP))
+        from flowerscale.client_app import app as client_app
+        from flowerscale.server_app import main as server_main
+
+        run_config: dict[str, Any] = {
+            "num-rounds": rounds,
+            "per-round": PER_ROUND,
+            "num-nodes": nodes,
+            "times-file": os.devnull,
+        }
+    else:
+        from flwr_prox_strategies.experiment.appdir import make_client_app
+        from flwr_prox_strategies.experiment.server import run_experiment
+
+        client_app = make_client_app()
+        folder = Path(tempfile.mkdtemp(prefix="scale-inprocess-"))
+        run_config = {
+            "overrides": pack_overrides(overrides, nodes, rounds),
+            "output-dir": str(folder),
+        }
+
+    def timed(message: Any, context: Any) -> Any:
+        started = time.perf_counter()
+        reply = client_app(message, context)
+        times.append((message.metadata.group_id, time.perf_counter() - started))
+        return reply
+
+    grid = InProcessGrid(timed, num_nodes=nodes, run_config=run_config)
+    if overrides is None:
+        context = Context(
+            run_id=1,
+            node_id=0,
+            node_config={},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        server_main(grid, context)
+    else:
+        run_experiment(grid, run_config)
+        shutil.rmtree(folder, ignore_errors=True)
+    later = [t for group, t in times if str(group) not in ("", "0", "1")]
+    return 1000 * statistics.median(later)
+
+
 def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     folder = OUT / f"{nodes}" / case.replace(":", "-").replace("+", "-")
     shutil.rmtree(folder, ignore_errors=True)
@@ -152,18 +233,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
             f"times-file='{times}'",
         ]
     else:
-        fraction = f"strategy.rho={PER_ROUND / nodes}"
-        if "fedepm" not in overrides:
-            fraction = f"strategy.fraction_train={PER_ROUND / nodes}"
-        everything = (
-            f"{overrides} dataset=fashion-mnist partition=iid model=mlp "
-            f"num_clients={nodes} num_rounds={rounds} {fraction} "
-            "train.local_epochs=1 train.batch_size=64"
-        )
-        if "evaluate.central" not in overrides:
-            everything += " evaluate.central=false"
-        if "checkpoint_every" not in overrides:
-            everything += " checkpoint_every=0"
+        everything = pack_overrides(overrides, nodes, rounds)
         command = [
             *("flwr", "run", str(ROOT), "--stream"),
             *("--federation-config", federation),
@@ -190,6 +260,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
         shutil.rmtree(home, ignore_errors=True)
     (folder / "flwr-run.log").write_text(out.stdout + out.stderr)
     wall = time.monotonic() - start
+    parts: dict[str, float] = {}
     if overrides is None:
         ended = {int(k): v for k, v in json.loads(times.read_text()).items()}
         size = 0
@@ -200,6 +271,13 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
             raise RuntimeError(f"{case} at {nodes}: run not complete, see {folder}")
         ended = {int(r["round"]): r["elapsed-s"] for r in data["rounds"]}
         size = results.stat().st_size
+        for part in PARTS:
+            values = [
+                r["timing"][part]
+                for r in data["rounds"]
+                if int(r["round"]) >= 2 and part in r.get("timing", {})
+            ]
+            parts[part] = statistics.median(values) if values else float("nan")
     if max(ended, default=0) < rounds:
         raise RuntimeError(f"{case} at {nodes}: {max(ended, default=0)} rounds")
     per_round, first = round_seconds(ended)
@@ -212,7 +290,38 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
         "server-peak-mb": memory.peak_server,
         "all-peak-mb": memory.peak_all,
         "results-kb": size / 1024,
+        **parts,
     }
+
+
+def print_breakdown(rows: list[dict[str, Any]], rounds: int) -> None:
+    """Split each case's round: engine, client work, strategy, central, writing.
+
+    The pack records ``grid-s`` (waiting for replies), ``strategy-s``,
+    ``central-s`` and ``write-s`` of every round in ``results.json``. Client
+    work is a ClientApp call timed in this process (:func:`client_call_ms`)
+    times the clients a round, over the two Ray actors that run them; the
+    engine is the rest of ``grid-s``. Flower's app records only its round, all
+    of it engine and client work.
+    """
+    print(
+        f"\n{'case':24}{'nodes':>7}{'s/round':>9}{'call ms':>9}{'clients':>9}"
+        f"{'engine':>8}{'strategy':>9}{'central':>8}{'write':>7}",
+        flush=True,
+    )
+    for row in rows:
+        ms = client_call_ms(row["case"], row["nodes"], min(rounds, 4))
+        clients = ms / 1000 * PER_ROUND / ACTORS
+        grid = row.get("grid-s", row["s-per-round"])
+        row.update(
+            {"client-call-ms": ms, "clients-s": clients, "engine-s": grid - clients}
+        )
+        print(
+            f"{row['case']:24}{row['nodes']:>7}{row['s-per-round']:9.3f}{ms:9.1f}"
+            f"{clients:9.3f}{grid - clients:8.3f}{row.get('strategy-s', 0):9.3f}"
+            f"{row.get('central-s', 0):8.3f}{row.get('write-s', 0):7.3f}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -220,6 +329,13 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time one ClientApp call of each case in this process and "
+        "split every round into engine, client work, strategy, central "
+        "evaluation and writing",
+    )
     args = parser.parse_args()
     rows = []
     header = (
@@ -245,6 +361,8 @@ def main() -> None:
                 f"{row['all-peak-mb']:9.0f}{row['results-kb']:11.1f}",
                 flush=True,
             )
+    if args.breakdown:
+        print_breakdown(rows, args.rounds)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "scale.json").write_text(json.dumps(rows, indent=1))
     print(f"\nwritten: {OUT / 'scale.json'}")

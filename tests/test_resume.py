@@ -81,6 +81,7 @@ def rounds_of(out: Path) -> list[dict]:
     rounds = json.loads((out / "results.json").read_text())["rounds"]
     for entry in rounds:
         entry.pop("elapsed-s", None)
+        entry.pop("timing", None)
     return rounds
 
 
@@ -141,6 +142,29 @@ def test_elapsed_is_when_each_round_ended(tmp_path: Path) -> None:
     assert times == sorted(times) and len(set(times)) == len(times)
     assert times[-1] <= results["summary"]["wall-time-s"]
     assert results["checkpoint-every"] == 1
+
+
+def test_each_round_says_where_its_time_went(tmp_path: Path) -> None:
+    """``timing``: the parts of the time between two round ends, summing to it."""
+    app_run(tmp_path, f"{SMALL} strategy=scaffold")
+    rounds = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    trained = [r for r in rounds if r["round"] >= 1]
+    assert len(trained) == 4
+    previous = next((r["elapsed-s"] for r in rounds if r["round"] == 0), None)
+    for entry in trained:
+        timing = entry["timing"]
+        parts = ("grid-s", "strategy-s", "central-s", "write-s")
+        assert all(timing[p] >= 0 for p in parts)
+        assert sum(timing[p] for p in parts) == pytest.approx(timing["round-s"])
+        # Every round trains and aggregates (strategy), evaluates centrally
+        # (SMALL keeps evaluate.central) and waits for replies.
+        assert timing["strategy-s"] > 0 and timing["central-s"] > 0
+        assert timing["grid-s"] > 0
+        if entry["round"] >= 2:  # the previous round end wrote the checkpoint
+            assert timing["write-s"] > 0
+        if previous is not None:
+            assert timing["round-s"] <= entry["elapsed-s"] - previous + 1e-3
+        previous = entry["elapsed-s"]
 
 
 def test_resume_extends_a_finished_run(tmp_path: Path) -> None:

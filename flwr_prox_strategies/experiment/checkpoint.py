@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from logging import INFO, WARNING
@@ -558,17 +559,51 @@ class RoundEnd:
         self.document = dict(document)
         self.checkpoint_seconds = 0.0
         self.checkpoints = 0
+        # Where the time between two round ends went (see timing()).
+        self._last_end = recorder.elapsed()
+        self._strategy_s = 0.0
+        self._write_s = 0.0
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """End round ``server_round`` of ``start`` (Flower's ``evaluate_fn``)."""
         rnd = server_round + self.offset
         if server_round == 0 and self.offset:
+            self._last_end = self.recorder.elapsed()
             return None  # the checkpoint's round: evaluated before the crash
+        started = time.monotonic()
         metrics = self.central(rnd, arrays) if self.central is not None else None
+        central_s = time.monotonic() - started
+        if rnd > 0 and rnd in self.recorder.rounds:
+            self.recorder.record(rnd, "timing", self.timing(central_s))
+        self._strategy_s = 0.0
+        self._last_end = self.recorder.elapsed()
+        writing = time.monotonic()
         self.recorder.end_round(rnd)
         if self.every and rnd > 0 and (rnd % self.every == 0 or rnd == self.num_rounds):
             self.save(rnd, arrays)
+        self._write_s = time.monotonic() - writing
         return metrics
+
+    def timing(self, central_s: float) -> dict[str, float]:
+        """Split the time since the last round ended into its parts (seconds).
+
+        ``round-s`` is that whole time: ``strategy-s`` the strategy's own work
+        (configure and aggregate, train and evaluate), ``central-s`` the central
+        evaluation, ``write-s`` writing ``results.json`` and the checkpoint at
+        the previous round's end, and ``grid-s`` the rest: waiting for the
+        replies, i.e. the engine and the clients' work.
+        """
+        round_s = self.recorder.elapsed() - self._last_end
+        parts = {
+            "strategy-s": self._strategy_s,
+            "central-s": central_s,
+            "write-s": self._write_s,
+        }
+        return {
+            "round-s": round_s,
+            "grid-s": max(round_s - sum(parts.values()), 0.0),
+            **parts,
+        }
 
     def save(self, rnd: int, arrays: ArrayRecord) -> Path:
         """Write the checkpoint of round ``rnd`` (model, state, RNG, results)."""
@@ -621,13 +656,31 @@ class RoundEnd:
             self.on_evaluate(server_round, metrics)
             return metrics
 
-        setattr(strategy, "aggregate_train", aggregate_train)  # noqa: B010
-        setattr(strategy, "aggregate_evaluate", aggregate_evaluate)  # noqa: B010
+        shadows = {
+            "aggregate_train": aggregate_train,
+            "aggregate_evaluate": aggregate_evaluate,
+            "configure_train": strategy.configure_train,
+            "configure_evaluate": strategy.configure_evaluate,
+        }
+        for name, method in shadows.items():
+            setattr(strategy, name, self._timed(method))
         try:
             yield
         finally:
-            del strategy.aggregate_train
-            del strategy.aggregate_evaluate
+            for name in shadows:
+                delattr(strategy, name)
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """Return ``method``, its time added to this round's ``strategy-s``."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._strategy_s += time.monotonic() - started
+
+        return timed
 
 
 __all__ = [
