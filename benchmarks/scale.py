@@ -18,17 +18,21 @@ actors on 2 cores), side by side in one run:
     case says ``+central`` / ``+checkpoint``, so that the differences between
     cases split the pack's round into its parts.
 
-Printed per case: seconds per round (median over rounds 2..R, from the time each
+Printed per case: seconds per round (mean over rounds 2..R, from the time each
 round ended: ``elapsed-s`` in the pack's ``results.json``, the evaluate
 callback's clock in Flower's app), the first round, the peak memory (RSS) of the
 simulation process (ServerApp, Ray driver and Flower's node contexts) and of all
 the run's processes (sampled every 0.5 s), and the size of ``results.json``.
 
-Run: ``python benchmarks/scale.py [--nodes 1000 10000] [--rounds 12] [--cases ...]``
-(nothing else running: it times rounds).
+With ``--breakdown``, each round is also split into its parts: the pack's
+``results.json`` records ``timing`` per round (waiting for replies, strategy,
+central evaluation, writing); one ClientApp call of each case is timed in this
+process, which splits the wait into client work and engine; and the MB of
+``context.state`` a trained node holds is printed.
 
-Status (2026-12-02): written for issue 17, not yet run to a result; no figure in
-``benchmarks/README.md`` comes from it yet.
+Run: ``python benchmarks/scale.py [--nodes 1000 10000] [--rounds 30]
+[--cases ...] [--breakdown]`` (nothing else running: it times rounds). Figures:
+``benchmarks/README.md``, "Thousands of clients".
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ ACTORS = 2  # client-resources-num-cpus=1 on 2 cores
 # The parts of a round the pack's results.json records (``timing``).
 PARTS = ("grid-s", "strategy-s", "central-s", "write-s")
 
+FEDEPM = "strategy.k0=1 strategy.eta=10 strategy.noise=0"
 # case -> pack overrides (None: Flower's app)
 CASES: dict[str, str | None] = {
     "flower": None,
@@ -70,9 +75,12 @@ CASES: dict[str, str | None] = {
     "pack:feddyn+track": "strategy=feddyn strategy.track_all_clients=true",
     "pack:feddc": "strategy=feddc",
     # APFL and FedEPM count local steps in their own keys (tau, k0): one step.
+    # FedEPM's paper eta, r0 and noise (tuned for logistic regression) make
+    # the MLP's loss 1e12 by round 2 and NaN after, every reply then refused:
+    # eta=10 bounds its step by 0.1, noise off.
     "pack:apfl": "strategy=apfl strategy.sync_gap=1",
-    "pack:fedepm": "strategy=fedepm strategy.k0=1",
-    "pack:fedepm+seen": "strategy=fedepm strategy.k0=1 strategy.table=seen",
+    "pack:fedepm": f"strategy=fedepm {FEDEPM}",
+    "pack:fedepm+seen": f"strategy=fedepm {FEDEPM} strategy.table=seen",
 }
 
 
@@ -125,11 +133,17 @@ def stop_processes(home: str) -> None:
 
 
 def round_seconds(ended: dict[int, float]) -> tuple[float, float]:
-    """(median seconds per round over rounds 2..R, seconds of round 1)."""
+    """(mean seconds per round over rounds 2..R, seconds of round 1).
+
+    The mean, not the median: Flower's simulation grid polls for replies every
+    0.1 s, so a round lasts a whole number of polls (0.33, 0.44, 0.55 s at
+    1,000 nodes); a median jumps a poll when half the rounds cross one, the
+    mean moves with the share of rounds that do.
+    """
     rounds = sorted(r for r in ended if r >= 1)
     gaps = [ended[r] - ended[r - 1] for r in rounds if r >= 2 and r - 1 in ended]
     first = ended[1] - ended.get(0, 0.0) if 1 in ended else float("nan")
-    return (statistics.median(gaps) if gaps else float("nan")), first
+    return (statistics.mean(gaps) if gaps else float("nan")), first
 
 
 def pack_overrides(overrides: str, nodes: int, rounds: int) -> str:
@@ -149,8 +163,11 @@ def pack_overrides(overrides: str, nodes: int, rounds: int) -> str:
     return everything
 
 
-def client_call_ms(case: str, nodes: int, rounds: int) -> float:
-    """Median milliseconds of one ClientApp call, in this process (no engine).
+def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
+    """Median ms of one ClientApp call in this process (no engine); state MB a node.
+
+    The state is what ``context.state`` holds for each node that has trained
+    (Flower's simulation keeps every node's context in its own process).
 
     The same ServerApp and ClientApp as the case, on
     :class:`~flwr_prox_strategies.core.inprocess.InProcessGrid`, every call
@@ -206,7 +223,21 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> float:
     else:
         run_experiment(grid, run_config)
         shutil.rmtree(folder, ignore_errors=True)
-    return 1000 * statistics.median(times[PER_ROUND:])  # after round 1
+    states = [state_bytes(c.state) for c in grid.contexts.values()]
+    kept = [b for b in states if b]
+    return (
+        1000 * statistics.median(times[PER_ROUND:]),  # after round 1
+        statistics.mean(kept) / 2**20 if kept else 0.0,
+    )
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the arrays a node's ``context.state`` holds."""
+    return sum(
+        array.numpy().nbytes
+        for record in state.array_records.values()
+        for array in record.values()
+    )
 
 
 def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
@@ -270,6 +301,12 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
         data = json.loads(results.read_text())
         if not data["summary"].get("complete"):
             raise RuntimeError(f"{case} at {nodes}: run not complete, see {folder}")
+        idle = data.get("rounds-without-valid-reply") or []
+        if idle:  # a round that aggregated nothing is fast and meaningless
+            raise RuntimeError(
+                f"{case} at {nodes}: rounds {idle} aggregated no valid reply "
+                f"(rejections {data.get('rejections')}), see {folder}"
+            )
         ended = {int(r["round"]): r["elapsed-s"] for r in data["rounds"]}
         size = results.stat().st_size
         for part in PARTS:
@@ -278,7 +315,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
                 for r in data["rounds"]
                 if int(r["round"]) >= 2 and part in r.get("timing", {})
             ]
-            parts[part] = statistics.median(values) if values else float("nan")
+            parts[part] = statistics.mean(values) if values else float("nan")
     if max(ended, default=0) < rounds:
         raise RuntimeError(f"{case} at {nodes}: {max(ended, default=0)} rounds")
     per_round, first = round_seconds(ended)
@@ -307,20 +344,26 @@ def print_breakdown(rows: list[dict[str, Any]], rounds: int) -> None:
     """
     print(
         f"\n{'case':24}{'nodes':>7}{'s/round':>9}{'call ms':>9}{'clients':>9}"
-        f"{'engine':>8}{'strategy':>9}{'central':>8}{'write':>7}",
+        f"{'engine':>8}{'strategy':>9}{'central':>8}{'write':>7}{'state MB':>9}",
         flush=True,
     )
     for row in rows:
-        ms = client_call_ms(row["case"], row["nodes"], min(rounds, 4))
+        ms, state_mb = client_call_ms(row["case"], row["nodes"], min(rounds, 4))
         clients = ms / 1000 * PER_ROUND / ACTORS
         grid = row.get("grid-s", row["s-per-round"])
         row.update(
-            {"client-call-ms": ms, "clients-s": clients, "engine-s": grid - clients}
+            {
+                "client-call-ms": ms,
+                "clients-s": clients,
+                "engine-s": grid - clients,
+                "state-mb-per-client": state_mb,
+            }
         )
         print(
             f"{row['case']:24}{row['nodes']:>7}{row['s-per-round']:9.3f}{ms:9.1f}"
             f"{clients:9.3f}{grid - clients:8.3f}{row.get('strategy-s', 0):9.3f}"
-            f"{row.get('central-s', 0):8.3f}{row.get('write-s', 0):7.3f}",
+            f"{row.get('central-s', 0):8.3f}{row.get('write-s', 0):7.3f}"
+            f"{state_mb:9.2f}",
             flush=True,
         )
 
@@ -328,7 +371,7 @@ def print_breakdown(rows: list[dict[str, Any]], rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000])
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument(
         "--breakdown",

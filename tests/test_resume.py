@@ -144,6 +144,24 @@ def test_elapsed_is_when_each_round_ended(tmp_path: Path) -> None:
     assert results["checkpoint-every"] == 1
 
 
+def test_results_keep_one_size_a_client_only_up_to_the_limit(tmp_path: Path) -> None:
+    """Beyond 100 clients the sizes go once to their own file, not every rewrite."""
+    few = json.loads(
+        (app_run(tmp_path / "few", SMALL)[1] / "results.json").read_text()
+    )
+    assert len(few["partition-sizes"]) == 4
+    assert not (tmp_path / "few" / "partition-sizes.json").exists()
+    many = "num_clients=150 num_rounds=1 model=logreg train.local_epochs=1 "
+    many += "strategy=fedavg strategy.fraction_train=0.02 evaluate.central=false"
+    out = app_run(tmp_path / "many", many)[1]
+    results = json.loads((out / "results.json").read_text())
+    sizes = json.loads((out / "partition-sizes.json").read_text())["partition-sizes"]
+    assert "partition-sizes" not in results and len(sizes) == 150
+    summary = results["partition-size"]
+    assert summary["min"] == min(sizes) and summary["max"] == max(sizes)
+    assert summary["mean"] == pytest.approx(sum(sizes) / 150)
+
+
 def test_each_round_says_where_its_time_went(tmp_path: Path) -> None:
     """``timing``: the parts of the time between two round ends, summing to it."""
     app_run(tmp_path, f"{SMALL} strategy=scaffold")

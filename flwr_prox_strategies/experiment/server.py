@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..core.client import ProtocolError
 from ..core.outcome import EveryClientRetiredError, NoRoundAggregatedError, ReplyTally
+from ..core.privacy import PER_CLIENT_LIMIT
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import evaluate_model
 from .checkpoint import (
@@ -64,6 +65,7 @@ from .data import (
 from .results import RunRecorder, plot_run, write_json
 
 OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
+PARTITION_SIZES_FILE = "partition-sizes.json"
 
 
 def config_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
@@ -155,6 +157,27 @@ def make_evaluate_fn(
     return evaluate
 
 
+def sizes_entry(sizes: list[int], output_dir: Path) -> dict[str, Any]:
+    """Return the partition sizes for ``results.json``: all, or a summary.
+
+    ``results.json`` is rewritten every round, so beyond
+    :data:`~..core.privacy.PER_CLIENT_LIMIT` clients it keeps the min, mean and
+    max, and every client's size goes once to ``partition-sizes.json``.
+    """
+    if len(sizes) <= PER_CLIENT_LIMIT:
+        return {"partition-sizes": sizes}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_json(output_dir / PARTITION_SIZES_FILE, {"partition-sizes": sizes})
+    return {
+        "partition-size": {
+            "min": min(sizes),
+            "mean": sum(sizes) / len(sizes),
+            "max": max(sizes),
+            "file": PARTITION_SIZES_FILE,
+        }
+    }
+
+
 def run_experiment(
     grid: Grid, run_config: Mapping[str, Any], *, cfg: DictConfig | None = None
 ) -> tuple[Result, Path]:
@@ -196,7 +219,7 @@ def run_experiment(
             "dataset": cfg.dataset.name,
             "num-clients": num_clients,
             "num-rounds": num_rounds,
-            "partition-sizes": sizes,
+            **sizes_entry(sizes, output_dir),
             "config": OmegaConf.to_container(cfg, resolve=True),
         },
         target=float(cfg["target_accuracy"]),
