@@ -146,9 +146,7 @@ def test_elapsed_is_when_each_round_ended(tmp_path: Path) -> None:
 
 def test_results_keep_one_size_a_client_only_up_to_the_limit(tmp_path: Path) -> None:
     """Beyond 100 clients the sizes go once to their own file, not every rewrite."""
-    few = json.loads(
-        (app_run(tmp_path / "few", SMALL)[1] / "results.json").read_text()
-    )
+    few = json.loads((app_run(tmp_path / "few", SMALL)[1] / "results.json").read_text())
     assert len(few["partition-sizes"]) == 4
     assert not (tmp_path / "few" / "partition-sizes.json").exists()
     many = "num_clients=150 num_rounds=1 model=logreg train.local_epochs=1 "
