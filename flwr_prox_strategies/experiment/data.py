@@ -20,7 +20,7 @@ import importlib.metadata
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +192,17 @@ def client_partition(
     cfg: DictConfig, partition_id: int, num_partitions: int
 ) -> ArrayDataset:
     """Return the training data of one client (seeded, identical on every node)."""
-    if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
     parts = partition_indices(cfg, num_partitions)
-    return load_data(cfg).train.subset(parts[partition_id])
+    return partition_of(load_data(cfg).train, parts, partition_id)
+
+
+def partition_of(
+    train: ArrayDataset, parts: Sequence[np.ndarray], partition_id: int
+) -> ArrayDataset:
+    """Return client ``partition_id``'s share of ``train`` (``parts``' indices)."""
+    if not 0 <= partition_id < len(parts):
+        raise ValueError(f"partition-id {partition_id} not in [0, {len(parts)})")
+    return train.subset(parts[partition_id])
 
 
 def partition_sizes(cfg: DictConfig, num_partitions: int) -> list[int]:

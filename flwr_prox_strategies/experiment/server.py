@@ -58,6 +58,7 @@ from .data import (
     ArrayDataset,
     load_data,
     partition_indices,
+    partition_of,
     partition_sizes,
     split_held_out,
     to_loader,
@@ -476,9 +477,7 @@ def make_client(context: Context) -> Any:
             f"num_partitions={expected} (num_clients={cfg['num_clients']}): every "
             "node must split the data the same way"
         )
-    if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition-id {partition_id} not in [0, {num_partitions})")
-    data = recipe.train.subset(recipe.parts[partition_id])
+    data = partition_of(recipe.train, recipe.parts, partition_id)
     held_out = None
     fraction = float(cfg.evaluate.get("local_test_fraction", 0.0))
     if fraction > 0:
