@@ -37,6 +37,9 @@ def test_fedavg_fixed_point_is_biased(problem: LeastSquares) -> None:
     assert problem.relative_error(theta) > 1e-2
 
 
+# Rounds: about 1.5 times the last round at which the error was still >= 1e-4
+# (measured: FedDyn 73 / 179 at fraction 1 / 0.5, SCAFFOLD 32 / 73, FedDC 36 / 69);
+# the error keeps falling after (to about 1e-7 at 150 / 300 rounds).
 @pytest.mark.parametrize(
     ("name", "make", "client", "fraction", "rounds"),
     [
@@ -45,42 +48,42 @@ def test_fedavg_fixed_point_is_biased(problem: LeastSquares) -> None:
             lambda f: FedDyn(alpha=0.5, num_clients=4, fraction_train=f),
             FedDynClient,
             1.0,
-            150,
+            120,
         ),
         (
             "feddyn-half",
             lambda f: FedDyn(alpha=0.5, num_clients=4, fraction_train=f),
             FedDynClient,
             0.5,
-            300,
+            270,
         ),
         (
             "scaffold",
             lambda f: Scaffold(num_clients=4, fraction_train=f),
             ScaffoldClient,
             1.0,
-            150,
+            60,
         ),
         (
             "scaffold-half",
             lambda f: Scaffold(num_clients=4, fraction_train=f),
             ScaffoldClient,
             0.5,
-            300,
+            120,
         ),
         (
             "feddc",
             lambda f: FedDC(alpha=0.1, num_clients=4, fraction_train=f),
             FedDCClient,
             1.0,
-            150,
+            60,
         ),
         (
             "feddc-half",
             lambda f: FedDC(alpha=0.1, num_clients=4, fraction_train=f),
             FedDCClient,
             0.5,
-            300,
+            120,
         ),
     ],
 )

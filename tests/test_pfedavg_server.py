@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from flwr_prox_strategies import FedAvgClient, PFedAvg, PFedAvgServer, to_client_app
 from flwr_prox_strategies.core.exchange import PeerExchange
@@ -183,10 +184,16 @@ def test_bad_settings_fail_at_construction() -> None:
         PFedAvgServer(index=0, servers=2, addresses="a:1,b:2", certificate=__file__)
 
 
-def serve(overrides: str, output: str, index: int) -> None:
-    """Run one P-FedAvg server of the app on its two in-process clients (a process)."""
+def serve(overrides: str, output: str, index: int, threads: int) -> None:
+    """Run one P-FedAvg server of the app on its two in-process clients (a process).
+
+    ``threads``: the parent's torch thread count (a spawned process starts with
+    torch's default, and another count rounds the sums differently).
+    """
     from apps.client_app import app as client_app
     from flwr_prox_strategies.experiment.server import run_experiment
+
+    torch.set_num_threads(threads)
 
     run_config = {"overrides": overrides, "output-dir": output}
     grid = InProcessGrid(
@@ -233,6 +240,7 @@ def test_the_app_runs_three_servers_as_the_logical_p_fedavg(tmp_path) -> None:
                 f"deploy.addresses={addresses}",
                 str(tmp_path / f"server-{i}"),
                 i,
+                torch.get_num_threads(),
             ),
         )
         for i in range(3)
