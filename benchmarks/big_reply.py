@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flwr_prox_strategies._executables import flower_executable
 from tests.system.engine import deployment, run_log, run_status
 
 APP = """
@@ -153,7 +154,14 @@ def run_case(home: Path, app: Path, mb: int, fill: str) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         start = time.monotonic()
-        command = ["flwr", "run", str(app), dep.connection, "--format", "json"]
+        command = [
+            flower_executable("flwr"),
+            "run",
+            str(app),
+            dep.connection,
+            "--format",
+            "json",
+        ]
         config = ["--run-config", f"reply-mb={mb} fill='{fill}'"]
         out = subprocess.run(
             command + config, capture_output=True, text=True, env=dep.env, check=True

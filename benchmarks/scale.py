@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flwr_prox_strategies._executables import flower_env, flower_executable
 from flwr_prox_strategies.pfedavg_deploy import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,7 +246,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     home = tempfile.mkdtemp(prefix="flwr-scale-")
-    env = dict(os.environ)
+    env = flower_env()
     env.update(
         FLWR_HOME=home,
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
@@ -258,7 +259,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     if overrides is None:
         times = folder / "times.json"
         command = [
-            *("flwr", "run", str(FLOWER_APP), "--stream"),
+            *(flower_executable("flwr"), "run", str(FLOWER_APP), "--stream"),
             *("--federation-config", federation),
             "--run-config",
             f"num-rounds={rounds} per-round={PER_ROUND} num-nodes={nodes} "
@@ -267,7 +268,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     else:
         everything = pack_overrides(overrides, nodes, rounds)
         command = [
-            *("flwr", "run", str(ROOT), "--stream"),
+            *(flower_executable("flwr"), "run", str(ROOT), "--stream"),
             *("--federation-config", federation),
             "--run-config",
             f"overrides='{everything}' output-dir='{folder}'",

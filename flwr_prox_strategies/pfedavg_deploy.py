@@ -33,7 +33,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -46,12 +45,16 @@ from typing import Any
 
 import numpy as np
 
+from ._executables import flower_env, flower_executable
 from .core.exchange import read_status
 from .core.records import record_to_dict
 from .experiment.checkpoint import CheckpointError, read_checkpoint
 from .ops.mixing import consensus_average, consensus_distance
 
 REPO_MARKER = "pyproject.toml"
+#: Seconds between two reads of the runs' statuses (`flwr ls`), while every
+#: server's results say it is still running / once one's say it is ending.
+STATUS_EVERY, STATUS_EVERY_ENDING = 15.0, 2.0
 
 
 def free_port() -> int:
@@ -159,7 +162,7 @@ class Launcher:
             args.output or Path("outputs") / f"{stamp}-pfedavg-deploy"
         ).resolve()
         self.engine = self.output / "engine"
-        self.env = dict(os.environ)
+        self.env = flower_env()
         self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
         self.env.pop("FLWR_HOME", None)
         m, per = args.servers, args.clients_per_server
@@ -215,7 +218,7 @@ class Launcher:
         self._spawn(
             server,
             [
-                "flower-superlink",
+                flower_executable("flower-superlink"),
                 "--insecure",
                 *("--host", "127.0.0.1", "--port", str(server.link_port)),
                 # State in memory: with a database file, 8 SuperNodes pushing
@@ -231,7 +234,7 @@ class Launcher:
             self._spawn(
                 server,
                 [
-                    "flower-supernode",
+                    flower_executable("flower-supernode"),
                     "--insecure",
                     *("--superlink", f"127.0.0.1:{server.link_port}"),
                     *("--host", "127.0.0.1", "--port", str(self.port())),
@@ -246,7 +249,7 @@ class Launcher:
     def _flwr(self, server: Server, *args: str, timeout: float = 120) -> Any:
         try:
             out = subprocess.run(
-                ["flwr", *args],
+                [flower_executable("flwr"), *args],
                 capture_output=True,
                 text=True,
                 env=self._env(server.home),
@@ -357,6 +360,16 @@ class Launcher:
                 self.stop_deployment(server)
 
     # --------------------------------------------------------------- watching
+    def reached_its_end(self, server: Server, rounds: dict[int, Any]) -> bool:
+        """Server's results hold its last round or a failure (its run is ending)."""
+        if max(rounds, default=0) >= self.args.rounds:
+            return True
+        path = self.output / f"server-{server.index}" / "results.json"
+        try:
+            return "failure" in json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+
     def rounds_of(self, server: Server) -> dict[int, dict[str, Any]]:
         """Return server's rounds recorded so far in its ``results.json``."""
         path = self.output / f"server-{server.index}" / "results.json"
@@ -468,7 +481,15 @@ class Launcher:
                 print(f"[pfedavg-deploy] restarting server {victim}", flush=True)
                 self.start_deployment(server)
                 self.submit(server, resume=True)
-            if time.monotonic() - last_status > 3:
+            # Each `flwr ls` is a Python start (about 2 s of CPU): asked often
+            # only once a server's results say it reached its end, else now
+            # and then to catch a run that died without writing.
+            ending = any(
+                s.active and self.reached_its_end(s, rounds)
+                for s, rounds in zip(self.servers, per_server, strict=True)
+            )
+            every = STATUS_EVERY_ENDING if ending else STATUS_EVERY
+            if time.monotonic() - last_status > every:
                 last_status = time.monotonic()
                 for server in self.servers:
                     if server.active:  # flwr ls: pending, starting, running, finished:*
@@ -609,8 +630,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the launcher; every process it started is stopped however it ends."""
     args = parse_args(argv)
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
-        if shutil.which(tool) is None:
-            print(f"{tool} not found: pip install 'flwr-prox-strategies[experiment]'")
+        try:
+            flower_executable(tool)
+        except FileNotFoundError as err:
+            print(err)
             return 2
     launcher = Launcher(args)
 

@@ -144,6 +144,7 @@ def test_alpha_one_is_purely_local_training_bit_for_bit() -> None:
         np.testing.assert_array_equal(omega, params[0].reshape(-1))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("mixing", "gradient", "rounds"),
     [

@@ -40,6 +40,7 @@ def test_fedavg_fixed_point_is_biased(problem: LeastSquares) -> None:
 # Rounds: about 1.5 times the last round at which the error was still >= 1e-4
 # (measured: FedDyn 73 / 179 at fraction 1 / 0.5, SCAFFOLD 32 / 73, FedDC 36 / 69);
 # the error keeps falling after (to about 1e-7 at 150 / 300 rounds).
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("name", "make", "client", "fraction", "rounds"),
     [

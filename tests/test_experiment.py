@@ -237,6 +237,7 @@ def test_personalised_evaluation_reaches_results_and_plots(
     assert (out / "clients.png").stat().st_size > 5_000
 
 
+@pytest.mark.long
 def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
     command = [
         sys.executable,

@@ -497,6 +497,7 @@ def test_official_partition_is_contiguous_blocks_of_random_sizes() -> None:
     assert all(np.array_equal(p, q) for p, q in zip(parts, again, strict=True))
 
 
+@pytest.mark.long
 def test_app_path_on_adult_learns(tmp_path) -> None:
     """Issue 14: the README's FedEPM/Adult app path diverged (model=logreg: the
     softmax's bias took steps 1/(mu_i/d_i + eta) ~ 3e4 on a feature 200x the

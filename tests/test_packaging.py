@@ -136,6 +136,26 @@ def test_conf_tree_is_package_data_when_installed_else_the_checkouts(
     assert config.find_conf_dir() == installed / "conf"
 
 
+def test_the_wheel_holds_one_package_with_the_hydra_tree_inside(wheel: Path) -> None:
+    """What ``pip install flwr-prox-strategies`` unpacks: the package and its
+    ``conf/`` (package data), nothing else at the top (no apps/, tests/)."""
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"flwr_prox_strategies", wheel.name.split("-py3")[0] + ".dist-info"}
+    conf = sorted(
+        p.relative_to(REPO).as_posix() for p in (REPO / "conf").rglob("*.yaml")
+    )
+    assert len(conf) > 20
+    assert {f"flwr_prox_strategies/{p}" for p in conf} <= set(names)
+    modules = {
+        f"flwr_prox_strategies/{p.relative_to(REPO / 'flwr_prox_strategies').as_posix()}"
+        for p in (REPO / "flwr_prox_strategies").rglob("*.py")
+    }
+    assert modules <= set(names), modules - set(names)
+
+
 def test_written_app_declares_the_repository_apps_config_and_components() -> None:
     import importlib
 

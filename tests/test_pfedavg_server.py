@@ -205,6 +205,7 @@ def serve(overrides: str, output: str, index: int, threads: int) -> None:
     run_experiment(grid, run_config)
 
 
+@pytest.mark.long
 def test_the_app_runs_three_servers_as_the_logical_p_fedavg(tmp_path) -> None:
     """The app's own path (conf deploy=peers, run_experiment, checkpoints): three
     servers, each a process with an in-process grid of its two clients, against

@@ -34,6 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .._executables import flower_env, flower_executable
 from .appdir import make_client_app, write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
 from .results import RESULTS_FILE, pyplot
@@ -118,7 +119,7 @@ def flwr_run(
     if "'" in override_str:
         raise ValueError(f"overrides cannot contain single quotes: {override_str}")
     command = [
-        "flwr",
+        flower_executable("flwr"),
         "run",
         str(app_dir()),
         "--stream",
@@ -128,7 +129,7 @@ def flwr_run(
         f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
     ]
     run_env = {
-        **os.environ,
+        **flower_env(),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         **(env or {}),
     }

@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from flwr_prox_strategies._executables import flower_env, flower_executable
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -82,7 +84,7 @@ def _alive(group: int) -> bool:
 
 
 def flwr_env(flwr_home: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    env = flower_env()
     env.update(
         FLWR_HOME=str(flwr_home),
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
@@ -99,7 +101,7 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
 
 def run_status(run_id: str, env: dict[str, str], connection: str | None = None) -> dict:
     command = [
-        "flwr",
+        flower_executable("flwr"),
         "ls",
         *([connection] if connection else []),
         "--run-id",
@@ -114,7 +116,13 @@ def run_status(run_id: str, env: dict[str, str], connection: str | None = None) 
 
 
 def run_log(run_id: str, env: dict[str, str], connection: str | None = None) -> str:
-    command = ["flwr", "log", run_id, *([connection] if connection else []), "--show"]
+    command = [
+        flower_executable("flwr"),
+        "log",
+        run_id,
+        *([connection] if connection else []),
+        "--show",
+    ]
     out = subprocess.run(
         command, capture_output=True, text=True, env=env, cwd=REPO, timeout=60
     )
@@ -130,6 +138,15 @@ def rounds_done(output: Path) -> int:
     return max((r["round"] for r in data.get("rounds", [])), default=0)
 
 
+def results_ended(output: Path) -> bool:
+    """``<output>/results.json`` says the run ended: complete, or a failure."""
+    try:
+        data = json.loads((output / "results.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(data.get("summary", {}).get("complete")) or "failure" in data
+
+
 @contextlib.contextmanager
 def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
     """Environment for `flwr run` with a private managed SuperLink, killed after."""
@@ -139,6 +156,55 @@ def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
     finally:
         kill_groups(groups_started_under(flwr_home))
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+
+
+def flwr_run(env: dict[str, str], *args: str, timeout: float = 300) -> dict:
+    """``flwr run . <args> --stream --format json`` from the checkout; its JSON reply.
+
+    ``--stream`` exits 0 even when the ServerApp fails: read the run's status.
+    """
+    out = subprocess.run(
+        [flower_executable("flwr"), "run", ".", *args, "--stream", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=timeout,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def simulate(env: dict[str, str], overrides: str, output: Path) -> Path:
+    """`flwr run` the app on 4 simulated SuperNodes; assert it completed."""
+    reply = flwr_run(
+        env,
+        "--federation-config",
+        "num-supernodes=4 client-resources-num-cpus=1",
+        "--run-config",
+        f"overrides='{overrides}' output-dir='{output}'",
+    )
+    status = run_status(reply["run-id"], env)
+    log = (
+        run_log(reply["run-id"], env)
+        if status["status"] != "finished:completed"
+        else ""
+    )
+    assert status["status"] == "finished:completed", log[-3000:]
+    return output
+
+
+def check_results(output: Path, rounds: int, strategy: str) -> dict:
+    """Assert a completed run's results.json and plot (logreg on digits); return it."""
+    results = json.loads((output / "results.json").read_text())
+    assert results["summary"]["complete"] is True
+    assert results["strategy"] == strategy
+    assert [r["round"] for r in results["rounds"]] == list(range(rounds + 1))
+    assert results["rounds"][-1]["train"]["replies-valid"] == results["num-clients"]
+    assert results["summary"]["final-accuracy"] > 0.5  # logreg on digits, 2-3 rounds
+    assert (output / "metrics.png").stat().st_size > 10_000
+    return results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +364,7 @@ class Deployment:
             security += ["--auth-supernode-private-key", str(key)]
         proc = subprocess.Popen(
             [
-                "flower-supernode",
+                flower_executable("flower-supernode"),
                 *security,
                 "--superlink",
                 f"127.0.0.1:{self.link_port}",
@@ -323,7 +389,14 @@ class Deployment:
         """``flwr run`` the pack's app (the checkout) here; return the run id."""
         out = subprocess.run(
             [
-                *("flwr", "run", ".", self.connection, "--format", "json"),
+                *(
+                    flower_executable("flwr"),
+                    "run",
+                    ".",
+                    self.connection,
+                    "--format",
+                    "json",
+                ),
                 *("--run-config", run_config),
             ],
             capture_output=True,
@@ -337,24 +410,34 @@ class Deployment:
             raise RuntimeError(f"flwr run failed: {out.stdout}{out.stderr}")
         return str(json.loads(out.stdout)["run-id"])
 
-    def wait_finished(self, run_id: str, deadline: float | None = None) -> str:
-        """Return the run's final status (``finished:...``), polling every second.
+    def wait_finished(
+        self, run_id: str, deadline: float | None = None, output: Path | None = None
+    ) -> str:
+        """Return the run's final status (``finished:...``).
 
         ``deadline`` is a ``time.monotonic()`` value; past it, ``TimeoutError``.
+        Each status read is a ``flwr ls`` (a Python start, about 2 s of CPU, taken
+        from the run it waits for): with the run's ``output`` folder it is asked
+        every 2 s once ``results.json`` says the run ended, else every 15 s (a
+        run that dies without writing); without, every 2 s.
         """
+        asked = -float("inf")
         while True:
-            status = str(run_status(run_id, self.env, self.connection)["status"])
-            if status.startswith("finished"):
-                return status
+            every = 15.0 if output is not None and not results_ended(output) else 2.0
+            if time.monotonic() - asked >= every:
+                asked = time.monotonic()
+                status = str(run_status(run_id, self.env, self.connection)["status"])
+                if status.startswith("finished"):
+                    return status
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {run_id} still {status}")
-            time.sleep(1)
+            time.sleep(0.5)
 
     def register(self, public_key: Path) -> str:
         """``flwr supernode register``: allow the SuperNode holding this key in."""
         out = subprocess.run(
             [
-                *("flwr", "supernode", "register", str(public_key)),
+                *(flower_executable("flwr"), "supernode", "register", str(public_key)),
                 *(self.connection, "--format", "json"),
             ],
             capture_output=True,
@@ -420,7 +503,7 @@ def _deployment(
         deployment.procs.append(
             subprocess.Popen(
                 [
-                    "flower-superlink",
+                    flower_executable("flower-superlink"),
                     *link_security,
                     "--host",
                     "127.0.0.1",
@@ -456,19 +539,10 @@ def _deployment(
 
 
 @contextlib.contextmanager
-def loopback_deployment(
-    flwr_home: Path, num_nodes: int
-) -> Iterator[tuple[dict[str, str], str]]:
-    """Run a SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1; yield env, name."""
-    with _deployment(flwr_home, num_nodes, None) as deployment:
-        yield deployment.env, deployment.connection
-
-
-@contextlib.contextmanager
 def tls_loopback_deployment(
     flwr_home: Path, num_nodes: int, tls: TlsCredentials
 ) -> Iterator[Deployment]:
-    """:func:`loopback_deployment` over TLS with SuperNode authentication.
+    """:func:`deployment` over TLS with SuperNode authentication.
 
     The SuperLink serves its one port (Fleet, Control and Runtime APIs) with
     ``tls``'s server certificate and ``--enable-supernode-auth``; the public keys
@@ -487,7 +561,14 @@ def _supernode_list(
     env: dict[str, str], connection: str
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["flwr", "supernode", "list", connection, "--format", "json"],
+        [
+            flower_executable("flwr"),
+            "supernode",
+            "list",
+            connection,
+            "--format",
+            "json",
+        ],
         capture_output=True,
         text=True,
         env=env,

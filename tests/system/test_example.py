@@ -16,6 +16,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +34,7 @@ from flwr_prox_strategies import (
     ScaffoldClient,
     to_client_app,
 )
+from flwr_prox_strategies._executables import flower_executable
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 
 from .engine import REPO, managed_engine, run_log, run_status
@@ -72,14 +74,13 @@ def run_config(algorithm: str, output: Path) -> str:
     return f"{SMALL} algorithm='{algorithm}' output-path='{output}'"
 
 
-def flwr_run_example(env: dict[str, str], overrides: str) -> str:
-    env = {**env, "OMP_NUM_THREADS": str(THREADS)}
+def submit_example(env: dict[str, str], overrides: str) -> str:
+    """``flwr run`` the example (not streamed: runs go side by side); its run id."""
     out = subprocess.run(
         [
-            "flwr",
+            flower_executable("flwr"),
             "run",
             str(EXAMPLE),
-            "--stream",
             "--format",
             "json",
             "--federation-config",
@@ -95,10 +96,23 @@ def flwr_run_example(env: dict[str, str], overrides: str) -> str:
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    run_id = str(json.loads(out.stdout)["run-id"])
-    status = run_status(run_id, env)
-    assert status["status"] == "finished:completed", run_log(run_id, env)[-3000:]
-    return run_id
+    return str(json.loads(out.stdout)["run-id"])
+
+
+def wait_completed(env: dict[str, str], run_id: str, saved: Path) -> None:
+    """Wait for the run to end (its model file is written last; `flwr ls`, about
+    2 s of CPU, is asked every 15 s before that) and assert it completed."""
+    deadline = time.monotonic() + 900
+    while True:
+        status = run_status(run_id, env)["status"]
+        if status.startswith("finished"):
+            break
+        assert time.monotonic() < deadline, f"run {run_id} still {status}"
+        until = time.monotonic() + 15
+        while not saved.exists() and time.monotonic() < until:
+            time.sleep(0.5)
+        time.sleep(1)  # the run ends just after it writes its model
+    assert status == "finished:completed", run_log(run_id, env)[-3000:]
 
 
 def pack_clients(task: ModuleType, algorithm: str, config: dict):
@@ -156,9 +170,17 @@ def test_example_equals_pack_clients(
     tmp_path: Path, example: dict[str, ModuleType]
 ) -> None:
     algorithms = list(CLIENTS)
+    # One managed SuperLink runs the four algorithms' runs side by side.
     with managed_engine(tmp_path / "home") as env:
-        for algorithm in algorithms:
-            flwr_run_example(env, run_config(algorithm, tmp_path / f"{algorithm}.pt"))
+        env = {**env, "OMP_NUM_THREADS": str(THREADS)}
+        runs = {
+            algorithm: submit_example(
+                env, run_config(algorithm, tmp_path / f"{algorithm}.pt")
+            )
+            for algorithm in algorithms
+        }
+        for algorithm, run_id in runs.items():
+            wait_completed(env, run_id, tmp_path / f"{algorithm}.pt")
     initial = initial_model(example)
     for algorithm in algorithms:
         ours = tmp_path / f"{algorithm}-pack.pt"

@@ -11,28 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from .engine import managed_engine, run_log, run_status
-from .test_flwr_run import flwr_run
+from .engine import flwr_run, run_log, run_status
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_run_without_an_aggregated_round_is_failed_in_flwr_ls(tmp_path: Path) -> None:
+def test_a_run_without_an_aggregated_round_is_failed_in_flwr_ls(
+    engine: dict[str, str], tmp_path: Path
+) -> None:
     output = tmp_path / "out"
     overrides = (
         "num_clients=4 num_rounds=2 model=logreg train.local_epochs=1 "
         "train.learning_rate=-1"  # every client refuses it: nothing to aggregate
     )
-    with managed_engine(tmp_path / "home") as env:
-        reply = flwr_run(
-            env,
-            "--federation-config",
-            "num-supernodes=4 client-resources-num-cpus=1",
-            "--run-config",
-            f"overrides='{overrides}' output-dir='{output}'",
-        )
-        status = run_status(reply["run-id"], env)
-        log = run_log(reply["run-id"], env)
+    reply = flwr_run(
+        engine,
+        "--federation-config",
+        "num-supernodes=4 client-resources-num-cpus=1",
+        "--run-config",
+        f"overrides='{overrides}' output-dir='{output}'",
+    )
+    status = run_status(reply["run-id"], engine)
+    log = run_log(reply["run-id"], engine)
     assert status["status"] == "finished:failed", (status, log[-3000:])
     assert "NoRoundAggregatedError" in log and "0 aggregated" in log
     results = json.loads((output / "results.json").read_text())

@@ -1,23 +1,20 @@
-"""The wheel, installed with no extras into a clean venv, and the pack's own app.
+"""The wheel, installed with no extras into a clean venv.
 
-Slow (builds a wheel, creates a venv, installs torch and flwr into it; starts
-Flower's engine) but run in CI.
+Slow (creates a venv, installs torch and flwr into it). The wheel's contents are
+checked in the fast suite (``tests/test_packaging.py``) on the same ``wheel``
+fixture; the sweep of a pip-installed pack (its own written app) runs in
+``test_flwr_run.py``.
 """
 
 from __future__ import annotations
 
-import csv
 import subprocess
-import sys
 import textwrap
 import time
 import venv
-import zipfile
 from pathlib import Path
 
 import pytest
-
-from .engine import REPO, managed_engine
 
 pytestmark = pytest.mark.slow
 
@@ -112,30 +109,14 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return out
 
 
-def test_wheel_with_no_extras_in_a_clean_venv(tmp_path: Path) -> None:
-    # The wheel: one top-level package, the Hydra tree inside it.
-    wheels = tmp_path / "wheels"
-    run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), "."],
-        cwd=REPO,
-        timeout=600,
-    )
-    (wheel,) = wheels.glob("flwr_prox_strategies-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    tops = {name.split("/")[0] for name in names}
-    assert tops == {"flwr_prox_strategies", wheel.name.split("-py3")[0] + ".dist-info"}
-    conf = sorted(
-        p.relative_to(REPO).as_posix() for p in (REPO / "conf").rglob("*.yaml")
-    )
-    assert len(conf) > 20
-    assert {f"flwr_prox_strategies/{p}" for p in conf} <= set(names)
-
+def test_wheel_with_no_extras_in_a_clean_venv(tmp_path: Path, wheel: Path) -> None:
     # A clean venv (no system site-packages): torch first, then the wheel alone.
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, system_site_packages=False)
     python = str(env_dir / "bin" / "python")
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run([*pip, "torch==2.13.0"], timeout=900)
+    # --no-compile: torch's .pyc files are not what this test is about.
+    run([*pip, "--no-compile", "torch==2.13.0"], timeout=900)
     start = time.monotonic()
     run([*pip, str(wheel)], timeout=900)
     install_s = time.monotonic() - start
@@ -153,39 +134,3 @@ def test_wheel_with_no_extras_in_a_clean_venv(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(VENV_SCRIPT))
     out = run([python, str(script)], cwd=tmp_path, timeout=600)
     assert "VENV OK" in out.stdout, out.stdout + out.stderr
-
-
-def test_sweep_runs_the_installed_packs_own_app(tmp_path: Path) -> None:
-    """Outside a checkout the sweep runs the Flower app the pack writes for itself:
-    a folder holding only a pyproject.toml whose components are the package's."""
-    from flwr_prox_strategies.experiment.appdir import write_app_dir
-
-    app = write_app_dir(tmp_path / "app")
-    assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
-    sweep_dir = tmp_path / "sweep"
-    with managed_engine(tmp_path / "home") as env:
-        env["FLWR_PROX_APP_DIR"] = str(app)
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flwr_prox_strategies.experiment",
-                "-m",
-                "strategy=fedprox",
-                "num_clients=3",
-                "num_rounds=2",
-                "model=logreg",
-                f"hydra.sweep.dir={sweep_dir}",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-            timeout=600,
-            check=False,
-        )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"flwr run {app} --stream" in out.stdout + out.stderr, out.stderr[-2000:]
-    with open(sweep_dir / "summary.csv") as handle:
-        (row,) = list(csv.DictReader(handle))
-    assert row["strategy"] == "FedProx" and float(row["final-accuracy"]) > 0.3

@@ -22,8 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from .engine import make_tls_credentials, run_log, run_status, tls_loopback_deployment
-from .test_flwr_run import check_results, flwr_run
+from flwr_prox_strategies._executables import flower_executable
+
+from .engine import (
+    check_results,
+    flwr_run,
+    make_tls_credentials,
+    run_log,
+    run_status,
+    tls_loopback_deployment,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +85,14 @@ def test_tls_with_supernode_authentication(tmp_path: Path) -> None:
         assert exited(unregistered, 30) not in (None, 0)
         assert exited(untrusting, 30) not in (None, 0)
         nodes = subprocess.run(
-            ["flwr", "supernode", "list", deployment.connection, "--format", "json"],
+            [
+                flower_executable("flwr"),
+                "supernode",
+                "list",
+                deployment.connection,
+                "--format",
+                "json",
+            ],
             capture_output=True,
             text=True,
             env=deployment.env,
