@@ -76,20 +76,21 @@ def test_node_count_mismatch_fails_fast_with_the_fix(
     assert "num-supernodes=4" in log and "num_clients=4" in log
 
 
-def test_a_sweep_outside_a_checkout_runs_each_job_through_flwr_run(
+def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
     engine: dict[str, str], tmp_path: Path
 ) -> None:
-    """A 2-job Hydra multirun, every job a real `flwr run`, started outside any
+    """A Hydra multirun whose job is a real `flwr run`, started outside any
     checkout: it runs the Flower app the pack writes for itself (a folder
     holding only a pyproject.toml whose components are the package's), as a
-    pip-installed pack does."""
+    pip-installed pack does. (One job: the summary and the comparison plot of
+    several jobs are the same code in process, tests/test_experiment.py.)"""
     app = write_app_dir(tmp_path / "app")
     assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
     sweep_dir = tmp_path / "sweep"
     out = subprocess.run(
         [
             *(sys.executable, "-m", "flwr_prox_strategies.experiment", "-m"),
-            "strategy=fedavg,fedprox",
+            "strategy=fedprox",
             "num_clients=3",
             "num_rounds=2",
             "model=logreg",
@@ -106,7 +107,7 @@ def test_a_sweep_outside_a_checkout_runs_each_job_through_flwr_run(
     assert f"flwr run {app} --stream" in out.stdout + out.stderr, out.stderr[-2000:]
     with open(sweep_dir / "summary.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["strategy"] for r in rows] == ["FedAvg", "FedProx"]
+    assert [r["strategy"] for r in rows] == ["FedProx"]
     assert all(r["engine"] == "flwr" and float(r["final-accuracy"]) > 0.3 for r in rows)
     assert (sweep_dir / "comparison.png").is_file()
     assert (sweep_dir / "0" / "flwr.log").is_file()
