@@ -37,6 +37,18 @@ def test_a_python_whose_scripts_are_not_on_path_finds_flower_beside_it() -> None
     assert "1.42" in version
 
 
+def test_the_command_beside_the_interpreter_comes_first() -> None:
+    assert flower_executable("flwr") == str(SCRIPTS_DIR / "flwr")
+
+
+def test_a_command_only_on_path_is_found_there(tmp_path, monkeypatch) -> None:
+    tool = tmp_path / "flower-only-on-path"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert flower_executable("flower-only-on-path") == str(tool)
+
+
 def test_a_missing_command_says_how_to_install_it() -> None:
     with pytest.raises(FileNotFoundError) as err:
         flower_executable("flower-no-such-command")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -282,3 +284,60 @@ def test_the_launcher_waits_while_a_run_is_pending_or_starting(tmp_path) -> None
     for status in ("finished:completed", "finished:failed", "killed"):
         server.status = status
         assert not server.active, status
+
+
+def test_the_launcher_builds_its_servers_and_knows_when_one_is_ending(
+    tmp_path,
+) -> None:
+    """The launcher's plan (ports, partitions, Hydra overrides) from its command
+    line, and the cheap check that paces its `flwr ls` calls (each a Python
+    start): a server is ending once its results hold the last round or a
+    failure."""
+    import json
+
+    from flwr_prox_strategies.pfedavg_deploy import Launcher, parse_args
+
+    repo = str(Path(__file__).resolve().parents[1])
+    args = parse_args(
+        [
+            *("--servers", "3", "--clients-per-server", "2", "--rounds", "4"),
+            *("--output", str(tmp_path), "--app", repo, "--overrides", "model=logreg"),
+        ]
+    )
+    launcher = Launcher(args)
+    assert [s.partitions for s in launcher.servers] == [[0, 3], [1, 4], [2, 5]]
+    ports = [s.link_port for s in launcher.servers]
+    ports += [int(s.exchange.split(":")[1]) for s in launcher.servers]
+    assert len(set(ports)) == 6  # every SuperLink and exchange its own port
+    overrides = launcher.overrides(launcher.servers[1]).split()
+    assert "deploy.index=1" in overrides and "num_clients=2" in overrides
+    assert "num_partitions=6" in overrides and overrides[-1] == "model=logreg"
+    assert launcher.env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+
+    server = launcher.servers[0]
+    folder = tmp_path / "server-0"
+    folder.mkdir()
+    assert not launcher.reached_its_end(server, {})  # nothing written yet
+    assert not launcher.reached_its_end(server, {0: {}, 1: {}, 3: {}})
+    assert launcher.reached_its_end(server, {4: {}})
+    (folder / "results.json").write_text(json.dumps({"failure": "RuntimeError: x"}))
+    assert launcher.reached_its_end(server, {1: {}})
+    (folder / "results.json").write_text("{half a file")
+    assert not launcher.reached_its_end(server, {1: {}})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--servers", "0"], "must be >= 1"),
+        (["--app", "/"], "holds no pyproject.toml"),
+        (["--kill-server", "3"], "--kill-server must be in 0..2"),
+    ],
+)
+def test_the_launcher_refuses_a_bad_command_line(argv, message, capsys) -> None:
+    from flwr_prox_strategies.pfedavg_deploy import parse_args
+
+    repo = str(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit):
+        parse_args(["--app", repo, *argv])
+    assert message in capsys.readouterr().err
