@@ -19,7 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from flwr_prox_strategies._executables import flower_env, flower_executable
@@ -145,6 +145,34 @@ def results_ended(output: Path) -> bool:
     except (OSError, ValueError):
         return False
     return bool(data.get("summary", {}).get("complete")) or "failure" in data
+
+
+def wait_finished(
+    run_id: str,
+    env: dict[str, str],
+    connection: str | None = None,
+    deadline: float | None = None,
+    ended: Callable[[], bool] | None = None,
+) -> str:
+    """Return the run's final status (``finished:...``).
+
+    Each status read is a ``flwr ls`` (a Python start, about 2 s of CPU, taken
+    from the run waited for): with ``ended`` (a cheap sign that the run ended,
+    such as a file it writes last) it is asked every 2 s once ``ended()`` is
+    true, else every 15 s (a run that dies without writing); without, every 2 s.
+    ``deadline`` is a ``time.monotonic()`` value; past it, ``TimeoutError``.
+    """
+    asked = -float("inf")
+    while True:
+        every = 15.0 if ended is not None and not ended() else 2.0
+        if time.monotonic() - asked >= every:
+            asked = time.monotonic()
+            status = str(run_status(run_id, env, connection)["status"])
+            if status.startswith("finished"):
+                return status
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} still {status}")
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
@@ -413,25 +441,10 @@ class Deployment:
     def wait_finished(
         self, run_id: str, deadline: float | None = None, output: Path | None = None
     ) -> str:
-        """Return the run's final status (``finished:...``).
-
-        ``deadline`` is a ``time.monotonic()`` value; past it, ``TimeoutError``.
-        Each status read is a ``flwr ls`` (a Python start, about 2 s of CPU, taken
-        from the run it waits for): with the run's ``output`` folder it is asked
-        every 2 s once ``results.json`` says the run ended, else every 15 s (a
-        run that dies without writing); without, every 2 s.
-        """
-        asked = -float("inf")
-        while True:
-            every = 15.0 if output is not None and not results_ended(output) else 2.0
-            if time.monotonic() - asked >= every:
-                asked = time.monotonic()
-                status = str(run_status(run_id, self.env, self.connection)["status"])
-                if status.startswith("finished"):
-                    return status
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {run_id} still {status}")
-            time.sleep(0.5)
+        """:func:`wait_finished` on this deployment; ``output`` is the run's folder
+        (its ``results.json`` says when the run ended)."""
+        ended = None if output is None else (lambda: results_ended(output))
+        return wait_finished(run_id, self.env, self.connection, deadline, ended)
 
     def register(self, public_key: Path) -> str:
         """``flwr supernode register``: allow the SuperNode holding this key in."""

@@ -37,7 +37,7 @@ from flwr_prox_strategies import (
 from flwr_prox_strategies._executables import flower_executable
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 
-from .engine import REPO, managed_engine, run_log, run_status
+from .engine import REPO, managed_engine, run_log, wait_finished
 
 pytestmark = pytest.mark.slow
 
@@ -97,22 +97,6 @@ def submit_example(env: dict[str, str], overrides: str) -> str:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return str(json.loads(out.stdout)["run-id"])
-
-
-def wait_completed(env: dict[str, str], run_id: str, saved: Path) -> None:
-    """Wait for the run to end (its model file is written last; `flwr ls`, about
-    2 s of CPU, is asked every 15 s before that) and assert it completed."""
-    deadline = time.monotonic() + 900
-    while True:
-        status = run_status(run_id, env)["status"]
-        if status.startswith("finished"):
-            break
-        assert time.monotonic() < deadline, f"run {run_id} still {status}"
-        until = time.monotonic() + 15
-        while not saved.exists() and time.monotonic() < until:
-            time.sleep(0.5)
-        time.sleep(1)  # the run ends just after it writes its model
-    assert status == "finished:completed", run_log(run_id, env)[-3000:]
 
 
 def pack_clients(task: ModuleType, algorithm: str, config: dict):
@@ -180,7 +164,10 @@ def test_example_equals_pack_clients(
             for algorithm in algorithms
         }
         for algorithm, run_id in runs.items():
-            wait_completed(env, run_id, tmp_path / f"{algorithm}.pt")
+            saved = tmp_path / f"{algorithm}.pt"  # the example writes it last
+            deadline = time.monotonic() + 900
+            status = wait_finished(run_id, env, None, deadline, saved.exists)
+            assert status == "finished:completed", run_log(run_id, env)[-3000:]
     initial = initial_model(example)
     for algorithm in algorithms:
         ours = tmp_path / f"{algorithm}-pack.pt"
