@@ -1,1 +1,5 @@
-"""pytorchexample: A Flower / PyTorch app."""
+"""pytorchexample: A Flower / PyTorch app.
+
+Adapted from Flower's examples/quickstart-pytorch (Copyright Flower Labs GmbH,
+Apache License 2.0; see NOTICE at the root of this repository).
+"""
