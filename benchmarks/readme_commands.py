@@ -1,9 +1,11 @@
-"""Run every command of the README as written and check what the README says it gives.
+"""Run every command of the README and the docs as written; check what they say it gives.
 
-The README's ``bash`` blocks are read here, not copied: each command (a line with
-its ``\\`` continuations) that starts a run (``flwr run``, ``python -m
-flwr_prox_strategies...``) is run from the checkout with ``bash``, after the
-``export`` lines of its block, exactly as a user pastes it. The comment above a
+The ``bash`` blocks of ``README.md`` and of every page under ``docs/`` are read
+here, not copied: each command (a line with its ``\\`` continuations) that
+starts a run (``flwr run``, ``python -m flwr_prox_strategies...``) is run from
+the checkout with ``bash``, after the ``export`` lines of its block, exactly as
+a user pastes it. A command found on several pages (the README's and the
+getting-started page's main job) runs once. The comment above a
 command carries its expectation on a line of its own::
 
     # expect: rounds 30, final-accuracy 0.93..0.97, to-target <= 12, time ~40 s
@@ -12,8 +14,9 @@ command carries its expectation on a line of its own::
 value, ``time ~N s`` the wall time on 2 cores (shown beside the measured one, not
 checked: it depends on the machine). The keys are in :data:`METRICS`. A command
 whose run fails, whose results are missing, or whose figure is outside what the
-README says, is marked FAIL and makes the script exit 1: a broken command never
-ends looking like success.
+page says, is marked FAIL and makes the script exit 1: a broken command never
+ends looking like success. A command that cannot run here says why on a comment
+line of its own, ``# not run here: <reason>``.
 
 Not run here: the test-suite command (``--with-tests`` adds it; CI runs it), and
 the commands that need a deployment set up by hand (a named federation,
@@ -23,7 +26,7 @@ the commands that need a deployment set up by hand (a named federation,
 
 Usage::
 
-    python benchmarks/readme_commands.py            # all, about 20 min on 2 cores
+    python benchmarks/readme_commands.py            # all, about 25 min on 2 cores
     python benchmarks/readme_commands.py --list     # the commands and expectations
     python benchmarks/readme_commands.py --only 1 8 # some of them (numbers from --list)
 
@@ -55,19 +58,28 @@ NEEDS_SETUP = (
 
 @dataclass
 class Command:
-    """One README command with the comment above it."""
+    """One command of a page, with the comment above it."""
 
     number: int
+    page: str
     line: int
     text: str
     comment: list[str]
     exports: list[str]
     expect: str = ""
+    not_run: str = ""
+    also_at: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return ", ".join([f"{self.page}:{self.line}", *self.also_at])
 
     @property
     def runnable(self) -> bool:
-        return bool(RUNS.search(self.text)) and not any(
-            marker in self.text for marker in NEEDS_SETUP
+        return (
+            bool(RUNS.search(self.text))
+            and not self.not_run
+            and not any(marker in self.text for marker in NEEDS_SETUP)
         )
 
     @property
@@ -103,10 +115,37 @@ class Outcome:
     failed: list[str] = field(default_factory=list)
 
 
-def commands(readme: Path) -> list[Command]:
-    """Every command in the README's bash blocks, numbered in order."""
+def pages(root: Path = ROOT) -> list[Path]:
+    """The README, then the docs pages in order of their paths."""
+    docs = sorted(p for p in (root / "docs").rglob("*.md") if "_build" not in p.parts)
+    return [root / "README.md", *docs]
+
+
+def commands(page_paths: list[Path]) -> list[Command]:
+    """Every command in the pages' bash blocks, numbered in order; one per text."""
     found: list[Command] = []
-    lines = readme.read_text().splitlines()
+    for path in page_paths:
+        for command in page_commands(path):
+            twin = next((c for c in found if c.text == command.text), None)
+            if twin is not None:
+                twin.also_at.append(f"{command.page}:{command.line}")
+                if command.expect and command.expect != twin.expect:
+                    raise ValueError(
+                        f"{command.page}:{command.line} expects {command.expect!r}, "
+                        f"{twin.page}:{twin.line} {twin.expect!r}: one command, "
+                        "one expectation"
+                    )
+                continue
+            command.number = len(found) + 1
+            found.append(command)
+    return found
+
+
+def page_commands(path: Path) -> list[Command]:
+    """The commands of one page's bash blocks."""
+    page = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    found: list[Command] = []
+    lines = path.read_text().splitlines()
     in_block, comment, exports = False, [], []
     i = 0
     while i < len(lines):
@@ -134,14 +173,21 @@ def commands(readme: Path) -> list[Command]:
             expect = " ".join(
                 c.split(":", 1)[1].strip() for c in comment if c.startswith("expect:")
             )
+            not_run = " ".join(
+                c.split(":", 1)[1].strip()
+                for c in comment
+                if c.startswith("not run here:")
+            )
             found.append(
                 Command(
-                    len(found) + 1,
+                    0,
+                    page,
                     start + 1,
                     body,
                     [c for c in comment if not c.startswith("expect:")],
                     list(exports),
                     expect,
+                    not_run,
                 )
             )
             comment = []
@@ -311,7 +357,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument(
+        "--pages",
+        type=Path,
+        nargs="+",
+        help="Markdown pages to read (default: README.md and docs/**/*.md)",
+    )
     parser.add_argument("--list", action="store_true", help="list, run nothing")
     parser.add_argument("--only", type=int, nargs="+", help="command numbers")
     parser.add_argument("--with-tests", action="store_true")
@@ -319,7 +370,7 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [
         c
-        for c in commands(args.readme)
+        for c in commands(args.pages or pages())
         if c.runnable
         and (args.with_tests or not c.is_tests)
         and (not args.only or c.number in args.only)
@@ -327,20 +378,18 @@ def main() -> None:
     missing = [c for c in chosen if not c.expect]
     if missing:
         sys.exit(
-            "README commands without an '# expect:' line: "
-            + ", ".join(f"line {c.line} ({c.short})" for c in missing)
+            "commands without an '# expect:' (or '# not run here:') line: "
+            + ", ".join(f"{c.where} ({c.short})" for c in missing)
         )
     if args.list:
         for c in chosen:
-            print(
-                f"{c.number:>3}  line {c.line:<4} {c.short}\n       expect: {c.expect}"
-            )
+            print(f"{c.number:>3}  {c.where}  {c.short}\n       expect: {c.expect}")
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for c in chosen:
         wanted, seconds = checks(c.expect)
-        print(f"[{c.number}] README line {c.line}: {c.short}", flush=True)
+        print(f"[{c.number}] {c.where}: {c.short}", flush=True)
         outcome = measure(c, args.out / f"command-{c.number}.log")
         for check in wanted:
             value = outcome.metrics.get(check.key)
@@ -358,16 +407,16 @@ def main() -> None:
                 ", ".join(f"{w.key} {w.text}" for w in wanted),
                 measured or "-",
                 f"{outcome.seconds:.0f} s"
-                + (f" (README: {seconds})" if seconds else ""),
+                + (f" (page: {seconds})" if seconds else ""),
                 "ok" if ok else f"FAIL: {outcome.error or ', '.join(outcome.failed)}",
             )
         )
         print(f"    -> {rows[-1][2]}; {rows[-1][3]}; {rows[-1][4]}", flush=True)
     table = [
-        "| # | README line | command | expected | measured | time | |",
+        "| # | where | command | expected | measured | time | |",
         "|---|---|---|---|---|---|---|",
         *(
-            f"| {c.number} | {c.line} | `{c.short}` | {exp} | {got} | {secs} | {ok} |"
+            f"| {c.number} | {c.where} | `{c.short}` | {exp} | {got} | {secs} | {ok} |"
             for c, exp, got, secs, ok in rows
         ),
     ]

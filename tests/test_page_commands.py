@@ -1,0 +1,62 @@
+"""The pages' commands are found, and every run a page shows says what it gives.
+
+``benchmarks/readme_commands.py`` runs the commands; here, without running
+them, every ``flwr run`` / ``python -m flwr_prox_strategies`` command of the
+README and the docs carries an ``# expect:`` line that parses (or says why it
+is not run here), so no page can show a run whose result nobody checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location(
+        "readme_commands", REPO / "benchmarks" / "readme_commands.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["readme_commands"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_run_on_a_page_has_a_readable_expectation(script) -> None:
+    found = script.commands(script.pages())
+    runnable = [c for c in found if c.runnable and not c.is_tests]
+    assert len(runnable) >= 8
+    for command in runnable:
+        assert command.expect, f"{command.where}: no '# expect:' line"
+        script.checks(command.expect)  # raises on a key it does not know
+
+
+def test_a_command_on_two_pages_runs_once(script, tmp_path: Path) -> None:
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    run = 'flwr run . --stream --run-config "overrides=\'strategy=fedavg\'"'
+    first.write_text(f"```bash\n# expect: rounds 3, time ~5 s\n{run}\n```\n")
+    second.write_text(
+        "text\n\n```bash\n# expect: rounds 3, time ~5 s\n"
+        f"{run}\n# not run here: needs a federation named mine\nflwr run . mine\n```\n"
+    )
+    found = script.commands([first, second])
+    assert [c.number for c in found] == [1, 2]
+    assert found[0].also_at == [f"{second}:5"]
+    assert found[0].runnable and not found[1].runnable
+    assert found[1].not_run == "needs a federation named mine"
+
+
+def test_one_command_cannot_promise_two_things(script, tmp_path: Path) -> None:
+    run = "python -m flwr_prox_strategies.experiment -m seed=0,1"
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    first.write_text(f"```bash\n# expect: jobs 2\n{run}\n```\n")
+    second.write_text(f"```bash\n# expect: jobs 3\n{run}\n```\n")
+    with pytest.raises(ValueError, match="one command, one expectation"):
+        script.commands([first, second])
