@@ -3,7 +3,8 @@
 The public API: strategies (server side), their clients (a ``NumPyClient`` each,
 taking your ``torch.nn.Module`` and data loaders) and client rules (the same
 client side, for your own training loop), the adapter that mounts a
-``NumPyClient`` on a Message-API ``ClientApp``, and the privacy pieces.
+``NumPyClient`` on a Message-API ``ClientApp``, the privacy pieces and the
+errors a run raises.
 
 >>> from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
 
@@ -33,6 +34,7 @@ from .algorithms.sfed import (
 from .core.adapter import to_client_app
 from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
 from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
+from .core.outcome import NoRoundAggregatedError
 from .core.privacy import LaplaceUploadMod
 from .core.rule import ClientRule, ProtocolError
 
@@ -59,6 +61,7 @@ __all__ = [
     "FedProxClient",
     "FedProxRule",
     "LaplaceUploadMod",
+    "NoRoundAggregatedError",
     "PFedAvg",
     "PFedAvgServer",
     "PrivacyBudgetExhausted",

@@ -10,7 +10,9 @@ The server side: subclass :class:`ValidatedFedAvg`
 -------------------------------------------------
 Replies reach your code validated (shapes, dtypes, finite values, a positive
 ``num-examples``; a bad one is logged with its node and dropped), sampling is
-seeded, a round without a valid reply keeps the model. Seven names do the work:
+seeded, a round without a valid reply keeps the model, and a run that aggregated
+no round at all raises :class:`NoRoundAggregatedError` at the end of ``start()``
+(with the counted reasons). Seven names do the work:
 ``server_update`` (returning a :class:`RoundUpdate`), ``state_fields`` (with
 ``resume_settings`` and ``settings``), ``train_config``, ``train_records`` /
 ``node_train_records``, ``expected_train_arrays``, ``check_reply`` and
@@ -150,6 +152,7 @@ from __future__ import annotations
 from .algorithms import ALGORITHMS, Algorithm
 from .core.client import TorchClient
 from .core.fields import RoundUpdate
+from .core.outcome import NoRoundAggregatedError
 from .core.records import RecordSpec, dict_to_record, record_to_dict
 from .core.rule import ClientRule
 from .core.strategy import ValidatedFedAvg
@@ -168,6 +171,7 @@ __all__ = [
     "Algorithm",
     "ClientRule",
     "GradientTerm",
+    "NoRoundAggregatedError",
     "RecordSpec",
     "ReplyRejected",
     "RoundUpdate",

@@ -94,7 +94,7 @@ USER_API = {
     "ScaffoldRule", "APFL", "APFLClient", "APFLRule", "FedEPM", "FedEPMClient",
     "FedEPMRule", "SFedAvg", "SFedAvgClient", "SFedProx", "SFedProxClient",
     "SFedRule", "PFedAvg", "PFedAvgServer", "ClientRule",  # FedAvg's rule
-    "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError",
+    "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError", "NoRoundAggregatedError",
     "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod",
     "ClientSideFixedClipping", "ServerSideFixedClipping",
 }  # fmt: skip
@@ -112,6 +112,7 @@ EXTEND_API = {
     "dict_to_record": "flwr_prox_strategies.core.records",
     "ALGORITHMS": "flwr_prox_strategies.algorithms",
     "Algorithm": "flwr_prox_strategies.algorithms",
+    "NoRoundAggregatedError": "flwr_prox_strategies.core.outcome",
     **{
         f"check_{kind}": "flwr_prox_strategies.ops.checks"
         for kind in ("int", "positive", "non_negative", "fraction", "choice")
