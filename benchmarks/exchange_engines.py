@@ -1,7 +1,7 @@
 """P-FedAvg's server-to-server exchange on two engines: gRPC (ours) and torch.distributed.
 
-Issue 16 named ``torch.distributed`` with the gloo backend (point-to-point
-``isend``/``irecv`` to neighbours, rendezvous through a TCP store) as the obvious
+``torch.distributed`` with the gloo backend (point-to-point
+``isend``/``irecv`` to neighbours, rendezvous through a TCP store) is the obvious
 engine for the exchange between parameter servers. This script runs the same
 exchange on both, side by side in one run, one process per server:
 

@@ -54,7 +54,7 @@ PARTITIONS = {
     "inner-dirichlet": ["partition=inner-dirichlet", "partition.alpha=0.3"],
     "pathological": ["partition=pathological", "partition.classes_per_partition=2"],
 }
-# The FedDyn/FedDC papers' own code in this setting (issue 14): last-10 mean,
+# The FedDyn/FedDC papers' own code in this setting: last-10 mean,
 # rounds to 80% and 85% (FedAvg), as printed beside the pack's figures.
 REFERENCE = {
     "fedavg": (0.866, 12, 30),
