@@ -20,7 +20,8 @@ from .algorithms.fedavg import FedAvg, FedAvgClient
 from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
 from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
 from .algorithms.fedepm import FedEPM, FedEPMClient, FedEPMRule
-from .algorithms.fedprox import PROXIMAL_MU_KEY, FedProx, FedProxClient, FedProxRule
+from .algorithms.fedprox import PROXIMAL_MU_KEY as _PROXIMAL_MU_KEY
+from .algorithms.fedprox import FedProx, FedProxClient, FedProxRule
 from .algorithms.pfedavg import PFedAvg
 from .algorithms.pfedavg_server import PFedAvgServer
 from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
@@ -37,6 +38,14 @@ from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.outcome import NoRoundAggregatedError
 from .core.privacy import LaplaceUploadMod
 from .core.rule import ClientRule, ProtocolError
+
+PROXIMAL_MU_KEY = _PROXIMAL_MU_KEY
+"""The train-config key of FedProx's :math:`\\mu`, ``"proximal-mu"``.
+
+:class:`FedProx` sends it every round and :class:`FedProxRule` reads it; it is
+the key Flower's own ``FedProx`` sends, so a Flower FedProx client reads the
+pack's strategy and the other way round.
+"""
 
 __all__ = [
     "APFL",

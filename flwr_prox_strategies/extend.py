@@ -7,12 +7,12 @@ of it lives, is internal and may move. Read one algorithm module alongside
 (``algorithms/feddyn.py`` uses every hook below).
 
 The server side: subclass :class:`ValidatedFedAvg`
--------------------------------------------------
+--------------------------------------------------
 Replies reach your code validated (shapes, dtypes, finite values, a positive
 ``num-examples``; a bad one is logged with its node and dropped), sampling is
 seeded, a round without a valid reply keeps the model, and a run that aggregated
 no round at all raises :class:`NoRoundAggregatedError` at the end of ``start()``
-(with the counted reasons). Seven names do the work:
+(with the counted reasons, a :class:`ReplyTally`). Seven names do the work:
 ``server_update`` (returning a :class:`RoundUpdate`), ``state_fields`` (with
 ``resume_settings`` and ``settings``), ``train_config``, ``train_records`` /
 ``node_train_records``, ``expected_train_arrays``, ``check_reply`` and
@@ -28,7 +28,8 @@ record)``. Override only the hooks you need, and extend the base's
     Extra ``ArrayRecord``\ s (name -> record) sent with the model: to every
     sampled node, or to one.
 ``expected_train_arrays(server_round) -> dict[str, RecordSpec]``
-    The ``ArrayRecord``\ s a train reply must carry, name -> :data:`RecordSpec`.
+    The ``ArrayRecord``\ s a train reply must carry, name -> :data:`RecordSpec`
+    (array key -> :class:`ArraySpec`).
     Start from ``super()``'s (the model) and add yours: a reply missing one, or
     with another key, shape or dtype, is rejected before your code sees it.
 ``check_reply(reply: ValidReply)``
@@ -47,7 +48,7 @@ record)``. Override only the hooks you need, and extend the base's
 ``grown_state(state, old, new) -> dict``
     ``state`` adjusted to the number of all clients K growing ``old`` -> ``new``
     (a new client holds zero state: sums need nothing, a mean over K is
-    rescaled). Called before :meth:`server_update` in a round where K grows.
+    rescaled). Called before ``server_update`` in a round where K grows.
 
 Class attributes declare the rest:
 
@@ -65,6 +66,10 @@ Class attributes declare the rest:
     The metric (value 1) a client reports when it applied the algorithm's
     client rule (its rule's ``applied_metric``); replies without it are named
     in one warning per run, or rejected with ``strict=True``. None: any client.
+``linear_aggregate``
+    The model is a positive linear combination of the replies' (the default):
+    the replies' value check can wait for the result. Set it False for a
+    median-like rule, which can hide a NaN or inf: every reply is checked first.
 ``stateful_clients``
     Clients keep state the server sums over: the base runs the two-phase
     commit (a client commits its pending state once told its reply was
@@ -132,29 +137,33 @@ training loop: ``protocol`` (the strategy's name, for errors),
 ``applied_metric`` (the strategy's ``rule_metric``), ``stateful`` and
 ``state_names`` (its records in ``context.state``); ``setup()`` reads this
 round's values (``self.required(key)``, ``self.received_params(name)``,
-``self.state``) and returns a :class:`GradientTerm` (an object whose
-``add_(params)`` adds its gradient to each ``p.grad`` in place) or None;
-``finish(steps, lr)`` advances the state and returns the extra reply records
-and metrics. A :class:`TorchClient` subclass runs it in the pack's training
-loop: set ``protocol`` and ``rule_class`` (and ``rule_options(config)`` for
-the rule's own keywords).
+``self.state``, a :class:`ClientState`) and returns a :class:`GradientTerm`
+(an object whose ``add_(params)`` adds its gradient to each ``p.grad`` in
+place) or None; ``finish(steps, lr)`` advances the state and returns the extra
+reply records and metrics. A :class:`TorchClient` subclass runs it in the
+pack's training loop: set ``protocol`` and ``rule_class`` (and
+``rule_options(config)`` for the rule's own keywords).
 
 Registering it
 --------------
 One line in :data:`ALGORITHMS` (an :class:`Algorithm` of strategy, client and
 rule), ``conf/strategy/<name>.yaml``, the exports of ``flwr_prox_strategies``,
 a case in ``tests/test_contract.py`` and a README row: ``tests/test_algorithms.py``
-fails until they agree (the README's Development section lists the five places).
+fails until they agree (the documentation's guide to adding an algorithm walks
+through the five places).
 """
 
 from __future__ import annotations
 
-from .algorithms import ALGORITHMS, Algorithm
+from .algorithms import ALGORITHMS as _ALGORITHMS
+from .algorithms import Algorithm
 from .core.client import TorchClient
 from .core.fields import RoundUpdate
-from .core.outcome import NoRoundAggregatedError
-from .core.records import RecordSpec, dict_to_record, record_to_dict
+from .core.outcome import NoRoundAggregatedError, ReplyTally
+from .core.records import ArraySpec, dict_to_record, record_to_dict
+from .core.records import RecordSpec as _RecordSpec
 from .core.rule import ClientRule
+from .core.state import ClientState
 from .core.strategy import ValidatedFedAvg
 from .core.training import GradientTerm
 from .core.validation import ReplyRejected, ValidReply
@@ -166,14 +175,34 @@ from .ops.checks import (
     check_positive,
 )
 
+ALGORITHMS = _ALGORITHMS
+"""Every algorithm of the pack by its configuration name, name -> :class:`Algorithm`.
+
+The name is ``conf/strategy/<name>.yaml``'s (``strategy=<name>`` on the
+command line). The conf tree, the exports of ``flwr_prox_strategies`` and the
+tests are checked against this table.
+"""
+
+RecordSpec = _RecordSpec
+"""The layout a reply's ArrayRecord must have, array key -> :class:`ArraySpec`.
+
+An ordered ``dict``: the order is the ``NumPyClient``'s list order (the model's
+``state_dict`` order). :meth:`ValidatedFedAvg.expected_train_arrays` returns
+one per ArrayRecord a train reply must carry; an empty one checks the record's
+presence only (the model's before the first round).
+"""
+
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
+    "ArraySpec",
     "ClientRule",
+    "ClientState",
     "GradientTerm",
     "NoRoundAggregatedError",
     "RecordSpec",
     "ReplyRejected",
+    "ReplyTally",
     "RoundUpdate",
     "TorchClient",
     "ValidReply",

@@ -108,11 +108,14 @@ EXTEND_API = {
     "ValidReply": "flwr_prox_strategies.core.validation",
     "ReplyRejected": "flwr_prox_strategies.core.validation",
     "RecordSpec": "flwr_prox_strategies.core.records",
+    "ArraySpec": "flwr_prox_strategies.core.records",
+    "ClientState": "flwr_prox_strategies.core.state",
     "record_to_dict": "flwr_prox_strategies.core.records",
     "dict_to_record": "flwr_prox_strategies.core.records",
     "ALGORITHMS": "flwr_prox_strategies.algorithms",
     "Algorithm": "flwr_prox_strategies.algorithms",
     "NoRoundAggregatedError": "flwr_prox_strategies.core.outcome",
+    "ReplyTally": "flwr_prox_strategies.core.outcome",
     **{
         f"check_{kind}": "flwr_prox_strategies.ops.checks"
         for kind in ("int", "positive", "non_negative", "fraction", "choice")
@@ -173,10 +176,13 @@ def test_the_bad_reply_contract_covers_every_algorithm(name: str) -> None:
     )
 
 
-def test_the_readme_lists_every_algorithm() -> None:
-    table = (ROOT / "README.md").read_text().split("## What the main job produces")[0]
+def test_the_readme_and_the_docs_list_every_algorithm() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## The algorithms")[1].split("\n## ")[0]
+    pages = (ROOT / "docs" / "algorithms" / "index.md").read_text()
     for entry in ALGORITHMS.values():
         assert f"`{entry.strategy.__name__}`" in table, entry.strategy.__name__
+        assert entry.strategy.__name__ in pages, entry.strategy.__name__
 
 
 @pytest.mark.parametrize(

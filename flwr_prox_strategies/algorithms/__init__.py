@@ -28,10 +28,20 @@ from .sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient, SFedRule
 class Algorithm:
     """An algorithm's pieces: its strategy, and the client and rule that match it.
 
-    ``client`` and ``rule`` are None for a strategy that composes others
-    (P-FedAvg: its clients are those of its inner strategy). ``deployed`` is the
-    strategy that runs one of its servers as a deployment of its own, when the
-    algorithm has one (P-FedAvg's :class:`~.pfedavg_server.PFedAvgServer`).
+    Parameters
+    ----------
+    strategy : type
+        The strategy class (a :class:`~flwr_prox_strategies.extend.ValidatedFedAvg`
+        subclass, or a composite such as P-FedAvg).
+    client : type[TorchClient] | None
+        The matching ``NumPyClient`` class; None for a strategy that composes
+        others (P-FedAvg: its clients are those of its inner strategy).
+    rule : type[ClientRule] | None
+        The matching client rule class; None as ``client``.
+    deployed : type | None (default: None)
+        The strategy that runs one of its servers as a deployment of its own,
+        when the algorithm has one (P-FedAvg's
+        :class:`~flwr_prox_strategies.PFedAvgServer`).
     """
 
     strategy: type

@@ -1,4 +1,8 @@
-r"""APFL: adaptive personalised federated learning (Deng et al., 2020), per seed 000.
+r"""APFL: adaptive personalised federated learning (Deng et al., 2020).
+
+Y. Deng, M. M. Kamani and M. Mahdavi, "Adaptive Personalized Federated
+Learning", 2020 (arXiv:2003.13461), Algorithm 1; official code:
+github.com/MLOPTPSU/FedTorch.
 
 Each client :math:`k` keeps a local copy :math:`\theta_k` of the global model, a
 personal model :math:`\omega_k` and a mixture weight :math:`\alpha_k`. One local
@@ -10,7 +14,7 @@ use the values at :math:`t`):
     \theta_k^{t+1} = \theta_k^{t} - \eta_t\nabla f_k(\theta_k^{t}),\qquad
     \omega_k^{t+1} = \omega_k^{t} - \eta_t\, g_k^{t}
 
-with :math:`g_k^t = \nabla f_k(\bar\omega_k^t)`, the seed's literal form
+with :math:`g_k^t = \nabla f_k(\bar\omega_k^t)`, the gradient at the mixture
 (``personal_gradient="mixture"``, the default), or
 :math:`g_k^t = \nabla_{\omega}f_k(\bar\omega_k^t) = \alpha_k\nabla f_k(\bar\omega_k^t)`,
 the paper's Eq. (10) (``personal_gradient="chain"``). Both have the same fixed
@@ -21,24 +25,26 @@ weight (``adaptive_alpha=True``), clipped to :math:`[0, 1]`:
     \alpha_k \gets \alpha_k - \eta_t\langle\omega_k^t - \theta_k^t,
     \nabla f_k(\bar\omega_k^t)\rangle .
 
-Synchronisation gap :math:`\tau` (``sync_gap``). The seed aggregates when the
-step counter reaches a multiple of :math:`\tau` and keeps the same clients in
-between (:math:`S^{(t+1)} = S^{(t)}`). Here **one Flower round is one
+Synchronisation gap :math:`\tau` (``sync_gap``). The paper's Algorithm 1
+aggregates when the step counter reaches a multiple of :math:`\tau` and keeps the
+same clients in between (:math:`S^{(t+1)} = S^{(t)}`). Here **one Flower round is one
 synchronisation period**: the sampled clients run exactly :math:`\tau` local
 steps (``local-steps`` in the config; mini-batches, cycling through the data),
 upload :math:`\theta_k`, and the server sets :math:`\theta = \frac{1}{|S|}
-\sum_{k\in S}\theta_k` (``weighting="uniform"``, the seed's mean) and samples
+\sum_{k\in S}\theta_k` (``weighting="uniform"``, the paper's mean) and samples
 anew. Round :math:`r` covers the global steps :math:`t = (r-1)\tau, \dots,
 r\tau - 1`; the first one travels as ``apfl-first-step``, so decaying rates and
 averaging weights use the global :math:`t` whichever clients are sampled.
 
 Learning rate: the client's own constant rate (``lr_schedule="constant"``,
-what the paper's experiments and FedTorch use), or the seed's
+what the paper's experiments and FedTorch use), or the decaying rate of the
+paper's convergence analysis (strongly convex case)
 :math:`\eta_t = 16/(\mu(t + a))` with :math:`a = \max(128\kappa, \tau)`
 (``lr_schedule="decay"``; :math:`\mu` is ``strong_convexity``,
 :math:`\kappa` is ``condition_number``).
 
-Final models (``weighted_average=True``): with :math:`p_t = (t + a)^2` and
+Final models of the same analysis (``weighted_average=True``): with
+:math:`p_t = (t + a)^2` and
 :math:`S_T = \sum_{t=1}^T p_t`,
 
 .. math::
@@ -50,13 +56,13 @@ Final models (``weighted_average=True``): with :math:`p_t = (t + a)^2` and
 Every client accumulates :math:`\sum_t p_t\theta_k^t` over its :math:`\tau`
 steps and uploads its :math:`p`-weighted mean (``apfl-weighted-theta``, one more
 model per reply); the server averages those exactly as the models, so
-:math:`\hat\theta` is the seed's sum over *every* step, not only the
-synchronisation points. The client keeps :math:`\sum_t p_t\omega_k^t` (steps
+:math:`\hat\theta` is the sum over *every* step, as the analysis defines it, not
+only the synchronisation points. The client keeps :math:`\sum_t p_t\omega_k^t` (steps
 when it was not sampled count with its unchanged :math:`\omega_k`). The last
 iterates and the weighted averages are both evaluated: ``personal`` and
 ``accuracy`` (the global model), ``personal-avg`` and ``global-avg``.
 
-Mixture of parameters or of outputs. The seed and the paper mix parameters
+Mixture of parameters or of outputs. The paper mixes parameters
 (``mixing="parameters"``, the default). The official code (MLOPTPSU/FedTorch,
 ``inference_personal``) and FL4Health mix the two models' *outputs*,
 :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (``mixing="outputs"``); its
@@ -68,7 +74,7 @@ once per round with an extra :math:`0.02\alpha` term, and its
 :math:`\alpha`-gradient is :math:`\langle\omega-\theta, \alpha\nabla_\omega +
 (1-\alpha)\nabla_\theta\rangle`; here the :math:`\alpha`-gradient is exact.
 
-Deliberate choices where the seed is silent: :math:`\omega_k^0` is the first
+Deliberate choices where the paper is silent: :math:`\omega_k^0` is the first
 global model the client receives (a personal model starting as good as the
 global one); momentum and weight decay, when set on the client, apply to both
 models; ``max_grad_norm`` clips each model's gradient separately.
@@ -98,6 +104,7 @@ from numpy.typing import NDArray
 from torch import nn
 
 from ..core.client import TorchClient
+from ..core.docstrings import inherit_parameters
 from ..core.fields import RoundUpdate
 from ..core.keys import LOCAL_STEPS_KEY
 from ..core.records import RecordSpec, dict_to_record, record_to_dict
@@ -129,7 +136,7 @@ APFL_AVERAGE_A_KEY = "apfl-average-a"
 APFL_LR_MU_KEY = "apfl-lr-mu"
 APFL_LR_A_KEY = "apfl-lr-a"
 APFL_STEP_KEY = "apfl-step"
-# Reported by clients that apply APFL's rule (APFLRule).
+#: Reported (value 1) by clients that apply APFL's rule (APFLRule).
 APFL_APPLIED_KEY = "apfl-applied"
 WEIGHTED_THETA_RECORD = "apfl-weighted-theta"
 AVERAGE_MODEL_RECORD = "apfl-average-model"
@@ -147,6 +154,16 @@ LAST_STEP_STATE = "apfl-last-step"
 class APFL(ValidatedFedAvg):
     r"""APFL strategy: FedAvg of the clients' global copies every ``sync_gap`` steps.
 
+    Each client keeps a local copy :math:`\theta_k` of the global model, a
+    personal model :math:`\omega_k` and a mixture weight :math:`\alpha_k`;
+    each local step trains :math:`\theta_k` on its data and :math:`\omega_k`
+    at the mixture :math:`\bar\omega_k = \alpha_k\omega_k +
+    (1-\alpha_k)\theta_k` (Deng et al., 2020, Algorithm 1). One Flower round
+    is one synchronisation period of :math:`\tau` local steps, after which
+    the server averages the :math:`\theta_k`. The clients evaluate the
+    personalised model beside the global one. Its clients are
+    :class:`APFLClient` or your own loop with :class:`APFLRule`.
+
     Parameters
     ----------
     alpha : float (default: 0.5)
@@ -158,46 +175,68 @@ class APFL(ValidatedFedAvg):
         :math:`\tau`: local steps (mini-batches) per round, i.e. between two
         aggregations.
     mixing : str (default: "parameters")
-        ``"parameters"`` (the seed, the paper) or ``"outputs"`` (FedTorch,
-        FL4Health): what the personalised model mixes.
+        ``"parameters"`` (the paper) or ``"outputs"`` (the official code
+        FedTorch, and FL4Health): what the personalised model mixes.
     personal_gradient : str | None (default: None)
-        ``"mixture"`` (the seed: :math:`\nabla f_k(\bar\omega)`) or ``"chain"``
-        (the paper's Eq. (10): :math:`\alpha\nabla f_k(\bar\omega)`). None picks
-        "mixture" for parameter mixing and "chain" (the only defined one) for
-        output mixing.
+        ``"mixture"`` (the gradient at the mixture,
+        :math:`\nabla f_k(\bar\omega)`) or ``"chain"`` (the paper's Eq. (10):
+        :math:`\alpha\nabla f_k(\bar\omega)`); both have the same fixed
+        points. None picks "mixture" for parameter mixing and "chain" (the
+        only defined one) for output mixing.
     lr_schedule : str (default: "constant")
         ``"constant"``: the clients' learning rate (times ``lr-scale``);
-        ``"decay"``: :math:`\eta_t = 16/(\mu(t + a))`.
+        ``"decay"``: :math:`\eta_t = 16/(\mu(t + a))`, the rate of the
+        paper's convergence analysis.
     strong_convexity : float | None (default: None)
         :math:`\mu`, required by ``lr_schedule="decay"``.
     condition_number : float (default: 1.0)
         :math:`\kappa = L/\mu`; :math:`a = \max(128\kappa, \tau)` sets the decay
         and the averaging weights :math:`p_t = (t + a)^2`.
     weighted_average : bool (default: True)
-        Keep the seed's :math:`p_t`-weighted averages of the global and the
-        personalised models (costs one more model per upload).
-    weighting : str (default: "uniform")
-        The seed's plain mean over the sampled clients; ``"num-examples"``
-        weights by sample counts (or Flower's ``weighted_by_key``).
+        Keep the :math:`p_t`-weighted averages of the global and the
+        personalised models that the paper's analysis returns (costs one
+        more model per upload).
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (not
-        ``local_epochs``, ``local_steps`` or ``drop_percent``: APFL counts its
-        local work in steps, ``sync_gap``).
+        Keyword arguments of :class:`FedAvg` (not ``local_epochs``,
+        ``local_steps`` or ``drop_percent``: APFL counts its local work in
+        steps, ``sync_gap``). Here ``weighting`` defaults to ``"uniform"``
+        (the paper's plain mean over the sampled clients); ``"num-examples"``
+        weights by sample counts.
+
+    Raises
+    ------
+    ValueError
+        If ``alpha`` is outside ``[0, 1]``, ``sync_gap`` is not an integer
+        >= 1, ``mixing``, ``personal_gradient`` or ``lr_schedule`` is not one
+        of its choices, ``personal_gradient="mixture"`` is asked with
+        ``mixing="outputs"``, ``lr_schedule="decay"`` lacks
+        ``strong_convexity`` (or it is not > 0), ``condition_number`` is not
+        > 0, ``local_epochs``, ``local_steps`` or ``drop_percent`` is given,
+        or a keyword argument of :class:`FedAvg` is out of range.
+    TypeError
+        If a keyword is unknown.
 
     Notes
     -----
-    Clients report ``apfl-applied`` (value 1, :data:`APFL_APPLIED_KEY`);
-    replies without it are named in a warning once per run (rejected with
-    ``strict=True``).
+    Clients report ``apfl-applied`` (value 1); replies without it are named
+    in a warning once per run (rejected with ``strict=True``). Evaluation
+    metrics: ``personal`` and ``accuracy`` (the global model), and with
+    averaging ``personal-avg`` and ``global-avg``.
+
+    References
+    ----------
+    Y. Deng, M. M. Kamani and M. Mahdavi, "Adaptive Personalized Federated
+    Learning", 2020. https://arxiv.org/abs/2003.13461; official code:
+    https://github.com/MLOPTPSU/FedTorch
     """
 
     default_weighting = "uniform"
     rule_metric = APFL_APPLIED_KEY
     rule_name = "APFL's personalised mixture"
-    # sum_t p_t * mean_S theta_k^t and S_T, over the aggregated rounds.
+    #: :math:`\sum_t p_t\,\mathrm{mean}_S\theta_k^t` and :math:`S_T`, over the
+    #: aggregated rounds.
     state_fields = ("average_sum", "average_weight")
-    # sync_gap numbers the steps (apfl-first-step); alpha was always saved.
+    #: ``sync_gap`` numbers the steps (``apfl-first-step``).
     resume_settings = ("sync_gap", "alpha")
     settings = (
         "alpha",
@@ -330,7 +369,7 @@ class APFL(ValidatedFedAvg):
         )
 
     def average_model(self) -> ArrayRecord | None:
-        r"""Return :math:`\hat\theta`, the seed's weighted global model (or None)."""
+        r"""Return :math:`\hat\theta`, the weighted global model (or None)."""
         if self.average_sum is None or self.global_arrays is None:
             return None
         model = record_to_dict(self.global_arrays)
@@ -423,7 +462,7 @@ class APFLRule(ClientRule):
     mixture (from the values at :math:`t`, so call :meth:`personal_step`
     after ``backward()`` and before ``step()``), sets the server's step-size
     schedule on your optimiser, learns :math:`\alpha_k` when adaptive and
-    keeps the weighted averages the seed's final models need::
+    keeps the weighted averages the final models need::
 
         rule = APFLRule.from_message(msg, context, model)
         optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -445,7 +484,18 @@ class APFLRule(ClientRule):
     max_grad_norm : float | None (default: None)
         Clip :math:`\omega_k`'s gradient to this norm.
     *args, **kwargs
-        As :class:`~flwr_prox_strategies.core.rule.ClientRule`.
+        As :class:`ClientRule` (``model``, ``config``, ``received``, ``state``,
+        ``client_key``, ``relative_size``, ``base_lr``); build the rule with
+        :meth:`ClientRule.from_message`, which passes them.
+
+    Raises
+    ------
+    ProtocolError
+        If the train config lacks APFL's keys (the server is not running
+        APFL) or names unknown settings.
+    ValueError
+        If ``relative_size`` is not > 0, or (in :meth:`ClientRule.reply`) the
+        round did not take exactly the ``local-steps`` the server asked for.
     """
 
     protocol = "APFL"
@@ -523,11 +573,24 @@ class APFLRule(ClientRule):
         theta_outputs: torch.Tensor | None = None,
         untracked: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
-        """Compute omega_k's gradient at the mixture (and alpha's), at step t.
+        r"""Compute omega_k's gradient at the mixture (and alpha's), at step t.
 
-        ``theta_outputs`` (your model's outputs on ``inputs``) saves a forward
-        pass in ``mixing="outputs"``; ``untracked`` is a context in which the
-        model's forward computes no per-sample gradients (DP-SGD).
+        Call it after ``loss.backward()`` and before ``optimizer.step()``, on
+        the same batch; the attached optimiser's step then also steps
+        :math:`\omega_k`.
+
+        Parameters
+        ----------
+        inputs, targets : torch.Tensor
+            The step's batch.
+        loss_fn : callable
+            ``loss_fn(outputs, targets)``, the mean loss of a batch.
+        theta_outputs : torch.Tensor | None (default: None)
+            Your model's outputs on ``inputs``: saves a forward pass with
+            ``mixing="outputs"``.
+        untracked : callable (default: contextlib.nullcontext)
+            A context in which the model's forward computes no per-sample
+            gradients (DP-SGD).
         """
         if self.omega_optimizer is None:
             self.omega_optimizer = torch.optim.SGD(
@@ -657,15 +720,16 @@ class APFLRule(ClientRule):
         }
 
 
+@inherit_parameters(TorchClient)
 class APFLClient(TorchClient):
     r"""APFL client: :class:`APFLRule` beside the pack's own training loop.
 
-    Parameters
-    ----------
-    *args, **kwargs
-        As :class:`~flwr_prox_strategies.core.client.TorchClient`. The
-        learning rate is used for both models (with ``lr_schedule="decay"`` the
-        server's schedule replaces it).
+    Trains the global copy :math:`\theta_k` and the personal model
+    :math:`\omega_k` on the same batches, exactly ``sync_gap`` steps a round.
+    Its parameters are :class:`FedAvgClient`'s; the learning rate is used for
+    both models (with ``lr_schedule="decay"`` the server's schedule replaces
+    it). With ``dp``, :math:`\theta_k` (everything the client uploads) trains
+    by DP-SGD; the local :math:`\omega_k` does not.
     """
 
     protocol = "APFL"
@@ -684,7 +748,7 @@ class APFLClient(TorchClient):
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None
     ) -> TrainReport:
-        """Run the round's tau steps on theta_k and omega_k (module docstring)."""
+        """Run the round's tau steps on theta_k and omega_k."""
         rule = self.make_rule(config)
         assert isinstance(rule, APFLRule)
         self.model.train()
@@ -745,7 +809,7 @@ class APFLClient(TorchClient):
 
     # -------------------------------------------------------------- evaluate
     def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:
-        r"""Return the personalised model; with averaging, the seed's final models."""
+        r"""Return the personalised model; with averaging, the weighted final models."""
         alpha = self._alpha(config)
         mixing = str(self.required(config, APFL_MIXING_KEY))
         omega = self._personal_params()

@@ -1,4 +1,8 @@
-r"""FedAvg (McMahan et al., 2017): the baseline every benchmark compares with.
+r"""FedAvg (McMahan et al., AISTATS 2017): the baseline every benchmark compares with.
+
+H. B. McMahan, E. Moore, D. Ramage, S. Hampson and B. Agüera y Arcas,
+"Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017 (arXiv:1602.05629), Algorithm 1 (FederatedAveraging).
 
 Round :math:`t`: sample :math:`S_t`, each :math:`k \in S_t` runs ``E`` epochs
 of mini-batch SGD on :math:`f_k` from :math:`\theta_t`, and
@@ -14,19 +18,39 @@ with the same seeded draws).
 from __future__ import annotations
 
 from ..core.client import TorchClient
+from ..core.docstrings import inherit_parameters
 from ..core.strategy import ValidatedFedAvg
 
 
+@inherit_parameters(ValidatedFedAvg)
 class FedAvg(ValidatedFedAvg):
-    """Federated averaging with the pack's validation, seeded sampling and stragglers.
+    r"""FedAvg strategy: the sample-weighted mean of the clients' models.
 
-    All parameters are those of
-    :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (keyword-only).
-    Stragglers are dropped.
+    Round :math:`t` samples clients :math:`S_t`, each runs local SGD from
+    :math:`\theta_t`, and the server takes
+    :math:`\theta_{t+1} = \sum_{k \in S_t} \frac{n_k}{\sum_{j \in S_t} n_j}\,
+    \theta_k` (McMahan et al., 2017, Algorithm 1), with the pack's reply
+    validation, seeded sampling and checkpoints
+    (:class:`~flwr_prox_strategies.extend.ValidatedFedAvg`, whose keyword-only
+    parameters it takes). With ``drop_percent`` stragglers are dropped, as the
+    FedProx paper's FedAvg baseline does.
+
+    References
+    ----------
+    H. B. McMahan, E. Moore, D. Ramage, S. Hampson and B. Agüera y Arcas,
+    "Communication-Efficient Learning of Deep Networks from Decentralized
+    Data", AISTATS 2017. https://arxiv.org/abs/1602.05629
     """
 
     straggler_policy = "drop"
 
 
+@inherit_parameters(TorchClient)
 class FedAvgClient(TorchClient):
-    """Plain local SGD on the user's model and data (see ``TorchClient``)."""
+    """FedAvg client: plain local SGD on your model and data.
+
+    The :class:`~flwr_prox_strategies.extend.TorchClient` base with FedAvg's
+    rule (:class:`ClientRule`: no extra gradient term, no state); it works with
+    every strategy that needs nothing more of its clients (:class:`FedAvg`,
+    Flower's own strategies).
+    """

@@ -1,6 +1,10 @@
 r"""FedDC (Gao et al., CVPR 2022): local drift decoupling and correction.
 
-Seed 000, Eqs. (9)-(12) and its pseudo-code. Client :math:`i` minimises
+L. Gao, H. Fu, L. Li, Y. Chen, M. Xu and C.-Z. Xu, "FedDC: Federated Learning
+with Non-IID Data via Local Drift Decoupling and Correction", CVPR 2022
+(arXiv:2203.11751); official code: github.com/gaoliang13/FedDC.
+
+The paper's Eqs. (9)-(12) and its algorithm. Client :math:`i` minimises
 
 .. math::
     F(\theta_i) = L_i(\theta_i) + \frac{\alpha}{2}\lVert\theta_i + h_i - w\rVert^2
@@ -29,8 +33,8 @@ what partial participation needs:
   :math:`\rho_i` = ``relative_size`` (:math:`n_i/\bar n`) and
   :math:`\alpha_i = \alpha/\rho_i` (the official code's scaling; 1 for equal sizes).
 
-``"paper"`` (the FedDC paper's Eq. (10), as written; ``"seed"`` is an old name for
-it): exactly Eq. (10) with the last round's updates:
+``"paper"`` (the FedDC paper's Eq. (10), as written; ``"seed"`` is its deprecated
+name, accepted with a warning): exactly Eq. (10) with the last round's updates:
 the step's correction is :math:`-\frac{1}{K}(g_i - g)`, the client uploads
 :math:`\theta_i^+ + h_i` and :math:`g_i`, the server averages both over the
 participants by sample counts.
@@ -73,9 +77,11 @@ from ..ops.drift import drift_corrected, drift_sum
 from ..ops.proximal import ProximalTerm
 from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD
 
+#: The train-config key of :math:`\alpha`.
 FEDDC_ALPHA_KEY = "feddc-alpha"
+#: The train-config key of the semantics (``"official"`` or ``"paper"``).
 FEDDC_CORRECTION_KEY = "feddc-correction"
-# Reported by clients that apply FedDC's rule (FedDCRule).
+#: Reported (value 1) by clients that apply FedDC's rule (FedDCRule).
 FEDDC_APPLIED_KEY = "feddc-applied"
 GLOBAL_UPDATE_RECORD = "feddc-g"
 LOCAL_UPDATE_RECORD = "feddc-update"
@@ -87,7 +93,19 @@ UPDATE_STATE = "feddc-last-update"
 
 
 class FedDC(ValidatedFedAvg):
-    r"""FedDC strategy (see the module docstring for both semantics).
+    r"""FedDC strategy: local drift decoupling and correction.
+
+    Each sampled client :math:`i` keeps a local drift :math:`h_i` and
+    minimises :math:`L_i(\theta_i) + \frac{\alpha}{2}\lVert\theta_i + h_i -
+    w\rVert^2` plus a gradient correction (Gao et al., 2022, Eqs. (9)-(12)).
+    Two semantics (``correction``): ``"official"`` (gaoliang13/FedDC's code,
+    which partial participation needs: the server model is the participants'
+    mean plus the mean drift of **all** clients, and the correction is
+    SCAFFOLD's option-II control variate with :math:`\beta = 1/(K\eta_0)`), or
+    ``"paper"`` (Eq. (10) as written, with the last round's updates). Under
+    full participation they coincide for two rounds, then differ. The server
+    keeps at most two model-sized sums, not :math:`N` models. Its clients are
+    :class:`FedDCClient` or your own loop with :class:`FedDCRule` (plain SGD).
 
     Parameters
     ----------
@@ -98,21 +116,39 @@ class FedDC(ValidatedFedAvg):
         number of nodes connected at the first round (logged).
     correction : str (default: "official")
         ``"official"`` (official code, partial participation) or ``"paper"``
-        (Eq. (10) of the paper as written; ``"seed"``, its former name, is
-        accepted with a warning).
+        (Eq. (10) of the paper as written). ``"seed"`` is the deprecated name
+        of ``"paper"``, accepted with a ``FutureWarning``.
     weighting : str | None (default: None)
-        Average over participants: ``"uniform"`` for ``official`` (``np.mean`` in
-        the official code), ``"num-examples"`` for ``paper`` (Eq. (12)); or
-        Flower's ``weighted_by_key``.
+        Average over participants: None means ``"uniform"`` for ``official``
+        (``np.mean`` in the official code) and ``"num-examples"`` for
+        ``paper`` (Eq. (12)); or give Flower's ``weighted_by_key``.
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+        Keyword arguments of :class:`FedAvg`.
+
+    Raises
+    ------
+    ValueError
+        If ``alpha`` is not a finite number > 0, ``correction`` is not
+        ``"official"`` or ``"paper"``, ``num_clients`` is not None or an
+        integer >= 1, or a keyword argument of :class:`FedAvg` is out of range
+        (naming it).
+    TypeError
+        If a keyword is unknown, or both ``weighting`` and
+        ``weighted_by_key`` are given.
 
     Notes
     -----
-    Clients report ``feddc-applied`` (value 1, :data:`FEDDC_APPLIED_KEY`);
-    replies without it are named in a warning once per run (rejected with
-    ``strict=True``).
+    Clients report ``feddc-applied`` (value 1); replies without it are named
+    in a warning once per run (rejected with ``strict=True``). Train config
+    keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
+    ``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (paper).
+
+    References
+    ----------
+    L. Gao, H. Fu, L. Li, Y. Chen, M. Xu and C.-Z. Xu, "FedDC: Federated
+    Learning with Non-IID Data via Local Drift Decoupling and Correction",
+    CVPR 2022. https://arxiv.org/abs/2203.11751; official code:
+    https://github.com/gaoliang13/FedDC
     """
 
     straggler_policy = "keep-partial"
@@ -124,7 +160,7 @@ class FedDC(ValidatedFedAvg):
     state_fields = ("drift_sum", "control", "global_update")
     resume_settings = ("correction",)
     settings = ("alpha", "num_clients", "correction")
-    # What the server keeps from un-noised aggregates (central DP's noise misses it).
+    #: What the server keeps from un-noised aggregates (central DP's noise misses it).
     central_dp_caveat = (
         "FedDC's clients upload their drift and the server keeps the un- "
         "noised mean of it in the next model: neither is clipped nor noised "
@@ -227,9 +263,27 @@ class FedDCRule(ClientRule):
     Adds :math:`\alpha_i(\theta + h_i - w)` and the correction to every step;
     after the round, :math:`h_i \mathrel{+}= \theta - w` (Eq. (11)) and the
     correction state (pending until the server confirms the reply). Plain SGD
-    steps (:meth:`attach` refuses momentum). The paper's correction divides by
-    the round's planned steps and step size, known before training: give
-    ``planned_steps`` and ``lr`` for ``correction="paper"``.
+    steps (:meth:`ClientRule.attach` refuses momentum). It reads
+    ``feddc-alpha`` and ``feddc-correction`` and reports ``feddc-applied``.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`ClientRule` (``model``, ``config``, ``received``, ``state``,
+        ``client_key``, ``relative_size``, ``base_lr``); build the rule with
+        :meth:`ClientRule.from_message`, which passes them.
+    planned_steps : int | None (default: None)
+        The round's planned optimiser steps :math:`K`. The paper's correction
+        divides by it before training: needed for ``correction="paper"``.
+    lr : float | None (default: None)
+        The round's step size, likewise needed for ``correction="paper"``.
+
+    Raises
+    ------
+    ProtocolError
+        If the train config lacks FedDC's keys or records (the server is not
+        running FedDC), names an unknown correction, or the paper's form is
+        asked without ``planned_steps`` and ``lr``.
     """
 
     protocol = "FedDC"
@@ -305,9 +359,19 @@ class FedDCClient(TorchClient):
 
     Keeps :math:`h_i` and :math:`c_i` (official) or :math:`g_i` (paper) in
     ``context.state``. With ``dp``, the drift penalty and the gradient correction
-    read no data and are added after DP-SGD's clipping and noise. Parameters as
-    :class:`~flwr_prox_strategies.core.client.TorchClient` (``relative_size`` is
-    the official code's :math:`\rho_i = n_i/\bar n`); ``momentum`` must be 0.
+    read no data and are added after DP-SGD's clipping and noise.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`FedAvgClient` (``relative_size`` is the official code's
+        :math:`\rho_i = n_i/\bar n`); ``momentum`` must be 0.
+
+    Raises
+    ------
+    ValueError
+        If ``momentum`` is not 0 (FedDC's correction assumes plain SGD), or a
+        keyword argument of :class:`FedAvgClient` is out of range.
     """
 
     protocol = "FedDC"

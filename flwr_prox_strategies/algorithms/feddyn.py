@@ -1,4 +1,8 @@
-r"""FedDyn (Acar et al., ICLR 2021), as seed 000's pseudo-code specifies it.
+r"""FedDyn (Acar et al., ICLR 2021), as the paper's Algorithm 1 specifies it.
+
+D. A. E. Acar, Y. Zhao, R. Matas Navarro, M. Mattina, P. N. Whatmough and
+V. Saligrama, "Federated Learning Based on Dynamic Regularization", ICLR 2021
+(arXiv:2111.04263); official code: github.com/alpemreacar/FedDyn.
 
 Client :math:`k \in S_t` solves (approximately, by local SGD)
 
@@ -14,18 +18,18 @@ and the server, with :math:`K` the number of **all** clients,
     \qquad \theta^{t+1} = \frac{1}{|S_t|}\sum_{k\in S_t}\theta_k^{t+1}
     - \frac{1}{\alpha} h^{t+1}.
 
-(The seed writes the sum as :math:`\sum_{k}\theta_k^{t+1} - \theta^t`; the paper's
-Algorithm 1 and the official code sum the differences, as here.)
+(The sum is over the differences :math:`\theta_k^{t+1} - \theta^t`, as in the
+paper's Algorithm 1 and the official code.)
 
 Representation. The client stores :math:`\lambda_k = -g_k/\alpha`, its accumulated
 drift :math:`\sum_\tau(\theta_k^{\tau+1} - \theta^\tau)`, so its gradient term is
 :math:`\alpha(\theta - \theta^t + \lambda_k)`. The server stores
 :math:`\Lambda = \sum_{k=1}^K \lambda_k = -K h/\alpha` and sets
 :math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/K`, which is the
-seed's update exactly. This is also the official code's bookkeeping
+update above exactly. This is also the official code's bookkeeping
 (alpemreacar/FedDyn: ``local_param_list`` and ``np.mean(local_param_list)``).
 
-Options that match the official code (off by default, the seed's form):
+Options that match the official code (off by default: the paper's form):
 
 * ``relative_size`` on the client (``n_k / mean n``): :math:`\alpha_k = \alpha /
   (n_k/\bar n)`;
@@ -69,8 +73,9 @@ from ..core.validation import ValidReply, check_positive
 from ..ops.drift import drift_corrected, drift_sum, norm, summed
 from ..ops.proximal import ProximalTerm
 
+#: The train-config key of :math:`\alpha`.
 FEDDYN_ALPHA_KEY = "feddyn-alpha"
-# Reported by clients that apply FedDyn's rule (FedDynRule).
+#: Reported (value 1) by clients that apply FedDyn's rule (FedDynRule).
 FEDDYN_APPLIED_KEY = "feddyn-applied"
 TRACK_LATEST_KEY = "feddyn-track-latest"
 INITIAL_MODEL_RECORD = "initial-model"
@@ -82,28 +87,56 @@ LATEST_STATE = "feddyn-latest"
 class FedDyn(ValidatedFedAvg):
     r"""FedDyn strategy: dynamic regularisation with a server-side drift sum.
 
+    Each sampled client :math:`k` minimises
+    :math:`f_k(\theta) - \langle g_k^t, \theta\rangle
+    + \frac{\alpha}{2}\lVert\theta - \theta^t\rVert^2` and updates its
+    :math:`g_k`; the server keeps
+    :math:`h^{t+1} = h^t - \frac{\alpha}{K}\sum_{k\in S_t}(\theta_k^{t+1} -
+    \theta^t)` over **all** :math:`K` clients and sends
+    :math:`\theta^{t+1} = \frac{1}{|S_t|}\sum_{k\in S_t}\theta_k^{t+1}
+    - \frac{1}{\alpha}h^{t+1}` (Acar et al., 2021, Algorithm 1). The server
+    holds one model-sized drift sum, not K models; clients keep their own
+    state in ``context.state`` (committed once the server confirms their reply
+    was aggregated). Its clients are :class:`FedDynClient` or your own loop
+    with :class:`FedDynRule`.
+
     Parameters
     ----------
     alpha : float (default: 0.01)
-        The penalty :math:`\alpha > 0` (the seed's :math:`\mu`).
+        The penalty :math:`\alpha > 0`.
     num_clients : int | None (default: None)
         :math:`K`, the number of all clients, checked every round. None: the
         number of nodes connected at the first round (logged).
-    weighting : str (default: "uniform")
-        The seed's and the official code's plain mean over :math:`S_t`;
-        ``"num-examples"`` weights it by sample counts (or ``weighted_by_key``).
     track_all_clients : bool (default: False)
         Keep the mean of all clients' latest models (the official code's second
-        evaluated model); see the module docstring.
+        evaluated model, :meth:`all_clients_model`): the server keeps their
+        running sum, each client uploads the change of its latest model.
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+        Keyword arguments of :class:`FedAvg`. Here ``weighting`` defaults to
+        ``"uniform"`` (the paper's and the official code's plain mean over
+        :math:`S_t`); ``"num-examples"`` weights it by sample counts.
+
+    Raises
+    ------
+    ValueError
+        If ``alpha`` is not a finite number > 0, ``num_clients`` is not None
+        or an integer >= 1, or a keyword argument of :class:`FedAvg` is out of
+        range (naming it).
+    TypeError
+        If a keyword is unknown.
 
     Notes
     -----
-    Clients report ``feddyn-applied`` (value 1, :data:`FEDDYN_APPLIED_KEY`);
-    replies without it are named in a warning once per run (rejected with
-    ``strict=True``).
+    Clients report ``feddyn-applied`` (value 1); replies without it are
+    named in a warning once per run (rejected with ``strict=True``). Train
+    config key: ``feddyn-alpha``.
+
+    References
+    ----------
+    D. A. E. Acar, Y. Zhao, R. Matas Navarro, M. Mattina, P. N. Whatmough and
+    V. Saligrama, "Federated Learning Based on Dynamic Regularization", ICLR
+    2021. https://arxiv.org/abs/2111.04263; official code:
+    https://github.com/alpemreacar/FedDyn
     """
 
     straggler_policy = "keep-partial"
@@ -116,7 +149,7 @@ class FedDyn(ValidatedFedAvg):
     state_fields = ("drift_sum", "initial", "latest_sum")
     resume_settings = ("alpha",)
     settings = ("alpha", "num_clients", "track_all_clients")
-    # What the server keeps from un-noised aggregates (central DP's noise misses it).
+    #: What the server keeps from un-noised aggregates (central DP's noise misses it).
     central_dp_caveat = (
         "FedDyn's server state h accumulates the un-noised mean of the "
         "clipped client models and every later global model carries "
@@ -175,7 +208,15 @@ class FedDyn(ValidatedFedAvg):
         return expected
 
     def all_clients_model(self) -> ArrayRecord | None:
-        """Mean of all clients' latest models (None unless ``track_all_clients``)."""
+        r"""Return the mean of all clients' latest models.
+
+        Returns
+        -------
+        ArrayRecord | None
+            The mean over all :math:`K` clients (a client that never trained
+            counts with :math:`\theta^0`); None unless ``track_all_clients``
+            (or before the first round).
+        """
         if self.latest_sum is None or self.global_arrays is None:
             return None
         model = record_to_dict(self.global_arrays)
@@ -225,8 +266,28 @@ class FedDynRule(ClientRule):
 
     Keeps :math:`\lambda_k = -g_k/\alpha` in the client's state (one model),
     advanced by :math:`\theta_k - \theta^t` once the server confirms the reply.
-    Any optimiser works. ``decoupled=True`` leaves out the :math:`\alpha\theta`
-    part, for an optimiser whose weight decay carries it (the official code).
+    :math:`\alpha_k = \alpha` divided by ``relative_size`` (1 by default).
+    Any optimiser works. It reads ``feddyn-alpha`` and reports
+    ``feddyn-applied``.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`ClientRule` (``model``, ``config``, ``received``, ``state``,
+        ``client_key``, ``relative_size``, ``base_lr``); build the rule with
+        :meth:`ClientRule.from_message`, which passes them.
+    decoupled : bool (default: False)
+        Leave out the :math:`\alpha\theta` part of the term, for an optimiser
+        whose weight decay carries it (the official code).
+
+    Raises
+    ------
+    ProtocolError
+        If the train config has no ``feddyn-alpha`` (the server is not
+        running FedDyn).
+    ValueError
+        If the received ``feddyn-alpha`` is not > 0, or ``relative_size`` not
+        > 0.
     """
 
     protocol = "FedDyn"
@@ -281,12 +342,17 @@ class FedDynClient(TorchClient):
 
     Parameters
     ----------
+    *args, **kwargs
+        As :class:`FedAvgClient` (``relative_size`` divides :math:`\alpha`, as
+        the official code does).
     decoupled_alpha : bool (default: False)
         Carry the :math:`\alpha\theta` part of the gradient by the optimiser's
         weight decay (the official code), which keeps it out of clipping.
-    *args, **kwargs
-        As :class:`~flwr_prox_strategies.core.client.TorchClient`
-        (``relative_size`` divides :math:`\alpha`, as the official code does).
+
+    Raises
+    ------
+    ValueError
+        If a keyword argument of :class:`FedAvgClient` is out of range.
     """
 
     protocol = "FedDyn"

@@ -1,4 +1,7 @@
-r"""FedEPM: the exact penalty method with noisy uploads (Zhou & Li), per seed 002.
+r"""FedEPM: the exact penalty method with noisy uploads (Zhou and Li, 2022).
+
+S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
+(arXiv:2208.11231); official code (MATLAB): github.com/ShenglongZhou/FedEPM.
 
 Model (III), consensus relaxed by an elastic-net penalty (exact for large
 enough :math:`\lambda`, Theorem III.1):
@@ -9,7 +12,7 @@ enough :math:`\lambda`, Theorem III.1):
 
 One Flower round is one communication (every :math:`k_0` iterations):
 
-* **Server step** (:func:`..ops.elastic_net.elastic_net_center`), over the latest
+* **Server step** (the elastic-net centre), over the latest
   uploads :math:`z_j` of **all** :math:`m` clients (stale ones for clients not
   sampled): :math:`x = \arg\min_v \sum_j \lambda|v - z_j| + \frac{\eta}{2}(v -
   z_j)^2`, coordinate-wise, exact.
@@ -41,10 +44,10 @@ Laplace mechanism makes each upload :math:`\varepsilon`-DP (``noise`` is
 paper's bound, computed from the client's own gradient (data-dependent) and not
 a proven worst case over neighbouring data sets; the figure is the paper's
 accounting, not a formal guarantee. For a data-independent guarantee on any
-strategy, use :class:`..core.privacy.LaplaceUploadMod` (clipped updates).
+strategy, use ``LaplaceUploadMod`` (clipped updates).
 
 Defaults are the paper's experiments: :math:`k_0 = 10`, :math:`\rho = 0.5`,
-:math:`\eta = (0.02m + 1)(\rho + 0.1)10^{-5}` (the seed), which equals the
+:math:`\eta = (0.02m + 1)(\rho + 0.1)10^{-5}` (the paper's), which equals the
 official code's :math:`2\cdot10^{-5}(\rho + 0.1)(m/100 + 0.5)`,
 :math:`\lambda = \eta/2`, :math:`r_0 = 0.05`, growth 1.001, noise 0.1.
 
@@ -118,6 +121,7 @@ from ..ops.elastic_net import (
 )
 from ..ops.privacy import add_laplace_noise
 
+#: The train-config key of the round's first iteration :math:`(r-1)k_0`.
 ITERATION_KEY = "fedepm-iteration"
 K0_KEY = "fedepm-k0"
 LAMBDA_KEY = "fedepm-lambda"
@@ -125,11 +129,11 @@ ETA_KEY = "fedepm-eta"
 R0_KEY = "fedepm-r0"
 GROWTH_KEY = "fedepm-growth"
 NOISE_KEY = "fedepm-noise"
-# Reported by clients that apply FedEPM's rule (FedEPMRule).
+#: Reported (value 1) by clients that apply FedEPM's rule (FedEPMRule).
 FEDEPM_APPLIED_KEY = "fedepm-applied"
 LOCAL_STATE = "fedepm-local"
 
-# f_i and its full gradient at the model's current point.
+#: ``f_i`` and its full gradient at the model's current point.
 Objective = Callable[[], tuple[float, list[torch.Tensor]]]
 
 
@@ -150,7 +154,7 @@ class PaperLogistic(nn.Module):
     feature columns, whose curvature is of order :math:`1/d`. The intercept's
     feature is the constant 1 (curvature about 0.2, thousands of times more), so
     the bias jumps by thousands and the model is a constant predictor flipping
-    sign every round (issue 14). Without the bias, the two-logit softmax still
+    sign every round. Without the bias, the two-logit softmax still
     doubles the step on the logit difference (and its noise by :math:`2\sqrt2`),
     which alone makes the iterates oscillate.
 
@@ -253,6 +257,21 @@ def official_stop(
 class FedEPM(ValidatedFedAvg):
     r"""FedEPM strategy: elastic-net centre of every client's latest noisy upload.
 
+    The exact penalty method (Zhou and Li, 2022) on model (III), consensus
+    relaxed by an elastic-net penalty
+    :math:`\sum_i \lambda\lVert x_i - x\rVert_1 + \frac{\eta}{2}\lVert x_i -
+    x\rVert^2`. One Flower round is one communication: the server takes the
+    coordinate-wise elastic-net centre of the latest uploads of **all**
+    :math:`m` clients (stale ones for clients not sampled; exact, by sorting),
+    and each of the :math:`\lceil\rho m\rceil` sampled clients computes one
+    full gradient at the server point, takes :math:`k_0` closed-form
+    prox-linear steps and uploads its model plus Laplace noise of scale
+    :math:`2\lVert g_i\rVert_1/(\mu_i\varepsilon)` (the paper's data-dependent
+    sensitivity bound, not a proven worst case: for a data-independent
+    guarantee use :class:`LaplaceUploadMod`). Defaults are the paper's
+    experiments. Its clients are :class:`FedEPMClient` or your own code with
+    :class:`FedEPMRule`.
+
     Parameters
     ----------
     num_clients : int | None (default: None)
@@ -264,7 +283,8 @@ class FedEPM(ValidatedFedAvg):
     k0 : int (default: 10)
         Local iterations between communications.
     eta : float | None (default: None)
-        :math:`\eta > 0`; None: :func:`default_eta` (of ``num_clients``).
+        :math:`\eta > 0`; None: the paper's
+        :math:`\eta = (0.02m + 1)(\rho + 0.1)10^{-5}`.
     lam : float | None (default: None)
         :math:`\lambda \ge 0`; None: :math:`\eta/2`.
     r0 : float (default: 0.05)
@@ -279,32 +299,53 @@ class FedEPM(ValidatedFedAvg):
         official code does: :math:`m \times` the model, 8 GB for 10,000 clients
         of a 0.8 MB model); ``"seen"`` keeps a row for each client that has
         uploaded and one for the initial model that every other client still
-        holds, weighted by their number
-        (:func:`..ops.elastic_net.weighted_elastic_net_center`): the same centre
-        up to the order of float additions, in memory that grows with the
-        clients seen (10 a round for 50 rounds: 500 rows), not with :math:`m`.
+        holds, weighted by their number (a weighted elastic-net centre): the
+        same centre up to the order of float additions, in memory that grows
+        with the clients seen (10 a round for 50 rounds: 500 rows), not with
+        :math:`m`.
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg` (sampling
-        is set by ``rho``).
+        Keyword arguments of :class:`FedAvg`, except ``fraction_train``,
+        ``min_train_nodes``, ``local_epochs``, ``local_steps``, ``weighting``
+        and ``weighted_by_key``, which FedEPM sets itself (``rho``, ``k0``;
+        the centre weighs every slot alike).
+
+    Raises
+    ------
+    ValueError
+        If a parameter is out of range, naming it: ``num_clients`` or ``k0``
+        not an integer >= 1, ``rho`` outside ``(0, 1]``, ``eta`` or ``r0`` not
+        > 0, ``lam`` or ``noise`` negative, ``growth`` below 1, ``table`` not
+        ``"dense"`` or ``"seen"``; or if a keyword FedEPM sets itself is given.
+    TypeError
+        If a keyword is unknown.
 
     Notes
     -----
-    Clients report ``fedepm-applied`` (value 1, :data:`FEDEPM_APPLIED_KEY`);
-    replies without it are named in a warning once per run (rejected with
-    ``strict=True``).
+    Clients report ``fedepm-applied`` (value 1); replies without it are named
+    in a warning once per run (rejected with ``strict=True``). The centre is
+    not linear in the uploads (an upload's :math:`+\infty` becomes the others'
+    minimum), so every upload is checked for NaN and inf before it enters the
+    table. Train config keys: ``fedepm-iteration``, ``fedepm-k0``,
+    ``fedepm-lambda``, ``fedepm-eta``, ``fedepm-r0``, ``fedepm-growth``,
+    ``fedepm-noise``.
+
+    References
+    ----------
+    S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022.
+    https://arxiv.org/abs/2208.11231; official code:
+    https://github.com/ShenglongZhou/FedEPM
     """
 
     stateful_clients = True
     requires_num_clients = True
-    # The elastic-net centre turns an upload's +inf into the coordinate-wise
-    # minimum of the others (finite): every upload is checked for NaN/inf
-    # before it enters the table, not after the centre.
+    #: The elastic-net centre turns an upload's +inf into the coordinate-wise
+    #: minimum of the others (finite): every upload is checked for NaN/inf
+    #: before it enters the table, not after the centre.
     linear_aggregate = False
     rule_metric = FEDEPM_APPLIED_KEY
     rule_name = "FedEPM's local proximal iterations and noisy upload"
     state_fields = ("uploads", "slots")
-    # The iteration counter sent to clients is (round - 1) * k0.
+    #: The iteration counter sent to clients is ``(round - 1) * k0``.
     resume_settings = ("k0", "table")
     settings = ("num_clients", "rho", "k0", "eta", "lam", "r0", "growth", "noise")
     tables = ("dense", "seen")
@@ -474,7 +515,7 @@ class FedEPMRule(ClientRule):
     its full gradient at the model's current point (your loss, your data,
     any batch format), and it runs the round's iterations from the server
     point and the client's last local point (kept in the state), then adds
-    the seed's Laplace noise to the upload::
+    the paper's Laplace noise to the upload::
 
         rule = FedEPMRule.from_message(msg, context, model, num_examples=n)
         rule.solve(lambda: my_loss_and_full_gradient(model))
@@ -487,7 +528,17 @@ class FedEPMRule(ClientRule):
     seed : int | None (default: None)
         Seeds the upload noise per (seed, client, round).
     *args, **kwargs
-        As :class:`~flwr_prox_strategies.core.rule.ClientRule`.
+        As :class:`ClientRule` (``model``, ``config``, ``received``, ``state``,
+        ``client_key``, ``relative_size``, ``base_lr``); build the rule with
+        :meth:`ClientRule.from_message`, which passes them.
+
+    Raises
+    ------
+    ValueError
+        If ``num_examples`` is not an integer >= 1.
+    ProtocolError
+        If the train config lacks FedEPM's keys (the server is not running
+        FedEPM).
     """
 
     protocol = "FedEPM"
@@ -514,7 +565,22 @@ class FedEPMRule(ClientRule):
         return None
 
     def solve(self, objective: Objective) -> TrainReport:
-        """Run the k0 closed-form iterations and build the noisy upload."""
+        """Run the k0 closed-form iterations and build the noisy upload.
+
+        Parameters
+        ----------
+        objective : callable
+            ``objective() -> (f_i, gradient)``: the local objective's value and
+            its full gradient (one tensor per trainable parameter) at the
+            model's current point, which the rule sets to the server point.
+
+        Returns
+        -------
+        TrainReport
+            What the round did (``steps`` is ``k0``, ``mean_loss`` is
+            :math:`f_i` at the server point); the model now holds the noisy
+            upload.
+        """
         lam = float(self.required(LAMBDA_KEY))
         eta = float(self.required(ETA_KEY))
         d = self.num_examples
@@ -545,7 +611,7 @@ class FedEPMRule(ClientRule):
     def noisy_upload(
         self, value: float, grads: list[torch.Tensor], mu: float
     ) -> dict[str, Any]:
-        r"""Release the model, calibrated as the seed: :math:`\Delta = 2\|g\|_1/\mu`.
+        r"""Release the model, calibrated as the paper: :math:`\Delta = 2\|g\|_1/\mu`.
 
         ``grads`` is the gradient at the server point; returns the round's
         metrics (objective there, :math:`\|g\|_1`, and what :meth:`release` spent).
@@ -594,14 +660,25 @@ class FedEPMRule(ClientRule):
 class FedEPMClient(TorchClient):
     r"""FedEPM client: k0 closed-form prox-linear steps from one gradient, noisy upload.
 
+    Runs :class:`FedEPMRule` on the client's objective :math:`f_i`: the mean
+    loss of any torch model over the local data, plus the ridge term (the
+    paper: logistic loss, :math:`\beta = 10^{-3}`).
+
     Parameters
     ----------
-    ridge : float (default: 0.0)
-        :math:`\beta`: :math:`f_i` is the mean loss plus
-        :math:`\beta/(2 d_i)\lVert x\rVert^2` (the paper uses :math:`10^{-3}`).
     *args, **kwargs
-        As :class:`~flwr_prox_strategies.core.client.TorchClient` (``seed`` also
-        seeds the noise per round; the learning rate is not used).
+        As :class:`FedAvgClient` (``seed`` also seeds the noise per round; the
+        learning rate is not used; ``dp`` is refused).
+    ridge : float (default: 0.0)
+        :math:`\beta \ge 0`: :math:`f_i` is the mean loss plus
+        :math:`\beta/(2 d_i)\lVert x\rVert^2` (the paper uses :math:`10^{-3}`).
+
+    Raises
+    ------
+    ValueError
+        If ``dp`` is given (FedEPM privatises its upload with its own Laplace
+        mechanism), ``ridge`` is negative, or a keyword argument of
+        :class:`FedAvgClient` is out of range.
     """
 
     protocol = "FedEPM"
@@ -612,7 +689,7 @@ class FedEPMClient(TorchClient):
         if self.dp is not None:
             raise ValueError(
                 f"dp: {type(self).__name__} takes full-gradient steps and privatises "
-                "its upload with the seed's Laplace mechanism (the strategy's "
+                "its upload with the paper's Laplace mechanism (the strategy's "
                 "noise-epsilon, reported as dp-epsilon like DP-SGD's); DP-SGD does "
                 "not apply to it"
             )

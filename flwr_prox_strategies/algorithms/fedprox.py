@@ -1,34 +1,37 @@
-r"""FedProx (Li et al., MLSys 2020), as seed 000 specifies it.
+r"""FedProx (Li et al., MLSys 2020), as the paper defines it.
 
-Client :math:`k` finds a :math:`\gamma`-inexact minimiser of
+T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar and V. Smith,
+"Federated Optimization in Heterogeneous Networks", MLSys 2020
+(arXiv:1812.06127); official code: github.com/litian96/FedProx.
+
+Client :math:`k` finds a :math:`\gamma`-inexact minimiser of the paper's local
+objective
 
 .. math::
     h_k(\theta; \theta_t) = f_k(\theta)
     + \frac{\mu}{2} \lVert \theta - \theta_t \rVert^2
-    \qquad \text{(seed 000, Eq. (1))}
 
 by local SGD: each step follows :math:`\nabla f_k(\theta) + \mu(\theta - \theta_t)`.
 The penalty is **squared** (its gradient vanishes at :math:`\theta_t`), and is
 added with a plus sign.
 
-:math:`\gamma`-inexactness (the seed's pseudo-code garbles it; this is the
-paper's Definition 1): :math:`\lVert \nabla h_k(\theta; \theta_t) \rVert \le
+:math:`\gamma`-inexactness (the paper's Definition 1):
+:math:`\lVert \nabla h_k(\theta; \theta_t) \rVert \le
 \gamma \lVert \nabla h_k(\theta_t; \theta_t) \rVert`. With ``gamma`` set, the
 client checks it on its full local gradient after every epoch and stops early;
 ``local_epochs`` caps the solve.
 
-Server: the seed's pseudo-code averages uniformly over :math:`S_t`
+Server: the paper's Algorithm 2 averages uniformly over :math:`S_t`
 (``weighting="uniform"``); the official code (litian96/FedProx) weights by
 sample counts, which is the default here (``weighting="num-examples"``).
 
 Systems heterogeneity (the paper's Section 5.2): with ``drop_percent`` a
 fraction of the sampled clients become stragglers running a random
 ``1 .. E-1`` epochs (``np.random.randint(1, E)`` in the official code). FedProx
-keeps their partial work; :class:`~flwr_prox_strategies.algorithms.fedavg.FedAvg`
-drops them, with the same seeded draws.
+keeps their partial work; FedAvg drops them, with the same seeded draws.
 
-The dissimilarity :math:`B(\theta)` of Eq. (6) is logged per round with
-``monitor_dissimilarity=True``.
+The paper's local dissimilarity :math:`B(\theta)` (Section 4) is logged per
+round with ``monitor_dissimilarity=True``.
 
 With ``mu = 0`` and no stragglers, FedProx equals FedAvg bit for bit.
 
@@ -43,32 +46,48 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.client import TorchClient
+from ..core.docstrings import inherit_parameters
 from ..core.rule import ClientRule
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import GradientTerm, full_gradient, grad_norm
 from ..core.validation import check_non_negative, resolve_alias
 from ..ops.proximal import ProximalTerm
 
+#: The train-config key of :math:`\mu` (Flower's own FedProx sends the same key).
 PROXIMAL_MU_KEY = "proximal-mu"
-# Reported by clients that add the proximal term (FedProxRule).
+#: Reported (value 1) by clients that add the proximal term (FedProxRule).
 PROXIMAL_MU_APPLIED_KEY = "proximal-mu-applied"
 
 
 class FedProx(ValidatedFedAvg):
     r"""FedProx strategy: FedAvg's server plus ``proximal-mu`` for the clients.
 
+    Each sampled client approximately minimises the paper's local objective
+    :math:`h_k(\theta; \theta_t) = f_k(\theta) + \frac{\mu}{2}\lVert\theta -
+    \theta_t\rVert^2` (Li et al., 2020, Section 3); the server averages the
+    models (by sample counts, as the official code; ``weighting="uniform"`` is
+    the paper's Algorithm 2). Stragglers (``drop_percent``) keep their partial
+    work. With ``mu=0`` and no stragglers it equals :class:`FedAvg` bit for bit.
+
     Parameters
     ----------
-    mu : float | None (default: None, i.e. 0.01)
-        Proximal penalty constant :math:`\mu \ge 0`. 0 gives FedAvg.
+    mu : float | None (default: None)
+        Proximal penalty constant :math:`\mu \ge 0`; None: 0.01. 0 gives FedAvg.
     proximal_mu : float | None (default: None)
         Flower's name for ``mu`` (``flwr.serverapp.strategy.FedProx``); give
         one of the two.
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`
-        (``fraction_train``, ``weighting``, ``local_epochs``, ``drop_percent``,
-        ``seed``, ``monitor_dissimilarity``, ...).
+        Keyword arguments of :class:`FedAvg` (``fraction_train``,
+        ``weighting``, ``local_epochs``, ``drop_percent``, ``seed``,
+        ``monitor_dissimilarity``, ...).
+
+    Raises
+    ------
+    ValueError
+        If ``mu`` is negative or not finite, or a keyword argument of
+        :class:`FedAvg` is out of range (naming it).
+    TypeError
+        If both ``mu`` and ``proximal_mu`` are given, or a keyword is unknown.
 
     Notes
     -----
@@ -83,6 +102,13 @@ class FedProx(ValidatedFedAvg):
     and reports ``proximal-mu-applied`` (value 1) in its reply's metrics: replies
     without it are named in a warning (once per run), or rejected with
     ``strict=True``.
+
+    References
+    ----------
+    T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar and V. Smith,
+    "Federated Optimization in Heterogeneous Networks", MLSys 2020.
+    https://arxiv.org/abs/1812.06127; official code:
+    https://github.com/litian96/FedProx
     """
 
     straggler_policy = "keep-partial"
@@ -109,23 +135,38 @@ class FedProx(ValidatedFedAvg):
         return {PROXIMAL_MU_KEY: self.mu}
 
 
+@inherit_parameters(ClientRule)
 class FedProxRule(ClientRule):
     r"""FedProx's client rule: add :math:`\mu(\theta - \theta_t)` at every step.
 
     Works with any optimiser (momentum, Adam, ...): the term is part of the
-    gradient of :math:`h_k`, whatever follows it. In your own ClientApp::
+    gradient of :math:`h_k`, whatever follows it. It reads ``proximal-mu``
+    (:data:`PROXIMAL_MU_KEY`) from the train config and reports
+    ``proximal-mu-applied``. In your own ClientApp::
 
         rule = FedProxRule.from_message(msg, context, model)
         rule.attach(optimizer)           # or rule.add_gradient() before step()
         ...                              # your training loop
         return rule.reply(num_examples=n, metrics={"train_loss": loss})
+
+    Build it with :meth:`ClientRule.from_message`, which loads the received
+    model and passes the parameters below.
     """
 
     protocol = "FedProx"
     applied_metric = PROXIMAL_MU_APPLIED_KEY
 
     def setup(self) -> GradientTerm:
-        """Read ``proximal-mu``; anchor the term at the model just received."""
+        """Read ``proximal-mu``; anchor the term at the model just received.
+
+        Raises
+        ------
+        ProtocolError
+            If the train config has no ``proximal-mu`` (the server is not
+            running FedProx).
+        ValueError
+            If the received ``proximal-mu`` is negative or not finite.
+        """
         mu = float(self.required(PROXIMAL_MU_KEY))
         if not math.isfinite(mu) or mu < 0:
             raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
@@ -134,25 +175,36 @@ class FedProxRule(ClientRule):
 
 
 class FedProxClient(TorchClient):
-    r"""FedProx client: local SGD on :math:`h_k(\theta; \theta_t)` (module docstring).
+    r"""FedProx client: local SGD on :math:`h_k(\theta; \theta_t)`.
 
-    With ``dp``, the proximal gradient :math:`\mu(\theta - \theta_t)` reads no data
-    and is added after DP-SGD's per-example clipping and noise: neither clipped
-    nor noised.
+    Runs :class:`FedProxRule` in the pack's training loop: each step adds
+    :math:`\mu(\theta - \theta_t)` to the data gradient. With ``dp``, the
+    proximal gradient reads no data and is added after DP-SGD's per-example
+    clipping and noise: neither clipped nor noised.
 
     Parameters
     ----------
-    model, train_loader, test_loader
-        As :class:`~flwr_prox_strategies.core.client.TorchClient`.
+    *args
+        ``model``, ``train_loader``, ``test_loader``, as :class:`FedAvgClient`.
     gamma : float | None (default: None)
-        Inexactness :math:`\gamma \in [0, 1]`. When set, the solve stops after the
-        first epoch whose full local gradient satisfies
-        :math:`\lVert\nabla h_k(\theta)\rVert
+        Inexactness :math:`\gamma \in [0, 1]` (the paper's Definition 1). When
+        set, the solve stops after the first epoch whose full local gradient
+        satisfies :math:`\lVert\nabla h_k(\theta)\rVert
         \le \gamma \lVert\nabla f_k(\theta_t)\rVert`
-        (one extra pass over the local data per epoch). None: run every epoch.
+        (one extra pass over the local data per epoch); ``local_epochs`` caps
+        it. None: run every epoch.
     **kwargs
-        ``local_epochs`` (the cap), ``learning_rate``, ``momentum``,
-        ``weight_decay``, ``loss_fn``, ``seed``, ``device``.
+        Keyword arguments of :class:`FedAvgClient` (``local_epochs``,
+        ``learning_rate``, ``momentum``, ``weight_decay``, ``loss_fn``,
+        ``seed``, ``dp``, ``device``, ...).
+
+    Raises
+    ------
+    ValueError
+        If ``gamma`` is not None or a number in ``[0, 1]``, if ``gamma`` is set
+        together with ``dp`` (DP-SGD does not release the exact local gradient
+        the test reads), or a keyword argument of :class:`FedAvgClient` is
+        invalid.
     """
 
     protocol = "FedProx"

@@ -1,19 +1,23 @@
-r"""P-FedAvg: federated averaging over M parameter servers on a graph (seed 001).
+r"""P-FedAvg: federated averaging over M parameter servers on a graph.
+
+Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng, "P-FedAvg:
+Parallelizing Federated Learning with Theoretical Guarantees", IEEE INFOCOM
+2021, Algorithm 1.
 
 Server :math:`i` owns a disjoint group :math:`C_i` of clients. Each round:
 
 1. every server samples some of its clients and sends them its model
    :math:`x_i` (one **inner strategy** per server: the pack's FedAvg by default,
    or FedProx, FedDyn, ..., or Flower's own, each seeing only its group through
-   a :class:`~flwr_prox_strategies.core.grid.GroupGrid`); all groups' messages
+   a ``GroupGrid`` view); all groups' messages
    go out in one ``send_and_receive``;
 2. server :math:`i` aggregates its clients' replies into :math:`y_i` (its inner
    strategy's own rule, validation included);
 3. servers mix with their neighbours, :math:`x_i = \sum_j W_{ij} y_j`, with
    :math:`W` symmetric, doubly stochastic, :math:`W_{ij} = 0` off the graph's
-   edges (:mod:`..ops.graphs`: ring, star, grid, torus, complete, random
-   regular, Erdős–Rényi or your adjacency; :mod:`..ops.mixing`: Metropolis,
-   max-degree, uniform or SDP-optimal weights). Server :math:`i` reads only its
+   edges (graphs: ring, star, grid, torus, complete, random regular,
+   Erdős–Rényi or your adjacency; weights: Metropolis, max-degree, uniform or
+   SDP-optimal). Server :math:`i` reads only its
    neighbours' :math:`y_j`, so the step could run across machines.
 
 Consensus speed is :math:`\rho(W) = \lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2`.
@@ -31,8 +35,8 @@ node id (reproducible only within a run: the log says so).
 A server whose group sent no valid reply keeps :math:`y_i = x_i`; a round in
 which no group has a valid reply keeps every model and mixes nothing (as if the
 round had not happened), and says why in one warning; a run in which no round
-mixed raises :class:`~flwr_prox_strategies.core.outcome.NoRoundAggregatedError`
-at the end of :meth:`PFedAvg.start`, with the reasons of every server, counted.
+mixed raises ``NoRoundAggregatedError`` at the end of :meth:`PFedAvg.start`,
+with the reasons of every server, counted.
 """
 
 from __future__ import annotations
@@ -97,28 +101,77 @@ _SUMMED = {
 class PFedAvg(Strategy):
     r"""M logical parameter servers, one inner strategy each, mixed over a graph.
 
+    P-FedAvg (Zhong et al., 2021, Algorithm 1) in one ServerApp. Server
+    :math:`i` owns a disjoint group of clients; each round every server
+    samples some of its clients and aggregates their replies into
+    :math:`y_i` with its own **inner strategy** (the pack's FedAvg by default,
+    or FedProx, FedDyn, ..., or Flower's own, each seeing only its group), and
+    the servers mix with their neighbours only,
+    :math:`x_i = \sum_j W_{ij} y_j`, :math:`W` symmetric and doubly stochastic
+    on the graph's edges. All groups' messages go out in one round trip.
+    Flower's global model is the consensus average
+    :math:`\bar x = \frac{1}{M}\sum_i x_i`; every server's model is evaluated
+    centrally and the consensus distance :math:`\sum_i\lVert x_i - \bar
+    x\rVert^2` is logged per round. Nodes are assigned to servers by their
+    ``server-id`` (else ``partition-id`` modulo :math:`M`) in
+    ``node_config``, read once by a query that :func:`to_client_app` answers.
+    For servers on separate deployments, see :class:`PFedAvgServer`.
+
     Parameters
     ----------
     servers : int
-        :math:`M \ge 1`.
+        :math:`M \ge 1`, the number of parameter servers (required).
     topology : str (default: "ring")
-        A name of :data:`..ops.graphs.TOPOLOGIES`; ignored when
-        ``adjacency_matrix`` or ``weights`` is given.
+        The server graph: ``"ring"``, ``"star"``, ``"grid"``, ``"torus"``,
+        ``"complete"``, ``"random-regular"`` or ``"erdos-renyi"``; ignored
+        when ``adjacency_matrix`` or ``weights`` is given.
     mixing : str (default: "metropolis")
-        A name of :data:`..ops.mixing.MIXINGS` (``"sdp"``: optimal weights).
-    adjacency_matrix : array-like | None (default: None)
+        The weights: ``"metropolis"`` (Metropolis-Hastings), ``"max-degree"``,
+        ``"uniform"`` (complete graph), ``"sdp"`` or ``"sdp-signed"`` (the
+        optimal :math:`\min\lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2` by
+        semidefinite programming; needs the ``[sdp]`` extra, cvxpy).
+    adjacency_matrix : array_like | None (default: None)
         Your own server graph (symmetric 0/1, zero diagonal, connected).
-    weights : array-like | None (default: None)
-        Your own mixing matrix (checked: symmetric, doubly stochastic).
-    degree, probability, rows : optional
-        Parameters of ``random-regular``, ``erdos-renyi`` and ``grid``/``torus``.
+    weights : array_like | None (default: None)
+        Your own mixing matrix (checked: symmetric, doubly stochastic, zero
+        off the graph's edges).
+    degree : int | None (default: None)
+        The degree of ``"random-regular"``.
+    probability : float | None (default: None)
+        The edge probability of ``"erdos-renyi"``.
+    rows : int | None (default: None)
+        The rows of ``"grid"`` and ``"torus"``.
     inner : callable | None (default: None)
-        ``inner()`` builds one server's strategy; None: the pack's
-        ``FedAvg(min_available_nodes=1, min_train_nodes=1)``. Called M times.
-    assignment : mapping | None (default: None)
+        ``inner()`` builds one server's strategy, called :math:`M` times (its
+        ``min_*_nodes`` count the nodes of one group); None: the pack's
+        ``FedAvg(min_available_nodes=1, min_train_nodes=1,
+        min_evaluate_nodes=1)``.
+    assignment : Mapping[int, int] | None (default: None)
         ``{partition-id or node-id: server}``; None: from ``node_config``.
     seed : int (default: 0)
         Seeds the random topologies.
+
+    Raises
+    ------
+    ValueError
+        If ``servers`` is not an integer >= 1, the topology or mixing is
+        unknown or cannot be built with the given ``degree``,
+        ``probability`` or ``rows``, a given graph or matrix fails its checks,
+        ``inner()`` returns the same strategy twice, or ``assignment`` maps
+        to a server outside ``0 .. servers - 1`` (each naming the parameter).
+    TypeError
+        If a keyword is unknown.
+    ImportError
+        If ``mixing`` is ``"sdp"`` or ``"sdp-signed"`` and cvxpy is not
+        installed.
+    NoRoundAggregatedError
+        From :meth:`start`, when no round mixed anything.
+
+    References
+    ----------
+    Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng,
+    "P-FedAvg: Parallelizing Federated Learning with Theoretical
+    Guarantees", IEEE INFOCOM 2021.
     """
 
     def __init__(
@@ -227,10 +280,33 @@ class PFedAvg(Strategy):
     ) -> Result:
         """Run Flower's ``Strategy.start``; fail loudly if no round mixed.
 
-        As :meth:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg.start`:
-        ``Result.arrays`` is the last consensus model, or ``initial_arrays``;
-        when no round updated any server, ``NoRoundAggregatedError`` carries
-        the reasons of every server's strategy, counted.
+        Parameters
+        ----------
+        grid : Grid
+            The grid the ServerApp received.
+        initial_arrays : ArrayRecord
+            The initial model, every server's at the start.
+        num_rounds : int (default: 3)
+            Rounds to run.
+        timeout : float (default: 3600)
+            Seconds to wait for a round's replies.
+        train_config, evaluate_config : ConfigRecord | None (default: None)
+            Sent with every train / evaluate message.
+        evaluate_fn : callable | None (default: None)
+            ``evaluate_fn(server_round, arrays) -> MetricRecord | None``, the
+            central evaluation of the consensus model.
+
+        Returns
+        -------
+        Result
+            ``Result.arrays`` is the last consensus model, or
+            ``initial_arrays`` when no round mixed.
+
+        Raises
+        ------
+        NoRoundAggregatedError
+            When no round updated any server, with the reasons of every
+            server's strategy, counted.
         """
         self.run_tally = ReplyTally()
         for strategy in self.inner:
@@ -458,7 +534,14 @@ class PFedAvg(Strategy):
         return consensus_average(self.models)
 
     def central_models(self) -> dict[str, ArrayRecord]:
-        """Every server's model, for central evaluation beside the consensus."""
+        """Return every server's model, for central evaluation beside the consensus.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            ``"server-<i>"`` -> server :math:`i`'s model :math:`x_i` (empty
+            before the first round).
+        """
         if self.models is None:
             return {}
         return {f"server-{i}": dict_to_record(m) for i, m in enumerate(self.models)}
@@ -505,7 +588,14 @@ class PFedAvg(Strategy):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Servers' models, the inner strategies' states, the mixing matrix."""
+        """Return what resumes the run: models, inner states, the mixing matrix.
+
+        Returns
+        -------
+        dict[str, Any]
+            The servers' models, every inner strategy's ``state_dict()`` and
+            the mixing matrix (checked on restore).
+        """
         return {
             "strategy": "PFedAvg",
             "servers": self.servers,
@@ -523,7 +613,20 @@ class PFedAvg(Strategy):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        Parameters
+        ----------
+        state : Mapping[str, Any]
+            A :meth:`state_dict` of a P-FedAvg with as many servers.
+
+        Raises
+        ------
+        ValueError
+            If the state is not a P-FedAvg state with as many servers, was
+            made with another mixing matrix, or an inner strategy refuses its
+            own state.
+        """
         if state.get("strategy") != "PFedAvg" or state.get("servers") != self.servers:
             raise ValueError("checkpoint is not a P-FedAvg state with as many servers")
         if not np.array_equal(state["weights"], self.weights):

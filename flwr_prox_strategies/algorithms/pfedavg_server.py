@@ -1,4 +1,8 @@
-r"""One P-FedAvg parameter server on its own Flower deployment (seed 001).
+r"""One P-FedAvg parameter server on its own Flower deployment.
+
+Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng, "P-FedAvg:
+Parallelizing Federated Learning with Theoretical Guarantees", IEEE INFOCOM
+2021: the paper's servers as separate deployments.
 
 :class:`~.pfedavg.PFedAvg` runs M *logical* servers in one ServerApp: every
 byte still crosses one SuperLink. Here server :math:`i` is a deployment of its
@@ -62,21 +66,49 @@ from .pfedavg import server_graph
 class PFedAvgServer(Strategy):
     r"""Parameter server ``index`` of M, mixing with its graph neighbours over gRPC.
 
+    :class:`PFedAvg` runs :math:`M` *logical* servers in one ServerApp, so
+    every byte still crosses one SuperLink. Here server :math:`i` is a
+    deployment of its own (a SuperLink, its SuperNodes, this ServerApp), so
+    the clients' traffic is spread over :math:`M` links. Each round its inner
+    strategy trains its own clients into :math:`y_i`, :math:`y_i` goes to
+    its graph neighbours and theirs come back over gRPC with a deadline, and
+    :math:`x_i = \sum_{j \in A} W_{ij} y_j / \sum_{j \in A} W_{ij}` over the
+    models at hand :math:`A`. With every neighbour's model this is exactly
+    the logical P-FedAvg's :math:`x_i`; a neighbour that did not deliver by
+    the deadline is left out (logged) and the others' weights are scaled up.
+    :math:`W` is derived on every server from the same settings, without
+    exchanging it. A server restarted from its checkpoint catches up with
+    :meth:`rejoin`.
+
     Parameters
     ----------
     index : int
         This server, :math:`0 \le i < M`.
     servers : int
         :math:`M`.
-    addresses : sequence of str, or str
+    addresses : Sequence[str] | str
         Every server's exchange address ``host:port`` in server order (a
         comma-separated string too), the same on every server; this one listens
         on ``addresses[index]``.
-    topology, mixing, adjacency_matrix, weights, degree, probability, rows, seed
-        As :class:`~.pfedavg.PFedAvg`: every server must get the same ones.
+    topology : str (default: "ring")
+        The server graph, as :class:`PFedAvg`'s; every server must get the
+        same graph and mixing settings.
+    mixing : str (default: "metropolis")
+        The mixing weights, as :class:`PFedAvg`'s.
+    adjacency_matrix : array_like | None (default: None)
+        Your own server graph, as :class:`PFedAvg`'s.
+    weights : array_like | None (default: None)
+        Your own mixing matrix, as :class:`PFedAvg`'s.
+    degree, rows : int | None (default: None)
+        The degree of ``"random-regular"``; the rows of ``"grid"`` / ``"torus"``.
+    probability : float | None (default: None)
+        The edge probability of ``"erdos-renyi"``.
+    seed : int (default: 0)
+        Seeds the random topologies (the same on every server).
     inner : Strategy | callable | None (default: None)
         This server's strategy over its own SuperNodes, or a factory of it;
-        None: the pack's ``FedAvg(min_available_nodes=1, min_train_nodes=1)``.
+        None: the pack's ``FedAvg(min_available_nodes=1, min_train_nodes=1,
+        min_evaluate_nodes=1)``.
     federation : str (default: "pfedavg")
         Names the federation; a neighbour's message of another is refused.
     timeout : float (default: 60.0)
@@ -91,6 +123,23 @@ class PFedAvgServer(Strategy):
         PEM files for mutual TLS between servers (all three, or none).
     token_file : str | None (default: None)
         File holding a shared secret every server-to-server call must carry.
+
+    Raises
+    ------
+    ValueError
+        If the graph settings are invalid (as :class:`PFedAvg`), ``index`` is
+        not in ``0 .. servers - 1``, ``addresses`` does not name all
+        ``servers`` exchanges, ``timeout``, ``rejoin_grace`` or
+        ``join_timeout`` is not > 0, or only some of the three TLS files are
+        given.
+    NoRoundAggregatedError
+        From :meth:`start`, when no round mixed anything.
+
+    References
+    ----------
+    Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng,
+    "P-FedAvg: Parallelizing Federated Learning with Theoretical
+    Guarantees", IEEE INFOCOM 2021.
     """
 
     def __init__(
@@ -262,6 +311,18 @@ class PFedAvgServer(Strategy):
         round, the server skips to their latest round with the mix of their
         models of it (re-normalised over those that gave one); otherwise
         ``(arrays, done)`` is returned unchanged.
+
+        Parameters
+        ----------
+        arrays : ArrayRecord
+            This server's model (its checkpoint's, or the initial one).
+        done : int
+            The rounds it has completed.
+
+        Returns
+        -------
+        tuple[ArrayRecord, int]
+            The model to start from and the rounds done.
         """
         statuses = self._join(arrays)
         latest = max((rnd for rnd, _ in statuses.values()), default=0)
@@ -305,8 +366,18 @@ class PFedAvgServer(Strategy):
     ) -> Result:
         """Open the exchange, wait for the neighbours, run the rounds, close it.
 
-        Fails loudly (``NoRoundAggregatedError``) when no round mixed anything:
-        neither the server's clients nor any neighbour gave a model.
+        The parameters are those of :meth:`PFedAvg.start`.
+
+        Returns
+        -------
+        Result
+            ``Result.arrays`` is this server's last mixed model :math:`x_i`.
+
+        Raises
+        ------
+        NoRoundAggregatedError
+            When no round mixed anything: neither the server's clients nor any
+            neighbour gave a model.
         """
         self.run_tally = ReplyTally()
         if isinstance(self.local, ValidatedFedAvg):

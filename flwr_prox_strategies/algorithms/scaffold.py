@@ -1,5 +1,9 @@
 r"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates.
 
+S. P. Karimireddy, S. Kale, M. Mohri, S. J. Reddi, S. U. Stich and A. T. Suresh,
+"SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020
+(arXiv:1910.06378), Algorithm 1 with option II.
+
 The standard baseline of the FedDC paper and the base of FedDC's correction.
 
 Client :math:`i \in S`, from :math:`y = x`, runs :math:`K` steps
@@ -44,6 +48,7 @@ from flwr.app import ArrayRecord
 from numpy.typing import NDArray
 
 from ..core.client import TorchClient
+from ..core.docstrings import inherit_parameters
 from ..core.fields import RoundUpdate
 from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
 from ..core.rule import ClientRule, arrays_from_params
@@ -54,12 +59,14 @@ from ..ops.control import control_update, rescaled, zeros_like
 from ..ops.drift import norm
 from ..ops.proximal import ProximalTerm
 
+#: The ArrayRecord of the server control variate :math:`c`.
 CONTROL_RECORD = "control"
+#: The ArrayRecord of a client's :math:`\Delta c_i`, in its reply.
 CONTROL_DELTA_RECORD = "control-delta"
 CONTROL_STATE = "scaffold-control"
-# Reported by clients that apply SCAFFOLD's rule (ScaffoldRule).
+#: Reported (value 1) by clients that apply SCAFFOLD's rule (ScaffoldRule).
 SCAFFOLD_APPLIED_KEY = "scaffold-applied"
-# "round" or "base": the step size option II divides by (see the module docstring).
+#: ``"round"`` or ``"base"``: the step size option II divides by.
 CONTROL_LR_KEY = "scaffold-control-lr"
 CONTROL_LRS = ("round", "base")
 
@@ -67,15 +74,24 @@ CONTROL_LRS = ("round", "base")
 class Scaffold(ValidatedFedAvg):
     r"""SCAFFOLD strategy with option-II control variates.
 
+    Each sampled client :math:`i` runs :math:`K` steps
+    :math:`y \leftarrow y - \eta_l(\nabla f_i(y) - c_i + c)` and updates its
+    control variate :math:`c_i^+ = c_i - c + \frac{x - y}{K\eta_l}`
+    (option II); the server takes
+    :math:`x \leftarrow x + \eta_g\,\mathrm{mean}_{S}\Delta y_i` and
+    :math:`c \leftarrow c + \frac{1}{N}\sum_{S}\Delta c_i` over **all**
+    :math:`N` clients (Karimireddy et al., 2020, Algorithm 1). The server
+    keeps one model-sized :math:`c`; each client keeps its :math:`c_i` in
+    ``context.state``. Its clients are :class:`ScaffoldClient` or your own
+    loop with :class:`ScaffoldRule` (plain SGD).
+
     Parameters
     ----------
     num_clients : int | None (default: None)
         :math:`N`, the number of all clients, checked every round. None: the
         number of nodes connected at the first round (logged).
     server_learning_rate : float (default: 1.0)
-        :math:`\eta_g` (the name of Flower's ``FedAvgM``).
-    weighting : str (default: "uniform")
-        The paper's plain mean of :math:`\Delta y_i`; ``"num-examples"`` weights it.
+        :math:`\eta_g > 0` (the name of Flower's ``FedAvgM``).
     control_lr : str (default: "round")
         The step size in option II's :math:`(x - y)/(K\eta_l)`. ``"round"``: the
         sizes of the steps taken this round (the paper; with ``lr_decay`` they
@@ -83,14 +99,33 @@ class Scaffold(ValidatedFedAvg):
         before the per-round decay, as the official FedDyn/FedDC codes do.
         Identical without ``lr_decay``.
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+        Keyword arguments of :class:`FedAvg`. Here ``weighting`` defaults to
+        ``"uniform"`` (the paper's plain mean of :math:`\Delta y_i`);
+        ``"num-examples"`` weights it.
+
+    Raises
+    ------
+    ValueError
+        If ``server_learning_rate`` is not a finite number > 0,
+        ``control_lr`` is not ``"round"`` or ``"base"``, ``num_clients`` is
+        not None or an integer >= 1, or a keyword argument of :class:`FedAvg`
+        is out of range (naming it).
+    TypeError
+        If a keyword is unknown.
 
     Notes
     -----
-    Clients report ``scaffold-applied`` (value 1, :data:`SCAFFOLD_APPLIED_KEY`);
-    replies without it are named in a warning once per run (rejected with
-    ``strict=True``).
+    Clients report ``scaffold-applied`` (value 1); replies without it are
+    named in a warning once per run (rejected with ``strict=True``). Records:
+    the server sends :math:`c` (``control``), the client replies with
+    :math:`\Delta c_i` (``control-delta``); config key
+    ``scaffold-control-lr``.
+
+    References
+    ----------
+    S. P. Karimireddy, S. Kale, M. Mohri, S. J. Reddi, S. U. Stich and A. T.
+    Suresh, "SCAFFOLD: Stochastic Controlled Averaging for Federated
+    Learning", ICML 2020. https://arxiv.org/abs/1910.06378
     """
 
     straggler_policy = "keep-partial"
@@ -102,7 +137,7 @@ class Scaffold(ValidatedFedAvg):
     rule_name = "SCAFFOLD's control-variate correction"
     state_fields = ("control",)
     settings = ("num_clients", "server_learning_rate", "control_lr")
-    # What the server keeps from un-noised aggregates (central DP's noise misses it).
+    #: What the server keeps from un-noised aggregates (central DP's noise misses it).
     central_dp_caveat = (
         "SCAFFOLD's server control variate c is the un-noised mean of the "
         "clients' control-variate updates and is sent to every client: the "
@@ -171,6 +206,7 @@ class Scaffold(ValidatedFedAvg):
         )
 
 
+@inherit_parameters(ClientRule)
 class ScaffoldRule(ClientRule):
     r"""SCAFFOLD's client rule: corrected steps, option-II update of :math:`c_i`.
 
@@ -178,11 +214,14 @@ class ScaffoldRule(ClientRule):
     round, :math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)` (pending until the
     server confirms the reply) and the reply carries
     :math:`\Delta c_i` (``control-delta``). Option II assumes plain SGD steps:
-    :meth:`attach` refuses momentum and other optimisers. With a step size
-    that changes within the round, :math:`K\eta_l` is the sum of the steps'
-    sizes, the same formula's exact generalisation; with ``scaffold-control-lr``
-    ``"base"`` in the config, :math:`K` times the undecayed rate (the official
-    codes).
+    :meth:`ClientRule.attach` refuses momentum and other optimisers. With a
+    step size that changes within the round, :math:`K\eta_l` is the sum of the
+    steps' sizes, the same formula's exact generalisation; with
+    ``scaffold-control-lr`` ``"base"`` in the config, :math:`K` times the
+    undecayed rate (the official codes). It reports ``scaffold-applied``.
+
+    Build it with :meth:`ClientRule.from_message`, which loads the received
+    model and passes the parameters below.
     """
 
     protocol = "Scaffold"
@@ -225,8 +264,18 @@ class ScaffoldClient(TorchClient):
 
     Keeps :math:`c_i` in ``context.state`` (one model). With ``dp``, the correction
     :math:`c - c_i` is added after DP-SGD's clipping and noise, and :math:`c_i`
-    (option II) is built from the private iterates. Parameters as
-    :class:`~flwr_prox_strategies.core.client.TorchClient`; ``momentum`` must be 0.
+    (option II) is built from the private iterates.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`FedAvgClient`; ``momentum`` must be 0.
+
+    Raises
+    ------
+    ValueError
+        If ``momentum`` is not 0 (option II assumes plain SGD), or a keyword
+        argument of :class:`FedAvgClient` is out of range.
     """
 
     protocol = "Scaffold"

@@ -1,4 +1,7 @@
-r"""SFedAvg and SFedProx: the FedEPM paper's secured baselines (seed 002, Sec. VII).
+r"""SFedAvg and SFedProx: the FedEPM paper's secured baselines (Section VII).
+
+S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
+(arXiv:2208.11231), Section VII; official code: github.com/ShenglongZhou/FedEPM.
 
 Both run :math:`k_0` local iterations between communications on the sampled
 clients (:math:`\lceil\rho m\rceil`, resampled each communication), starting
@@ -9,12 +12,12 @@ local gradient steps
     v \gets v - \gamma_i^k\big(\nabla f_i(v) + \mu(v - w^\tau)\big),\qquad
     \gamma_i^k = \frac{2 d_i}{\sqrt{2k_0 + \lceil k/k_0\rceil}},
 
-(the seed's :math:`\lfloor t\rfloor`, "the largest integer smaller than
+(the paper's :math:`\lfloor t\rfloor`, "the largest integer smaller than
 :math:`t + 1`", is :math:`\lceil t\rceil`). **SFedAvg** is :math:`\ell = 1`,
 :math:`\mu = 0` (full-batch SFedAvg, as the paper runs it); **SFedProx** is the
-seed's Algorithm 4, :math:`\ell = 3`, :math:`\mu = 10^{-5}`. The sampled clients
+paper's Algorithm 4, :math:`\ell = 3`, :math:`\mu = 10^{-5}`. The sampled clients
 upload :math:`w_i + \epsilon_i` and the server averages them (plain mean over
-the sampled clients, the seed's Eq. for these methods).
+the sampled clients, as the paper aggregates these methods).
 
 Noise. The paper adds noise to these uploads without giving its scale; here
 every method gets the same mechanism as FedEPM, Laplace with scale
@@ -55,9 +58,11 @@ from .fedepm import (
     Objective,
 )
 
+#: The train-config key of :math:`\ell`, gradient steps per iteration.
 INNER_STEPS_KEY = "sfed-inner-steps"
+#: The train-config key of SFedProx's :math:`\mu` (0 for SFedAvg).
 PROX_MU_KEY = "sfed-mu"
-# Reported by clients that apply SFedAvg's / SFedProx's rule.
+#: Reported (value 1) by clients that apply SFedAvg's / SFedProx's rule.
 SFEDAVG_APPLIED_KEY = "sfedavg-applied"
 SFEDPROX_APPLIED_KEY = "sfedprox-applied"
 
@@ -70,6 +75,15 @@ def step_size(num_examples: int, iteration: int, k0: int) -> float:
 class SFedAvg(ValidatedFedAvg):
     r"""SFedAvg: k0 full-gradient local steps, noisy uploads, mean of the sampled.
 
+    The FedEPM paper's secured FedAvg baseline (Zhou and Li, 2022, Section
+    VII): the :math:`\lceil\rho m\rceil` sampled clients take :math:`k_0`
+    full-gradient steps of size
+    :math:`\gamma_i^k = 2 d_i/\sqrt{2k_0 + \lceil k/k_0\rceil}` from the server
+    model, upload it with Laplace noise, and the server takes the plain mean.
+    The paper does not give the noise's scale: every method gets FedEPM's
+    mechanism, so the comparison isolates the optimiser. Its clients are
+    :class:`SFedAvgClient` or your own code with :class:`SFedRule`.
+
     Parameters
     ----------
     num_clients : int | None (default: None)
@@ -81,19 +95,38 @@ class SFedAvg(ValidatedFedAvg):
         Local iterations between communications.
     noise : float (default: 0.1)
         :math:`\varepsilon` per upload; 0 turns the noise off.
-    r0, growth : float (default: 0.05, 1.001)
-        Calibrate the noise as FedEPM's (module docstring).
-    weighting : str (default: "uniform")
-        The seed's plain mean over the sampled clients.
+    r0 : float (default: 0.05)
+        Calibrates the noise as FedEPM's :math:`r_0` (:math:`> 0`).
+    growth : float (default: 1.001)
+        Calibrates the noise as FedEPM's growth (:math:`\ge 1`): the noise
+        scale is :math:`2\lVert g_i\rVert_1/(r_0\,\mathrm{growth}^{k+1}
+        \varepsilon)` at the round's last iteration :math:`k`.
     **kwargs
-        Keyword arguments of
-        :class:`~flwr_prox_strategies.core.strategy.ValidatedFedAvg`.
+        Keyword arguments of :class:`FedAvg`, except ``fraction_train``,
+        ``min_train_nodes``, ``local_epochs`` and ``local_steps`` (set by
+        ``rho`` and ``k0``). Here ``weighting`` defaults to ``"uniform"`` (the
+        paper's plain mean over the sampled clients).
+
+    Raises
+    ------
+    ValueError
+        If a parameter is out of range, naming it: ``num_clients`` or ``k0``
+        not an integer >= 1, ``rho`` outside ``(0, 1]``, ``noise`` negative,
+        ``r0`` not > 0, ``growth`` below 1; or if a keyword it sets itself is
+        given.
+    TypeError
+        If a keyword is unknown.
 
     Notes
     -----
     Clients report ``sfedavg-applied`` (``sfedprox-applied`` for SFedProx),
     value 1; replies without it are named in a warning once per run (rejected
     with ``strict=True``).
+
+    References
+    ----------
+    S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022.
+    https://arxiv.org/abs/2208.11231
     """
 
     inner_steps = 1
@@ -104,7 +137,8 @@ class SFedAvg(ValidatedFedAvg):
     rule_pieces = ("SFedAvgClient", "SFedRule")
     rule_name = "SFedAvg's full-gradient local steps and noisy upload"
     settings = ("num_clients", "rho", "k0", "inner_steps", "mu", "noise")
-    # The clients' iteration counter is (round - 1) * k0: a resume needs the same k0.
+    #: The clients' iteration counter is ``(round - 1) * k0``: a resume needs
+    #: the same ``k0``.
     resume_settings = ("k0",)
 
     def __init__(
@@ -170,18 +204,33 @@ class SFedAvg(ValidatedFedAvg):
 
 
 class SFedProx(SFedAvg):
-    r"""SFedProx: the seed's Algorithm 4 (:math:`\ell` prox-gradient steps).
+    r"""SFedProx: the FedEPM paper's Algorithm 4 (:math:`\ell` prox-gradient steps).
+
+    As :class:`SFedAvg`, with :math:`\ell` steps per iteration on the local
+    loss plus the proximal term
+    :math:`\frac{\mu}{2}\lVert v - w^\tau\rVert^2` (Zhou and Li, 2022,
+    Section VII). Its clients are :class:`SFedProxClient` (the same class as
+    :class:`SFedAvgClient`) or your own code with :class:`SFedRule`.
 
     Parameters
     ----------
-    mu : float | None (default: None, i.e. 1e-5)
-        Proximal weight :math:`\mu \ge 0`.
+    mu : float | None (default: None)
+        Proximal weight :math:`\mu \ge 0`; None: :math:`10^{-5}`.
     proximal_mu : float | None (default: None)
         Flower's name for ``mu``; give one of the two.
     inner_steps : int (default: 3)
         :math:`\ell`, gradient steps per iteration.
     **kwargs
-        As :class:`SFedAvg`.
+        Keyword arguments of :class:`SFedAvg` (``num_clients``, ``rho``,
+        ``k0``, ``noise``, ...).
+
+    Raises
+    ------
+    ValueError
+        If ``mu`` is negative, ``inner_steps`` is not an integer >= 1, or a
+        keyword argument of :class:`SFedAvg` is out of range.
+    TypeError
+        If both ``mu`` and ``proximal_mu`` are given, or a keyword is unknown.
     """
 
     rule_metric = SFEDPROX_APPLIED_KEY
@@ -214,7 +263,30 @@ class SFedRule(FedEPMRule):
     takes your objective (value and full gradient at the model's current
     point); ``gradient`` (the gradient alone, cheaper) serves the later steps
     when given. It reports both strategies' ``-applied`` metrics: one client
-    serves both.
+    serves both::
+
+        rule = SFedRule.from_message(msg, context, model, num_examples=n)
+        rule.solve(lambda: my_loss_and_full_gradient(model))
+        return rule.reply(num_examples=n)
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`ClientRule` (``model``, ``config``, ``received``, ``state``,
+        ``client_key``, ``relative_size``, ``base_lr``); build the rule with
+        :meth:`ClientRule.from_message`, which passes them.
+    num_examples : int
+        :math:`d_i`, the local data size (the step size :math:`\gamma_i^k`
+        grows with it), required.
+    seed : int | None (default: None)
+        Seeds the upload noise per (seed, client, round).
+
+    Raises
+    ------
+    ValueError
+        If ``num_examples`` is not an integer >= 1.
+    ProtocolError
+        If the train config lacks the keys SFedAvg and SFedProx send.
     """
 
     protocol = "SFedAvg/SFedProx"
@@ -236,7 +308,22 @@ class SFedRule(FedEPMRule):
         objective: Objective,
         gradient: Callable[[], list[torch.Tensor]] | None = None,
     ) -> TrainReport:
-        """Run k0 iterations of l full-gradient steps from the server model."""
+        """Run k0 iterations of l full-gradient steps from the server model.
+
+        Parameters
+        ----------
+        objective : callable
+            ``objective() -> (f_i, gradient)`` at the model's current point.
+        gradient : callable | None (default: None)
+            ``gradient() -> gradient`` alone, for the steps after the first;
+            None: ``objective``'s.
+
+        Returns
+        -------
+        TrainReport
+            What the round did (``steps`` is ``k0 * l``); the model now holds
+            the noisy upload.
+        """
         gradient = gradient or (lambda: objective()[1])
         d = self.num_examples
         value, received_grads = objective()
@@ -255,15 +342,25 @@ class SFedRule(FedEPMRule):
         return TrainReport(epochs=0, steps=self.steps, examples_seen=d, mean_loss=value)
 
 
-class SFedClient(FedEPMClient):
+class SFedAvgClient(FedEPMClient):
     r"""Client of SFedAvg and SFedProx: :class:`SFedRule` on this client's data.
+
+    ``SFedProxClient`` is the same class: the strategy's config says which
+    method to run.
 
     Parameters
     ----------
-    ridge : float (default: 0.0)
-        As :class:`~flwr_prox_strategies.algorithms.fedepm.FedEPMClient`.
     *args, **kwargs
-        As :class:`~flwr_prox_strategies.core.client.TorchClient`.
+        As :class:`FedAvgClient` (``seed`` also seeds the noise per round; the
+        learning rate is not used; ``dp`` is refused).
+    ridge : float (default: 0.0)
+        :math:`\beta \ge 0`: :math:`f_i` is the mean loss plus
+        :math:`\beta/(2 d_i)\lVert x\rVert^2`, as :class:`FedEPMClient`'s.
+
+    Raises
+    ------
+    ValueError
+        As :class:`FedEPMClient`: if ``dp`` is given or ``ridge`` is negative.
     """
 
     protocol = "SFedAvg/SFedProx"
@@ -281,5 +378,6 @@ class SFedClient(FedEPMClient):
         )
 
 
-SFedAvgClient = SFedClient
-SFedProxClient = SFedClient
+#: The client of SFedProx: the same class as SFedAvg's.
+SFedProxClient = SFedAvgClient
+SFedClient = SFedAvgClient  # the class's former name

@@ -14,7 +14,7 @@ strategies as is. :func:`to_client_app` translates between the two worlds:
 * an exception in client code becomes an error reply carrying its message
   (``CLIENT_APP_RAISED_EXCEPTION``; a :class:`ProtocolError` gives
   ``MOD_FAILED_PRECONDITION``, as does a client whose privacy budget is
-  spent: :class:`.dp.PrivacyBudgetExhausted`), never a dead node.
+  spent: :class:`PrivacyBudgetExhausted`), never a dead node.
 """
 
 from __future__ import annotations
@@ -186,6 +186,17 @@ def to_client_app(
 ) -> ClientApp:
     """Mount a ``NumPyClient`` factory on a Message-API ``ClientApp``.
 
+    Flower 1.42's ``NumPyClient`` does not work with Message-API strategies as
+    is; this adapter translates: the ``ArrayRecord`` becomes the list of
+    arrays ``fit`` and ``evaluate`` take (in the record's key order, and back
+    with the same keys), the ``ConfigRecord`` a ``dict``; the node's
+    ``Context`` is given to the client (``client.context``), so
+    ``context.state`` keeps per-client state across rounds; the train reply
+    carries the model (``"arrays"``), the extra ArrayRecords the client put
+    in ``client.reply_arrays`` and one ``MetricRecord`` (``"metrics"``) with
+    ``num-examples``. It works with any ``NumPyClient``, the pack's or your
+    own.
+
     Parameters
     ----------
     client_fn : Callable[[Context], NumPyClient]
@@ -198,7 +209,18 @@ def to_client_app(
     Returns
     -------
     ClientApp
-        With ``@app.train()`` and ``@app.evaluate()`` registered.
+        With ``@app.train()``, ``@app.evaluate()`` and ``@app.query()``
+        registered (the query answers P-FedAvg's question for the node's
+        numeric ``node_config`` entries).
+
+    Notes
+    -----
+    An exception in client code never kills the node: it becomes an error
+    reply carrying ``"<ExceptionType>: <message>"``, with code
+    ``CLIENT_APP_RAISED_EXCEPTION``, or ``MOD_FAILED_PRECONDITION`` for a
+    :class:`ProtocolError` (the server runs another algorithm) or a
+    :class:`PrivacyBudgetExhausted` client. The pack's strategies log and
+    count these replies; its traceback is logged once per ClientApp process.
 
     Examples
     --------

@@ -184,8 +184,35 @@ class ServerSideFixedClipping(
 ):
     """Flower's server-side fixed-clipping wrapper, fed validated replies only.
 
-    Parameters are those of Flower's
-    ``DifferentialPrivacyServerSideFixedClipping``.
+    Central (user-level) DP: Flower's
+    ``DifferentialPrivacyServerSideFixedClipping`` clips every model update on
+    the server and adds Gaussian noise to the aggregate. Flower's wrapper clips
+    every reply before the wrapped strategy can validate it (a reply with a
+    missing key crashes the round; one with a broadcastable wrong shape is
+    reshaped and averaged in); this subclass hands it only the replies the
+    wrapped strategy accepts. Use ``participation="fixed"`` (the noise is
+    divided by ``num_sampled_clients``).
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The strategy to wrap: one of the pack's (its replies are validated
+        first, and what the wrapper's epsilon does not cover is logged) or any
+        Flower strategy (then Flower's wrapper alone).
+    *args, **kwargs
+        The rest of Flower's parameters: ``noise_multiplier`` (float, the
+        Gaussian mechanism's), ``clipping_norm`` (float),
+        ``num_sampled_clients`` (int, the clients sampled per round), and in
+        recent Flower releases an optional ``accountant``.
+
+    Raises
+    ------
+    ValueError
+        As Flower's wrapper, for a negative ``noise_multiplier`` or
+        ``clipping_norm`` or a non-positive ``num_sampled_clients``.
+    NoRoundAggregatedError
+        From ``start()``, when no round was aggregated (as the wrapped
+        strategy's own ``start()``).
     """
 
 
@@ -194,9 +221,32 @@ class ClientSideFixedClipping(
 ):
     """Flower's client-side fixed-clipping wrapper, fed validated replies only.
 
-    Parameters are those of Flower's
-    ``DifferentialPrivacyClientSideFixedClipping``; clients need Flower's
-    ``fixedclipping_mod`` (or :func:`clip_when_asked`) among their mods.
+    Central (user-level) DP with the clipping done by the clients: Flower's
+    ``DifferentialPrivacyClientSideFixedClipping`` sends the clipping norm and
+    noises the aggregate; the clients need Flower's ``fixedclipping_mod``
+    among their ClientApp's mods. This subclass hands Flower's wrapper only
+    the replies the wrapped strategy accepts.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The strategy to wrap: one of the pack's (its replies are validated
+        first, and what the wrapper's epsilon does not cover is logged) or any
+        Flower strategy (then Flower's wrapper alone).
+    *args, **kwargs
+        The rest of Flower's parameters: ``noise_multiplier`` (float, the
+        Gaussian mechanism's), ``clipping_norm`` (float),
+        ``num_sampled_clients`` (int, the clients sampled per round), and in
+        recent Flower releases an optional ``accountant``.
+
+    Raises
+    ------
+    ValueError
+        As Flower's wrapper, for a negative ``noise_multiplier`` or
+        ``clipping_norm`` or a non-positive ``num_sampled_clients``.
+    NoRoundAggregatedError
+        From ``start()``, when no round was aggregated (as the wrapped
+        strategy's own ``start()``).
     """
 
 

@@ -81,9 +81,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class TorchClient(NumPyClient):
     """Local SGD on a user's torch model and data: the FedAvg client.
 
-    The algorithm's client side is its :class:`~.rule.ClientRule`
+    The base ``NumPyClient`` of the pack's clients. The algorithm's client
+    side is its :class:`~flwr_prox_strategies.extend.ClientRule`
     (:attr:`rule_class`), the same object a user's own Message-API client
-    uses; this class runs it inside the pack's training loop.
+    uses; this class runs it inside the pack's training loop. Mount it on a
+    ``ClientApp`` with :func:`~flwr_prox_strategies.to_client_app`.
 
     Parameters
     ----------
@@ -112,11 +114,12 @@ class TorchClient(NumPyClient):
         Euclidean norm before each step (the FedDyn/FedDC official codes use 10).
     state_dir : str | None (default: None)
         Mirror this client's cross-round state to ``<state_dir>/<partition>.npz``
-        so a later run can resume it (see :class:`.state.ClientState`).
+        so a later run can resume it (see
+        :class:`~flwr_prox_strategies.extend.ClientState`).
     relative_size : float (default: 1.0)
         This client's data size over the mean client's, ``n_k / mean_j n_j``.
         The FedDyn and FedDC official codes divide their penalty by it; 1.0
-        gives the papers' (and seed's) uniform form.
+        gives the papers' uniform form.
     seed : int | None (default: None)
         When set, torch's generator is seeded with ``(seed, server-round)`` at
         the start of each fit, so shuffling and dropout are reproducible and a
@@ -127,16 +130,18 @@ class TorchClient(NumPyClient):
         the local training data and reports it as ``personal-*`` metrics (the
         "FedAvg + fine-tuning" baseline of personalised FL). The copy is thrown
         away; the client's state is untouched.
-    dp : DPSGD | None (default: None)
+    dp : ~flwr_prox_strategies.DPSGD | None (default: None)
         Sample-level differential privacy: train by DP-SGD through opacus
         (per-sample clipping, Gaussian noise, Poisson sampling) and report
-        epsilon every round (see :mod:`.dp`). The algorithm's extra gradient
+        epsilon every round. The algorithm's extra gradient
         term is added after privatisation, neither clipped nor noised;
         ``max_grad_norm`` then clips the total (private) gradient. Needs a
         ``DataLoader`` with a ``batch_size``.
-    input_key, label_key : str | None, str (default: None, "label")
-        Where a mapping batch (flwr-datasets, Flower's examples) keeps inputs
-        and targets; ``input_key=None`` takes ``"img"`` or ``"image"``.
+    input_key : str | None (default: None)
+        Where a mapping batch (flwr-datasets, Flower's examples) keeps the
+        inputs; None takes ``"img"`` or ``"image"``.
+    label_key : str (default: "label")
+        Where a mapping batch keeps the targets.
     batch_fn : callable | None (default: None)
         ``batch_fn(batch) -> (inputs, targets)`` for any other batch format
         (replaces ``input_key`` / ``label_key``). The first batch of each
@@ -146,6 +151,22 @@ class TorchClient(NumPyClient):
         Take the step size from a server-sent ``lr`` when there is one.
     device : str (default: "auto")
         Torch device; ``"auto"`` is CUDA when available, else the CPU.
+
+    Raises
+    ------
+    ValueError
+        If a hyper-parameter is out of range, naming it: ``local_epochs`` or
+        ``finetune_steps`` negative, ``learning_rate`` not > 0, ``momentum``
+        or ``weight_decay`` negative, ``max_grad_norm`` or ``relative_size``
+        not > 0; with ``dp``, if the model has a layer DP-SGD cannot train
+        (BatchNorm, without ``fix_model``) or the training loader is not a
+        ``torch.utils.data.DataLoader`` with a ``batch_size``.
+    TypeError
+        If ``dp`` is not a :class:`~flwr_prox_strategies.DPSGD` or None, or a
+        loader's first batch cannot be read as ``(inputs, targets)`` (naming
+        what it got).
+    ImportError
+        With ``dp``, if opacus is not installed (the ``[dp]`` extra).
 
     Notes
     -----
@@ -236,9 +257,10 @@ class TorchClient(NumPyClient):
         self.rule: ClientRule | None = None
         self._base_lr = self.learning_rate
 
-    # The algorithm's client rule: what this client adds to plain local SGD.
+    #: The algorithm's client rule: what this client adds to plain local SGD.
     rule_class: ClassVar[type[ClientRule]] = ClientRule
-    # The strategy whose config keys this client reads (named in protocol errors).
+    #: The strategy whose config keys this client reads (named in protocol
+    #: errors); the same as its rule's.
     protocol: ClassVar[str] = "FedAvg"
 
     @property
@@ -256,7 +278,7 @@ class TorchClient(NumPyClient):
         return self._state
 
     def required(self, config: dict[str, Any], key: str) -> Any:
-        """Return ``config[key]``, or fail naming :attr:`protocol` (:func:`require`)."""
+        """Return ``config[key]``, or fail naming :attr:`protocol`."""
         return require(config, key, type(self).__name__, self.protocol)
 
     # ------------------------------------------------------------ parameters
@@ -272,15 +294,38 @@ class TorchClient(NumPyClient):
 
     # ---------------------------------------------------------------- hooks
     def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Return the rule's own options (beyond what every rule takes)."""
+        """Return the rule's own options (beyond what every rule takes).
+
+        Parameters
+        ----------
+        config : dict[str, Any]
+            This round's train config.
+
+        Returns
+        -------
+        dict[str, Any]
+            Keyword arguments for :attr:`rule_class` (FedDyn's ``decoupled``);
+            the base passes none.
+        """
         return {}
 
     def gradient_term(self, config: dict[str, Any]) -> GradientTerm | None:
-        """Build this round's rule; return its gradient term."""
+        """Build this round's rule (:meth:`make_rule`); return its gradient term."""
         return self.make_rule(config).term
 
     def make_rule(self, config: dict[str, Any]) -> ClientRule:
-        """Build this round's rule from what the server sent and the state."""
+        """Build this round's rule from what the server sent and the state.
+
+        Parameters
+        ----------
+        config : dict[str, Any]
+            This round's train config.
+
+        Returns
+        -------
+        ClientRule
+            An instance of :attr:`rule_class`, also kept as ``self.rule``.
+        """
         self.rule = self.rule_class(
             self.model,
             config,
@@ -294,7 +339,11 @@ class TorchClient(NumPyClient):
         return self.rule
 
     def stop_rule(self, config: dict[str, Any], term: GradientTerm | None):
-        """Return a ``stop_after_epoch(epoch) -> bool`` callable, or None."""
+        """Return a ``stop_after_epoch(epoch) -> bool`` callable, or None.
+
+        FedProx's client returns its gamma-inexactness test; the base, None
+        (every epoch runs).
+        """
         return None
 
     def after_training(
@@ -312,7 +361,7 @@ class TorchClient(NumPyClient):
     ) -> TrainReport:
         """Train ``self.model`` (loaded with the global model) for this round.
 
-        The base runs :func:`.training.train_local` on the local objective that
+        The base runs the pack's training loop on the local objective that
         :meth:`gradient_term` defines; an algorithm that trains more than one
         model per step (APFL) overrides this instead.
         """

@@ -90,15 +90,27 @@ def _accountant(name: str) -> IAccountant:
 class PrivacyBudgetExhausted(Exception):
     """Training this round would take the client past its target epsilon.
 
-    The adapter sends ``"PrivacyBudgetExhausted: <message>"`` as the error
-    reply's reason (:data:`.keys.BUDGET_EXHAUSTED_REASON`), which tells the
-    strategy the client is absent from now on rather than failed.
+    Raised by a client built with ``dp=DPSGD(target_epsilon=...)`` before it
+    trains a round that would spend more than its budget (the model and the
+    privacy ledger are left untouched). :func:`to_client_app` sends
+    ``"PrivacyBudgetExhausted: <message>"`` as the error reply's reason, which
+    tells the pack's strategies the client is absent from now on rather than
+    failed: it is counted in ``replies-absent`` and never sampled for training
+    again.
     """
 
 
 @dataclass(frozen=True)
 class DPSGD:
     r"""Settings of sample-level DP-SGD on a client (opacus).
+
+    Give it to any client of the pack (``XxxClient(..., dp=DPSGD(...))``): the
+    client then trains through opacus (per-example clipping to :math:`C`,
+    Gaussian noise :math:`\sigma C`, Poisson sampling), adds the algorithm's
+    own gradient term after the noise (it reads no data: neither clipped nor
+    noised), and reports ``dp-epsilon``, ``dp-epsilon-total`` and
+    ``dp-delta`` every round (Abadi et al., "Deep Learning with Differential
+    Privacy", CCS 2016).
 
     Parameters
     ----------
@@ -122,6 +134,14 @@ class DPSGD:
         with opacus' ``ModuleValidator.fix``. This changes the model's
         ``state_dict``: build the server's model with :func:`make_private_model`
         too. False: such a model is refused with the layer named.
+
+    Raises
+    ------
+    ValueError
+        If ``noise_multiplier`` is negative or not finite, ``clipping_norm``
+        not > 0, ``delta`` outside (0, 1), ``accountant`` not ``"rdp"`` or
+        ``"prv"``, ``target_epsilon`` not None or > 0, or ``target_epsilon``
+        is set with ``noise_multiplier=0`` (naming the parameter).
     """
 
     noise_multiplier: float
@@ -177,10 +197,28 @@ def unsupported_layers(model: nn.Module) -> list[str]:
 def make_private_model(model: nn.Module, dp: DPSGD | None) -> nn.Module:
     """Return ``model`` ready for DP-SGD: checked, and fixed when ``dp.fix_model``.
 
+    Clients call it on their model; call it on the server's initial model too
+    when ``fix_model`` is set, so both hold the same layers.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model.
+    dp : DPSGD | None
+        The client's DP-SGD settings; None returns ``model`` unchanged.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``; with ``dp.fix_model``, what opacus'
+        ``ModuleValidator.fix`` makes of it (BatchNorm replaced by GroupNorm).
+
     Raises
     ------
     ValueError
         Naming each layer opacus cannot handle, when ``fix_model`` is False.
+    ImportError
+        If ``dp`` is given and opacus is not installed (the ``[dp]`` extra).
     """
     if dp is None:
         return model

@@ -27,15 +27,22 @@ from flwr.app import ArrayRecord
 class RoundUpdate:
     """What a server rule returns for one round.
 
-    Attributes
+    What :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.server_update`
+    returns: ``RoundUpdate(dict_to_record(model), {"drift_sum": drift},
+    {"drift-norm": norm})``.
+
+    Parameters
     ----------
     arrays : ArrayRecord
         The new global model.
     state : dict[str, Any]
-        New values of declared state fields, committed only if the round is
-        aggregated (a round whose model is kept never touches the state).
+        New values of declared state fields (names of
+        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.state_fields`),
+        committed only if the round is aggregated (a round whose model is kept
+        never touches the state). Default: empty.
     metrics : dict[str, Any]
         Extra per-round metrics (reported with the aggregated round only).
+        Default: empty.
     """
 
     arrays: ArrayRecord

@@ -42,7 +42,21 @@ class ReplyTally:
     """Why replies, or whole rounds, were not used: each reason counted.
 
     One tally per round (in the round's warning) and one per run (in
-    :class:`NoRoundAggregatedError`).
+    :class:`NoRoundAggregatedError`, as ``err.reasons``). The strategies fill
+    it; you read it.
+
+    Parameters
+    ----------
+    failed : collections.Counter[str]
+        Error-reply texts (one line each), counted. Default: empty.
+    rejected : collections.Counter[str]
+        Rejected replies, ``"kind: reason"``, counted. Default: empty.
+    kept : collections.Counter[str]
+        Why rounds were not aggregated, counted. Default: empty.
+    nodes : set[int]
+        The nodes whose replies were not used. Default: empty.
+    aggregated : int (default: 0)
+        Rounds aggregated.
     """
 
     failed: Counter[str] = field(default_factory=Counter)  # error-reply texts
@@ -67,7 +81,19 @@ class ReplyTally:
         self.nodes |= other.nodes
 
     def describe(self, top: int = 3) -> str:
-        """Say what was not used and why, most common reasons first."""
+        """Say what was not used and why, most common reasons first.
+
+        Parameters
+        ----------
+        top : int (default: 3)
+            Reasons named per kind (failed, rejected); the rest are counted.
+
+        Returns
+        -------
+        str
+            One line, e.g. ``"4 replies failed: 4 x 'ValueError: ...' (from 4
+            node(s): 1, 2, 3, 4)"``; ``"no reply arrived"`` when empty.
+        """
         parts = []
         for label, counter in (("failed", self.failed), ("rejected", self.rejected)):
             total = sum(counter.values())
@@ -88,15 +114,33 @@ class ReplyTally:
 class NoRoundAggregatedError(RuntimeError):
     """A run ended without aggregating a single round.
 
-    Raised at the end of ``start()`` by the pack's strategies, with the reasons
-    they collected, counted.
+    Raised at the end of ``start()`` by the pack's strategies (and by the
+    central-DP wrappers and P-FedAvg around them) when a run meant to train
+    (``num_rounds > 0``, ``fraction_train > 0``) aggregated no round: every
+    reply failed, was rejected or never came. Flower's own strategies end such
+    a run silently with an empty model. The message says, counted, why the
+    rounds were kept (most common reasons first) and which nodes failed;
+    each round's warning in the log says more.
+
+    Parameters
+    ----------
+    message : str
+        The error message, with the counted reasons.
+    result : Result
+        The run's ``Result``.
+    reasons : ~flwr_prox_strategies.extend.ReplyTally
+        The counted reasons.
 
     Attributes
     ----------
     result : Result
-        The run's ``Result``; ``result.arrays`` is the initial model.
-    reasons : ReplyTally
-        The counted error-reply texts and rejection reasons.
+        The run's ``Result``: ``result.arrays`` is the initial model, and the
+        per-round metrics are there as Flower recorded them.
+    reasons : ~flwr_prox_strategies.extend.ReplyTally
+        The counted reasons: ``reasons.failed`` (error-reply texts) and
+        ``reasons.rejected`` (``"kind: reason"``) are ``collections.Counter``
+        objects, ``reasons.nodes`` the nodes concerned, and
+        ``reasons.describe()`` says it in one line.
     """
 
     def __init__(self, message: str, result: Result, reasons: ReplyTally) -> None:

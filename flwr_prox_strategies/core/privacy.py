@@ -140,9 +140,15 @@ class LaplaceUploadMod:
     seed : int | None (default: None)
         Seeds the noise per (seed, node, round) for reproducible runs.
 
+    Raises
+    ------
+    ValueError
+        If ``clipping_norm`` or ``epsilon`` is not a finite number > 0.
+
     Examples
     --------
-    >>> app = ClientApp(client_fn=..., mods=[LaplaceUploadMod(1.0, 0.5)])
+    >>> mod = LaplaceUploadMod(clipping_norm=1.0, epsilon=0.5)
+    >>> app = to_client_app(client_fn, mods=[mod])
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Conversions between Flower records and numpy, and array specs for validation."""
+"""Conversions between Flower records and numpy, and array layouts for validation."""
 
 from __future__ import annotations
 
@@ -16,18 +16,32 @@ NUMPY_STYPE = "numpy.ndarray"
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """Expected dtype and shape of one named array."""
+    """Expected dtype and shape of one named array of a reply.
+
+    Parameters
+    ----------
+    dtype : str
+        The numpy dtype's name (``"float32"``).
+    shape : tuple[int, ...]
+        The array's shape.
+    """
 
     dtype: str
     shape: tuple[int, ...]
 
 
-# Ordered mapping key -> spec; the order is the NumPyClient list order.
 RecordSpec = dict[str, ArraySpec]
+"""The layout a reply's ArrayRecord must have: array key -> :class:`ArraySpec`.
+
+Ordered: the order is the ``NumPyClient``'s list order (the model's
+``state_dict`` order). :meth:`ValidatedFedAvg.expected_train_arrays
+<flwr_prox_strategies.extend.ValidatedFedAvg.expected_train_arrays>` returns one
+per ArrayRecord a train reply must carry; an empty one only checks the name.
+"""
 
 
 def spec_of(record: ArrayRecord) -> RecordSpec:
-    """Return the spec (key order, dtype, shape) of an ``ArrayRecord``."""
+    """Return the layout (key order, dtype, shape) of an ``ArrayRecord``."""
     return {
         key: ArraySpec(str(arr.dtype), tuple(arr.shape)) for key, arr in record.items()
     }
@@ -123,7 +137,22 @@ def to_record(
 
 
 def dict_to_record(arrays: Mapping[str, NDArray]) -> ArrayRecord:
-    """Build an ``ArrayRecord`` from a name -> array mapping, keeping its order."""
+    """Build an ``ArrayRecord`` from a name -> array mapping, keeping its order.
+
+    Parameters
+    ----------
+    arrays : Mapping[str, NDArray]
+        Array key -> numpy array (copied into the record, C-ordered).
+
+    Returns
+    -------
+    ArrayRecord
+        The record, its keys in the mapping's order.
+
+    See Also
+    --------
+    record_to_dict : the inverse.
+    """
     return to_record(list(arrays.values()), list(arrays.keys()))
 
 
@@ -137,7 +166,22 @@ def record_is_finite(record: ArrayRecord) -> bool:
 
 
 def record_to_dict(record: ArrayRecord) -> dict[str, NDArray]:
-    """Return the record's arrays as writable numpy arrays, keyed and ordered."""
+    """Return the record's arrays as writable numpy arrays, keyed and ordered.
+
+    Parameters
+    ----------
+    record : ArrayRecord
+        A model (or any ArrayRecord of numpy arrays).
+
+    Returns
+    -------
+    dict[str, NDArray]
+        Array key -> a writable copy, in the record's key order.
+
+    See Also
+    --------
+    dict_to_record : the inverse.
+    """
     return {key: arr.numpy() for key, arr in record.items()}
 
 

@@ -82,7 +82,11 @@ LOCAL_STEPS_METRIC = "local-steps"
 class ProtocolError(Exception):
     """The server sent something this client cannot work with.
 
-    The adapter turns it into an error reply with code
+    Raised by a client or a client rule when the train message lacks what its
+    algorithm needs (a config key or an ArrayRecord its strategy sends: is the
+    ServerApp running that strategy?), or carries arrays that do not fit the
+    model. The message names the strategy needed and what was received.
+    :func:`to_client_app` turns it into an error reply with code
     ``MOD_FAILED_PRECONDITION``, so the server logs a failed node with the
     reason instead of averaging in a meaningless model.
     """
@@ -211,9 +215,32 @@ class ClientRule:
     """One algorithm's client side: read, add the gradient term, reply.
 
     The base is FedAvg's rule: no term, no state, the model as the reply.
-    An algorithm overrides :meth:`setup` (read what it needs, return its
-    :class:`~.training.GradientTerm`) and :meth:`finish` (advance its state,
-    return its extra reply records and metrics).
+    An algorithm overrides
+    :meth:`~flwr_prox_strategies.extend.ClientRule.setup`
+    (read what it needs, return its
+    :class:`~flwr_prox_strategies.extend.GradientTerm`) and
+    :meth:`~flwr_prox_strategies.extend.ClientRule.finish`
+    (advance its state, return its extra reply records and metrics).
+
+    In a Message-API ``ClientApp``, build the rule with :meth:`from_message`
+    (which loads the received model and passes the parameters below), add
+    its term at every step with :meth:`attach` (or :meth:`add_gradient`), and
+    reply with :meth:`reply`::
+
+        @app.train()
+        def train(msg: Message, context: Context) -> Message:
+            model = Net()
+            rule = FedProxRule.from_message(msg, context, model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            rule.attach(optimizer)  # adds the term before every step()
+            ...  # your loop, your loss, your batches, your device
+            return rule.reply(num_examples=len(trainloader.dataset),
+                              metrics={"train_loss": loss})
+
+    ``attach`` adds the term in a step pre-hook of the optimiser, so it comes
+    after anything the loop does between ``backward()`` and ``step()``
+    (gradient clipping, say). To have the term clipped with the data
+    gradient, call :meth:`add_gradient` yourself before clipping instead.
 
     Parameters
     ----------
@@ -225,10 +252,11 @@ class ClientRule:
     received : Mapping[str, Sequence[NDArray]] | None (default: None)
         The extra ArrayRecords the server sent (name -> arrays in the model's
         ``state_dict`` order).
-    state : ClientState | None (default: None)
+    state : ~flwr_prox_strategies.extend.ClientState | None (default: None)
         The client's cross-round state (in-memory when None).
     client_key : int (default: 0)
-        The client's stable id (its partition id; see :func:`client_key_of`).
+        The client's stable id: its partition id (the node's
+        ``partition-id``), else its node id.
     relative_size : float (default: 1.0)
         ``n_k / mean_j n_j``; the FedDyn and FedDC official codes divide their
         penalty by it.
@@ -236,19 +264,36 @@ class ClientRule:
         The learning rate before the server's per-round decay (FedDC's
         official beta = 1/(K lr0) uses it); when None, the step
         size seen in training divided by the server's ``lr-scale``.
+
+    Raises
+    ------
+    ValueError
+        If ``relative_size`` is not a finite number > 0, or a value the
+        server sent is out of its range (naming it).
+    ProtocolError
+        If the train config lacks a key, or the message an ArrayRecord, that
+        the algorithm's strategy sends (naming the strategy needed).
     """
 
+    #: The strategy whose values the rule reads (named in protocol errors).
     protocol: ClassVar[str] = "FedAvg"
-    # The metric the reply carries to say the rule was applied (the strategy
-    # warns about, or with strict=True rejects, replies without it).
+    #: The metric (value 1) the reply carries to say the rule was applied, the
+    #: strategy's :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`,
+    #: which warns about (or with ``strict=True`` rejects) replies without it.
     applied_metric: ClassVar[str | None] = None
-    # Clients keep state the server sums over: commit it in two phases.
+    #: Whether the client keeps state the server sums over. It is then
+    #: committed in two phases (pending until the server confirms the reply
+    #: was aggregated).
     stateful: ClassVar[bool] = False
-    # The update assumes plain SGD steps (SCAFFOLD's and FedDC's option II).
+    #: Whether the update assumes plain SGD steps (SCAFFOLD's and FedDC's
+    #: control variates). Then :meth:`~flwr_prox_strategies.ClientRule.attach`
+    #: refuses other optimisers.
     plain_sgd: ClassVar[bool] = False
-    # The state update divides by the step size (reply needs it).
+    #: Whether the state update divides by the step size
+    #: (:meth:`~flwr_prox_strategies.ClientRule.reply` then needs it).
     needs_lr: ClassVar[bool] = False
-    # The names of the state records the rule keeps (what a reset forgets).
+    #: The names of the state records the rule keeps in ``context.state``
+    #: (what a reset forgets).
     state_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
@@ -305,7 +350,19 @@ class ClientRule:
 
     # ---------------------------------------------------------- the algorithm
     def setup(self) -> GradientTerm | None:
-        """Read this round's values and state; return the gradient term."""
+        """Read this round's values and state; return the gradient term.
+
+        Called once, when the rule is built. Read the config with
+        :meth:`required`, extra ArrayRecords with :meth:`received_params` and
+        the client's state with ``self.state``; the model's parameters at the
+        received global model are ``self.anchor``.
+
+        Returns
+        -------
+        GradientTerm | None
+            The term added to the data gradient at every step; None (the base,
+            FedAvg): nothing.
+        """
         return None
 
     def finish(
@@ -313,17 +370,63 @@ class ClientRule:
     ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
         """Advance the state after ``steps`` steps of size ``lr``.
 
-        Returns the extra reply records (name -> arrays in ``state_dict``
-        order) and the rule's metrics. Called once, after training.
+        Called once, after training. A stateful rule saves its new state as
+        pending (``self.state.set_pending(...)``).
+
+        Parameters
+        ----------
+        steps : int
+            The optimiser steps taken this round.
+        lr : float
+            Their step size (their mean when it varied; NaN when unknown and
+            not needed).
+
+        Returns
+        -------
+        tuple[dict[str, list[NDArray]], dict[str, Any]]
+            The extra reply records (name -> arrays in ``state_dict`` order)
+            and the rule's metrics. The base returns neither.
         """
         return {}, {}
 
     def required(self, key: str) -> Any:
-        """Return ``config[key]``, or fail naming the strategy this rule needs."""
+        """Return ``config[key]``, or fail naming the strategy this rule needs.
+
+        Parameters
+        ----------
+        key : str
+            A train-config key the strategy sends.
+
+        Returns
+        -------
+        Any
+            The value.
+
+        Raises
+        ------
+        ProtocolError
+            If the config has no ``key``, naming :attr:`protocol`.
+        """
         return require(self.config, key, type(self).__name__, self.protocol)
 
     def received_params(self, name: str) -> list[torch.Tensor]:
-        """Return the extra ArrayRecord ``name`` as tensors like the parameters."""
+        """Return the extra ArrayRecord ``name`` as tensors like the parameters.
+
+        Parameters
+        ----------
+        name : str
+            The record the strategy sends (SCAFFOLD's ``scaffold-c``, ...).
+
+        Returns
+        -------
+        list[torch.Tensor]
+            One tensor per trainable parameter, on its device and dtype.
+
+        Raises
+        ------
+        ProtocolError
+            If the message carried no such record, or it does not fit the model.
+        """
         if name not in self.received:
             raise ProtocolError(
                 f"{type(self).__name__} needs the ArrayRecord '{name}' that "
@@ -333,7 +436,14 @@ class ClientRule:
         return params_from_arrays(self.model, self.received[name])
 
     def metrics(self) -> dict[str, Any]:
-        """Return the metrics every reply of this rule carries."""
+        """Return the metrics every reply of this rule carries.
+
+        Returns
+        -------
+        dict[str, Any]
+            :attr:`applied_metric` (1), ``client-key`` and, for a stateful
+            rule, ``state-round`` (the round its committed state comes from).
+        """
         metrics: dict[str, Any] = {}
         if self.applied_metric is not None:
             metrics[self.applied_metric] = 1
@@ -347,8 +457,19 @@ class ClientRule:
         """Add the term's gradient to every ``p.grad``; count one step.
 
         Call it between ``loss.backward()`` and ``optimizer.step()`` (once per
-        step). ``lr`` is the step size about to be taken (needed by the
-        rules whose state divides by it, e.g. SCAFFOLD, when not attached).
+        step), when you do not :meth:`attach` the rule.
+
+        Parameters
+        ----------
+        lr : float | None (default: None)
+            The step size about to be taken (needed by the rules whose state
+            divides by it, e.g. SCAFFOLD, unless given to :meth:`reply`).
+
+        Raises
+        ------
+        RuntimeError
+            If the model's parameters were moved or replaced since the rule
+            was built (call ``model.to(device)`` before building it).
         """
         if self.steps == 0:
             self.check_model_unmoved()
@@ -376,8 +497,25 @@ class ClientRule:
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Add the term before every ``optimizer.step()``; return the optimiser.
 
-        The hook also counts the steps and reads their step size. Rules that
-        assume plain SGD (SCAFFOLD, FedDC) refuse other optimisers here.
+        The hook also counts the steps and reads their step size.
+
+        Parameters
+        ----------
+        optimizer : torch.optim.Optimizer
+            Built from ``model.parameters()`` of the model given to the rule.
+
+        Returns
+        -------
+        torch.optim.Optimizer
+            The same optimiser, hooked (:meth:`detach` removes the hook;
+            :meth:`reply` does).
+
+        Raises
+        ------
+        ValueError
+            If the optimiser does not update every trainable parameter of the
+            model, or the rule assumes plain SGD (SCAFFOLD, FedDC) and the
+            optimiser is not ``torch.optim.SGD`` without momentum.
         """
         if self.plain_sgd:
             self.check_plain_sgd(optimizer)
@@ -413,7 +551,7 @@ class ClientRule:
                 )
 
     def detach(self) -> None:
-        """Remove the optimiser hooks :meth:`attach` installed."""
+        """Remove the optimiser hooks :meth:`attach` installed (:meth:`reply` does)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -431,6 +569,8 @@ class ClientRule:
     ) -> ClientRule:
         """Read a train message: load its model into ``model``, build the rule.
 
+        The client key is the node's ``partition-id``, else its node id.
+
         Parameters
         ----------
         message : Message
@@ -441,9 +581,24 @@ class ClientRule:
             Your model; the received arrays are loaded into it (on its device).
         state_dir : str | None (default: None)
             Mirror the rule's state to ``<state_dir>/<client key>.npz`` so a
-            restarted node resumes it (see :class:`.state.ClientState`).
+            restarted node resumes it (see
+            :class:`~flwr_prox_strategies.extend.ClientState`).
         **options
-            The rule's own options (``relative_size``, ...).
+            The rule's own options (``relative_size``, ``base_lr``, and those
+            of the subclass, e.g. FedDyn's ``decoupled``).
+
+        Returns
+        -------
+        ClientRule
+            The rule, anchored at the received model.
+
+        Raises
+        ------
+        ProtocolError
+            If the message's arrays do not fit ``model``, or it lacks what
+            the algorithm's strategy sends (naming the strategy needed).
+        ValueError
+            If an option or a received value is out of range.
         """
         received = read_message(message)
         load_arrays(model, received.arrays)
@@ -476,7 +631,26 @@ class ClientRule:
     def reply_records(
         self, *, steps: int | None = None, lr: float | None = None
     ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
-        """Finish the round; return the extra records and metrics to send."""
+        """Finish the round; return the extra records and metrics to send.
+
+        What :meth:`reply` sends, for a client that builds its own reply (as
+        the pack's clients do).
+
+        Parameters
+        ----------
+        steps : int | None (default: None)
+            The optimiser steps taken; counted when not given.
+        lr : float | None (default: None)
+            Their step size; read from the attached optimiser when not given.
+
+        Returns
+        -------
+        tuple[dict[str, list[NDArray]], dict[str, Any]]
+            The extra records (name -> arrays in ``state_dict`` order) and
+            the metrics (the rule's,
+            :meth:`~flwr_prox_strategies.extend.ClientRule.metrics`
+            and ``local-steps``).
+        """
         self.detach()
         steps = self.steps if steps is None else int(steps)
         extra, metrics = self.finish(steps, self.lr_of_round(lr))
@@ -502,6 +676,22 @@ class ClientRule:
         steps, lr : int | float | None (default: None)
             The optimiser steps taken and their step size; counted by
             :meth:`attach` / :meth:`add_gradient` when not given.
+
+        Returns
+        -------
+        Message
+            The reply to the train message: the model (``"arrays"``), the
+            extra records the strategy expects, and the metrics with
+            ``num-examples`` and the rule's own (``<algorithm>-applied``, the
+            client key, ...). The rule's state is saved.
+
+        Raises
+        ------
+        RuntimeError
+            If the rule was not built by :meth:`from_message`.
+        ValueError
+            If the rule's state update divides by the step size and neither
+            ``lr`` was given nor the optimiser attached.
         """
         if self._message is None:
             raise RuntimeError(

@@ -1,6 +1,6 @@
 """Reply screening: which replies a round may use, and why the others may not.
 
-Every reply is validated against the spec of what was sent (:mod:`.validation`)
+Every reply is validated against the layout of what was sent (:mod:`.validation`)
 and the strategy's own check; a bad reply is logged with its node and reason,
 counted (:class:`.outcome.ReplyTally`, :attr:`ReplyScreen.rejections`) and
 otherwise ignored, exactly as if it had never arrived. Used by the base
@@ -190,7 +190,7 @@ class ReplyScreen:
         """Validate replies; return the valid ones, #failed, #rejected, #absent.
 
         Error replies count as failures; replies that arrive but fail a check
-        (the spec, then ``check``) count as rejected. Both are counted by reason
+        (the layout, then ``check``) count as rejected. Both are counted by reason
         in a :class:`ReplyTally` (``tally``, or a new one; for training it
         becomes :attr:`round_tally`) and logged: one line per reply naming the
         node when some reply is valid, else one warning with the counted

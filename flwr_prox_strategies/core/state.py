@@ -36,14 +36,25 @@ _RUN_TAG = "run-tag"
 class ClientState:
     """Named lists of arrays kept for one client across rounds.
 
+    A client rule's ``self.state``: it lives in the node's ``context.state``
+    (kept by Flower for the whole run, in simulation and on a SuperNode), and
+    optionally in ``<state_dir>/<client_key>.npz`` so that a later run can
+    resume it. Writes are two-phase: what a rule saves with
+    :meth:`set_pending` during round ``r`` becomes the state the next round
+    reads (:meth:`get`, :meth:`get_tensors`) only once the server confirms
+    that the reply of round ``r`` was aggregated, so a rejected reply or a
+    round not aggregated leaves the client as it was. Saved state is stamped
+    with the run's tag: another run's file is ignored.
+
     Parameters
     ----------
     context : Context | None
         The node's context; None gives a private, in-memory state (a client used
         outside Flower, e.g. in a unit test).
-    state_dir : str | None
-        Folder that mirrors the state on disk (None: memory only).
-    client_key : str
+    state_dir : str | None (default: None)
+        Folder that mirrors the state on disk (None: memory only); read when
+        ``context.state`` is empty (a fresh run).
+    client_key : str (default: "client")
         File name stem for this client in ``state_dir`` (its partition id).
     """
 
@@ -66,7 +77,18 @@ class ClientState:
             self._load_file(self.path)
 
     def get(self, name: str) -> list[NDArray] | None:
-        """Return the committed arrays saved under ``name`` (copies), or None."""
+        """Return the committed arrays saved under ``name`` (copies), or None.
+
+        Parameters
+        ----------
+        name : str
+            The record's name (one of the rule's ``state_names``).
+
+        Returns
+        -------
+        list[NDArray] | None
+            The arrays, or None when nothing is committed under ``name``.
+        """
         if name not in self.records.array_records:
             return None
         return [arr.numpy() for arr in self.records.array_records[name].values()]
@@ -139,14 +161,46 @@ class ClientState:
     def set_pending(
         self, name: str, arrays: Sequence[NDArray | torch.Tensor], server_round: int
     ) -> None:
-        """Save ``arrays`` as the pending value of ``name`` for ``server_round``."""
+        """Save ``arrays`` as the pending value of ``name`` for ``server_round``.
+
+        It becomes the committed value once the server confirms that this
+        round's reply was aggregated (the next round's rule reads it then).
+
+        Parameters
+        ----------
+        name : str
+            The record's name (one of the rule's ``state_names``).
+        arrays : Sequence[NDArray | torch.Tensor]
+            The values, one per trainable parameter.
+        server_round : int
+            The round whose reply carries them.
+        """
         self.set(_PENDING + name, arrays)
         self.set_scalar("pending-round", float(server_round))
 
     def get_tensors(
         self, name: str, like: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Return ``name`` as tensors shaped like ``like``; zeros when absent."""
+        """Return ``name`` as tensors shaped like ``like``; zeros when absent.
+
+        Parameters
+        ----------
+        name : str
+            The record's name.
+        like : Sequence[torch.Tensor]
+            The tensors to match (the rule's ``self.params``): dtype, device
+            and shape.
+
+        Returns
+        -------
+        list[torch.Tensor]
+            The committed values, or zeros like ``like``.
+
+        Raises
+        ------
+        ValueError
+            If the saved arrays do not match the model's shapes.
+        """
         saved = self.get(name)
         if saved is None:
             return [torch.zeros_like(t) for t in like]
@@ -160,7 +214,15 @@ class ClientState:
         ]
 
     def set(self, name: str, arrays: Sequence[NDArray | torch.Tensor]) -> None:
-        """Save ``arrays`` under ``name``."""
+        """Save ``arrays`` under ``name`` at once (not two-phase).
+
+        Parameters
+        ----------
+        name : str
+            The record's name.
+        arrays : Sequence[NDArray | torch.Tensor]
+            The values.
+        """
         record = ArrayRecord()
         for i, value in enumerate(arrays):
             if isinstance(value, torch.Tensor):

@@ -72,12 +72,21 @@ MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 class ValidatedFedAvg(FedAvg):
     """Federated averaging with validated replies, seeded sampling and stragglers.
 
-    This is the pack's FedAvg baseline and the base of every pack strategy.
+    The base of every strategy of the pack, and the pack's FedAvg baseline
+    (:class:`flwr_prox_strategies.FedAvg` is this class, exported for users).
+    It keeps the interface of Flower's ``FedAvg`` (so ``strategy.start(...)``
+    and Flower's differential-privacy wrappers work unchanged) and adds what
+    the pack guarantees: every reply is validated before it is aggregated (a
+    bad one is logged with its node and dropped), node sampling and straggler
+    draws are seeded per round, a round without a valid reply keeps the
+    previous model, and the server state an algorithm declares
+    (:attr:`state_fields`) is checkpointed by :meth:`state_dict`.
 
     Parameters
     ----------
     fraction_train, fraction_evaluate : float (default: 1.0)
-        Fraction of connected nodes sampled for training / federated evaluation.
+        Fraction of connected nodes sampled for training / federated
+        evaluation, in ``[0, 1]``.
     participation : str (default: "fixed")
         ``"fixed"``: exactly ``max(int(fraction_train * n), min_train_nodes)`` of
         the ``n`` connected nodes, uniformly without replacement (Flower's
@@ -89,7 +98,8 @@ class ValidatedFedAvg(FedAvg):
         Least nodes sampled for training, for evaluation; connected to start.
     weighting : str | None (default: None)
         ``"num-examples"`` (each reply's sample count) or ``"uniform"`` (plain
-        mean); None: the class's :attr:`default_weighting`.
+        mean); None: the class's
+        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.default_weighting`.
     weighted_by_key : str | None (default: None)
         Flower's name for the weighting: the reply metric that weights the
         average (finite and > 0 in every reply, else it is rejected). Give
@@ -101,85 +111,140 @@ class ValidatedFedAvg(FedAvg):
         Fraction of the sampled nodes made stragglers (the FedProx paper's
         systems heterogeneity), each running a random number of epochs in
         ``1 .. local_epochs - 1`` (``np.random.randint(1, E)`` in the official
-        code); the class's ``straggler_policy`` drops them (this baseline) or
-        keeps their partial work. Needs ``local_epochs >= 2``.
+        code); the class's
+        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.straggler_policy`
+        drops them (FedAvg) or keeps their partial work (FedProx). Needs
+        ``local_epochs >= 2``.
     lr_decay : float (default: 1.0)
         Round ``t`` sends ``lr-scale = lr_decay ** (t - 1)``, which clients
         multiply into their step size (the official FedDyn/FedDC codes: 0.998).
     num_clients : int | None (default: None)
         ``K``, the federation's size, checked every round. Rules that divide by
-        all clients (:attr:`requires_num_clients`) take None as "the nodes
-        connected at the first round" (:mod:`.population`).
+        all clients
+        (:attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.requires_num_clients`)
+        take None as "the nodes connected at the first round"; K grows when a
+        new client first replies.
     seed : int (default: 0)
         Seeds node sampling and straggler draws, per round.
     monitor_dissimilarity : bool (default: False)
         Ask clients for their full local gradient at the global model and log
-        the FedProx paper's ``B = E_k||grad f_k||^2 / ||grad f||^2`` over the
-        round's valid replies (one extra pass, one model-sized upload).
+        the FedProx paper's dissimilarity
+        ``B = E_k||grad f_k||^2 / ||grad f||^2`` over the round's valid
+        replies (one extra pass, one model-sized upload).
     accept_failures : bool (default: True)
         When False, a round in which any reply failed or was rejected keeps the
         model, as in Flower's legacy strategies.
     node_wait_timeout : float (default: 120.0)
         Seconds to wait for the nodes a round needs before failing with the fix
         (Flower's ``FedAvg`` waits forever).
+    max_num_examples : float | None (default: None)
+        Absolute cap on a reply's claimed ``num-examples`` (lowered, logged).
+    max_weight_ratio : float | None (default: 100.0)
+        Cap on a claim relative to the round's median claim (a capped claim is
+        logged). It bounds a liar in a large federation, not in a small one:
+        there set ``max_num_examples`` or ``weighting="uniform"``. None: no cap.
+    max_reply_bytes : int | None (default: None)
+        Largest reply accepted (bytes of its ArrayRecords), checked before any
+        array is decoded. None: twice an honest reply, plus 1 MiB.
     min_round_nodes : int | None (default: None)
         Nodes that must be connected for a later round to start (None:
         ``min_available_nodes`` every round). A federation that loses nodes goes
         on with at least this many; stateful rules keep absent clients' state.
-    max_num_examples : float | None (default: None)
-        Absolute cap on a reply's claimed ``num-examples`` (lowered, logged).
-    max_weight_ratio : float | None (default: 100.0)
-        Cap on a claim relative to the round's median claim
-        (:func:`.screening.cap_claims`, which says when the default binds). It
-        bounds a liar in a large federation, not in a small one: there set
-        ``max_num_examples`` or ``weighting="uniform"``. None: no cap.
-    max_reply_bytes : int | None (default: None)
-        Largest reply accepted (bytes of its ArrayRecords), checked before any
-        array is decoded. None: twice an honest reply, plus 1 MiB.
     strict : bool (default: False)
-        Reject train replies that do not report :attr:`rule_metric` (kind
-        ``rule-not-applied``) instead of warning once per run.
-    arrayrecord_key, configrecord_key : str
-        Record names in the messages (Flower's defaults).
-    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable | None
+        Reject train replies that do not report
+        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`
+        (kind ``rule-not-applied``) instead of warning once per run.
+    arrayrecord_key : str (default: "arrays")
+        The model's ArrayRecord name in the messages (Flower's default).
+    configrecord_key : str (default: "config")
+        The ConfigRecord's name in the messages (Flower's default).
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable | None (default: None)
         Flower-style ``(list[RecordDict], str) -> MetricRecord``, called on the
         valid replies only, with ``weighted_by_key`` for training and
-        ``num-examples`` for evaluation. Default: weighted mean of every metric.
+        ``num-examples`` for evaluation. None: the weighted mean of every
+        metric.
+
+    Raises
+    ------
+    ValueError
+        If a parameter is out of range, naming it and the allowed range:
+        ``fraction_train``, ``fraction_evaluate`` and ``drop_percent`` outside
+        ``[0, 1]``; ``participation`` or ``weighting`` not one of the choices;
+        a negative ``min_*_nodes``; ``local_epochs``, ``local_steps``,
+        ``num_clients``, ``min_round_nodes`` or ``max_reply_bytes`` below 1;
+        a negative ``seed``; ``lr_decay`` outside ``(0, 1]``; a negative
+        ``node_wait_timeout``; ``max_num_examples`` not > 0;
+        ``max_weight_ratio`` below 1; ``drop_percent > 0`` with
+        ``local_steps`` or with ``local_epochs < 2``.
+    TypeError
+        If a keyword is unknown (naming the closest accepted one, or the
+        Message-API name of a Flower legacy name such as ``fraction_fit``), or
+        if both ``weighting`` and ``weighted_by_key`` are given.
+
+    See Also
+    --------
+    flwr_prox_strategies.extend : the hooks a subclass overrides.
     """
 
-    # Stragglers: "drop" (never sent work) or "keep-partial" (their fewer epochs used).
+    #: What happens to stragglers (``drop_percent``), ``"drop"`` (they are sent
+    #: no work, as the FedProx paper's FedAvg) or ``"keep-partial"`` (their
+    #: fewer epochs are used).
     straggler_policy: ClassVar[str] = "drop"
-    # Clients keep state the server sums over (FedDyn, FedDC, SCAFFOLD): the
-    # two-phase commit of .commit runs, and replies need an integer client key.
+    #: Whether clients keep state the server sums over (FedDyn, FedDC,
+    #: SCAFFOLD). Then the base runs the two-phase commit of client state (a
+    #: client commits its pending state once told its reply was aggregated)
+    #: and rejects replies without an integer ``client-key`` metric.
     stateful_clients: ClassVar[bool] = False
-    # The metric (value 1) a client reports when it applied this algorithm's
-    # rule, what that rule is called and the pack's (client, rule) applying it
-    # (None: <Class>Client, <Class>Rule); no rule_metric: any client will do.
+    #: The metric (value 1) a client reports when it applied this algorithm's
+    #: client rule (the rule's :attr:`ClientRule.applied_metric
+    #: <flwr_prox_strategies.extend.ClientRule.applied_metric>`). Replies
+    #: without it are named in one warning per run, or rejected with
+    #: ``strict=True``. None means any client will do.
     rule_metric: ClassVar[str | None] = None
+    #: What the client rule is called, in that warning.
     rule_name: ClassVar[str] = "client rule"
+    #: The pack's ``(client, rule)`` class names that apply the rule, in that
+    #: warning; None means ``<Class>Client`` and ``<Class>Rule``.
     rule_pieces: ClassVar[tuple[str, str] | None] = None
-    # The rule divides by K, all clients: num_clients=None is learned (.population).
+    #: Whether the server rule divides by K, the number of all clients. Then
+    #: ``num_clients=None`` means "learn K from the grid at the first round"
+    #: (then checked every round, grown when a new client replies).
     requires_num_clients: ClassVar[bool] = False
-    # Sums over all clients' states (a state lost on a client stays in them,
-    # retired), and whether a lost state's zero-state reply is a new client's.
+    #: Whether the server keeps sums over all clients' states. Then a state
+    #: lost on a client stays in them, retired, and the client goes on as a
+    #: new one.
     keeps_client_sums: ClassVar[bool] = False
+    #: Whether a client that lost its state may reply with a fresh state as a
+    #: new client.
     accept_lost_state: bool = True
+    #: The weighting used when neither ``weighting`` nor ``weighted_by_key`` is
+    #: given.
     default_weighting: ClassVar[str] = "num-examples"
-    # The model is a positive linear combination of the replies': a NaN or inf
-    # reaches it, so the replies' check waits for it (.finite). False for a
-    # median-like rule (FedEPM), which can hide an inf: every reply is checked.
+    #: Whether the model is a positive linear combination of the replies'. A
+    #: NaN or inf in a reply then reaches it, so the replies' value check
+    #: waits for the result (cheaper). False for a median-like rule (FedEPM),
+    #: which can hide an inf, so every reply is checked first.
     linear_aggregate: ClassVar[bool] = True
-    # Declared state (.fields): the rule's state, passed to server_update and
-    # replaced by what it returns; the settings a checkpoint must match; the
-    # settings repr() and summary() show. What central DP's noise leaves out.
+    #: Attribute names of the algorithm's server state, saved by
+    #: :meth:`state_dict` (kebab-case keys), restored by
+    #: :meth:`load_state_dict`, passed to :meth:`server_update` and replaced by
+    #: the state it returns. No hand-written ``state_dict``, ``__repr__`` or
+    #: ``summary``.
     state_fields: ClassVar[tuple[str, ...]] = ()
+    #: Constructor settings a checkpoint must have been made with (compared
+    #: on restore, so a run never resumes under another ``alpha``).
     resume_settings: ClassVar[tuple[str, ...]] = ()
+    #: The settings ``repr()`` and the run's summary show.
     settings: ClassVar[tuple[str, ...]] = (
         "fraction_train",
         "participation",
         "weighting",
         "seed",
     )
+    #: What Flower's central-DP wrappers leave uncovered when they wrap the
+    #: strategy (server state built from un-noised aggregates), logged as a
+    #: warning when one does. None means nothing beyond the records uploaded
+    #: besides the model, which are named without it.
     central_dp_caveat: ClassVar[str | None] = None
 
     def __init__(
@@ -293,7 +358,13 @@ class ValidatedFedAvg(FedAvg):
 
     @classmethod
     def accepted_kwargs(cls) -> set[str]:
-        """Return the keyword arguments ``cls(...)`` accepts (its bases' included)."""
+        """Return the keyword arguments ``cls(...)`` accepts (its bases' included).
+
+        Returns
+        -------
+        set[str]
+            The names; any other keyword is a ``TypeError`` naming the closest.
+        """
         return init_keywords(cls, ValidatedFedAvg)
 
     def __repr__(self) -> str:
@@ -317,11 +388,36 @@ class ValidatedFedAvg(FedAvg):
     ) -> Result:
         """Run Flower's ``Strategy.start``, then fail loudly if nothing was aggregated.
 
-        ``Result.arrays`` is the last aggregated model, or ``initial_arrays``
-        when no round was aggregated (Flower leaves it empty); then (with
-        ``num_rounds > 0`` and ``fraction_train > 0``)
-        :class:`NoRoundAggregatedError` is raised, with the counted reasons and
-        the ``Result`` (``err.result``).
+        Parameters
+        ----------
+        grid : Grid
+            The grid the ServerApp received.
+        initial_arrays : ArrayRecord
+            The initial global model.
+        num_rounds : int (default: 3)
+            Rounds of training (and evaluation) to run.
+        timeout : float (default: 3600)
+            Seconds to wait for a round's replies.
+        train_config, evaluate_config : ConfigRecord | None (default: None)
+            Sent with every train / evaluate message, besides the algorithm's
+            own values.
+        evaluate_fn : callable | None (default: None)
+            ``evaluate_fn(server_round, arrays) -> MetricRecord | None``:
+            central evaluation of the global model, each round.
+
+        Returns
+        -------
+        Result
+            Flower's ``Result``: ``Result.arrays`` is the last aggregated model,
+            or ``initial_arrays`` when no round was aggregated (Flower leaves it
+            empty).
+
+        Raises
+        ------
+        NoRoundAggregatedError
+            If no round was aggregated (with ``num_rounds > 0`` and
+            ``fraction_train > 0``), with the counted reasons and the
+            ``Result`` (``err.result``).
         """
         self.reset_run()
         result = super().start(
@@ -350,7 +446,7 @@ class ValidatedFedAvg(FedAvg):
     def sample_nodes(
         self, grid: Grid, server_round: int, **draw: Any
     ) -> tuple[list[int], int]:
-        """Sample nodes (:func:`.sampling.sample_nodes` with this strategy's seed).
+        """Sample nodes with this strategy's seed, waiting for a quorum.
 
         The quorum is ``min_available_nodes`` at the first sampling, then
         ``min_round_nodes`` when set.
@@ -371,39 +467,118 @@ class ValidatedFedAvg(FedAvg):
 
     # ----------------------------------------------------------------- hooks
     def train_config(self, server_round: int) -> dict[str, Any]:
-        """Return the algorithm's values for this round's train ConfigRecord."""
+        """Return the algorithm's values for this round's train ConfigRecord.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured (continuing after a resume).
+
+        Returns
+        -------
+        dict[str, Any]
+            Values added to every sampled node's train ``ConfigRecord``, under
+            kebab-case keys defined beside the algorithm (``feddyn-alpha``).
+            The base sends none.
+        """
         return {}
 
     def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """Return extra ArrayRecords sent to every sampled node with the model."""
+        """Return extra ArrayRecords sent to every sampled node with the model.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Record name -> record, e.g. SCAFFOLD's server control variate. The
+            base sends none.
+        """
         return {}
 
     def node_train_records(
         self, node_id: int, server_round: int
     ) -> dict[str, ArrayRecord]:
-        """Return extra ArrayRecords for one node only."""
+        """Return extra ArrayRecords for one node only.
+
+        Parameters
+        ----------
+        node_id : int
+            The sampled node.
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Record name -> record, sent to this node besides
+            :meth:`train_records`. The base sends none.
+        """
         return {}
 
     def evaluate_config(self, server_round: int) -> dict[str, Any]:
-        """Return the algorithm's values for this round's evaluate ConfigRecord."""
+        """Return the algorithm's values for this round's evaluate ConfigRecord.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, Any]
+            Values added to every evaluate ``ConfigRecord``; the base sends none.
+        """
         return {}
 
     def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """Return extra ArrayRecords sent with the model for evaluation."""
+        """Return extra ArrayRecords sent with the model for evaluation.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Record name -> record; the base sends none.
+        """
         return {}
 
     def central_models(self) -> dict[str, ArrayRecord]:
-        """Return further server-side models to evaluate centrally (name -> model).
+        """Return further server-side models to evaluate centrally.
 
-        The experiment layer evaluates each beside the global model under its
-        name (FedDyn's mean of all clients' models, APFL's weighted average).
+        The pack's app evaluates each beside the global model under its name
+        (FedDyn's mean of all clients' models, APFL's weighted average).
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Name -> model; the base has none.
         """
         return {}
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
-        """Return the ArrayRecords (name -> spec) a train reply must carry.
+        """Return the ArrayRecords a train reply must carry.
 
-        Before the first round the model's spec is not known: only the names are.
+        Start from ``super()``'s (the model) and add yours: a reply missing a
+        record, or with another key, shape or dtype, is rejected before
+        :meth:`server_update` sees it. Before the first round the model's
+        layout is not known: only the names are.
+
+        Parameters
+        ----------
+        server_round : int
+            The round whose replies are checked.
+
+        Returns
+        -------
+        dict[str, RecordSpec]
+            Record name -> expected keys, dtypes and shapes.
         """
         spec = {} if self._global_spec is None else self._global_spec
         expected = {self.arrayrecord_key: spec}
@@ -412,7 +587,24 @@ class ValidatedFedAvg(FedAvg):
         return expected
 
     def check_reply(self, reply: ValidReply) -> None:
-        """Extra checks on a structurally valid reply; raise ``ReplyRejected``."""
+        """Check a structurally valid reply further; raise to drop it.
+
+        Extend it with ``super().check_reply(reply)`` first. The base checks
+        the rule metric (``strict=True``), a metric weight
+        (``weighted_by_key``) and the client key (:attr:`stateful_clients`).
+
+        Parameters
+        ----------
+        reply : ValidReply
+            The reply, its arrays already checked against
+            :meth:`expected_train_arrays`.
+
+        Raises
+        ------
+        ReplyRejected
+            To drop the reply; it is logged with its node and counted by
+            ``kind``.
+        """
         if self.strict and not screening.reports_rule(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
@@ -434,12 +626,34 @@ class ValidatedFedAvg(FedAvg):
         """Adopt K learned from the grid, grown, or from a checkpoint.
 
         Subclasses that derive settings from it (FedEPM's sampling) extend this.
+
+        Parameters
+        ----------
+        num_clients : int
+            The number of all clients, K.
+
+        Raises
+        ------
+        ValueError
+            If ``num_clients`` is not an integer >= 1.
         """
         check_int("num_clients", num_clients, 1)
         self.num_clients = num_clients
 
     def reply_weight(self, reply: ValidReply) -> float:
-        """Return the weight of a valid reply in the average."""
+        """Return the weight of a valid reply in the average.
+
+        Parameters
+        ----------
+        reply : ValidReply
+            A validated reply.
+
+        Returns
+        -------
+        float
+            Its ``num-examples`` (``weighting="num-examples"``), 1.0
+            (``"uniform"``) or its ``weighted_by_key`` metric.
+        """
         if self.weighting == "metric":  # checked finite and > 0 in check_reply
             return float(reply.metrics[self.weighted_by_key])  # type: ignore[arg-type]
         return reply.num_examples if self.weighting == "num-examples" else 1.0
@@ -447,10 +661,23 @@ class ValidatedFedAvg(FedAvg):
     def weighted_mean(
         self, replies: list[ValidReply], record: str | None = None
     ) -> dict[str, NDArray]:
-        """Mean of one record (the model by default) over the replies, weighted.
+        """Return the weighted mean of one record over the replies.
 
-        Weights are normalised before they are applied (as Flower's ``FedAvg``),
-        so finite replies never overflow the accumulator.
+        Weights (:meth:`reply_weight`) are normalised before they are applied
+        (as Flower's ``FedAvg``), so finite replies never overflow the
+        accumulator.
+
+        Parameters
+        ----------
+        replies : list[ValidReply]
+            The replies to average (non-empty).
+        record : str | None (default: None)
+            The ArrayRecord to average; None: the model.
+
+        Returns
+        -------
+        dict[str, NDArray]
+            Array key -> mean, in the replies' dtypes.
         """
         weights = [self.reply_weight(reply) for reply in replies]
         mean = WeightedMean(total=sum(weights), accumulate_in=self._accumulate_in)
@@ -461,31 +688,85 @@ class ValidatedFedAvg(FedAvg):
     def server_update(
         self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
-        """Apply the algorithm's server rule: return the new model, state and metrics.
+        r"""Apply the algorithm's server rule: return the new model, state and metrics.
 
-        ``state`` holds the current values of :attr:`state_fields` (as
-        :meth:`grown_state` left them when K grows this round); it must not be
-        mutated: return new values in ``RoundUpdate.state``, which the base
-        commits only if the round is aggregated. It may be called more than once
-        per round (a reply found non-finite is dropped and the rule re-run), so
-        it must depend on its arguments only. Default: the weighted mean.
+        It may be called more than once per round (a reply found non-finite is
+        dropped and the rule re-run), so it must depend on its arguments only
+        (and ``self.global_arrays``, the model this round sent,
+        :math:`\theta^t`). The base returns the weighted mean.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being aggregated.
+        state : dict[str, Any]
+            The current values of :attr:`state_fields` (as :meth:`grown_state`
+            left them when K grows this round). Do not mutate it.
+        replies : list[ValidReply]
+            The round's valid replies, in a fixed order (client key, else node
+            id): ``reply.arrays[record][key]`` are read-only arrays.
+
+        Returns
+        -------
+        RoundUpdate
+            The new model, the new state values (committed only if the round
+            is aggregated) and extra metrics.
         """
         return RoundUpdate(dict_to_record(self.weighted_mean(replies)))
 
     def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
-        """Return ``state`` adjusted to K growing ``old`` -> ``new`` (not mutated).
+        """Return ``state`` adjusted to K growing from ``old`` to ``new``.
 
-        Sums over all clients need nothing (a new client holds zero state);
-        a mean over K (SCAFFOLD's c) is rescaled.
+        Called before :meth:`server_update` in a round where K grows. Sums over
+        all clients need nothing (a new client holds zero state); a mean over K
+        (SCAFFOLD's c) is rescaled. The base returns ``state`` unchanged.
+
+        Parameters
+        ----------
+        state : dict[str, Any]
+            The current values of :attr:`state_fields`; do not mutate it.
+        old, new : int
+            K before and after this round.
+
+        Returns
+        -------
+        dict[str, Any]
+            The adjusted state.
         """
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the server state that resumes the run exactly (:mod:`.resume`)."""
+        """Return the server state that resumes the run exactly.
+
+        Returns
+        -------
+        dict[str, Any]
+            The declared
+            :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.state_fields`
+            (kebab-case keys), the
+            :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.resume_settings`,
+            the rounds completed, K, ``seed``, the privacy ledger and the
+            clients' commit bookkeeping: pass it to
+            :meth:`load_state_dict` of a strategy built the same way.
+        """
         return strategy_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, or refuse it naming why."""
+        """Restore what :meth:`state_dict` returned, or refuse it naming why.
+
+        Parameters
+        ----------
+        state : Mapping[str, Any]
+            A :meth:`state_dict` of the same strategy class.
+
+        Raises
+        ------
+        ValueError
+            If the state was saved by another strategy class, or under other
+            :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.resume_settings`,
+            another seed or another K, naming the difference (the run would
+            not resume identically).
+        """
         restore_strategy(self, state)
 
     # ------------------------------------------------------------- the round
@@ -542,7 +823,7 @@ class ValidatedFedAvg(FedAvg):
         replies: Iterable[Message],
         **screening: Any,
     ) -> tuple[list[ValidReply], int, int, int]:
-        """Validate replies (:meth:`.screening.ReplyScreen.collect`).
+        """Validate replies.
 
         With this strategy's :meth:`check_reply`, size limit and retired nodes.
         """
@@ -556,13 +837,13 @@ class ValidatedFedAvg(FedAvg):
         )
 
     def reply_size_limit(self, expected_arrays: Mapping[str, RecordSpec]) -> int:
-        """Return the largest reply accepted, in bytes (:attr:`max_reply_bytes`)."""
+        """Return the largest reply accepted, in bytes (``max_reply_bytes``)."""
         return screening.reply_size_limit(self.max_reply_bytes, expected_arrays)
 
     def cap_claims(
         self, server_round: int, replies: list[ValidReply], phase: str
     ) -> int:
-        """Lower claims above the caps (:func:`.screening.cap_claims`); count them."""
+        """Lower claims above the caps (``max_num_examples``, ``max_weight_ratio``)."""
         return screening.cap_claims(
             server_round,
             replies,

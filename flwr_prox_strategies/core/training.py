@@ -140,10 +140,24 @@ def check_batches(loader: Iterable[Any], batch_fn: BatchFn, name: str) -> None:
 
 
 class GradientTerm(Protocol):
-    """An extra term of the local objective, known through its gradient."""
+    r"""An extra term of the local objective, known through its gradient.
+
+    What :meth:`ClientRule.setup <flwr_prox_strategies.extend.ClientRule.setup>`
+    returns: any object with an ``add_`` method (a protocol, no base class to
+    inherit). FedProx's term adds :math:`\mu(\theta - \theta_t)`, SCAFFOLD's
+    the control-variate correction :math:`c - c_i`. The term reads no data, so
+    under DP-SGD it is added after the per-example clipping and noise.
+    """
 
     def add_(self, params: Sequence[torch.Tensor]) -> None:
-        """Add the term's gradient at ``params`` to each ``p.grad`` in place."""
+        """Add the term's gradient at ``params`` to each ``p.grad`` in place.
+
+        Parameters
+        ----------
+        params : Sequence[torch.Tensor]
+            The model's trainable parameters, in ``state_dict`` order, their
+            ``grad`` already holding the data gradient.
+        """
 
 
 @dataclass

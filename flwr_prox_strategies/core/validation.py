@@ -84,7 +84,22 @@ def resolve_alias(
 
 
 class ReplyRejected(Exception):
-    """A reply failed validation; ``kind`` is a short machine-readable label."""
+    """A reply failed validation: raise it to drop the reply.
+
+    Raised by the pack's checks, and by a strategy's
+    :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.check_reply`, on a
+    reply that must not be aggregated. The strategy logs it with the node and
+    counts it by ``kind`` (``replies-rejected`` in the round's metrics); the
+    round goes on as if the reply had never arrived.
+
+    Parameters
+    ----------
+    kind : str
+        A short machine-readable label (``"shape"``, ``"non-finite"``,
+        ``"client-key"``, ...), the key replies are counted under.
+    reason : str
+        What was wrong, for the log line (also the exception's message).
+    """
 
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(reason)
@@ -96,18 +111,28 @@ class ReplyRejected(Exception):
 class ValidReply:
     """A reply that passed validation, with zero-copy views of its arrays.
 
-    Attributes
+    What :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.server_update`
+    and :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.check_reply`
+    receive; the strategy builds them.
+
+    Parameters
     ----------
     node_id : int
         The node that sent it.
     arrays : dict[str, dict[str, NDArray]]
-        Record name -> array key -> read-only view, keys in the spec's order.
+        Record name -> array key -> read-only view, keys in the expected
+        layout's order (:data:`~flwr_prox_strategies.extend.RecordSpec`).
     metrics : MetricRecord
         The reply's only ``MetricRecord``.
     num_examples : float
         The validated ``num-examples`` value (finite, > 0); after the strategy's
         cap (``max_weight_ratio``, ``max_num_examples``), the capped value.
-    capped_from : float | None
+    message : Message | None (default: None)
+        The reply message itself.
+    finite : bool (default: True)
+        False once a deferred value check found this reply's model unusable
+        (NaN, inf or huge values); such a reply is dropped.
+    capped_from : float | None (default: None)
         The claimed ``num-examples`` when it was capped, else None.
     """
 
@@ -116,12 +141,11 @@ class ValidReply:
     metrics: MetricRecord
     num_examples: float
     message: Message | None = field(default=None, repr=False)
-    # False once a deferred value check found this reply's model unusable.
     finite: bool = True
     capped_from: float | None = None
 
     def bad_value_keys(self, name: str) -> dict[str, str]:
-        """Keys of record ``name`` whose arrays fail :func:`value_problem`."""
+        """Return the keys of record ``name`` holding NaN, inf or huge values."""
         found = {}
         for key, view in self.arrays[name].items():
             problem = value_problem(view)
@@ -246,7 +270,7 @@ def validate_reply(
     message : Message
         The reply.
     expected_arrays : Mapping[str, RecordSpec]
-        Exactly the ArrayRecords the reply must carry, each with its spec. Empty
+        Exactly the ArrayRecords the reply must carry, each with its layout. Empty
         for evaluation replies.
     weight_key : str
         Key of the sample count in the ``MetricRecord``.

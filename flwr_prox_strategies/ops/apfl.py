@@ -9,7 +9,7 @@ model :math:`\omega_k` and a mixture weight :math:`\alpha_k`; at step :math:`t`
     \alpha \gets \mathrm{clip}_{[0,1]}\big(\alpha - \eta_t
     \langle\omega - \theta, \nabla f(\bar\omega)\rangle\big),
 
-with :math:`g = \nabla f(\bar\omega)` ("mixture", the seed's form) or
+with :math:`g = \nabla f(\bar\omega)` ("mixture", the gradient at the mixture) or
 :math:`\alpha\nabla f(\bar\omega)` ("chain", the paper's Eq. (10)). The final
 models average the iterates with weights :math:`p_t = (t + a)^2`.
 
@@ -57,7 +57,7 @@ def averaging_weight_sum(first: int, last: int, a: float) -> float:
 
 
 def decay_rate(step: int, mu: float, a: float) -> float:
-    r"""Return the seed's learning rate :math:`\eta_t = 16/(\mu(t + a))`."""
+    r"""Return the APFL paper's decaying rate :math:`\eta_t = 16/(\mu(t + a))`."""
     return 16.0 / (mu * (step + a))
 
 
@@ -82,7 +82,7 @@ def personal_gradient(
 ) -> list[torch.Tensor]:
     r"""Return :math:`\omega`'s gradient from :math:`\nabla f(\bar\omega)`.
 
-    ``"mixture"``: :math:`\nabla f(\bar\omega)` itself (the seed);
+    ``"mixture"``: :math:`\nabla f(\bar\omega)` itself (the gradient at the mixture);
     ``"chain"``: :math:`\nabla_\omega f(\bar\omega) = \alpha\nabla f(\bar\omega)`.
     """
     if form not in ("mixture", "chain"):

@@ -17,28 +17,105 @@ def _real(value: Any) -> bool:
 
 
 def check_fraction(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
+    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, as the user wrote it (named in the error).
+    value : float
+        The value given.
+
+    Returns
+    -------
+    float
+        ``value`` as a float.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> must be a number in [0, 1], got <value>"`` (also for a
+        bool or a non-number).
+    """
     if not _real(value) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
 def check_non_negative(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, as the user wrote it (named in the error).
+    value : float
+        The value given.
+
+    Returns
+    -------
+    float
+        ``value`` as a float.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> must be a finite number >= 0, got <value>"`` (also for
+        a bool, NaN, inf or a non-number).
+    """
     if not _real(value) or not math.isfinite(float(value)) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
 def check_positive(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0."""
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, as the user wrote it (named in the error).
+    value : float
+        The value given.
+
+    Returns
+    -------
+    float
+        ``value`` as a float.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> must be a finite number > 0, got <value>"`` (also for
+        a bool, NaN, inf or a non-number).
+    """
     if not _real(value) or not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
 def check_int(name: str, value: int, minimum: int) -> int:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum."""
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= minimum.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, as the user wrote it (named in the error).
+    value : int
+        The value given (any integral type; not a bool or a float).
+    minimum : int
+        The smallest value allowed.
+
+    Returns
+    -------
+    int
+        ``value`` as an int.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> must be an integer >= <minimum>, got <value>"``.
+    """
     integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not integer or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -46,7 +123,27 @@ def check_int(name: str, value: int, minimum: int) -> int:
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``.
+
+    Parameters
+    ----------
+    name : str
+        The parameter's name, as the user wrote it (named in the error).
+    value : str
+        The value given.
+    choices : Sequence[str]
+        The values allowed, named in the error.
+
+    Returns
+    -------
+    str
+        ``value``.
+
+    Raises
+    ------
+    ValueError
+        ``"<name> must be one of '<a>', '<b>', got <value>"``.
+    """
     if value not in choices:
         valid = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {valid}, got {value!r}")

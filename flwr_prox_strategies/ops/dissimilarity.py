@@ -2,8 +2,9 @@
 
 ``B(theta) = E_k ||grad f_k(theta)||^2 / ||grad f(theta)||^2`` with
 ``grad f = E_k grad f_k`` and the expectation over clients weighted by their
-share of the data (seed 000, Eq. (6)). B = 1 when all clients agree; it grows
-with heterogeneity.
+share of the data (the paper's B-local dissimilarity, Section 4: T. Li et al.,
+"Federated Optimization in Heterogeneous Networks", MLSys 2020). B = 1 when
+all clients agree; it grows with heterogeneity.
 """
 
 from __future__ import annotations

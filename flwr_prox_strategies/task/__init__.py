@@ -15,8 +15,8 @@ from .datasets import (
     load_fashion_mnist,
 )
 from .models import CNN, MLP, LogisticRegression
+from .partition import SCHEMES as _SCHEMES
 from .partition import (
-    SCHEMES,
     file_partition,
     label_histogram,
     official_dirichlet_partition,
@@ -24,6 +24,17 @@ from .partition import (
     partition_dataset,
     partition_indices,
 )
+
+SCHEMES = _SCHEMES
+"""The partition schemes :func:`partition_dataset` knows, by name.
+
+``"iid"`` (seeded-shuffled rows, sizes differing by at most one),
+``"dirichlet"`` (each class split over the clients by a Dirichlet draw of
+concentration ``alpha``), ``"inner-dirichlet"`` (FedDyn's scheme: a Dirichlet
+class prior per client, partition sizes equal or lognormal) and
+``"pathological"`` (``classes_per_partition`` classes per client), all by
+flwr-datasets' partitioners.
+"""
 
 __all__ = [
     "CNN",

@@ -63,6 +63,13 @@ class ArrayDataset:
         ``[0, num_classes)``.
     num_classes : int
         Number of classes of the task (not necessarily all present in ``y``).
+
+    Raises
+    ------
+    ValueError
+        If ``x`` is not 2-D, ``y`` is not 1-D of the same length, ``y`` holds
+        non-integer labels or labels outside ``[0, num_classes)``, or
+        ``num_classes < 1``.
     """
 
     x: np.ndarray
@@ -126,7 +133,7 @@ class TrainTest:
     train, test : ArrayDataset
         The two splits, with the same feature count and number of classes.
     name : str
-        Name of the data set (a key of :data:`LOADERS`).
+        Name of the data set (``"digits"``, ``"fashion-mnist"``, ``"adult"``).
     num_features : int
         Number of features per sample.
     num_classes : int
@@ -212,6 +219,13 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> TrainTest:
     TrainTest
         64 features scaled to [0, 1] (pixels / 16), 10 classes; 1,437 training
         and 360 test samples with the default fraction.
+
+    Raises
+    ------
+    ValueError
+        If ``test_fraction`` is not in (0, 1).
+    ImportError
+        If scikit-learn is not installed (the ``[experiment]`` extra).
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
@@ -378,11 +392,13 @@ def load_fashion_mnist(
 
     Parameters
     ----------
-    data_dir : str, PathLike or None, default None
+    data_dir : str | os.PathLike | None, default None
         Folder holding ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
         ``t10k-images-idx3-ubyte`` and ``t10k-labels-idx1-ubyte`` (each may be
-        gzipped with a ``.gz`` suffix). ``None`` searches
-        :func:`candidate_dirs` ``("fashion-mnist")``.
+        gzipped with a ``.gz`` suffix). ``None`` searches, in order,
+        ``$FLWR_PROX_DATA_DIR/fashion-mnist``, ``shared/data/fashion-mnist``
+        under any ancestor of the working directory or of the package, and
+        ``/usr/share/datasets/fashion-mnist``.
     max_train, max_test : int or None, default None
         Keep only the first rows of each split (for fast tests).
     download : bool, default True
@@ -398,7 +414,10 @@ def load_fashion_mnist(
     Raises
     ------
     FileNotFoundError
-        If the files are not found and cannot be downloaded.
+        If the files are not found and cannot be downloaded (the message
+        lists the folders searched).
+    ValueError
+        If ``max_train`` or ``max_test`` is not None or >= 1.
     """
     for name, limit in (("max_train", max_train), ("max_test", max_test)):
         if limit is not None and limit < 1:
@@ -508,15 +527,18 @@ def adult_matrix(
     """Return the FedEPM authors' 45,222 x 14 Adult matrix, unshuffled.
 
     Rows are ``adult.test`` then ``adult.data``, without rows holding a ``?``;
-    the 14 attributes keep their order (:data:`ADULT_COLUMNS`), and each
+    the 14 attributes keep their order (``age``, ``workclass``, ...,
+    ``native-country``), and each
     categorical one is replaced by the 0-based rank of its value among the
     sorted values present in those rows.
 
     Parameters
     ----------
-    data_dir : str, PathLike or None, default None
-        Folder holding ``adult.data`` and ``adult.test``; ``None`` searches
-        :func:`candidate_dirs` ``("adult")``.
+    data_dir : str | os.PathLike | None, default None
+        Folder holding ``adult.data`` and ``adult.test``; ``None`` searches,
+        in order, ``$FLWR_PROX_DATA_DIR/adult``, ``shared/data/adult`` under
+        any ancestor of the working directory or of the package, and
+        ``/usr/share/datasets/adult``.
 
     Returns
     -------
@@ -528,7 +550,10 @@ def adult_matrix(
     Raises
     ------
     FileNotFoundError
-        If the two files are not found.
+        If the two files are not found (the message lists the folders
+        searched).
+    ValueError
+        If a record of the files does not have 15 fields.
     """
     folder, tried = _find_dir("adult", data_dir, _has_adult_files)
     if folder is None:
@@ -585,8 +610,9 @@ def load_adult(
 
     Parameters
     ----------
-    data_dir : str, PathLike or None, default None
-        Folder holding ``adult.data`` and ``adult.test``.
+    data_dir : str | os.PathLike | None, default None
+        Folder holding ``adult.data`` and ``adult.test``; ``None`` searches as
+        :func:`adult_matrix` does.
     normalize : bool, default True
         Scale every column of the whole matrix to unit Euclidean norm.
     seed : int, default 0
@@ -600,6 +626,21 @@ def load_adult(
     -------
     TrainTest
         14 features (float32), 2 classes.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the two files are not found.
+    ValueError
+        If ``test_fraction`` is not in [0, 1).
+    ImportError
+        If ``test_fraction > 0`` and scikit-learn is not installed.
+
+    References
+    ----------
+    S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
+    (its Adult experiment). Data: UCI Machine Learning Repository,
+    https://archive.ics.uci.edu/dataset/2/adult
     """
     if not 0.0 <= test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction!r}")
@@ -647,6 +688,13 @@ def load_dataset(name: str, **kwargs: Any) -> TrainTest:
     -------
     TrainTest
         The loaded data set.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not one of the three, or a loader's argument is invalid.
+    FileNotFoundError, ImportError
+        As the loader.
     """
     try:
         loader = LOADERS[name]

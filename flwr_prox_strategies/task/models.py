@@ -32,6 +32,11 @@ class LogisticRegression(nn.Module):
         Number of input features (64 for the 8x8 digits images).
     num_classes : int, default 10
         Number of output logits.
+
+    Raises
+    ------
+    ValueError
+        If ``in_features`` or ``num_classes`` is not an integer >= 1.
     """
 
     def __init__(self, *, in_features: int = 64, num_classes: int = 10) -> None:
@@ -55,10 +60,23 @@ class MLP(nn.Module):
     ----------
     in_features : int, default 784
         Number of input features.
-    hidden : Sequence[int], default (200, 200)
+    hidden : Sequence[int]
         Width of each hidden layer; an empty sequence gives a linear model.
+        Default ``(200, 200)``.
     num_classes : int, default 10
         Number of output logits.
+
+    Raises
+    ------
+    ValueError
+        If ``in_features``, ``num_classes`` or a width of ``hidden`` is not an
+        integer >= 1, or ``hidden`` is not a sequence.
+
+    References
+    ----------
+    H. B. McMahan et al., "Communication-Efficient Learning of Deep Networks
+    from Decentralized Data", AISTATS 2017 (the 2NN); T. Li et al.,
+    "Federated Optimization in Heterogeneous Networks", MLSys 2020.
     """
 
     def __init__(
@@ -105,6 +123,17 @@ class CNN(nn.Module):
     image_size : int, default 28
         Height and width of the (square) input images; at least 4 so that
         both poolings keep a non-empty feature map.
+
+    Raises
+    ------
+    ValueError
+        If ``in_channels`` or ``num_classes`` is not an integer >= 1, or
+        ``image_size`` is below 4.
+
+    References
+    ----------
+    H. B. McMahan et al., "Communication-Efficient Learning of Deep Networks
+    from Decentralized Data", AISTATS 2017. https://arxiv.org/abs/1602.05629
     """
 
     def __init__(

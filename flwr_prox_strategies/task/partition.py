@@ -45,7 +45,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The schemes :func:`partition_dataset` knows (flwr-datasets' partitioners).
 SCHEMES = ("iid", "dirichlet", "inner-dirichlet", "pathological")
+#: The ``class_assignment_mode`` values of the pathological scheme.
 CLASS_ASSIGNMENT_MODES = ("first-deterministic", "random", "deterministic")
 
 # flwr-datasets' DirichletPartitioner gives up after 11 draws; it is re-run with
@@ -279,7 +281,8 @@ def partition_indices(
         Integer class label of every sample (any distinct values).
     num_partitions : int
         Number of partitions (clients), at most ``len(labels)``.
-    scheme : {"iid", "dirichlet", "inner-dirichlet", "pathological"}
+    scheme : str, default "iid"
+        ``"iid"``, ``"dirichlet"``, ``"inner-dirichlet"`` or ``"pathological"``.
         ``"iid"``: IidPartitioner on seeded-shuffled rows (sizes differ by at
         most one). ``"dirichlet"``: DirichletPartitioner (per-class Dirichlet
         split over clients, Hsu et al. 2019 / Yurochkin et al. 2019), without
@@ -303,8 +306,9 @@ def partition_indices(
     size_sigma : float, default 0.0
         ``"inner-dirichlet"`` only: sigma of the lognormal partition sizes;
         0 gives equal sizes.
-    class_assignment_mode : {"first-deterministic", "random", "deterministic"}
-        ``"pathological"`` only: how classes are dealt to partitions (see
+    class_assignment_mode : str, default "first-deterministic"
+        ``"pathological"`` only: how classes are dealt to partitions,
+        ``"first-deterministic"``, ``"random"`` or ``"deterministic"`` (see
         flwr-datasets). With ``"first-deterministic"`` and at least as many
         partitions as classes every sample is assigned; otherwise classes given
         to no partition are left out (a warning is logged).
@@ -313,6 +317,15 @@ def partition_indices(
     -------
     list of np.ndarray
         One sorted int64 index array per partition; the arrays are disjoint.
+
+    Raises
+    ------
+    ValueError
+        If an argument is out of range (naming it: ``num_partitions`` above
+        the number of samples, an unknown ``scheme``, a negative ``seed``,
+        ``alpha`` not > 0, ...), or ``min_partition_size`` cannot be met.
+    ImportError
+        If flwr-datasets is not installed (the ``[experiment]`` extra).
     """
     dense = _dense_labels(labels)
     num_partitions = check_int("num_partitions", num_partitions, 1)
@@ -366,6 +379,11 @@ def partition_dataset(data: ArrayDataset, **options: Any) -> list[ArrayDataset]:
     -------
     list of ArrayDataset
         One data set per partition, rows in their original order.
+
+    Raises
+    ------
+    ValueError, ImportError
+        As :func:`partition_indices`.
     """
     return [data.subset(idx) for idx in partition_indices(data.y, **options)]
 
@@ -390,6 +408,12 @@ def label_histogram(
     -------
     np.ndarray
         int64 counts of shape ``(len(parts), num_classes)``.
+
+    Raises
+    ------
+    ValueError
+        If ``num_classes`` is not an integer >= 1, or ``labels`` is not a 1-D
+        integer array in ``[0, num_classes)``.
     """
     num_classes = check_int("num_classes", num_classes, 1)
     y = np.asarray(labels)
@@ -622,6 +646,11 @@ def official_dirichlet_partition(
     ValueError
         On invalid arguments, or when a client's prior gives (almost) no
         probability to the classes left, where the official loop would hang.
+
+    References
+    ----------
+    Official code of FedDC (github.com/gaoliang13/FedDC, ``utils_dataset.py``),
+    the same rule as FedDyn's (github.com/alpemreacar/FedDyn).
     """
     array, num_classes = _official_labels(labels, num_classes)
     num_partitions = _check_partition_count(num_partitions, len(array))
@@ -668,6 +697,17 @@ def official_iid_partition(
     -------
     list of np.ndarray
         Per client, int64 indices into ``labels`` in the official sample order.
+
+    Raises
+    ------
+    ValueError
+        If ``num_partitions`` is not an integer in ``1 .. len(labels)``,
+        ``seed`` is not in ``0 .. 2**32 - 1`` or ``size_sigma`` is negative.
+
+    References
+    ----------
+    Official code of FedDC (github.com/gaoliang13/FedDC, ``utils_dataset.py``),
+    the same rule as FedDyn's (github.com/alpemreacar/FedDyn).
     """
     num_samples = len(np.asarray(labels))
     num_partitions = _check_partition_count(num_partitions, num_samples)
