@@ -56,6 +56,8 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(flwr|torch|numpy|np|opacus|cvxpy|hydra|omegaconf|datasets|collections|typing|pathlib|logging|dataclasses|enum|abc|concurrent|os|json|numpy\.typing|npt)(\..*)?"),
     (r"py:.*", r"(int|float|str|bool|bytes|None|dict|list|tuple|set|object|type|Any|Callable|Iterable|Iterator|Sequence|Mapping|Path|NDArray|ArrayLike|Literal|Optional|Union|Exception|ValueError|TypeError|RuntimeError|KeyError|FileNotFoundError|optional|callable|array_like|ndarray|default|of|or)"),
+    # numpydoc type fields: "float | None (default: None)" yields a "default: None" token.
+    (r"py:class", r"default:? .+"),
     (r"py:class", r"(ArrayRecord|MetricRecord|ConfigRecord|RecordDict|Message|Context|Grid|Result|Strategy|ClientApp|ServerApp|NumPyClient|Module|DataLoader|Tensor|Optimizer|Parameter|Generator|Array|NDArrays|UserConfig|Scalar|ConfigRecordValues|MetricRecordValues|DictConfig)"),
 ]
 
