@@ -35,7 +35,7 @@ from .algorithms.sfed import (
 from .core.adapter import to_client_app
 from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
 from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
-from .core.outcome import NoRoundAggregatedError
+from .core.outcome import EveryClientRetiredError, NoRoundAggregatedError
 from .core.privacy import LaplaceUploadMod
 from .core.rule import ClientRule, ProtocolError
 
@@ -55,6 +55,7 @@ __all__ = [
     "APFLRule",
     "ClientRule",
     "ClientSideFixedClipping",
+    "EveryClientRetiredError",
     "FedAvg",
     "FedAvgClient",
     "FedDC",

@@ -153,7 +153,20 @@ class EveryClientRetiredError(RuntimeError):
     """Every connected node has spent its privacy budget: training cannot go on.
 
     Raised by ``configure_train`` of the round that would sample nobody, so a
-    run stops instead of idling through its remaining rounds.
+    run stops instead of idling through its remaining rounds. A client retires
+    when DP-SGD would take it past its ``target_epsilon`` (see
+    :class:`~flwr_prox_strategies.DPSGD`); catch this around ``start()`` to
+    treat a spent budget as the end of training rather than a crash, as the
+    pack's ServerApp does.
+
+    Parameters
+    ----------
+    message : str
+        What happened, naming the round.
+    result : Result
+        The run's result so far (its ``arrays`` the last aggregated model).
+    stopped_at : int
+        The round that could not be trained.
 
     Attributes
     ----------
