@@ -71,6 +71,21 @@ class Command:
     also_at: list[str] = field(default_factory=list)
 
     @property
+    def run_key(self) -> tuple[tuple[str, ...], str]:
+        """What the command runs: its environment and its run, without an install.
+
+        ``pip install ... && X=1 flwr run ...``, ``X=1 flwr run ...`` and
+        ``export X=1`` then ``flwr run ...`` run the same thing: once is enough.
+        """
+        text = " ".join(self.text.replace("\\\n", " ").split())
+        text = re.sub(r"^pip install .*?&&\s*", "", text)
+        env = [e.removeprefix("export ").split("#")[0].strip() for e in self.exports]
+        while match := re.match(r"([A-Z_]+=\S+)\s+", text):
+            env.append(match.group(1))
+            text = text[match.end() :]
+        return tuple(sorted(set(env))), text
+
+    @property
     def where(self) -> str:
         return ", ".join([f"{self.page}:{self.line}", *self.also_at])
 
@@ -126,7 +141,7 @@ def commands(page_paths: list[Path]) -> list[Command]:
     found: list[Command] = []
     for path in page_paths:
         for command in page_commands(path):
-            twin = next((c for c in found if c.text == command.text), None)
+            twin = next((c for c in found if c.run_key == command.run_key), None)
             if twin is not None:
                 twin.also_at.append(f"{command.page}:{command.line}")
                 if command.expect and command.expect != twin.expect:
@@ -406,8 +421,7 @@ def main() -> None:
                 c,
                 ", ".join(f"{w.key} {w.text}" for w in wanted),
                 measured or "-",
-                f"{outcome.seconds:.0f} s"
-                + (f" (page: {seconds})" if seconds else ""),
+                f"{outcome.seconds:.0f} s" + (f" (page: {seconds})" if seconds else ""),
                 "ok" if ok else f"FAIL: {outcome.error or ', '.join(outcome.failed)}",
             )
         )

@@ -40,7 +40,7 @@ def test_every_run_on_a_page_has_a_readable_expectation(script) -> None:
 
 def test_a_command_on_two_pages_runs_once(script, tmp_path: Path) -> None:
     first, second = tmp_path / "a.md", tmp_path / "b.md"
-    run = 'flwr run . --stream --run-config "overrides=\'strategy=fedavg\'"'
+    run = "flwr run . --stream --run-config \"overrides='strategy=fedavg'\""
     first.write_text(f"```bash\n# expect: rounds 3, time ~5 s\n{run}\n```\n")
     second.write_text(
         "text\n\n```bash\n# expect: rounds 3, time ~5 s\n"
@@ -60,3 +60,20 @@ def test_one_command_cannot_promise_two_things(script, tmp_path: Path) -> None:
     second.write_text(f"```bash\n# expect: jobs 3\n{run}\n```\n")
     with pytest.raises(ValueError, match="one command, one expectation"):
         script.commands([first, second])
+
+
+def test_an_install_or_an_export_does_not_make_another_run(
+    script, tmp_path: Path
+) -> None:
+    run = 'flwr run . --stream --federation-config "num-supernodes=20"'
+    page = tmp_path / "a.md"
+    page.write_text(
+        "```bash\n# expect: rounds 30\n"
+        f'pip install -e ".[experiment]" && FLWR_X=1 {run}\n```\n\n'
+        f"```bash\nexport FLWR_X=1   # why\n# expect: rounds 30\n{run}\n```\n\n"
+        f"```bash\n# expect: rounds 30\nFLWR_X=1 {run}\n```\n\n"
+        f"```bash\n# expect: rounds 30\n{run}\n```\n"
+    )
+    found = script.commands([page])
+    assert len(found) == 2  # the last one runs without FLWR_X
+    assert len(found[0].also_at) == 2
