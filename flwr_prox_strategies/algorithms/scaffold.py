@@ -21,8 +21,10 @@ Server, with :math:`N` the number of **all** clients:
     \;\left(= c + \frac{|S|}{N}\,\mathrm{mean}_S \Delta c_i\right).
 
 Absent clients keep their :math:`c_i` and contribute nothing to the update of
-:math:`c`, which therefore stays the mean of all :math:`c_i` (weighted by
-``relative_size`` when clients set it, as the official FedDC code does).
+:math:`c`, which therefore stays the mean of all :math:`c_i`. Unlike the
+official codes, which scale :math:`c` by :math:`n_i/\bar n`, the control
+variates are unscaled, as in the paper: a client's ``relative_size`` does not
+enter SCAFFOLD (with equal partition sizes the two agree).
 
 Wire: the client sends :math:`y` (``arrays``) and :math:`\Delta c_i`
 (``control-delta``); the server sends :math:`c` (``control``). :math:`K` is the
