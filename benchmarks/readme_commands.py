@@ -225,6 +225,9 @@ METRICS = {
     "jobs": "jobs of a sweep (summary.csv)",
     "min-final-accuracy": "lowest final accuracy over a sweep's jobs",
     "max-final-accuracy": "highest final accuracy over a sweep's jobs",
+    "min-final-accuracy-fedprox": "lowest final accuracy over a sweep's FedProx jobs",
+    "min-final-accuracy-fedavg": "lowest final accuracy over a sweep's FedAvg jobs",
+    "consensus-distance": "P-FedAvg launcher: sum_i ||x_i - mean||^2 after the last round",
     "speed-up": "the communication model's expected speed-up (topology command)",
 }
 _NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
@@ -291,11 +294,20 @@ def sweep_metrics(csv_path: Path) -> dict[str, float]:
     with open(csv_path) as handle:
         rows = list(csv.DictReader(handle))
     finals = [float(r["final-accuracy"]) for r in rows if r.get("final-accuracy")]
-    return {
+    metrics = {
         "jobs": float(len(rows)),
         "min-final-accuracy": min(finals, default=float("nan")),
         "max-final-accuracy": max(finals, default=float("nan")),
     }
+    for strategy in {str(r["strategy"]) for r in rows if r.get("strategy")}:
+        mine = [
+            float(r["final-accuracy"])
+            for r in rows
+            if r.get("strategy") == strategy and r.get("final-accuracy")
+        ]
+        if mine:  # min-final-accuracy-fedprox, ...
+            metrics[f"min-final-accuracy-{strategy.lower()}"] = min(mine)
+    return metrics
 
 
 def deploy_metrics(results: dict) -> tuple[dict[str, float], str]:
@@ -304,6 +316,9 @@ def deploy_metrics(results: dict) -> tuple[dict[str, float], str]:
     metrics = {"rounds": float(len(results["rounds"]))}
     if final and all(f is not None for f in final):
         metrics["final-accuracy"] = float(min(final))
+    distances = [r.get("consensus-distance") for r in results["rounds"]]
+    if distances and distances[-1] is not None:
+        metrics["consensus-distance"] = float(distances[-1])
     return metrics, "" if results["summary"]["complete"] else "a server did not finish"
 
 
@@ -341,6 +356,8 @@ def measure(command: Command, log_file: Path) -> Outcome:
         outcome.metrics, outcome.error = deploy_metrics(
             json.loads(Path(deployed).read_text())
         )
+    elif summary:  # before results: in-process jobs print their own 'Results:'
+        outcome.metrics = sweep_metrics(ROOT / summary)  # relative to the run's cwd
     elif results:
         data = json.loads(Path(results).read_text())
         if not data["summary"].get("complete") and not data["summary"].get(
@@ -348,8 +365,6 @@ def measure(command: Command, log_file: Path) -> Outcome:
         ):
             outcome.error = "results.json not complete"
         outcome.metrics = run_metrics(data)
-    elif summary:
-        outcome.metrics = sweep_metrics(Path(summary))
     elif speed_up:
         outcome.metrics = {"speed-up": float(speed_up)}
     else:

@@ -15,10 +15,15 @@ exchanged), and at the end writes one folder::
     <output>/engine/                   the SuperLinks' and SuperNodes' folders, logs
 
 Every process it started is stopped, by process group, on exit, on Ctrl-C and
-on SIGTERM. Example (3 servers on a ring, 2 clients each, 5 rounds)::
+on SIGTERM. Example (4 servers on a ring, 1 client each, 6 rounds; Dirichlet
+alpha 0.1 gives each server other labels, so the servers disagree and the
+consensus distance shrinks without reaching 0)::
 
-    python -m flwr_prox_strategies.pfedavg_deploy --servers 3 --clients-per-server 2 \
-        --rounds 5 --overrides "model=logreg"
+    python -m flwr_prox_strategies.pfedavg_deploy --servers 4 --clients-per-server 1 \
+        --rounds 6 --overrides "model=logreg train.local_epochs=1 partition.alpha=0.1"
+
+A ring of 3 is the complete graph: with Metropolis weights every server holds the
+average after every round, and the consensus distance is 0 (float rounding).
 
 ``--kill-server I --kill-after R`` stops server I's deployment once it has
 finished round R and, with ``--restart-after S``, starts it again S seconds
@@ -547,49 +552,65 @@ class Launcher:
     def plot(self, results: dict[str, Any]) -> Path | None:
         """Plot every server's accuracy and the consensus distance (None: no plot)."""
         try:
-            import matplotlib
+            return plot_deploy(results, self.output / "pfedavg-deploy.png")
+        except ImportError:  # no matplotlib: the results file is enough
+            return None
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return None
-        rows = results["rounds"]
-        if not rows:
-            return None
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        rounds = [r["round"] for r in rows]
-        for i in range(results["servers"]):
-            left.plot(
-                rounds,
-                [
-                    r["accuracy"][i] if r["accuracy"][i] is not None else np.nan
-                    for r in rows
-                ],
-                marker="o",
-                label=f"server {i}",
-            )
-        left.set(
-            xlabel="round", ylabel="central accuracy", title="every server's model"
+
+def plot_deploy(results: dict[str, Any], path: Path) -> Path | None:
+    """Draw ``pfedavg-deploy.png``: accuracies and consensus distance per round.
+
+    The consensus distance is drawn on a log axis; a round whose distance is
+    exactly 0 (the servers hold one model: a complete graph, or uniform
+    mixing) has no place there, so it is left out and the curve's label says
+    "0 from round k" instead. Returns None when there is no round to draw.
+    """
+    from .experiment.results import integer_rounds, plot_log, pyplot
+
+    rows = results["rounds"]
+    if not rows:
+        return None
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    rounds = [r["round"] for r in rows]
+    for i in range(results["servers"]):
+        left.plot(
+            rounds,
+            [
+                r["accuracy"][i] if r["accuracy"][i] is not None else np.nan
+                for r in rows
+            ],
+            marker="o",
+            label=f"server {i}",
         )
-        left.legend()
-        distances = [r["consensus-distance"] for r in rows]
-        right.semilogy(
-            rounds, [d if d is not None and d > 0 else np.nan for d in distances], "k.-"
-        )
-        right.set(
-            xlabel="round",
-            ylabel="sum_i ||x_i - mean||^2",
-            title="consensus distance",
-        )
-        fig.suptitle(
-            f"P-FedAvg, {results['servers']} deployments ({results['topology']}, "
-            f"{results['mixing']}), {results['clients-per-server']} clients each"
-        )
-        fig.tight_layout()
-        path = self.output / "pfedavg-deploy.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+    left.set(xlabel="round", ylabel="central accuracy", title="every server's model")
+    left.legend()
+    plot_log(
+        right,
+        rounds,
+        [r["consensus-distance"] for r in rows],
+        "k.-",
+        label="servers' models, after mixing",
+    )
+    right.set(
+        xlabel="round",
+        ylabel=r"$\sum_i \|x_i - \bar{x}\|^2$",
+        title="consensus distance",
+    )
+    if right.get_legend_handles_labels()[0]:
+        right.legend()
+    for ax in (left, right):
+        integer_rounds(ax)
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"P-FedAvg, {results['servers']} deployments ({results['topology']}, "
+        f"{results['mixing']}), {results['clients-per-server']} client"
+        f"{'s' if results['clients-per-server'] != 1 else ''} each"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,80 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def integer_rounds(ax: Any, axis: str = "x") -> None:
+    """Put ticks on whole numbers only on ``ax``'s ``axis`` (rounds, clients).
+
+    An axis spanning less than 2 (one round drawn) is widened to 2 around its
+    centre: a narrower one holds a single whole number and matplotlib would fall
+    back to fractional ticks.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    getattr(ax, f"{axis}axis").set_major_locator(MaxNLocator(integer=True))
+    low, high = getattr(ax, f"get_{axis}lim")()
+    if abs(high - low) < 2:
+        centre = round((low + high) / 2)
+        getattr(ax, f"set_{axis}lim")(centre - 1, centre + 1)
+
+
+def positive_points(
+    xs: Sequence[Any], ys: Sequence[Any]
+) -> tuple[list[Any], list[float], list[Any]]:
+    """Split a series for a log axis: the points with ``y > 0``, and where ``y == 0``.
+
+    Returns ``(xs, ys, zero_xs)``: the points a log axis can show, and the x of the
+    points whose value is exactly zero or negative (a log axis has no place for them:
+    draw them as a note, never as a fake tiny value). ``None`` and NaN are left out
+    of both (unknown, not zero).
+    """
+    keep_x, keep_y, zeros = [], [], []
+    for x, y in zip(xs, ys, strict=True):
+        if y is None or not math.isfinite(float(y)):
+            continue
+        if float(y) > 0:
+            keep_x.append(x)
+            keep_y.append(float(y))
+        else:
+            zeros.append(x)
+    return keep_x, keep_y, zeros
+
+
+def plot_log(
+    ax: Any, xs: Sequence[Any], ys: Sequence[Any], *args: Any, **kwargs: Any
+) -> list[Any]:
+    """Plot ``ys`` against ``xs`` on a log y axis, leaving out values ``<= 0``.
+
+    A ``label`` (or, without one, the axis title) gets ``"(0 at round k)"`` /
+    ``"(0 from round k)"`` for the left-out points, so a zero stays visible as a
+    fact instead of a gap or a warning. Returns the x of the left-out points.
+    """
+    keep_x, keep_y, zeros = positive_points(xs, ys)
+    ax.set_yscale("log")
+    note = _zero_note(zeros, xs)
+    if note:
+        if "label" in kwargs:
+            kwargs["label"] = f"{kwargs['label']} ({note})"
+        else:
+            ax.set_title(f"{ax.get_title()} ({note})".strip())
+    if keep_x:
+        ax.plot(keep_x, keep_y, *args, **kwargs)
+    elif note:  # nothing above zero: an empty, labelled line for the legend
+        ax.plot([], [], *args, **kwargs)
+    return zeros
+
+
+def _zero_note(zeros: Sequence[Any], xs: Sequence[Any]) -> str:
+    """``"0 from round k"`` when every point from k on is <= 0, else the rounds."""
+    if not zeros:
+        return ""
+    tail = list(xs)[list(xs).index(zeros[0]) :]
+    if list(zeros) == tail and len(zeros) > 1:
+        return f"0 from round {zeros[0]}"
+    if len(zeros) == 1:
+        return f"0 at round {zeros[0]}"
+    return "0 at rounds " + ", ".join(str(z) for z in zeros)
 
 
 def _clean(value: Any) -> Any:
@@ -229,6 +303,7 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
     ax_loss.set(xlabel="round", ylabel="loss", title="loss")
     for ax in (ax_acc, ax_loss):
         ax.grid(alpha=0.3)
+        integer_rounds(ax)
         if ax.has_data():
             ax.legend(fontsize=7)
     fig.tight_layout()
@@ -269,6 +344,7 @@ def plot_privacy(results: Mapping[str, Any], output_dir: Path) -> Path | None:
     ax_eps.plot(rounds, eps_max, marker=".", label="largest client")
     ax_eps.plot(rounds, eps_mean, marker=".", label="mean over clients")
     ax_eps.set(xlabel="round", ylabel="epsilon", title="epsilon spent")
+    integer_rounds(ax_eps)
     for ax in (ax_acc, ax_eps):
         ax.grid(alpha=0.3)
     ax_eps.legend(fontsize=7)

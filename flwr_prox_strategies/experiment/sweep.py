@@ -14,16 +14,19 @@ and ``comparison.png`` beside the job folders.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import json
+import math
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -159,8 +162,22 @@ def flwr_run(
     return results
 
 
-def run_inprocess(overrides: Sequence[str], output_dir: Path, num_clients: int) -> Path:
-    """Run one experiment on an in-process grid with the app's ClientApp."""
+def run_inprocess(
+    overrides: Sequence[str],
+    output_dir: Path,
+    num_clients: int,
+    *,
+    threads: int | None = None,
+) -> Path:
+    """Run one experiment on an in-process grid with the app's ClientApp.
+
+    ``threads``: torch's intra-op threads while it runs (None: leave them as
+    they are). The sweep gives ``num_cpus_per_client``, what a client gets under
+    ``engine=flwr`` (Ray sets ``OMP_NUM_THREADS`` to an actor's CPUs), unless
+    ``OMP_NUM_THREADS`` is set: torch's default, one thread per core, made a
+    small model's job 7x slower on 2 cores shared with other work (threads
+    waiting for each other), and no faster on idle cores.
+    """
     from ..core.inprocess import InProcessGrid
     from .server import run_experiment
 
@@ -171,8 +188,25 @@ def run_inprocess(overrides: Sequence[str], output_dir: Path, num_clients: int) 
     grid = InProcessGrid(
         make_client_app(), num_nodes=num_clients, run_config=run_config
     )
-    run_experiment(grid, run_config)
+    with _torch_threads(threads):
+        run_experiment(grid, run_config)
     return output_dir / RESULTS_FILE
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch threads (None: unchanged)."""
+    if threads is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_job(cfg: DictConfig) -> float:
@@ -192,7 +226,14 @@ def run_job(cfg: DictConfig) -> float:
             cpus_per_client=float(cfg["num_cpus_per_client"]),
         )
     else:
-        results_path = run_inprocess(overrides, job_dir, int(cfg["num_clients"]))
+        threads = (
+            None
+            if os.environ.get("OMP_NUM_THREADS")
+            else math.ceil(float(cfg["num_cpus_per_client"]))
+        )
+        results_path = run_inprocess(
+            overrides, job_dir, int(cfg["num_clients"]), threads=threads
+        )
     results = json.loads(results_path.read_text())
     summary = {
         "overrides": " ".join(overrides),
@@ -236,8 +277,7 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    # One curve per configuration: the mean over seeds, with the min-max band.
-    groups: dict[str, list[dict[int, float]]] = {}
+    curves: list[tuple[dict[str, str], dict[int, float]]] = []
     for job, row in zip(jobs, rows, strict=True):
         results = json.loads((job / RESULTS_FILE).read_text())
         curve = {
@@ -245,37 +285,137 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
             for r in results["rounds"]
             if r.get("central", {}).get("accuracy") is not None
         }
-        words = str(row["overrides"]).split()
-        label = " ".join(o for o in words if not o.startswith("seed="))
-        groups.setdefault(label or "(defaults)", []).append(curve)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 5))
-    colours = plt.get_cmap("tab20")
-    for index, (label, curves) in enumerate(groups.items()):
-        rounds = sorted(set.intersection(*(set(c) for c in curves)))
-        if not rounds:
-            continue
-        values = np.array([[c[r] for r in rounds] for c in curves])
-        colour = colours(index % 20)
-        seeds = f" ({len(curves)} seeds)" if len(curves) > 1 else ""
-        ax.plot(rounds, values.mean(axis=0), color=colour, label=label + seeds)
-        if len(curves) > 1:
-            low, high = values.min(axis=0), values.max(axis=0)
-            ax.fill_between(rounds, low, high, color=colour, alpha=0.15)
-    ax.set(
-        xlabel="round",
-        ylabel="central test accuracy (mean over seeds, min-max band)",
-        title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
+        curves.append((_setting(str(row["overrides"])), curve))
+    fig = plot_comparison(
+        curves, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}"
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     png_path = sweep_dir / "comparison.png"
     fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)
     log(INFO, "Sweep summary: %s and %s", csv_path, png_path)
     print(f"Sweep summary: {csv_path}\nComparison plot: {png_path}", file=sys.stderr)
     return csv_path, png_path
+
+
+# Overrides that tell jobs of one configuration apart without changing it.
+_NOT_A_SETTING = ("seed", "engine")
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _setting(overrides: str) -> dict[str, str]:
+    """Return a job's overrides as ``{key: value}``, seed and engine left out."""
+    setting = {}
+    for word in overrides.split():
+        key, _, value = word.partition("=")
+        if key.lstrip("+~") not in _NOT_A_SETTING:
+            setting[key] = value
+    return setting
+
+
+def _describe(setting: dict[str, str], keys: Sequence[str]) -> str:
+    """Short label: ``fedprox, mu=1, drop_percent=0.9`` (``strategy.`` dropped)."""
+    words = []
+    for key in keys:
+        value = setting.get(key, "(default)")
+        if key.lstrip("+") in ("strategy", "experiment"):
+            words.append(value)
+        else:
+            words.append(f"{key.removeprefix('strategy.')}={value}")
+    return ", ".join(words)
+
+
+def plot_comparison(
+    curves: Sequence[tuple[dict[str, str], dict[int, float]]], *, title: str
+) -> Any:
+    """Draw one line per configuration: the mean over its seeds, the min-max band.
+
+    ``curves`` holds one ``(setting, {round: accuracy})`` per job (the setting
+    without ``seed``). The legend names only the overrides that differ between
+    configurations, the title the ones they share. One colour per value of
+    ``strategy`` (or of the first override that differs, when the strategy does
+    not), one line style per value of the other differing overrides. A
+    configuration whose mean curve equals an earlier one's (FedAvg ignores
+    ``strategy.mu``, say) says so in the legend instead of hiding under it, and
+    each colour's lines are thinner than the previous colour's, so that a curve
+    drawn over a near-equal one leaves it visible as an outline.
+    """
+    from .results import integer_rounds
+
+    groups: dict[tuple[tuple[str, str], ...], list[dict[int, float]]] = {}
+    for setting, curve in curves:
+        groups.setdefault(tuple(setting.items()), []).append(curve)
+    settings = [dict(key) for key in groups]
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    varying = [k for k in keys if len({s.get(k) for s in settings}) > 1]
+    shared = [k for k in keys if k not in varying]
+    colour_key = next(
+        (k for k in varying if k.lstrip("+") == "strategy"),
+        varying[0] if varying else None,
+    )
+    style_keys = [k for k in varying if k != colour_key]
+    colour_of = {
+        key: s.get(colour_key or "") for key, s in zip(groups, settings, strict=True)
+    }
+    colour_values = list(dict.fromkeys(colour_of.values()))
+    style_values = list(
+        dict.fromkeys(tuple(s.get(k) for k in style_keys) for s in settings)
+    )
+    plt = pyplot()
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(9, 5))
+    drawn: list[tuple[str, np.ndarray, list[int]]] = []
+    many_seeds = False
+    for key, setting, runs in zip(groups, settings, groups.values(), strict=True):
+        rounds = sorted(set.intersection(*(set(c) for c in runs)))
+        if not rounds:
+            continue
+        values = np.array([[c[r] for r in rounds] for c in runs])
+        mean = values.mean(axis=0)
+        colour_index = colour_values.index(colour_of[key])
+        colour = colours(colour_index % 10)
+        style_index = style_values.index(tuple(setting.get(k) for k in style_keys))
+        label = _describe(setting, varying) or "(defaults)"
+        same = next(
+            (
+                other
+                for other, m, r in drawn
+                if r == rounds and m.shape == mean.shape and np.array_equal(m, mean)
+            ),
+            None,
+        )
+        if same is not None:
+            label += f" (same as {same})"
+        if len(runs) > 1:
+            many_seeds = True
+            label += f" ({len(runs)} seeds)"
+        ax.plot(
+            rounds,
+            mean,
+            color=colour,
+            linestyle=_LINE_STYLES[style_index % len(_LINE_STYLES)],
+            marker="." if style_index >= len(_LINE_STYLES) else None,
+            # Wider lines first: a curve drawn over an equal one leaves it
+            # visible as an outline (FedAvg and FedProx without stragglers).
+            linewidth=max(1.2, 3.0 - 0.7 * colour_index),
+            label=label,
+        )
+        if len(runs) > 1:
+            low, high = values.min(axis=0), values.max(axis=0)
+            ax.fill_between(rounds, low, high, color=colour, alpha=0.12)
+        drawn.append((_describe(setting, varying), mean, rounds))
+    common = " ".join(f"{k}={settings[0][k]}" for k in shared)
+    ax.set(
+        xlabel="round",
+        ylabel="central test accuracy"
+        + (" (mean over seeds, min-max band)" if many_seeds else ""),
+        title=title + ("\n" + textwrap.fill(common, 100) if common else ""),
+    )
+    integer_rounds(ax)
+    ax.grid(alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
 
 
 class SweepSummary(Callback):

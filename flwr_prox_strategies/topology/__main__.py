@@ -100,6 +100,7 @@ def plot_speedup(
     require("matplotlib", "experiment", "the speed-up plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(6.0, 4.0))
     FigureCanvasAgg(figure)
@@ -110,6 +111,7 @@ def plot_speedup(
     axes.set_ylabel("E[T FedAvg] / E[T P-FedAvg]")
     axes.set_title(title)
     axes.set_ylim(bottom=0.0)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # a count of clients
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
