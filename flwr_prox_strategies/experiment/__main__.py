@@ -6,10 +6,12 @@ One run (Flower's engine, 20 SuperNodes)::
 
     python -m flwr_prox_strategies.experiment strategy=fedavg num_rounds=10
 
-A sweep, summarised in ``multirun/<date>/<time>/summary.csv`` and ``comparison.png``::
+A sweep, summarised in ``multirun/<date>/<time>/summary.csv`` and ``comparison.png``
+(FedAvg against FedProx without and with 90% stragglers, in this process)::
 
-    python -m flwr_prox_strategies.experiment -m strategy=fedavg,fedprox \
-        strategy.mu=0.001,0.01,0.1 seed=0,1,2
+    python -m flwr_prox_strategies.experiment -m engine=inprocess \
+        +experiment=fedprox-stragglers partition=pathological \
+        strategy=fedavg,fedprox strategy.drop_percent=0,0.9 seed=0,1
 """
 
 import sys
