@@ -18,7 +18,7 @@ import flwr_prox_strategies  # noqa: E402
 
 project = "flwr-prox-strategies"
 author = "The flwr-prox-strategies authors"
-copyright = "2026, the flwr-prox-strategies authors"  # noqa: A001
+copyright = "2026, the flwr-prox-strategies authors"
 release = flwr_prox_strategies.__version__
 version = release
 
@@ -53,12 +53,107 @@ autodoc_default_options = {"show-inheritance": True}
 # Cross-references to this package are checked (nitpicky); those into other
 # projects (Flower, torch, numpy, ...) are not: their inventories need a network.
 nitpicky = True
+_EXTERNAL_MODULES = [
+    "flwr",
+    "torch",
+    "numpy",
+    "np",
+    "opacus",
+    "cvxpy",
+    "hydra",
+    "omegaconf",
+    "datasets",
+    "collections",
+    "typing",
+    "pathlib",
+    "logging",
+    "dataclasses",
+    "enum",
+    "abc",
+    "concurrent",
+    "os",
+    "json",
+    "numpy.typing",
+    "npt",
+]
+_BUILTIN_AND_TYPING = [
+    "int",
+    "float",
+    "str",
+    "bool",
+    "bytes",
+    "None",
+    "dict",
+    "list",
+    "tuple",
+    "set",
+    "object",
+    "type",
+    "Any",
+    "Callable",
+    "Iterable",
+    "Iterator",
+    "Sequence",
+    "Mapping",
+    "Path",
+    "NDArray",
+    "ArrayLike",
+    "Literal",
+    "Optional",
+    "Union",
+    "Exception",
+    "ValueError",
+    "TypeError",
+    "RuntimeError",
+    "KeyError",
+    "FileNotFoundError",
+    "optional",
+    "callable",
+    "array_like",
+    "ndarray",
+    "default",
+    "of",
+    "or",
+]
+_FLOWER_AND_TORCH_CLASSES = [
+    "ArrayRecord",
+    "MetricRecord",
+    "ConfigRecord",
+    "RecordDict",
+    "Message",
+    "Context",
+    "Grid",
+    "Result",
+    "Strategy",
+    "ClientApp",
+    "ServerApp",
+    "NumPyClient",
+    "Module",
+    "DataLoader",
+    "Tensor",
+    "Optimizer",
+    "Parameter",
+    "Generator",
+    "Array",
+    "NDArrays",
+    "UserConfig",
+    "Scalar",
+    "ConfigRecordValues",
+    "MetricRecordValues",
+    "DictConfig",
+]
+
+
+def _any_of(names: list[str]) -> str:
+    return "(" + "|".join(name.replace(".", r"\.") for name in names) + ")"
+
+
 nitpick_ignore_regex = [
-    (r"py:.*", r"(flwr|torch|numpy|np|opacus|cvxpy|hydra|omegaconf|datasets|collections|typing|pathlib|logging|dataclasses|enum|abc|concurrent|os|json|numpy\.typing|npt)(\..*)?"),
-    (r"py:.*", r"(int|float|str|bool|bytes|None|dict|list|tuple|set|object|type|Any|Callable|Iterable|Iterator|Sequence|Mapping|Path|NDArray|ArrayLike|Literal|Optional|Union|Exception|ValueError|TypeError|RuntimeError|KeyError|FileNotFoundError|optional|callable|array_like|ndarray|default|of|or)"),
-    # numpydoc type fields: "float | None (default: None)" yields a "default: None" token.
+    (r"py:.*", _any_of(_EXTERNAL_MODULES) + r"(\..*)?"),
+    (r"py:.*", _any_of(_BUILTIN_AND_TYPING)),
+    # numpydoc type fields: "float | None (default: None)" give a "default: None" token.
     (r"py:class", r"default:? .+"),
-    (r"py:class", r"(ArrayRecord|MetricRecord|ConfigRecord|RecordDict|Message|Context|Grid|Result|Strategy|ClientApp|ServerApp|NumPyClient|Module|DataLoader|Tensor|Optimizer|Parameter|Generator|Array|NDArrays|UserConfig|Scalar|ConfigRecordValues|MetricRecordValues|DictConfig)"),
+    (r"py:class", _any_of(_FLOWER_AND_TORCH_CLASSES)),
 ]
 
 html_theme = "furo"
