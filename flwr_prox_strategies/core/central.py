@@ -42,6 +42,7 @@ from flwr.serverapp.strategy import (
 )
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
+from .docstrings import inherit_parameters
 from .keys import BUDGET_EXHAUSTED_REASON
 from .outcome import ReplyTally, finish_run
 from .screening import reply_node
@@ -119,6 +120,28 @@ class _ValidatedReplies(Strategy):
     """Mixin for Flower's DP wrappers: validate replies first, name what's uncovered.
 
     Placed before the Flower wrapper in the bases, so ``super()`` is Flower's.
+    The wrappers' constructor is this one: its sections below are theirs.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The strategy to wrap: one of the pack's (its replies are validated
+        first, and what the wrapper's epsilon does not cover is logged) or any
+        Flower strategy (then Flower's wrapper alone).
+    *args, **kwargs
+        The rest of Flower's parameters: ``noise_multiplier`` (float, the
+        Gaussian mechanism's), ``clipping_norm`` (float),
+        ``num_sampled_clients`` (int, the clients sampled per round), and in
+        recent Flower releases an optional ``accountant``.
+
+    Raises
+    ------
+    ValueError
+        As Flower's wrapper, for a negative ``noise_multiplier`` or
+        ``clipping_norm`` or a non-positive ``num_sampled_clients``.
+    NoRoundAggregatedError
+        From ``start()``, when no round was aggregated (as the wrapped
+        strategy's own ``start()``).
     """
 
     strategy: Strategy
@@ -179,6 +202,7 @@ class _ValidatedReplies(Strategy):
         return super().aggregate_train(server_round, replies)  # type: ignore[safe-super]
 
 
+@inherit_parameters(_ValidatedReplies)
 class ServerSideFixedClipping(
     _ValidatedReplies, DifferentialPrivacyServerSideFixedClipping
 ):
@@ -192,30 +216,10 @@ class ServerSideFixedClipping(
     reshaped and averaged in); this subclass hands it only the replies the
     wrapped strategy accepts. Use ``participation="fixed"`` (the noise is
     divided by ``num_sampled_clients``).
-
-    Parameters
-    ----------
-    strategy : Strategy
-        The strategy to wrap: one of the pack's (its replies are validated
-        first, and what the wrapper's epsilon does not cover is logged) or any
-        Flower strategy (then Flower's wrapper alone).
-    *args, **kwargs
-        The rest of Flower's parameters: ``noise_multiplier`` (float, the
-        Gaussian mechanism's), ``clipping_norm`` (float),
-        ``num_sampled_clients`` (int, the clients sampled per round), and in
-        recent Flower releases an optional ``accountant``.
-
-    Raises
-    ------
-    ValueError
-        As Flower's wrapper, for a negative ``noise_multiplier`` or
-        ``clipping_norm`` or a non-positive ``num_sampled_clients``.
-    NoRoundAggregatedError
-        From ``start()``, when no round was aggregated (as the wrapped
-        strategy's own ``start()``).
     """
 
 
+@inherit_parameters(_ValidatedReplies)
 class ClientSideFixedClipping(
     _ValidatedReplies, DifferentialPrivacyClientSideFixedClipping
 ):
@@ -226,27 +230,6 @@ class ClientSideFixedClipping(
     noises the aggregate; the clients need Flower's ``fixedclipping_mod``
     among their ClientApp's mods. This subclass hands Flower's wrapper only
     the replies the wrapped strategy accepts.
-
-    Parameters
-    ----------
-    strategy : Strategy
-        The strategy to wrap: one of the pack's (its replies are validated
-        first, and what the wrapper's epsilon does not cover is logged) or any
-        Flower strategy (then Flower's wrapper alone).
-    *args, **kwargs
-        The rest of Flower's parameters: ``noise_multiplier`` (float, the
-        Gaussian mechanism's), ``clipping_norm`` (float),
-        ``num_sampled_clients`` (int, the clients sampled per round), and in
-        recent Flower releases an optional ``accountant``.
-
-    Raises
-    ------
-    ValueError
-        As Flower's wrapper, for a negative ``noise_multiplier`` or
-        ``clipping_norm`` or a non-positive ``num_sampled_clients``.
-    NoRoundAggregatedError
-        From ``start()``, when no round was aggregated (as the wrapped
-        strategy's own ``start()``).
     """
 
 
