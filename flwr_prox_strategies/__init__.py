@@ -35,7 +35,11 @@ from .algorithms.sfed import (
 from .core.adapter import to_client_app
 from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
 from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
-from .core.outcome import EveryClientRetiredError, NoRoundAggregatedError
+from .core.outcome import (
+    AggregationStalledError,
+    EveryClientRetiredError,
+    NoRoundAggregatedError,
+)
 from .core.privacy import LaplaceUploadMod
 from .core.rule import ClientRule, ProtocolError
 
@@ -53,6 +57,7 @@ __all__ = [
     "PROXIMAL_MU_KEY",
     "APFLClient",
     "APFLRule",
+    "AggregationStalledError",
     "ClientRule",
     "ClientSideFixedClipping",
     "EveryClientRetiredError",

@@ -10,9 +10,11 @@ The server side: subclass :class:`ValidatedFedAvg`
 --------------------------------------------------
 Replies reach your code validated (shapes, dtypes, finite values, a positive
 ``num-examples``; a bad one is logged with its node and dropped), sampling is
-seeded, a round without a valid reply keeps the model, and a run that aggregated
-no round at all raises :class:`NoRoundAggregatedError` at the end of ``start()``
-(with the counted reasons, a :class:`ReplyTally`). Seven names do the work:
+seeded, a round without a valid reply keeps the model, rounds in a row that
+aggregate nothing stop the run from inside ``aggregate_train`` (whoever owns the
+loop), and a run that aggregated no round at all raises
+:class:`NoRoundAggregatedError` (with the counted reasons, a :class:`ReplyTally`).
+Seven names do the work:
 ``server_update`` (returning a :class:`RoundUpdate`), ``state_fields`` (with
 ``resume_settings`` and ``settings``), ``train_config``, ``train_records`` /
 ``node_train_records``, ``expected_train_arrays``, ``check_reply`` and

@@ -95,7 +95,7 @@ USER_API = {
     "FedEPMRule", "SFedAvg", "SFedAvgClient", "SFedProx", "SFedProxClient",
     "SFedRule", "PFedAvg", "PFedAvgServer", "ClientRule",  # FedAvg's rule
     "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError", "NoRoundAggregatedError",
-    "EveryClientRetiredError",
+    "EveryClientRetiredError", "AggregationStalledError",
     "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod",
     "ClientSideFixedClipping", "ServerSideFixedClipping",
 }  # fmt: skip

@@ -246,7 +246,7 @@ def test_exhausted_client_is_absent_not_failed_and_is_not_sampled_again() -> Non
 
 
 def test_strategy_reports_every_clients_epsilon() -> None:
-    strategy = FedAvg(min_available_nodes=3)
+    strategy = FedAvg(min_available_nodes=3, per_client_metrics=True)
     arrays = record({"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)})
     messages = list(
         strategy.configure_train(1, arrays, ConfigRecord(), sampling_grid(3))
@@ -265,7 +265,7 @@ def test_strategy_reports_every_clients_epsilon() -> None:
     ]
     _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["dp-epsilon-total-per-client"] == [1.0, 2.0, 3.0]
-    assert metrics["dp-epsilon-client-keys"] == [10.0, 11.0, 12.0]
+    assert metrics["dp-epsilon-client-keys"] == [10, 11, 12]
     assert metrics["dp-epsilon-total-max"] == 3.0
     # A round in which nobody trains still reports what was spent.
     strategy.configure_train(2, arrays, ConfigRecord(), sampling_grid(3))

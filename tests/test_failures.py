@@ -83,10 +83,18 @@ def test_short_reason_reads_flowers_error_format() -> None:
         "<class 'flwr.clientapp.client_app.ClientAppException'>:<'\n"
         "Exception ClientAppException occurred. Message: boom'>"
     )
-    assert short_reason(wrapped) == "ClientAppException: boom"
-    assert (
-        short_reason("x" * 500).endswith("...") and len(short_reason("x" * 500)) == 160
-    )
+    assert short_reason(wrapped) == "the ClientApp raised: boom"
+    # A long text is cut at a word, saying how much was left out; never mid-word.
+    long = " ".join(f"word{i}" for i in range(200))
+    cut = short_reason(long)
+    assert cut.endswith(" more characters]") and len(cut) < len(long)
+    kept, left = cut.rsplit(" [", 1)
+    assert long.startswith(kept) and long[len(kept)] == " "
+    assert int(left.split()[0]) == len(long) - len(kept)
+    # A traceback keeps its last line, the exception; a short text is whole.
+    trace = "Traceback (most recent call last):\n  File x\n  line\nValueError: bad"
+    assert short_reason(trace) == "ValueError: bad"
+    assert short_reason("x" * 500) == "x" * 500
 
 
 def test_all_error_run_raises_at_the_end_with_counted_reasons(

@@ -334,8 +334,14 @@ class FedDCRule(ClientRule):
         self, steps: int, lr: float
     ) -> tuple[dict[str, list[NDArray]], dict[str, Any]]:
         """Update :math:`h_i` (11) and the correction state; prepare the upload."""
-        update = [p.detach() - w for p, w in zip(self.params, self.anchor, strict=True)]
-        drift = [h + u for h, u in zip(self.h, update, strict=True)]
+        # The drift is measured from the global model w; the correction's
+        # gradient estimate from where training started (w, unless the user
+        # restored part of the model after from_message).
+        drift = [
+            h + p.detach() - w
+            for h, p, w in zip(self.h, self.params, self.anchor, strict=True)
+        ]
+        update = [p.detach() - s for p, s in zip(self.params, self.start, strict=True)]
         self.state.set_pending(DRIFT_STATE, drift, self.server_round)
         if self.mode == "official":
             rho = self.relative_size

@@ -214,7 +214,9 @@ class ScaffoldRule(ClientRule):
 
     Adds the correction :math:`c - c_i` to every step's gradient; after the
     round, :math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)` (pending until the
-    server confirms the reply) and the reply carries
+    server confirms the reply; :math:`x` is where training started, the
+    received model unless the user restored part of it after
+    :meth:`~ClientRule.from_message`) and the reply carries
     :math:`\Delta c_i` (``control-delta``). Option II assumes plain SGD steps:
     :meth:`ClientRule.attach` refuses momentum and other optimisers. With a
     step size that changes within the round, :math:`K\eta_l` is the sum of the
@@ -253,7 +255,7 @@ class ScaffoldRule(ClientRule):
             new_ci = [
                 ci - c + (x - p.detach()) * scale
                 for ci, c, x, p in zip(
-                    self.ci, self.c, self.anchor, self.params, strict=True
+                    self.ci, self.c, self.start, self.params, strict=True
                 )
             ]
             delta = [n - ci for n, ci in zip(new_ci, self.ci, strict=True)]

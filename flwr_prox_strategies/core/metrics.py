@@ -54,29 +54,25 @@ def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
     return record
 
 
-def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]]:
+def per_client_table(
+    replies: list[ValidReply], per_client: bool = True
+) -> dict[str, Any]:
     """Per-client accuracies of an evaluation round, and their spread.
 
     For every metric ending in ``accuracy`` (the global model's ``accuracy``,
-    a personalised client's ``personal-accuracy``, ...): the value of each
-    client (``<metric>-per-client``, in the order of ``eval-client-keys``), their
-    unweighted mean over clients (``-clients-mean``), standard deviation
-    (``-std``) and the worst client's value (``-worst``). A personalised method
-    is judged by its worst client as much as by its mean.
+    a personalised client's ``personal-accuracy``, ...): their unweighted mean
+    over clients (``-clients-mean``), standard deviation (``-std``) and the
+    worst client's value (``-worst``), and with ``per_client`` the value of
+    each client (``<metric>-per-client``, in the order of the integer
+    ``eval-client-keys``). A personalised method is judged by its worst client
+    as much as by its mean.
     """
     rows = sorted(
-        (
-            (
-                _number(reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))),
-                reply,
-            )
-            for reply in replies
-        ),
-        key=lambda row: row[0],
+        ((_client_key(reply), reply) for reply in replies), key=lambda row: row[0]
     )
-    table: dict[str, float | list[float]] = {
-        "eval-client-keys": [key for key, _ in rows]
-    }
+    table: dict[str, Any] = {}
+    if per_client:
+        table["eval-client-keys"] = [key for key, _ in rows]
     names = sorted(
         {
             key
@@ -90,7 +86,8 @@ def per_client_table(replies: list[ValidReply]) -> dict[str, float | list[float]
         finite = np.array([v for v in values if math.isfinite(v)])
         if finite.size == 0:
             continue
-        table[f"{name}-per-client"] = values
+        if per_client:
+            table[f"{name}-per-client"] = values
         table[f"{name}-clients-mean"] = float(finite.mean())
         table[f"{name}-std"] = float(finite.std())
         table[f"{name}-worst"] = float(finite.min())
@@ -101,19 +98,25 @@ def evaluation_metrics(
     server_round: int,
     replies: list[ValidReply],
     custom: Callable[[list[RecordDict], str], MetricRecord] | None,
+    *,
+    pack_metrics: bool = True,
+    per_client: bool = False,
 ) -> MetricRecord:
     """Aggregate an evaluation round: the user's function, or ours and the table.
 
-    Ours: the weighted means, and the per-client table (:func:`per_client_table`)
-    whose spread is logged; ``replies-valid`` either way.
+    Ours: the weighted means and the per-client table (:func:`per_client_table`,
+    whose spread is logged). With ``pack_metrics``, ``replies-valid`` and the
+    table's spread join the record; with ``per_client``, its lists.
     """
     record = reply_metrics(replies, custom)
-    record["replies-valid"] = len(replies)
+    if pack_metrics:
+        record["replies-valid"] = len(replies)
     if custom is None:
-        table = per_client_table(replies)
-        for key, value in table.items():
-            record[key] = value
+        table = per_client_table(replies, per_client)
         log_client_spread(server_round, replies, table)
+        for key, value in table.items():
+            if pack_metrics or isinstance(value, list):
+                record[key] = value
     return record
 
 
@@ -134,6 +137,14 @@ def log_client_spread(
                 table[f"{name}-std"],
                 table[f"{name}-worst"],
             )
+
+
+def _client_key(reply: ValidReply) -> int:
+    # The client's own key (its partition id), else its node id made exact.
+    key = reply.metrics.get(CLIENT_KEY_METRIC)
+    if isinstance(key, (int, float)) and not isinstance(key, bool):
+        return int(key)
+    return node_key(reply.node_id)
 
 
 def _number(value: Any) -> float:

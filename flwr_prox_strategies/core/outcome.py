@@ -8,33 +8,36 @@ model in ``Result.arrays``.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
 
-from .validation import ReplyRejected
+from .validation import ReplyRejected, ValidReply, client_error_text
 
-# Flower's error text for an exception raised in a ClientApp.
-_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
+# A reason longer than this is cut, saying by how much.
+REASON_LIMIT = 600
 
 
-def short_reason(text: str, limit: int = 160) -> str:
-    """Return an error text on one line, at most ``limit`` characters.
+def short_reason(text: str, limit: int = REASON_LIMIT) -> str:
+    """Return an error text on one line, cut (saying by how much) past ``limit``.
 
-    Flower's ``<class 'X'>:<'msg'>`` becomes ``X: msg``; of a long traceback
-    only the last non-empty line is kept; whitespace is collapsed.
+    Flower's error format is unwrapped (:func:`client_error_text`); of a
+    traceback only the last non-empty line is kept (the exception); whitespace
+    is collapsed. A text longer than ``limit`` characters is cut at a word and
+    ends with how many characters were left out, never mid-word.
     """
-    text = str(text).strip()
-    match = _FLOWER_ERROR.match(text)
-    if match:
-        text = f"{match.group(1).rsplit('.', 1)[-1]}: {match.group(2)}"
-        text = text.replace("Exception ClientAppException occurred. Message: ", "")
+    text = client_error_text(text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    text = " ".join(" ".join(lines[-1:] if len(lines) > 3 else lines).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if lines and lines[0].startswith("Traceback (most recent call last)"):
+        lines = lines[-1:]
+    text = " ".join(" ".join(lines).split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    cut = cut if cut > limit // 2 else limit
+    return f"{text[:cut]} [{len(text) - cut} more characters]"
 
 
 @dataclass
@@ -57,6 +60,12 @@ class ReplyTally:
         The nodes whose replies were not used. Default: empty.
     aggregated : int (default: 0)
         Rounds aggregated.
+    not_applied : collections.Counter[str]
+        Replies averaged in although their client did not apply the
+        algorithm's rule, counted by what the client did instead. Default:
+        empty.
+    not_applied_nodes : set[int]
+        Their nodes. Default: empty.
     """
 
     failed: Counter[str] = field(default_factory=Counter)  # error-reply texts
@@ -64,6 +73,24 @@ class ReplyTally:
     kept: Counter[str] = field(default_factory=Counter)  # rounds not aggregated
     nodes: set[int] = field(default_factory=set)
     aggregated: int = 0
+    not_applied: Counter[str] = field(default_factory=Counter)
+    not_applied_nodes: set[int] = field(default_factory=set)
+
+    def add_not_applied(self, replies: list[ValidReply], problem: str) -> None:
+        """Count replies averaged in without the algorithm's rule, and why."""
+        self.not_applied[problem] += len(replies)
+        self.not_applied_nodes.update(reply.node_id for reply in replies)
+
+    def describe_not_applied(self) -> str:
+        """Say how many replies were averaged in without the rule (the run's end)."""
+        total = sum(self.not_applied.values())
+        nodes = sorted(self.not_applied_nodes)
+        problems = "; ".join(self.not_applied)
+        return (
+            f"{total} repl{'y' if total == 1 else 'ies'} from {len(nodes)} node(s) "
+            f"were averaged in without the algorithm's rule, as plain FedAvg "
+            f"updates: {problems}. strict=True rejects such replies"
+        )
 
     def add(self, node_id: int, err: ReplyRejected) -> None:
         """Count one reply that was not used."""
@@ -111,16 +138,61 @@ class ReplyTally:
         return "; ".join(parts) + f" (from {len(nodes)} node(s): {shown})"
 
 
-class NoRoundAggregatedError(RuntimeError):
-    """A run ended without aggregating a single round.
+class AggregationStalledError(RuntimeError):
+    """Rounds in a row ended without aggregating: the run stops, saying why.
 
-    Raised at the end of ``start()`` by the pack's strategies (and by the
-    central-DP wrappers and P-FedAvg around them) when a run meant to train
-    (``num_rounds > 0``, ``fraction_train > 0``) aggregated no round: every
-    reply failed, was rejected or never came. Flower's own strategies end such
-    a run silently with an empty model. The message says, counted, why the
-    rounds were kept (most common reasons first) and which nodes failed;
-    each round's warning in the log says more.
+    Raised by ``aggregate_train`` of the pack's strategies when
+    ``max_rounds_without_aggregation`` rounds in a row (3 by default) kept the
+    model because no reply was valid (or ``accept_failures=False`` refused
+    the round). It is raised inside the round, so it stops any loop that calls
+    the strategy (the pack's ``start()``, Flower's, or a ``start()`` of your
+    own) and Flower marks the run ``finished:failed``. A run that never
+    aggregated raises its subclass :class:`NoRoundAggregatedError`.
+
+    Parameters
+    ----------
+    message : str
+        The error message, with the counted reasons.
+    result : Result
+        What the run has to show: ``result.arrays`` is the last aggregated
+        model (the initial model when none was).
+    reasons : ~flwr_prox_strategies.extend.ReplyTally
+        The counted reasons of the rounds that were not aggregated.
+
+    Attributes
+    ----------
+    result : Result
+        ``result.arrays`` is the last aggregated model, or the initial model.
+        Raised from a round, its metric histories are empty (the loop that
+        called the strategy holds them); raised at the end of the pack's
+        ``start()``, they are Flower's.
+    reasons : ~flwr_prox_strategies.extend.ReplyTally
+        The counted reasons: ``reasons.failed`` (error-reply texts) and
+        ``reasons.rejected`` (``"kind: reason"``) are ``collections.Counter``
+        objects, ``reasons.nodes`` the nodes concerned, and
+        ``reasons.describe()`` says it in one line.
+    """
+
+    def __init__(self, message: str, result: Result, reasons: ReplyTally) -> None:
+        super().__init__(message)
+        self.result = result
+        self.reasons = reasons
+
+
+class NoRoundAggregatedError(AggregationStalledError):
+    """A run ended, or stopped, without aggregating a single round.
+
+    Raised by the pack's strategies (and by the central-DP wrappers and
+    P-FedAvg around them) when a run meant to train (``num_rounds > 0``,
+    ``fraction_train > 0``) aggregated no round: every reply failed, was
+    rejected or never came. In any loop, ``aggregate_train`` raises it once
+    ``max_rounds_without_aggregation`` rounds have passed so; at the end of
+    the pack's ``start()`` (or of your loop, through
+    :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.check_run`) it is
+    raised whatever that option says. Flower's own strategies end such a run
+    silently with an empty model. The message says, counted, why the rounds
+    were kept (most common reasons first) and which nodes failed; each round's
+    warning in the log says more.
 
     Parameters
     ----------
@@ -135,18 +207,11 @@ class NoRoundAggregatedError(RuntimeError):
     ----------
     result : Result
         The run's ``Result``: ``result.arrays`` is the initial model, and the
-        per-round metrics are there as Flower recorded them.
+        per-round metrics are there as Flower recorded them (empty when
+        raised from a round).
     reasons : ~flwr_prox_strategies.extend.ReplyTally
-        The counted reasons: ``reasons.failed`` (error-reply texts) and
-        ``reasons.rejected`` (``"kind: reason"``) are ``collections.Counter``
-        objects, ``reasons.nodes`` the nodes concerned, and
-        ``reasons.describe()`` says it in one line.
+        The counted reasons, as :class:`AggregationStalledError`'s.
     """
-
-    def __init__(self, message: str, result: Result, reasons: ReplyTally) -> None:
-        super().__init__(message)
-        self.result = result
-        self.reasons = reasons
 
 
 class EveryClientRetiredError(RuntimeError):

@@ -55,41 +55,51 @@ PER_CLIENT_LIMIT = 100
 
 
 def privacy_metrics(
-    totals: dict[int, float], per_client_limit: int = PER_CLIENT_LIMIT
-) -> dict[str, float | list[float]]:
+    totals: dict[int, float],
+    per_client_limit: int = PER_CLIENT_LIMIT,
+    per_client: bool = True,
+) -> dict[str, Any]:
     """Summarise per-client epsilon totals: max, mean, and every client's.
 
     ``dp-epsilon-total-per-client`` lists the totals in the order of
-    ``dp-epsilon-client-keys`` (sorted client keys), so ``results.json`` holds
-    every client's epsilon every round, while at most ``per_client_limit``
-    clients have reported; beyond that, the median takes the lists' place.
+    ``dp-epsilon-client-keys`` (sorted client keys, integers), so
+    ``results.json`` holds every client's epsilon every round, while at most
+    ``per_client_limit`` clients have reported; beyond that, or with
+    ``per_client=False``, the median takes the lists' place.
     """
     if not totals:
         return {}
     keys = sorted(totals)
     values = [totals[k] for k in keys]
-    metrics: dict[str, float | list[float]] = {
+    metrics: dict[str, Any] = {
         "dp-epsilon-total-max": max(values),
         "dp-epsilon-total-mean": sum(values) / len(values),
         "dp-clients-reporting": len(values),
     }
-    if len(values) <= per_client_limit:
+    if not per_client:
+        metrics["dp-epsilon-total-median"] = float(np.median(values))
+    elif len(values) <= per_client_limit:
         metrics["dp-epsilon-total-per-client"] = values
-        metrics["dp-epsilon-client-keys"] = [float(k) for k in keys]
+        metrics["dp-epsilon-client-keys"] = keys
     else:
         metrics["dp-epsilon-total-median"] = float(np.median(values))
     return metrics
 
 
 def record_privacy(
-    totals: dict[int, float], replies: list[ValidReply], retired: set[int]
-) -> dict[str, float | list[float]]:
+    totals: dict[int, float],
+    replies: list[ValidReply],
+    retired: set[int],
+    *,
+    per_client: bool = True,
+) -> dict[str, Any]:
     """Update the epsilon ledger ``totals`` from replies; return the round's metrics.
 
     The ledger maps a client key (or, for a client that reports none, its node
     id) to the largest ``dp-epsilon-total`` it reported: one report for every
     strategy, whatever mechanism the client runs. ``retired``: the nodes whose
-    budget is spent.
+    budget is spent. ``per_client``: list every client's total (else the
+    median), as :func:`privacy_metrics`.
     """
     for reply in replies:
         total = reply.metrics.get(EPSILON_TOTAL_METRIC)
@@ -98,7 +108,7 @@ def record_privacy(
         key = reply.metrics.get(CLIENT_KEY_METRIC, node_key(reply.node_id))
         key = int(key) if isinstance(key, (int, float)) else node_key(reply.node_id)
         totals[key] = max(totals.get(key, 0.0), total)
-    metrics = privacy_metrics(totals)
+    metrics = privacy_metrics(totals, per_client=per_client)
     if metrics:
         metrics["dp-clients-retired"] = len(retired)
         largest = sorted(totals.items(), key=lambda kv: -kv[1])[:10]

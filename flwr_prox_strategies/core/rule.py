@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any, ClassVar
 
 import numpy as np
@@ -334,6 +334,9 @@ class ClientRule:
         self.params = trainable(model)
         # The received global model, the point every rule measures from.
         self.anchor = [p.detach().clone() for p in self.params]
+        # Where local training started: the anchor, unless the user changed
+        # part of the model after from_message (a personal layer restored).
+        self.start = self.anchor
         self.steps = 0
         self.lr_sum = 0.0
         self.last_lr: float | None = None
@@ -407,7 +410,26 @@ class ClientRule:
         ProtocolError
             If the config has no ``key``, naming :attr:`protocol`.
         """
-        return require(self.config, key, type(self).__name__, self.protocol)
+        try:
+            return require(self.config, key, type(self).__name__, self.protocol)
+        except ProtocolError as err:
+            raise ProtocolError(f"{err}{self._server_hint()}") from None
+
+    def _server_hint(self) -> str:
+        # Another algorithm's strategy is recognised by its config keys, which
+        # start like its rule's applied metric ("feddyn-alpha", "feddyn-applied").
+        for rule in pack_rules():
+            metric = rule.applied_metric
+            if metric is None or rule is type(self):
+                continue
+            prefix = metric.removesuffix("-applied") + "-"
+            if any(str(key).startswith(prefix) for key in self.config):
+                return (
+                    f". The server runs {rule.protocol} (it sent its "
+                    f"'{prefix}*' keys): build {rule.__name__} in your "
+                    f"@app.train instead of {type(self).__name__}"
+                )
+        return ""
 
     def received_params(self, name: str) -> list[torch.Tensor]:
         """Return the extra ArrayRecord ``name`` as tensors like the parameters.
@@ -473,12 +495,44 @@ class ClientRule:
         """
         if self.steps == 0:
             self.check_model_unmoved()
+            self.start = self.starting_point()
         if self.term is not None:
             self.term.add_(self.params)
         self.steps += 1
         if lr is not None:
             self.last_lr = float(lr)
             self.lr_sum += float(lr)
+
+    def starting_point(self) -> list[torch.Tensor]:
+        """Return the parameters local training starts from (read at the first step).
+
+        They are :attr:`anchor`, the received global model, unless the user
+        changed some after :meth:`from_message` (a personal layer restored
+        from ``context.state``, as Flower's advanced-pytorch example does).
+        The anchor stays the global model every term pulls towards (FedProx's
+        and FedDyn's penalties, FedDyn's and FedDC's drift); the rules that
+        estimate the round's mean gradient from the local path (SCAFFOLD's
+        option II, FedDC's correction) divide the path from this point, so a
+        restored layer's jump is not counted as gradient.
+        """
+        changed = [
+            i
+            for i, (p, a) in enumerate(zip(self.params, self.anchor, strict=True))
+            if not torch.equal(p.detach(), a)
+        ]
+        if not changed:
+            return self.anchor
+        log(
+            INFO,
+            "client %d: %d of the model's %d trainable tensors differ from the "
+            "received model at the first step (changed after from_message); "
+            "%s measures this round's local path from where training started",
+            self.client_key,
+            len(changed),
+            len(self.params),
+            type(self).__name__,
+        )
+        return [p.detach().clone() for p in self.params]
 
     def check_model_unmoved(self) -> None:
         """Fail if the model's parameters changed object or device since setup."""
@@ -712,6 +766,18 @@ class ClientRule:
             content[name] = to_record(arrays, self._keys or None)
         content["metrics"] = record
         return Message(content, reply_to=self._message)
+
+
+def pack_rules() -> list[type[ClientRule]]:
+    """Return every client rule the pack defines (the imported ones)."""
+    found: list[type[ClientRule]] = []
+    pending = list(ClientRule.__subclasses__())
+    while pending:
+        rule = pending.pop(0)
+        pending.extend(rule.__subclasses__())
+        if rule.__module__.startswith("flwr_prox_strategies.") and rule not in found:
+            found.append(rule)
+    return found
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord | Sequence[NDArray]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
+from typing import Any
 
 from flwr.app import Message, Metadata
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -22,6 +23,7 @@ from flwr.common.logger import log
 from .keys import CLIENT_KEY_METRIC
 from .outcome import ReplyTally
 from .records import RecordSpec
+from .rule import pack_rules
 from .validation import (
     NON_FINITE,
     ReplyRejected,
@@ -330,34 +332,83 @@ def reports_rule(reply: ValidReply, metric: str | None) -> bool:
     )
 
 
-def warn_rule_not_applied(
-    owner: str,
-    server_round: int,
-    replies: list[ValidReply],
-    metric: str,
-    rule_name: str,
-    pieces: tuple[str, str],
-) -> bool:
-    """Warn, naming the nodes whose replies lack ``metric``; return whether any did.
+def pack_class(cls: type) -> type:
+    """Return the first class of ``cls``'s MRO that the pack defines.
 
-    Their clients are not applying the algorithm's rule; ``pieces`` names the
-    pack's client and rule that do.
+    A user's subclass (``class CustomFedAvg(FedProx)``) is skipped, so messages
+    name classes that exist (``FedProxRule``, not ``CustomFedAvgRule``).
     """
-    nodes = sorted(r.node_id for r in replies if not reports_rule(r, metric))
-    if not nodes:
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("flwr_prox_strategies."):
+            return klass
+    return cls
+
+
+def rule_pieces_of(strategy: Any) -> tuple[str, str]:
+    """Return the pack's ``(client, rule)`` class names that serve ``strategy``."""
+    name = pack_class(type(strategy)).__name__
+    return strategy.rule_pieces or (f"{name}Client", f"{name}Rule")
+
+
+def rules_applied(reply: ValidReply) -> list[str]:
+    """Return the pack's rules a reply says were applied (its ``*-applied`` metrics)."""
+    return sorted(
+        {
+            rule.__name__
+            for rule in pack_rules()
+            if rule.applied_metric is not None
+            and reports_rule(reply, rule.applied_metric)
+        }
+    )
+
+
+def protocol_problem(strategy: Any, reply: ValidReply) -> str:
+    """Say what the client did instead of applying the strategy's rule, and the fix.
+
+    Either it applied another algorithm's rule (naming both), or its reply
+    carries none of the records :meth:`ClientRule.reply` adds (a ClientApp
+    that builds its own reply, or Flower's own client).
+    """
+    client, rule = rule_pieces_of(strategy)
+    server = pack_class(type(strategy)).__name__
+    others = [name for name in rules_applied(reply) if name != rule]
+    if others:
+        return (
+            f"the client applies {' and '.join(others)}, but this server runs "
+            f"{server}, whose clients apply {rule}: build {rule} in your "
+            f"@app.train instead (or use the pack's {client})"
+        )
+    return (
+        f"the reply carries none of {rule}'s records: in your @app.train, "
+        f"build {rule}.from_message(msg, context, model) and return "
+        f"rule.reply(...) instead of a reply of your own (or use the pack's "
+        f"{client})"
+    )
+
+
+def warn_rule_not_applied(
+    strategy: Any, server_round: int, replies: list[ValidReply]
+) -> bool:
+    """Warn, naming the nodes whose replies lack the strategy's rule metric.
+
+    Their clients are not applying the algorithm's rule: the message says what
+    they do instead and what to change. Returns whether any reply lacked it.
+    """
+    metric = strategy.rule_metric
+    lacking = [r for r in replies if not reports_rule(r, metric)]
+    if not lacking:
         return False
     log(
         WARNING,
-        "%s: round %d: nodes %s do not report '%s': their clients are not "
-        "applying %s, and their updates are averaged in without it. Use "
-        "the pack's %s or "
-        "add %s to your client, or strict=True to reject such replies "
-        "(this warning is given once per run)",
-        owner,
+        "%s: round %d: nodes %s do not report '%s', so their clients are not "
+        "applying %s and their updates are averaged in without it: %s. "
+        "strict=True rejects such replies. (Given once per run, repeated at "
+        "the run's end and counted in the 'replies-rule-missing' metric.)",
+        type(strategy).__name__,
         server_round,
-        nodes,
+        sorted(r.node_id for r in lacking),
         metric,
-        rule_name,
-        *pieces,
+        strategy.rule_name,
+        protocol_problem(strategy, lacking[0]),
     )
     return True

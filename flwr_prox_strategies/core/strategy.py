@@ -50,11 +50,16 @@ from .commit import ClientBook
 from .fields import RoundUpdate, settings_text
 from .finite import finite_update
 from .messages import node_messages, payload_bytes
-from .outcome import finish_run
+from .outcome import (
+    AggregationStalledError,
+    NoRoundAggregatedError,
+    ReplyTally,
+    finish_run,
+)
 from .privacy import record_privacy
 from .records import RecordSpec, dict_to_record, spec_of
 from .resume import restore_strategy, strategy_state
-from .summary import log_summary
+from .summary import log_flower_summary, log_summary
 from .validation import (
     ReplyRejected,
     ValidReply,
@@ -153,7 +158,32 @@ class ValidatedFedAvg(FedAvg):
     strict : bool (default: False)
         Reject train replies that do not report
         :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`
-        (kind ``rule-not-applied``) instead of warning once per run.
+        (kind ``rule-not-applied``) instead of averaging them in with a
+        warning (given once per run, repeated at the run's end and counted
+        each round in ``replies-rule-missing``).
+    max_rounds_without_aggregation : int | None (default: 3)
+        Rounds in a row that may end without aggregating (no valid reply, or
+        ``accept_failures=False`` refusing the round) before
+        :meth:`aggregate_train` raises
+        :class:`~flwr_prox_strategies.AggregationStalledError`
+        (:class:`~flwr_prox_strategies.NoRoundAggregatedError` when no round
+        was ever aggregated), with the counted reasons. Raised inside the
+        round, it stops any loop that calls the strategy, a ``start()`` of
+        your own included; a round that aggregates resets the count. None:
+        never (the pack's ``start()`` and :meth:`check_run` still fail a run
+        that aggregated nothing).
+    pack_metrics : bool (default: True)
+        Add the pack's bookkeeping to each round's aggregated metrics (the
+        counts of valid, failed, rejected, absent and capped replies, bytes
+        sent and received, the privacy ledger's summary, the evaluation's
+        spread over clients). False: a round's metrics are only the
+        aggregate of the clients' own metrics (and the algorithm's).
+    per_client_metrics : bool (default: False)
+        Add per-client lists to the aggregated metrics (``eval-client-keys``
+        and ``<metric>-per-client`` of every accuracy, the privacy ledger's
+        ``dp-epsilon-total-per-client``). The pack's experiment asks for them
+        (its per-client table and plots); Flower's own metric handling
+        expects scalars.
     arrayrecord_key : str (default: "arrays")
         The model's ArrayRecord name in the messages (Flower's default).
     configrecord_key : str (default: "config")
@@ -272,6 +302,9 @@ class ValidatedFedAvg(FedAvg):
         max_reply_bytes: int | None = None,
         min_round_nodes: int | None = None,
         strict: bool = False,
+        max_rounds_without_aggregation: int | None = 3,
+        pack_metrics: bool = True,
+        per_client_metrics: bool = False,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         train_metrics_aggr_fn: MetricsFn | None = None,
@@ -301,6 +334,7 @@ class ValidatedFedAvg(FedAvg):
             max_weight_ratio=max_weight_ratio,
             max_reply_bytes=max_reply_bytes,
             min_round_nodes=min_round_nodes,
+            max_rounds_without_aggregation=max_rounds_without_aggregation,
         )
         super().__init__(
             fraction_train=fraction_train,
@@ -329,6 +363,9 @@ class ValidatedFedAvg(FedAvg):
         self.node_wait_timeout = float(node_wait_timeout)
         self.min_round_nodes = min_round_nodes
         self.strict = bool(strict)
+        self.max_rounds_without_aggregation = max_rounds_without_aggregation
+        self.pack_metrics = bool(pack_metrics)
+        self.per_client_metrics = bool(per_client_metrics)
         self.max_num_examples = max_num_examples
         self.max_weight_ratio = max_weight_ratio
         self.max_reply_bytes = max_reply_bytes
@@ -351,6 +388,12 @@ class ValidatedFedAvg(FedAvg):
         self._sampled_once = False
         self._rule_warned = False
         self._bytes_sent = 0
+        # The run's first model (what Result.arrays holds if nothing is
+        # aggregated) and the rounds in a row not aggregated, with their reasons.
+        self._run_initial: ArrayRecord | None = None
+        self._final_round: int | None = None  # known in the pack's start() only
+        self._stalled = 0
+        self._stall_tally = ReplyTally()
 
     rejections = property(lambda self: self.screen.rejections)
     run_tally = property(lambda self: self.screen.run_tally)
@@ -372,9 +415,9 @@ class ValidatedFedAvg(FedAvg):
         return f"{type(self).__name__}({settings_text(self, self.settings)})"
 
     def summary(self) -> None:
-        """Log the algorithm's :attr:`settings`, the base's checks, then Flower's."""
+        """Log the algorithm's :attr:`settings`, the base's checks, Flower's lines."""
         log_summary(self, ValidatedFedAvg.settings)
-        super().summary()
+        log_flower_summary(self)
 
     def start(
         self,
@@ -418,8 +461,15 @@ class ValidatedFedAvg(FedAvg):
             If no round was aggregated (with ``num_rounds > 0`` and
             ``fraction_train > 0``), with the counted reasons and the
             ``Result`` (``err.result``).
+        AggregationStalledError
+            From a round, when ``max_rounds_without_aggregation`` rounds in a
+            row were not aggregated.
         """
         self.reset_run()
+        self._run_initial = initial_arrays
+        # A stall in the last round is left to check_run, which raises with
+        # Flower's whole Result.
+        self._final_round = self.round_offset + num_rounds
         result = super().start(
             grid=grid,
             initial_arrays=initial_arrays,
@@ -429,12 +479,53 @@ class ValidatedFedAvg(FedAvg):
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
         )
+        return self.check_run(result, num_rounds=num_rounds)
+
+    def check_run(
+        self, result: Result | None = None, num_rounds: int | None = None
+    ) -> Result:
+        """End a run: fail loudly if it aggregated nothing, say what it averaged in.
+
+        The pack's ``start()`` ends with it; call it at the end of a
+        ``start()`` of your own (after :meth:`reset_run` at its beginning).
+        It repeats the warning about clients that did not apply the
+        algorithm's rule, with the run's count, and, when the run trained
+        (``num_rounds > 0`` and ``fraction_train > 0``) without aggregating a
+        single round, raises :class:`~flwr_prox_strategies.NoRoundAggregatedError`
+        with the counted reasons.
+
+        Parameters
+        ----------
+        result : Result | None (default: None)
+            The run's result; its ``arrays`` become the run's initial model
+            when no round was aggregated (Flower leaves them empty). None: a
+            new ``Result`` holding the last aggregated (or initial) model.
+        num_rounds : int | None (default: None)
+            The rounds the run was asked for; None: the rounds this strategy
+            was called for since :meth:`reset_run`.
+
+        Returns
+        -------
+        Result
+            ``result``, its ``arrays`` set as above.
+
+        Raises
+        ------
+        NoRoundAggregatedError
+            If the run trained and aggregated no round.
+        """
+        tally = self.run_tally
+        if result is None:
+            result = Result(arrays=self.global_arrays or ArrayRecord())
+        if tally.not_applied:
+            log(WARNING, "%s: %s", type(self).__name__, tally.describe_not_applied())
+        attempted = tally.aggregated + sum(tally.kept.values())
         return finish_run(
             type(self).__name__,
             result,
-            initial_arrays,
-            num_rounds,
-            self.run_tally,
+            self._run_initial if self._run_initial is not None else result.arrays,
+            attempted if num_rounds is None else num_rounds,
+            tally,
             trains=self.fraction_train > 0,
         )
 
@@ -442,6 +533,10 @@ class ValidatedFedAvg(FedAvg):
         """Start a new run's diagnostics (reasons tally, the once-per-run warning)."""
         self.screen.reset_run()
         self._rule_warned = False
+        self._run_initial = None
+        self._final_round = None
+        self._stalled = 0
+        self._stall_tally = ReplyTally()
 
     def sample_nodes(
         self, grid: Grid, server_round: int, **draw: Any
@@ -608,8 +703,9 @@ class ValidatedFedAvg(FedAvg):
         if self.strict and not screening.reports_rule(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
-                f"no '{self.rule_metric}' metric: the client is not applying "
-                f"{self.rule_name} (strict=True)",
+                f"no '{self.rule_metric}' metric, so the client is not applying "
+                f"{self.rule_name} (strict=True): "
+                f"{screening.protocol_problem(self, reply)}",
             )
         if self.weighting == "metric":
             check_weight(reply.metrics, self.weighted_by_key, kind="weight")
@@ -618,8 +714,9 @@ class ValidatedFedAvg(FedAvg):
             if isinstance(key, bool) or not isinstance(key, int):
                 raise ReplyRejected(
                     "client-key",
-                    f"no integer '{keys.CLIENT_KEY_METRIC}' metric: is the client a "
-                    f"{type(self).__name__} client?",
+                    f"no integer '{keys.CLIENT_KEY_METRIC}' metric, which "
+                    f"{screening.pack_class(type(self)).__name__} needs to keep "
+                    f"each client's state: {screening.protocol_problem(self, reply)}",
                 )
 
     def learn_num_clients(self, num_clients: int) -> None:
@@ -776,6 +873,8 @@ class ValidatedFedAvg(FedAvg):
         """Sample nodes and build one fresh message per node."""
         server_round += self.round_offset
         self.global_arrays = arrays
+        if self._run_initial is None:
+            self._run_initial = arrays
         self._global_spec = spec_of(arrays)
         if self.fraction_train == 0.0:
             self.train_nodes = set()
@@ -901,9 +1000,7 @@ class ValidatedFedAvg(FedAvg):
         valid = finite
         if keep is None and (failed or rejected) and not self.accept_failures:
             keep = "accept_failures=False and some replies failed or were rejected"
-        if keep is None:
-            self.run_tally.aggregated += 1
-            self._warn_rule_not_applied(server_round, valid)
+        lacking = self._count_rule_not_applied(server_round, valid, keep is None)
         counts = metrics.round_counts(
             valid,
             failed=failed,
@@ -912,8 +1009,19 @@ class ValidatedFedAvg(FedAvg):
             capped=capped,
             bytes_sent=self._bytes_sent,
         )
+        if self.rule_metric is not None:
+            counts["replies-rule-missing"] = lacking
         # Privacy spent is spent, even in a round whose model is not kept.
-        counts.update(record_privacy(self.epsilon_totals, valid, self.retired_nodes))
+        counts.update(
+            record_privacy(
+                self.epsilon_totals,
+                valid,
+                self.retired_nodes,
+                per_client=self.per_client_metrics,
+            )
+        )
+        if not self.pack_metrics:
+            counts = {}
         if keep is not None or update is None:
             self.run_tally.kept[keep or "no model"] += 1
             self.num_clients = k_before  # as if the round's replies never came
@@ -924,7 +1032,11 @@ class ValidatedFedAvg(FedAvg):
                 keep,
                 self.round_tally.describe(),
             )
+            self._count_stalled_round(server_round, keep or "no model")
             return None, MetricRecord(counts)
+        self.run_tally.aggregated += 1
+        self._stalled = 0
+        self._stall_tally = ReplyTally()
         if self.stateful_clients:
             self.book.commit(server_round, valid)
             population.commit_growth(self, k_before)
@@ -945,20 +1057,51 @@ class ValidatedFedAvg(FedAvg):
             record[key] = value
         return update.arrays, record
 
-    def _warn_rule_not_applied(
-        self, server_round: int, replies: list[ValidReply]
-    ) -> None:
-        """Warn once per run, naming the nodes whose replies lack the rule metric."""
-        if self._rule_warned or self.rule_metric is None:
+    def _count_rule_not_applied(
+        self, server_round: int, replies: list[ValidReply], aggregated: bool
+    ) -> int:
+        """Count the valid replies that lack the rule metric; warn once per run."""
+        if self.rule_metric is None:
+            return 0
+        lacking = [
+            r for r in replies if not screening.reports_rule(r, self.rule_metric)
+        ]
+        if lacking and aggregated:
+            self.run_tally.add_not_applied(
+                lacking, screening.protocol_problem(self, lacking[0])
+            )
+            if not self._rule_warned:
+                self._rule_warned = screening.warn_rule_not_applied(
+                    self, server_round, lacking
+                )
+        return len(lacking)
+
+    def _count_stalled_round(self, server_round: int, why: str) -> None:
+        """Count a round not aggregated; raise after too many in a row."""
+        if self.fraction_train == 0.0 or not self.train_nodes:
+            return  # a round that sampled nobody for training is no failure
+        self._stalled += 1
+        self._stall_tally.update(self.round_tally)
+        self._stall_tally.kept[why] += 1
+        limit = self.max_rounds_without_aggregation
+        if limit is None or self._stalled < limit or server_round == self._final_round:
             return
         name = type(self).__name__
-        self._rule_warned = screening.warn_rule_not_applied(
-            name,
-            server_round,
-            replies,
-            self.rule_metric,
-            self.rule_name,
-            self.rule_pieces or (f"{name}Client", f"{name}Rule"),
+        first = server_round - self._stalled + 1
+        never = self.run_tally.aggregated == 0
+        error = NoRoundAggregatedError if never else AggregationStalledError
+        model = "the initial model" if never else "the last aggregated model"
+        raise error(
+            f"{name}: no round aggregated in {self._stalled} rounds in a row "
+            f"(rounds {first}-{server_round}, max_rounds_without_aggregation="
+            f"{limit}): {self._stall_tally.describe()}. The run stops here; "
+            f"err.result.arrays holds {model}. Fix the cause above, or set "
+            "max_rounds_without_aggregation=None to let such a run go on.",
+            Result(
+                arrays=(self._run_initial if never else self.global_arrays)
+                or ArrayRecord()
+            ),
+            self._stall_tally,
         )
 
     def configure_evaluate(
@@ -1010,4 +1153,10 @@ class ValidatedFedAvg(FedAvg):
         if not valid:
             return None
         self.cap_claims(server_round, valid, "aggregate_evaluate")
-        return metrics.evaluation_metrics(server_round, valid, self._custom_metrics[1])
+        return metrics.evaluation_metrics(
+            server_round,
+            valid,
+            self._custom_metrics[1],
+            pack_metrics=self.pack_metrics,
+            per_client=self.per_client_metrics,
+        )

@@ -1,7 +1,9 @@
-"""The run's summary of a strategy: its declared settings, then the base's checks.
+"""The run's summary of a strategy: its settings, the base's checks, Flower's lines.
 
-Logged at the start of ``Strategy.start`` (Flower's ``summary()``), before
-Flower's own lines, so a log says what ran.
+Logged at the start of ``Strategy.start`` (Flower's ``summary()``), so a log
+says what ran. Flower's ``FedAvg`` lines are written here, not by Flower: its
+"Weighted by" line names ``weighted_by_key`` even when the pack weighs every
+reply alike, and a summary must not contradict itself.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ if TYPE_CHECKING:
 
 
 def weighting_text(strategy: ValidatedFedAvg) -> str:
-    """Return how replies are weighted, in words."""
+    """Return how replies are weighted, in words, and whether Flower's differs."""
     if strategy.weighting == "metric":
-        return f"by metric '{strategy.weighted_by_key}'"
-    return strategy.weighting
+        return f"metric '{strategy.weighted_by_key}'"
+    if strategy.weighting == "uniform":
+        return "uniform (every valid reply weighs 1; Flower's FedAvg: 'num-examples')"
+    return "'num-examples'"
 
 
 def caps_text(strategy: ValidatedFedAvg) -> str:
@@ -41,7 +45,6 @@ def log_summary(strategy: ValidatedFedAvg, base_settings: tuple[str, ...]) -> No
             branch = "└" if number == len(settings) else "├"
             log(INFO, "\t│\t%s── %s: %s", branch, name, getattr(strategy, name))
     log(INFO, "\t├──> Validation and sampling (flwr-prox-strategies):")
-    log(INFO, "\t│\t├── Weighting: %s", weighting_text(strategy))
     if strategy.rule_metric is not None:
         log(
             INFO,
@@ -68,3 +71,25 @@ def log_summary(strategy: ValidatedFedAvg, base_settings: tuple[str, ...]) -> No
         100 * strategy.drop_percent,
         strategy.straggler_policy,
     )
+
+
+def log_flower_summary(strategy: ValidatedFedAvg) -> None:
+    """Log Flower's ``FedAvg.summary`` lines, with the weighting actually used."""
+    log(INFO, "\t├──> Sampling:")
+    log(
+        INFO,
+        "\t│\t├──Fraction: train (%.2f) | evaluate ( %.2f)",
+        strategy.fraction_train,
+        strategy.fraction_evaluate,
+    )
+    log(
+        INFO,
+        "\t│\t├──Minimum nodes: train (%d) | evaluate (%d)",
+        strategy.min_train_nodes,
+        strategy.min_evaluate_nodes,
+    )
+    log(INFO, "\t│\t└──Minimum available nodes: %d", strategy.min_available_nodes)
+    log(INFO, "\t└──> Keys in records:")
+    log(INFO, "\t\t├── Weighted by: %s", weighting_text(strategy))
+    log(INFO, "\t\t├── ArrayRecord key: '%s'", strategy.arrayrecord_key)
+    log(INFO, "\t\t└── ConfigRecord key: '%s'", strategy.configrecord_key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,43 @@ def resolve_alias(
     if value is not None:
         return value
     return default if alias_value is None else alias_value
+
+
+# Flower's error text for an exception raised in a ClientApp:
+# "<class 'ValueError'>:<'message'>" (the simulation wraps every exception in
+# its ClientAppException, whose message starts on a new line).
+_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
+_SIMULATION_WRAPPER = re.compile(
+    r"^\s*Exception ClientAppException occurred\. Message: "
+)
+
+
+def client_error_text(reason: str) -> str:
+    """Return a ClientApp's error reply as the user's exception reads.
+
+    Flower's ``<class 'ValueError'>:<'msg'>`` becomes ``ValueError: msg``, and
+    the simulation's ``ClientAppException`` wrapper (which hides the original
+    type) becomes ``the ClientApp raised: msg``. Other texts are returned as
+    they are.
+
+    Parameters
+    ----------
+    reason : str
+        ``message.error.reason`` of an error reply.
+
+    Returns
+    -------
+    str
+        The exception's type and whole message.
+    """
+    text = str(reason).strip()
+    match = _FLOWER_ERROR.match(text)
+    if not match:
+        return text
+    kind, message = match.group(1).rsplit(".", 1)[-1], match.group(2)
+    if kind == "ClientAppException":
+        return "the ClientApp raised: " + _SIMULATION_WRAPPER.sub("", message).strip()
+    return f"{kind}: {message.strip()}"
 
 
 class ReplyRejected(Exception):
@@ -293,7 +331,7 @@ def validate_reply(
             if reason.startswith(BUDGET_EXHAUSTED_REASON)
             else "error-reply"
         )
-        raise ReplyRejected(kind, f"error reply: {reason}")
+        raise ReplyRejected(kind, f"error reply: {client_error_text(reason)}")
     if max_bytes is not None:
         check_reply_size(message, max_bytes)
     content = message.content
@@ -409,6 +447,7 @@ def check_base_options(
     max_weight_ratio: float | None,
     max_reply_bytes: int | None,
     min_round_nodes: int | None,
+    max_rounds_without_aggregation: int | None = None,
 ) -> None:
     """Check the base strategy's keywords; a ``ValueError`` names the bad one."""
     check_fraction("fraction_train", fraction_train)
@@ -451,3 +490,5 @@ def check_base_options(
         check_int("max_reply_bytes", max_reply_bytes, 1)
     if min_round_nodes is not None:
         check_int("min_round_nodes", min_round_nodes, 1)
+    if max_rounds_without_aggregation is not None:
+        check_int("max_rounds_without_aggregation", max_rounds_without_aggregation, 1)
