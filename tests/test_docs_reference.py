@@ -590,3 +590,45 @@ def test_the_cli_help_is_the_parsers(confref) -> None:
     deploy = confref.cli_help("flwr_prox_strategies.pfedavg_deploy", "parse_args")
     assert deploy.startswith("usage: python -m flwr_prox_strategies.pfedavg_deploy")
     assert "--restart-after" in deploy
+
+
+def test_the_weighting_table_matches_each_strategys_default() -> None:
+    """The defaults page's weighting table names every strategy with its default."""
+    import flwr_prox_strategies as pack
+    from flwr_prox_strategies.algorithms import ALGORITHMS
+
+    page = (REPO / "docs" / "reference" / "flower-differences.md").read_text()
+    page = page.split("## Weighting of the replies")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `(\w+)` \| `([\w-]+)` \|", page, flags=re.MULTILINE)
+    table = dict(rows)
+    expected = {
+        algorithm.strategy.__name__
+        for algorithm in ALGORITHMS.values()
+        if algorithm.client is not None
+    }
+    assert set(table) == expected
+    for name, weighting in table.items():
+        assert getattr(pack, name)().weighting == weighting, name
+
+
+def test_every_pack_metric_key_is_documented() -> None:
+    """Every key the base adds to a round's metrics is on the metrics page."""
+    from flwr_prox_strategies.core import metrics
+    from flwr_prox_strategies.core.privacy import privacy_metrics
+    from flwr_prox_strategies.core.rule import pack_rules
+
+    page = (REPO / "docs" / "reference" / "metrics.md").read_text()
+    counts = metrics.round_counts(
+        [], failed=0, rejected=0, absent=0, capped=0, bytes_sent=0
+    )
+    privacy = {
+        **privacy_metrics({1: 1.0}, per_client=True),
+        **privacy_metrics({1: 1.0}, per_client=False),
+    }
+    keys = {*counts, *privacy, "replies-rule-missing", "dp-clients-retired"}
+    keys |= {"eval-client-keys", "dissimilarity-b", "grad-sq-norm-global"}
+    keys |= metrics.rule_bookkeeping() - {
+        rule.applied_metric for rule in pack_rules() if rule.applied_metric
+    }
+    missing = sorted(key for key in keys if f"`{key}`" not in page)
+    assert not missing

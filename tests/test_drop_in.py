@@ -198,15 +198,20 @@ def test_a_protocol_mismatch_is_counted_each_round_and_repeated_at_the_end(
 
 def test_the_users_metrics_stay_theirs(problem):
     """Without the pack's bookkeeping a round's metrics are the clients' own."""
-    app = own_reply_app(problem, FedProxRule)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=LR)  # noqa: E731
+    app = own_client_app(problem, FedProxRule, sgd)  # rule.reply(..., metrics=...)
     quiet = FedProx(mu=0.1, fraction_evaluate=0.0, pack_metrics=False)
     result, _ = own_loop(quiet, app, problem, rounds=1)
-    assert set(result.train_metrics_clientapp[1]) == {"train_loss", "num-examples"}
+    assert set(result.train_metrics_clientapp[1]) == {"train-loss", "num-examples"}
     loud = FedProx(mu=0.1, fraction_evaluate=0.0)
     result, _ = own_loop(loud, app, problem, rounds=1)
-    assert {"replies-valid", "bytes-sent", "replies-rule-missing"} <= set(
-        result.train_metrics_clientapp[1]
-    )
+    assert {
+        "replies-valid",
+        "bytes-sent",
+        "replies-rule-missing",
+        "proximal-mu-applied",
+        "local-steps",
+    } <= set(result.train_metrics_clientapp[1])
 
 
 def test_evaluation_metrics_carry_lists_only_when_asked(problem):

@@ -65,11 +65,16 @@ from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from ..core.grid import GroupGrid
-from ..core.outcome import ReplyTally, finish_run
+from ..core.outcome import (
+    AggregationStalledError,
+    NoRoundAggregatedError,
+    ReplyTally,
+    finish_run,
+)
 from ..core.records import RecordSpec, dict_to_record, record_to_dict
 from ..core.screening import reply_node
 from ..core.strategy import ValidatedFedAvg
-from ..core.validation import reject_unknown_kwargs
+from ..core.validation import check_int, reject_unknown_kwargs
 from ..ops.graphs import adjacency, from_adjacency
 from ..ops.mixing import (
     check_mixing,
@@ -150,6 +155,13 @@ class PFedAvg(Strategy):
         ``{partition-id or node-id: server}``; None: from ``node_config``.
     seed : int (default: 0)
         Seeds the random topologies.
+    max_rounds_without_aggregation : int | None (default: 3)
+        Rounds in a row in which no server updated before
+        :meth:`aggregate_train` raises
+        :class:`~flwr_prox_strategies.AggregationStalledError` (or
+        :class:`~flwr_prox_strategies.NoRoundAggregatedError`), in any loop.
+        A server whose own group fails goes on mixing, so the inner
+        strategies' own limit is turned off. None: never.
 
     Raises
     ------
@@ -188,8 +200,13 @@ class PFedAvg(Strategy):
         inner: Callable[[], Strategy] | None = None,
         assignment: Mapping[int, int] | None = None,
         seed: int = 0,
+        max_rounds_without_aggregation: int | None = 3,
         **unknown: Any,
     ) -> None:
+        if max_rounds_without_aggregation is not None:
+            check_int(
+                "max_rounds_without_aggregation", max_rounds_without_aggregation, 1
+            )
         reject_unknown_kwargs(
             type(self).__name__,
             unknown,
@@ -219,6 +236,13 @@ class PFedAvg(Strategy):
         self.inner: list[Strategy] = [factory() for _ in range(servers)]
         if len({id(s) for s in self.inner}) != servers:
             raise ValueError("inner() must build a new strategy at every call")
+        # A server whose group fails goes on mixing with its neighbours: only
+        # rounds in which no server updated count towards stopping the run.
+        self.max_rounds_without_aggregation = max_rounds_without_aggregation
+        self._stalled = 0
+        for strategy in self.inner:
+            if isinstance(strategy, ValidatedFedAvg):
+                strategy.max_rounds_without_aggregation = None
         self.assignment = (
             None
             if assignment is None
@@ -309,6 +333,7 @@ class PFedAvg(Strategy):
             server's strategy, counted.
         """
         self.run_tally = ReplyTally()
+        self._stalled = 0
         for strategy in self.inner:
             if isinstance(strategy, ValidatedFedAvg):
                 strategy.reset_run()
@@ -507,7 +532,23 @@ class PFedAvg(Strategy):
                 why,
                 round_tally.describe(),
             )
+            self._stalled += 1
+            limit = self.max_rounds_without_aggregation
+            if limit is not None and self._stalled >= limit:
+                error = (
+                    NoRoundAggregatedError
+                    if self.run_tally.aggregated == 0
+                    else AggregationStalledError
+                )
+                raise error(
+                    f"P-FedAvg: no server updated in {self._stalled} rounds in a "
+                    f"row (max_rounds_without_aggregation={limit}): "
+                    f"{round_tally.describe()}",
+                    Result(arrays=dict_to_record(consensus_average(self.models))),
+                    round_tally,
+                )
             return None, metrics
+        self._stalled = 0
         self.models = self.mix(updated)
         self.run_tally.aggregated += 1
         average = consensus_average(self.models)

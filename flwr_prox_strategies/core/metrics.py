@@ -23,15 +23,28 @@ from .keys import (
     STATE_ROUND_METRIC,
 )
 from .messages import payload_bytes
-from .rule import node_key
+from .rule import LOCAL_STEPS_METRIC, node_key, pack_rules
 from .validation import ValidReply
 
 
-def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
+def rule_bookkeeping() -> set[str]:
+    """Return the metrics the pack's rules add to a reply besides the user's own.
+
+    Every rule's ``<algorithm>-applied`` flag and ``local-steps`` (``client-key``
+    and ``state-round`` are never averaged).
+    """
+    applied = {rule.applied_metric for rule in pack_rules()}
+    return {name for name in applied if name is not None} | {LOCAL_STEPS_METRIC}
+
+
+def weighted_metric_mean(
+    replies: list[ValidReply], exclude: frozenset[str] | set[str] = frozenset()
+) -> MetricRecord:
     """Sample-weighted mean of each numeric metric over the replies carrying it.
 
     ``num-examples`` is summed instead. Non-finite values and lists are skipped
-    (a NaN loss from one client must not hide the others' values).
+    (a NaN loss from one client must not hide the others' values), and so are
+    the names in ``exclude``.
     """
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
@@ -39,11 +52,16 @@ def weighted_metric_mean(replies: list[ValidReply]) -> MetricRecord:
     for reply in replies:
         total += reply.num_examples
         for key, value in reply.metrics.items():
-            if key in (
-                NUM_EXAMPLES_KEY,
-                CLIENT_KEY_METRIC,
-                STATE_ROUND_METRIC,
-            ) or isinstance(value, (list, bool)):
+            if (
+                key
+                in (
+                    NUM_EXAMPLES_KEY,
+                    CLIENT_KEY_METRIC,
+                    STATE_ROUND_METRIC,
+                )
+                or key in exclude
+                or isinstance(value, (list, bool))
+            ):
                 continue
             if not math.isfinite(value):
                 continue
@@ -108,7 +126,7 @@ def evaluation_metrics(
     whose spread is logged). With ``pack_metrics``, ``replies-valid`` and the
     table's spread join the record; with ``per_client``, its lists.
     """
-    record = reply_metrics(replies, custom)
+    record = reply_metrics(replies, custom, pack_metrics=pack_metrics)
     if pack_metrics:
         record["replies-valid"] = len(replies)
     if custom is None:
@@ -156,16 +174,22 @@ def reply_metrics(
     replies: list[ValidReply],
     custom: Callable[[list[RecordDict], str], MetricRecord] | None,
     weight_key: str | None = None,
+    *,
+    pack_metrics: bool = True,
 ) -> MetricRecord:
     """Aggregate the replies' metrics: the user's Flower-style function, or ours.
 
     ``custom(contents, key)`` gets the valid replies' contents only, and
     ``weight_key`` (``num-examples`` when None) as Flower's strategies give it.
+    Ours leaves the rules' bookkeeping (:func:`rule_bookkeeping`) out unless
+    ``pack_metrics``.
     """
     if custom is not None:
         contents = [r.message.content for r in replies if r.message is not None]
         return custom(contents, weight_key or NUM_EXAMPLES_KEY)
-    return weighted_metric_mean(replies)
+    return weighted_metric_mean(
+        replies, frozenset() if pack_metrics else rule_bookkeeping()
+    )
 
 
 def round_counts(

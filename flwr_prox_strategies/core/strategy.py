@@ -176,8 +176,10 @@ class ValidatedFedAvg(FedAvg):
         Add the pack's bookkeeping to each round's aggregated metrics (the
         counts of valid, failed, rejected, absent and capped replies, bytes
         sent and received, the privacy ledger's summary, the evaluation's
-        spread over clients). False: a round's metrics are only the
-        aggregate of the clients' own metrics (and the algorithm's).
+        spread over clients, and the rules' ``<algorithm>-applied`` flags and
+        ``local-steps`` averaged from the replies). False: a round's metrics
+        are only the aggregate of the clients' own metrics (and the
+        algorithm's).
     per_client_metrics : bool (default: False)
         Add per-client lists to the aggregated metrics (``eval-client-keys``
         and ``<metric>-per-client`` of every accuracy, the privacy ledger's
@@ -1048,7 +1050,10 @@ class ValidatedFedAvg(FedAvg):
         for name, value in update.state.items():
             setattr(self, name, value)
         record = metrics.reply_metrics(
-            valid, self._custom_metrics[0], self.weighted_by_key
+            valid,
+            self._custom_metrics[0],
+            self.weighted_by_key,
+            pack_metrics=self.pack_metrics,
         )
         extra = dict(update.metrics)
         if self.monitor_dissimilarity:

@@ -27,7 +27,12 @@ from flwr.serverapp.strategy import Result
 from omegaconf import DictConfig, OmegaConf
 
 from ..core.client import ProtocolError
-from ..core.outcome import EveryClientRetiredError, NoRoundAggregatedError, ReplyTally
+from ..core.outcome import (
+    AggregationStalledError,
+    EveryClientRetiredError,
+    NoRoundAggregatedError,
+    ReplyTally,
+)
 from ..core.privacy import PER_CLIENT_LIMIT
 from ..core.strategy import ValidatedFedAvg
 from ..core.training import evaluate_model
@@ -294,7 +299,7 @@ def run_experiment(
         log(INFO, "Central DP: %r around %r", released, strategy)
     if resume is not None:  # last: building models above drew from torch's RNG
         restore_rng(resume.rng)
-    failure: NoRoundAggregatedError | None = None
+    failure: AggregationStalledError | None = None
     try:
         if done < num_rounds:
             with round_end.observing(released):
@@ -309,7 +314,7 @@ def run_experiment(
         else:
             log(INFO, "The run in %s had done all %d rounds", output_dir, num_rounds)
             result = Result(arrays=initial)
-    except NoRoundAggregatedError as err:  # recorded below, then raised again
+    except AggregationStalledError as err:  # recorded below, then raised again
         failure, result = err, err.result
     except EveryClientRetiredError as err:  # a budget spent is an end, not a crash
         log(WARNING, "%s", err)
@@ -361,7 +366,7 @@ def run_experiment(
             plot_run(recorder.as_dict(), output_dir)
         except Exception as err:  # the failure is the news, not the plot
             log(WARNING, "Plots of the failed run not written: %s", err)
-        raise NoRoundAggregatedError(
+        raise type(failure)(
             f"{failure} Results so far: {output_dir / 'results.json'}",
             failure.result,
             failure.reasons,
