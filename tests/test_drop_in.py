@@ -178,7 +178,7 @@ def test_a_protocol_mismatch_is_counted_each_round_and_repeated_at_the_end(
     """FedProx's server, the client's own reply: averaged in, but never quietly."""
     strategy = type("CustomFedAvg", (FedProx,), {})(mu=0.1, fraction_evaluate=0.0)
     grid = InProcessGrid(own_reply_app(problem, FedProxRule), num_nodes=4)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="flwr"):
         result = strategy.start(
             grid=grid, initial_arrays=problem.initial(), num_rounds=3
         )
@@ -239,7 +239,7 @@ def test_evaluation_metrics_carry_lists_only_when_asked(problem):
 
 
 def test_the_summary_states_the_weighting_once(caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="flwr"):
         Scaffold(num_clients=4).summary()
     lines = [r.getMessage() for r in caplog.records]
     weighting = [line for line in lines if "eighted by" in line or "eighting" in line]

@@ -157,7 +157,7 @@ class PFedAvg(Strategy):
         Seeds the random topologies.
     max_rounds_without_aggregation : int | None (default: 3)
         Rounds in a row in which no server updated before
-        :meth:`aggregate_train` raises
+        ``aggregate_train`` raises
         :class:`~flwr_prox_strategies.AggregationStalledError` (or
         :class:`~flwr_prox_strategies.NoRoundAggregatedError`), in any loop.
         A server whose own group fails goes on mixing, so the inner

@@ -164,14 +164,15 @@ class ValidatedFedAvg(FedAvg):
     max_rounds_without_aggregation : int | None (default: 3)
         Rounds in a row that may end without aggregating (no valid reply, or
         ``accept_failures=False`` refusing the round) before
-        :meth:`aggregate_train` raises
+        ``aggregate_train`` raises
         :class:`~flwr_prox_strategies.AggregationStalledError`
         (:class:`~flwr_prox_strategies.NoRoundAggregatedError` when no round
         was ever aggregated), with the counted reasons. Raised inside the
         round, it stops any loop that calls the strategy, a ``start()`` of
         your own included; a round that aggregates resets the count. None:
-        never (the pack's ``start()`` and :meth:`check_run` still fail a run
-        that aggregated nothing).
+        never (the pack's ``start()`` and
+        :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.check_run` still
+        fail a run that aggregated nothing).
     pack_metrics : bool (default: True)
         Add the pack's bookkeeping to each round's aggregated metrics (the
         counts of valid, failed, rejected, absent and capped replies, bytes
