@@ -4,6 +4,7 @@ Adapted from Flower's examples/advanced-pytorch (Copyright Flower Labs GmbH,
 Apache License 2.0; see NOTICE at the root of this repository).
 """
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -59,6 +60,10 @@ def train(msg: Message, context: Context):
     # Load the data
     partition_id = context.node_config["partition-id"]
     num_partitions = context.node_config["num-partitions"]
+    # The same batches and augmentations in every run with this seed
+    server_round = msg.content["config"]["server-round"]
+    seed = [context.run_config["seed"], partition_id, server_round]
+    torch.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
     trainloader, _ = load_data(
         partition_id,
         num_partitions,

@@ -45,8 +45,10 @@ def main(grid: Grid, context: Context) -> None:
     fraction_train = context.run_config["fraction-train"]
     fraction_eval = context.run_config["fraction-evaluate"]
     device = context.run_config["server-device"]
+    lr = context.run_config["learning-rate"]
 
     # Load global model
+    torch.manual_seed(context.run_config["seed"])
     global_model = Net()
     arrays = ArrayRecord(global_model.state_dict())
 
@@ -63,7 +65,7 @@ def main(grid: Grid, context: Context) -> None:
     result = strategy.start(
         grid=grid,
         initial_arrays=arrays,
-        train_config=ConfigRecord({"lr": 0.1}),
+        train_config=ConfigRecord({"lr": lr}),
         num_rounds=num_rounds,
         evaluate_fn=get_global_evaluate_fn(
             device=device,
