@@ -34,6 +34,7 @@ from flwr_prox_strategies.algorithms.fedprox import PROXIMAL_MU_APPLIED_KEY
 from flwr_prox_strategies.core.central import ServerSideFixedClipping
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.core.outcome import NoRoundAggregatedError, short_reason
+from flwr_prox_strategies.core.validation import client_error_text
 
 from .helpers import model_arrays, record
 
@@ -84,6 +85,16 @@ def test_short_reason_reads_flowers_error_format() -> None:
         "Exception ClientAppException occurred. Message: boom'>"
     )
     assert short_reason(wrapped) == "the ClientApp raised: boom"
+    # Ray wraps it again, with the actor's traceback: the user's text survives.
+    ray = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::"
+        'ClientAppActor.run() (pid=1, ip=127.0.0.1)\n  File "ray_actor.py", line '
+        "65, in run\n    raise ClientAppException(str(ex)) from ex\nflwr.clientapp."
+        "client_app.ClientAppException: \nException ClientAppException occurred. "
+        "Message: " + "x " * 400 + "boom'>"
+    )
+    assert short_reason(ray).startswith("the ClientApp raised: x x")
+    assert client_error_text(ray) == "the ClientApp raised: " + "x " * 400 + "boom"
     # A long text is cut at a word, saying how much was left out; never mid-word.
     long = " ".join(f"word{i}" for i in range(200))
     cut = short_reason(long)

@@ -291,6 +291,7 @@ class FedDCRule(ClientRule):
     stateful = True
     state_names = (DRIFT_STATE, CONTROL_STATE, UPDATE_STATE)
     plain_sgd = True
+    path_estimate = True
     needs_lr = True
 
     def __init__(

@@ -233,6 +233,7 @@ class ScaffoldRule(ClientRule):
     stateful = True
     state_names = (CONTROL_STATE,)
     plain_sgd = True
+    path_estimate = True
     needs_lr = True
 
     def setup(self) -> GradientTerm:

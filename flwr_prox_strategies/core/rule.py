@@ -289,6 +289,11 @@ class ClientRule:
     #: control variates). Then :meth:`~flwr_prox_strategies.ClientRule.attach`
     #: refuses other optimisers.
     plain_sgd: ClassVar[bool] = False
+    #: Whether the state update estimates the round's mean gradient from the
+    #: local path (SCAFFOLD's option II, FedDC's correction). Then the path is
+    #: measured from the parameters at the first step
+    #: (:meth:`~flwr_prox_strategies.ClientRule.starting_point`).
+    path_estimate: ClassVar[bool] = False
     #: Whether the state update divides by the step size
     #: (:meth:`~flwr_prox_strategies.ClientRule.reply` then needs it).
     needs_lr: ClassVar[bool] = False
@@ -495,7 +500,8 @@ class ClientRule:
         """
         if self.steps == 0:
             self.check_model_unmoved()
-            self.start = self.starting_point()
+            if self.path_estimate:
+                self.start = self.starting_point()
         if self.term is not None:
             self.term.add_(self.params)
         self.steps += 1
@@ -526,7 +532,7 @@ class ClientRule:
             INFO,
             "client %d: %d of the model's %d trainable tensors differ from the "
             "received model at the first step (changed after from_message); "
-            "%s measures this round's local path from where training started",
+            "%s measures this round's gradient estimate from there",
             self.client_key,
             len(changed),
             len(self.params),

@@ -85,21 +85,21 @@ def resolve_alias(
 
 
 # Flower's error text for an exception raised in a ClientApp:
-# "<class 'ValueError'>:<'message'>" (the simulation wraps every exception in
-# its ClientAppException, whose message starts on a new line).
-_FLOWER_ERROR = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
-_SIMULATION_WRAPPER = re.compile(
-    r"^\s*Exception ClientAppException occurred\. Message: "
-)
+# "<class 'ValueError'>:<'message'>". The simulation wraps every exception in
+# its ClientAppException (whose message starts on a new line), and Ray wraps
+# that in "RayTaskError(ClientAppException)" with the actor's traceback.
+_FLOWER_ERROR = re.compile(r"^<class '([^']+)'>:<'(.*)'>$", re.DOTALL)
+_SIMULATION_WRAPPER = "Exception ClientAppException occurred. Message: "
 
 
 def client_error_text(reason: str) -> str:
     """Return a ClientApp's error reply as the user's exception reads.
 
-    Flower's ``<class 'ValueError'>:<'msg'>`` becomes ``ValueError: msg``, and
-    the simulation's ``ClientAppException`` wrapper (which hides the original
-    type) becomes ``the ClientApp raised: msg``. Other texts are returned as
-    they are.
+    Flower's ``<class 'ValueError'>:<'msg'>`` becomes ``ValueError: msg``. The
+    simulation's ``ClientAppException`` wrapper, and Ray's
+    ``RayTaskError(ClientAppException)`` with its traceback around it, hide
+    the original type: they become ``the ClientApp raised: msg``. Other texts
+    are returned as they are.
 
     Parameters
     ----------
@@ -116,8 +116,13 @@ def client_error_text(reason: str) -> str:
     if not match:
         return text
     kind, message = match.group(1).rsplit(".", 1)[-1], match.group(2)
-    if kind == "ClientAppException":
-        return "the ClientApp raised: " + _SIMULATION_WRAPPER.sub("", message).strip()
+    if _SIMULATION_WRAPPER in message:
+        return (
+            "the ClientApp raised: " + message.rsplit(_SIMULATION_WRAPPER, 1)[1].strip()
+        )
+    if "ClientAppException" in kind:
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        return "the ClientApp raised: " + (lines[-1] if lines else "")
     return f"{kind}: {message.strip()}"
 
 
