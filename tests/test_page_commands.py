@@ -77,3 +77,19 @@ def test_an_install_or_an_export_does_not_make_another_run(
     found = script.commands([page])
     assert len(found) == 2  # the last one runs without FLWR_X
     assert len(found[0].also_at) == 2
+
+
+def test_every_run_in_an_example_readme_has_a_readable_expectation(script) -> None:
+    """The examples' READMEs promise what their runs show, in the same format.
+
+    They are not run by ``benchmarks/readme_commands.py`` (their commands run
+    from the example's folder); their system tests run them.
+    """
+    readmes = sorted((REPO / "examples").glob("*/README.md"))
+    assert len(readmes) >= 2
+    found = script.commands(readmes)
+    runnable = [c for c in found if c.runnable and not c.is_tests]
+    assert runnable
+    for command in runnable:
+        assert command.expect, f"{command.where}: no '# expect:' line"
+        script.checks(command.expect)
