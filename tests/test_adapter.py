@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedAvg, FedProxClient, to_client_app
 from flwr_prox_strategies.core.adapter import ErrorLog, handle_train
+from flwr_prox_strategies.core.flower import MOD_FAILED_PRECONDITION
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 
 from .helpers import model_arrays, record
@@ -151,7 +152,7 @@ def test_protocol_mismatch_names_the_strategy() -> None:
     message = train_message(ArrayRecord(model.state_dict()), {"server-round": 1})
     out = handle_train(client_fn, message, context())
     assert out.has_error()
-    assert out.error.code == ErrorCode.MOD_FAILED_PRECONDITION
+    assert out.error.code == MOD_FAILED_PRECONDITION
     assert "proximal-mu" in out.error.reason and "FedProx" in out.error.reason
 
 

@@ -22,7 +22,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
-from flwr.supercore.task_identity import TaskIdentity
 from torch.utils.data import DataLoader, Dataset
 
 from flwr_prox_strategies import (
@@ -54,6 +53,7 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies.algorithms import ALGORITHMS
+from flwr_prox_strategies.core.flower import set_task_identity
 from flwr_prox_strategies.core.inprocess import InProcessGrid
 from flwr_prox_strategies.core.outcome import NoRoundAggregatedError
 from flwr_prox_strategies.core.training import BatchFormatError
@@ -195,9 +195,7 @@ def test_own_loop_equals_pack_client(problem, name, strategy, rule, client, mome
 def train_message(
     arrays: ArrayRecord, config: dict, extra: dict | None = None
 ) -> Message:
-    TaskIdentity.run_id = 1  # hand-built messages need it (DESIGN.md)
-    TaskIdentity.node_id = 0
-    TaskIdentity.task_id = 0
+    set_task_identity(1)  # hand-built messages need it (DESIGN.md)
     content = RecordDict(
         {"arrays": arrays, **(extra or {}), "config": ConfigRecord(config)}
     )

@@ -38,6 +38,7 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from .dp import PrivacyBudgetExhausted
+from .flower import MOD_FAILED_PRECONDITION
 from .keys import NUM_EXAMPLES_KEY
 from .records import to_ndarrays, to_record
 from .rule import ProtocolError, read_message
@@ -89,7 +90,7 @@ def _error_reply(
     message: Message, err: Exception, errors: ErrorLog | None = None
 ) -> Message:
     code = (
-        ErrorCode.MOD_FAILED_PRECONDITION
+        MOD_FAILED_PRECONDITION
         if isinstance(err, (ProtocolError, PrivacyBudgetExhausted))
         else ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     )

@@ -40,9 +40,9 @@ from flwr.serverapp.strategy import (
     Result,
     Strategy,
 )
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from .docstrings import inherit_parameters
+from .flower import KEY_CLIPPING_NORM
 from .keys import BUDGET_EXHAUSTED_REASON
 from .outcome import ReplyTally, finish_run
 from .screening import reply_node

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+
+from .flower import Run
 
 
 class GroupGrid(Grid):

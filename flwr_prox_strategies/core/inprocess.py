@@ -17,8 +17,8 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
+
+from .flower import Run, set_task_identity
 
 NodeConfigFn = Callable[[int], dict[str, int | float | str | bool]]
 
@@ -88,9 +88,7 @@ class InProcessGrid(Grid):
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
-        TaskIdentity.run_id = run_id
-        TaskIdentity.node_id = 0
-        TaskIdentity.task_id = 0
+        set_task_identity(run_id)
         self.client_app = client_app
         config_of = node_config or default_node_config(num_nodes)
         self.contexts: dict[int, Context] = {
