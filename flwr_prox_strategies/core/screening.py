@@ -387,17 +387,16 @@ def protocol_problem(strategy: Any, reply: ValidReply) -> str:
 
 
 def warn_rule_not_applied(
-    strategy: Any, server_round: int, replies: list[ValidReply]
+    strategy: Any, server_round: int, lacking: list[ValidReply]
 ) -> bool:
-    """Warn, naming the nodes whose replies lack the strategy's rule metric.
+    """Warn, naming the nodes of ``lacking``, replies without the rule metric.
 
     Their clients are not applying the algorithm's rule: the message says what
-    they do instead and what to change. Returns whether any reply lacked it.
+    they do instead and what to change. Returns whether there were any.
     """
-    metric = strategy.rule_metric
-    lacking = [r for r in replies if not reports_rule(r, metric)]
     if not lacking:
         return False
+    metric = strategy.rule_metric
     log(
         WARNING,
         "%s: round %d: nodes %s do not report '%s', so their clients are not "
