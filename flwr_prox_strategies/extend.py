@@ -14,10 +14,11 @@ seeded, a round without a valid reply keeps the model, rounds in a row that
 aggregate nothing stop the run from inside ``aggregate_train`` (whoever owns the
 loop), and a run that aggregated no round at all raises
 :class:`NoRoundAggregatedError` (with the counted reasons, a :class:`ReplyTally`).
-Seven names do the work:
+Eight names do the work:
 ``server_update`` (returning a :class:`RoundUpdate`), ``state_fields`` (with
 ``resume_settings`` and ``settings``), ``train_config``, ``train_records`` /
-``node_train_records``, ``expected_train_arrays``, ``check_reply`` and
+``node_train_records``, ``expected_train_arrays``, ``expected_train_metrics``,
+``check_reply`` and
 ``grown_state``; a rule reads ``self.global_arrays`` (the model this round
 sent), ``self.num_clients`` (K) and may call ``self.weighted_mean(replies,
 record)``. Override only the hooks you need, and extend the base's
@@ -34,13 +35,19 @@ record)``. Override only the hooks you need, and extend the base's
     (array key -> :class:`ArraySpec`).
     Start from ``super()``'s (the model) and add yours: a reply missing one, or
     with another key, shape or dtype, is rejected before your code sees it.
+``expected_train_metrics(server_round) -> dict[str, MetricSpec]``
+    The metrics a train reply must carry (FedNova's ``tau``), name ->
+    :class:`MetricSpec` (type and range): a reply without one, or out of
+    range, is rejected with a reason naming it.
 ``check_reply(reply: ValidReply)``
     Further checks on a structurally valid reply: raise
     ``ReplyRejected(kind, reason)`` to drop it (logged, counted by ``kind``).
     Call ``super().check_reply(reply)`` first.
 ``server_update(server_round, state, replies) -> RoundUpdate``
-    The server rule. ``state`` holds the current values of ``state_fields``
-    (do not mutate it); ``replies`` are the round's :class:`ValidReply`\ s
+    The server rule. ``state`` holds the current values of ``state_fields``,
+    read-only: writing into it (``x *= 0.9``, ``state["x"] = ...``) raises at
+    once, and reading a field not declared names ``state_fields``; ``replies``
+    are the round's :class:`ValidReply`\ s
     (``reply.arrays[record][key]``: read-only arrays; ``reply.num_examples``;
     ``reply.metrics``). Return the new model, the new state values (committed
     only if the round is aggregated) and extra metrics. It may run twice in a
@@ -68,10 +75,12 @@ Class attributes declare the rest:
     The metric (value 1) a client reports when it applied the algorithm's
     client rule (its rule's ``applied_metric``); replies without it are named
     in one warning per run, or rejected with ``strict=True``. None: any client.
-``linear_aggregate``
-    The model is a positive linear combination of the replies' (the default):
-    the replies' value check can wait for the result. Set it False for a
-    median-like rule, which can hide a NaN or inf: every reply is checked first.
+``model_linear_in_replies``
+    The model is a positive linear combination of the replies' model records:
+    their NaN/inf check can wait for the result. A class that overrides
+    ``server_update`` gets False unless it says so: every reply's model is
+    checked before its rule runs (right for a median, or a rule that builds
+    the model from other records).
 ``stateful_clients``
     Clients keep state the server sums over: the base runs the two-phase
     commit (a client commits its pending state once told its reply was
@@ -106,7 +115,7 @@ A coordinate-wise median, smoothed over rounds::
 
 
     class SmoothedMedian(ValidatedFedAvg):
-        linear_aggregate = False  # a median can hide an inf: check replies first
+        model_linear_in_replies = False  # a median can hide an inf
         state_fields = ("smoothed",)
         resume_settings = ("beta",)
         settings = ("beta", "seed")
@@ -168,7 +177,7 @@ from .core.rule import ClientRule
 from .core.state import ClientState
 from .core.strategy import ValidatedFedAvg
 from .core.training import GradientTerm
-from .core.validation import ReplyRejected, ValidReply
+from .core.validation import MetricSpec, ReplyRejected, ValidReply
 from .ops.checks import (
     check_choice,
     check_fraction,
@@ -201,6 +210,7 @@ __all__ = [
     "ClientRule",
     "ClientState",
     "GradientTerm",
+    "MetricSpec",
     "NoRoundAggregatedError",
     "RecordSpec",
     "ReplyRejected",

@@ -28,6 +28,7 @@ PACKAGE = Path(flwr_prox_strategies.__file__).resolve().parent
 NAMESPACES = (
     "flwr_prox_strategies",
     "flwr_prox_strategies.extend",
+    "flwr_prox_strategies.testing",
     "flwr_prox_strategies.task",
 )
 PUBLIC = [

@@ -235,6 +235,8 @@ class APFL(ValidatedFedAvg):
     rule_name = "APFL's personalised mixture"
     #: :math:`\sum_t p_t\,\mathrm{mean}_S\theta_k^t` and :math:`S_T`, over the
     #: aggregated rounds.
+    #: The model is a positive combination of the replies' (NaN/inf reach it).
+    model_linear_in_replies = True
     state_fields = ("average_sum", "average_weight")
     #: ``sync_gap`` numbers the steps (``apfl-first-step``).
     resume_settings = ("sync_gap", "alpha")
@@ -337,7 +339,10 @@ class APFL(ValidatedFedAvg):
         return expected
 
     def server_update(
-        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
     ) -> RoundUpdate:
         r"""Return the weighted mean of the :math:`\theta_k`; add the round's steps.
 
@@ -834,3 +839,13 @@ class APFLClient(TorchClient):
         )
         models["global-avg"] = global_average
         return models
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: APFL(alpha=0.5, min_available_nodes=n),
+    "last-iterate": lambda n: APFL(
+        alpha=0.5, adaptive_alpha=True, weighted_average=False, min_available_nodes=n
+    ),
+}

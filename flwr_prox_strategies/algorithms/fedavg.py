@@ -54,3 +54,11 @@ class FedAvgClient(TorchClient):
     every strategy that needs nothing more of its clients (:class:`FedAvg`,
     Flower's own strategies).
     """
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: FedAvg(min_available_nodes=n),
+    "uniform": lambda n: FedAvg(min_available_nodes=n, weighting="uniform"),
+}

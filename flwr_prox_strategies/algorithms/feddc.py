@@ -57,6 +57,7 @@ Wire keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,8 @@ class FedDC(ValidatedFedAvg):
     requires_num_clients = True
     rule_metric = FEDDC_APPLIED_KEY
     rule_name = "FedDC's drift penalty and gradient correction"
+    #: The model is a positive combination of the replies' (NaN/inf reach it).
+    model_linear_in_replies = True
     state_fields = ("drift_sum", "control", "global_update")
     resume_settings = ("correction",)
     settings = ("alpha", "num_clients", "correction")
@@ -224,12 +227,17 @@ class FedDC(ValidatedFedAvg):
         return expected
 
     # -------------------------------------------------------- aggregation
-    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
+    def grown_state(
+        self, state: Mapping[str, Any], old: int, new: int
+    ) -> dict[str, Any]:
         """Keep c the mean over all N clients (the drift sum needs nothing)."""
         return {**state, "control": rescaled(state["control"], old / new)}
 
     def server_update(
-        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
     ) -> RoundUpdate:
         r"""Official: mean θ⁺ over S plus :math:`H^+/N`, new H and c; paper: new g.
 
@@ -401,3 +409,11 @@ class FedDCClient(TorchClient):
                 "FedDC's paper form needs len(train_loader) to know K in advance"
             ) from err
         return {"planned_steps": planned, "lr": self.round_lr}
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: FedDC(alpha=0.1, num_clients=n),
+    "paper": lambda n: FedDC(alpha=0.1, num_clients=n, correction="paper"),
+}

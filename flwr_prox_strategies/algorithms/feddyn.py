@@ -56,6 +56,7 @@ Wire keys: ``feddyn-alpha`` in the train config.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -146,6 +147,11 @@ class FedDyn(ValidatedFedAvg):
     default_weighting = "uniform"
     rule_metric = FEDDYN_APPLIED_KEY
     rule_name = "FedDyn's dynamic regulariser"
+    #: The model is a positive combination of the replies' (NaN/inf reach it).
+    model_linear_in_replies = True
+    #: Sent again to each node after a restore (its client ignores it when it
+    #: holds its own latest model).
+    records_resent_after_restore = (INITIAL_MODEL_RECORD,)
     state_fields = ("drift_sum", "initial", "latest_sum")
     resume_settings = ("alpha",)
     settings = ("alpha", "num_clients", "track_all_clients")
@@ -229,16 +235,21 @@ class FedDyn(ValidatedFedAvg):
         model = self.all_clients_model()
         return {} if model is None else {"central-all-clients": model}
 
-    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
+    def grown_state(
+        self, state: Mapping[str, Any], old: int, new: int
+    ) -> dict[str, Any]:
         r"""Count the new clients' latest models, :math:`\theta^0`, when tracked."""
         latest = state["latest_sum"]
         if latest is None or self.initial is None:
-            return state
+            return dict(state)
         theta0 = [{k: (new - old) * self.initial[k] for k in latest}]
         return {**state, "latest_sum": summed(latest, theta0)}
 
     def server_update(
-        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
     ) -> RoundUpdate:
         r"""Return :math:`\mathrm{mean}_S\theta_k + \Lambda^{t+1}/K` and the new sums.
 
@@ -376,3 +387,11 @@ class FedDynClient(TorchClient):
             for group in optimizer.param_groups:
                 group["weight_decay"] = self.weight_decay + self.rule.alpha
         return optimizer
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: FedDyn(alpha=0.1, num_clients=n),
+    "track": lambda n: FedDyn(alpha=0.1, num_clients=n, track_all_clients=True),
+}

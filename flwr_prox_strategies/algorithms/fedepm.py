@@ -75,7 +75,7 @@ Memory: the server keeps one upload per client, :math:`m` models.
 
 Validation: the centre is not linear in the uploads (an upload's :math:`+\infty`
 becomes the others' minimum, a finite value), so every upload is checked for
-NaN and inf before it enters the table (``linear_aggregate = False``), not
+NaN and inf before it enters the table (``model_linear_in_replies = False``), not
 after the centre as the linear strategies do.
 
 Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
@@ -85,7 +85,7 @@ Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -341,7 +341,7 @@ class FedEPM(ValidatedFedAvg):
     #: The elastic-net centre turns an upload's +inf into the coordinate-wise
     #: minimum of the others (finite): every upload is checked for NaN/inf
     #: before it enters the table, not after the centre.
-    linear_aggregate = False
+    model_linear_in_replies = False
     rule_metric = FEDEPM_APPLIED_KEY
     rule_name = "FedEPM's local proximal iterations and noisy upload"
     state_fields = ("uploads", "slots")
@@ -457,7 +457,10 @@ class FedEPM(ValidatedFedAvg):
             )
 
     def server_update(
-        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
     ) -> RoundUpdate:
         """Replace the repliers' uploads, then take the elastic-net centre.
 
@@ -544,6 +547,7 @@ class FedEPMRule(ClientRule):
     protocol = "FedEPM"
     applied_metric = FEDEPM_APPLIED_KEY
     stateful = True
+    keeps_privacy_ledger = True  # the Laplace release's epsilon, spent is spent
     state_names = (LOCAL_STATE,)
 
     def __init__(
@@ -730,3 +734,11 @@ class FedEPMClient(TorchClient):
         rule = self.make_rule(config)
         assert isinstance(rule, FedEPMRule)
         return rule.solve(self.objective_and_gradient)
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: FedEPM(num_clients=n, rho=1.0),
+    "l1-heavy": lambda n: FedEPM(num_clients=n, rho=1.0, lam=10.0),
+}

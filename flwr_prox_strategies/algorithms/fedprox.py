@@ -269,3 +269,13 @@ __all__ = [
     "FedProxClient",
     "FedProxRule",
 ]
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: FedProx(mu=0.1, min_available_nodes=n),
+    "monitor": lambda n: FedProx(
+        mu=0.1, min_available_nodes=n, monitor_dissimilarity=True
+    ),
+}

@@ -87,6 +87,7 @@ from ..ops.mixing import (
     mixing_matrix,
 )
 from .fedavg import FedAvg
+from .fedprox import FedProx
 
 SERVER_ID_KEY = "server-id"
 PARTITION_ID_KEY = "partition-id"
@@ -792,3 +793,26 @@ def merge_metrics(records: list[MetricRecord]) -> MetricRecord:
     for key, value in extremes.items():
         merged[key] = value
     return merged
+
+
+def _case(n: int, **options: Any) -> PFedAvg:
+    inner = options.pop("inner", "fedavg")
+    makers: dict[str, Callable[..., ValidatedFedAvg]] = {
+        "fedavg": FedAvg,
+        "fedprox": lambda **kw: FedProx(mu=0.1, **kw),
+    }
+    make = makers[inner]
+    return PFedAvg(
+        servers=4,
+        inner=lambda: make(min_available_nodes=1, min_train_nodes=1),
+        assignment={1001 + i: i % 4 for i in range(n)},
+        **options,
+    )
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes (ids 1001..): four servers.
+CASES = {
+    "ring": lambda n: _case(n, topology="ring"),
+    "fedprox-sdp": lambda n: _case(n, topology="star", mixing="sdp", inner="fedprox"),
+}

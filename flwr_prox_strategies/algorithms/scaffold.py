@@ -43,6 +43,7 @@ Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -137,6 +138,8 @@ class Scaffold(ValidatedFedAvg):
     default_weighting = "uniform"
     rule_metric = SCAFFOLD_APPLIED_KEY
     rule_name = "SCAFFOLD's control-variate correction"
+    #: The model is a positive combination of the replies' (NaN/inf reach it).
+    model_linear_in_replies = True
     state_fields = ("control",)
     settings = ("num_clients", "server_learning_rate", "control_lr")
     #: What the server keeps from un-noised aggregates (central DP's noise misses it).
@@ -180,12 +183,17 @@ class Scaffold(ValidatedFedAvg):
         expected[CONTROL_DELTA_RECORD] = expected[self.arrayrecord_key]
         return expected
 
-    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
+    def grown_state(
+        self, state: Mapping[str, Any], old: int, new: int
+    ) -> dict[str, Any]:
         r"""Keep :math:`c` the mean over all N clients: new ones hold zero."""
         return {**state, "control": rescaled(state["control"], old / new)}
 
     def server_update(
-        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
     ) -> RoundUpdate:
         r"""Return :math:`x + \eta_g\,\mathrm{mean}_S(y_i - x)` and the new :math:`c`.
 
@@ -292,3 +300,10 @@ class ScaffoldClient(TorchClient):
             raise ValueError(
                 "momentum must be 0: SCAFFOLD's option II assumes plain SGD"
             )
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes; together they set every state field.
+CASES = {
+    "default": lambda n: Scaffold(num_clients=n, server_learning_rate=0.5),
+}

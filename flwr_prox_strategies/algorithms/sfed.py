@@ -381,3 +381,10 @@ class SFedAvgClient(FedEPMClient):
 #: The client of SFedProx: the same class as SFedAvg's.
 SFedProxClient = SFedAvgClient
 SFedClient = SFedAvgClient  # the class's former name
+
+
+#: The configurations the conformance checks run (``flwr_prox_strategies.testing``),
+#: name -> factory taking the number of nodes.
+SFEDAVG_CASES = {"default": lambda n: SFedAvg(num_clients=n, rho=1.0)}
+#: As :data:`SFEDAVG_CASES`, for SFedProx.
+SFEDPROX_CASES = {"default": lambda n: SFedProx(num_clients=n, rho=1.0)}

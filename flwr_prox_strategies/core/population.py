@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from .frozen import FrozenState
 from .sampling import connected_nodes
 from .validation import ValidReply
 
@@ -62,7 +63,9 @@ def state_for_round(
     if strategy.stateful_clients and strategy.requires_num_clients and k_base:
         strategy.num_clients = max(k_base, strategy.book.clients_needed(replies))
         if strategy.num_clients != k_base:
-            state = strategy.grown_state(state, k_base, strategy.num_clients)
+            given = FrozenState(state, type(strategy).__name__, strategy.state_fields)
+            grown = strategy.grown_state(given, k_base, strategy.num_clients)
+            state = {name: given.thaw(value) for name, value in grown.items()}
     return state
 
 

@@ -289,6 +289,10 @@ class ClientRule:
     #: control variates). Then :meth:`~flwr_prox_strategies.ClientRule.attach`
     #: refuses other optimisers.
     plain_sgd: ClassVar[bool] = False
+    #: Whether the client spends privacy itself (a noisy release) and keeps
+    #: the total in ``context.state``: a resumed run must find that ledger,
+    #: so the pack's experiment mirrors the state to disk.
+    keeps_privacy_ledger: ClassVar[bool] = False
     #: Whether the state update estimates the round's mean gradient from the
     #: local path (SCAFFOLD's option II, FedDC's correction). Then the path is
     #: measured from the parameters at the first step

@@ -336,11 +336,17 @@ def pack_class(cls: type) -> type:
     """Return the first class of ``cls``'s MRO that the pack defines.
 
     A user's subclass (``class CustomFedAvg(FedProx)``) is skipped, so messages
-    name classes that exist (``FedProxRule``, not ``CustomFedAvgRule``).
+    name classes that exist (``FedProxRule``, not ``CustomFedAvgRule``). An
+    algorithm built on the pack's base itself (a plugin's ``FedNova``) is its
+    own: the base's name (``ValidatedFedAvgRule``) names nothing.
     """
+    below_base = cls
     for klass in cls.__mro__:
-        if klass.__module__.startswith("flwr_prox_strategies."):
+        if klass.__module__.startswith("flwr_prox_strategies.algorithms."):
             return klass
+        if klass.__module__.startswith("flwr_prox_strategies."):
+            return below_base
+        below_base = klass
     return cls
 
 

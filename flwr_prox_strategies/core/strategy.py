@@ -26,6 +26,7 @@ needs them :meth:`~ValidatedFedAvg.grown_state`, :meth:`~ValidatedFedAvg.train_c
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -49,6 +50,7 @@ from . import keys, metrics, population, sampling, screening
 from .commit import ClientBook
 from .fields import RoundUpdate, settings_text
 from .finite import finite_update
+from .frozen import FrozenState, mutation_error
 from .messages import node_messages, payload_bytes
 from .outcome import (
     AggregationStalledError,
@@ -61,10 +63,12 @@ from .records import RecordSpec, dict_to_record, spec_of
 from .resume import restore_strategy, strategy_state
 from .summary import log_flower_summary, log_summary
 from .validation import (
+    MetricSpec,
     ReplyRejected,
     ValidReply,
     check_base_options,
     check_int,
+    check_metrics,
     check_weight,
     init_keywords,
     reject_unknown_kwargs,
@@ -253,11 +257,17 @@ class ValidatedFedAvg(FedAvg):
     #: The weighting used when neither ``weighting`` nor ``weighted_by_key`` is
     #: given.
     default_weighting: ClassVar[str] = "num-examples"
-    #: Whether the model is a positive linear combination of the replies'. A
-    #: NaN or inf in a reply then reaches it, so the replies' value check
-    #: waits for the result (cheaper). False for a median-like rule (FedEPM),
-    #: which can hide an inf, so every reply is checked first.
-    linear_aggregate: ClassVar[bool] = True
+    #: Whether the server rule's model is a positive linear combination of
+    #: the replies' model records (``arrays``): a NaN or inf in one then
+    #: reaches the model, so the replies' value check waits for the result
+    #: (one check instead of one per reply). False, the default for any class
+    #: that overrides :meth:`server_update` without declaring it, checks every
+    #: reply's model record before the rule runs: safe for a rule that builds
+    #: its model from other records, or a median that can hide an inf.
+    model_linear_in_replies: ClassVar[bool] = True
+    #: ArrayRecords the strategy sends each node once more after a restore
+    #: (FedDyn's :math:`\theta^0`), which the conformance kit allows.
+    records_resent_after_restore: ClassVar[tuple[str, ...]] = ()
     #: Attribute names of the algorithm's server state, saved by
     #: :meth:`state_dict` (kebab-case keys), restored by
     #: :meth:`load_state_dict`, passed to :meth:`server_update` and replaced by
@@ -279,6 +289,29 @@ class ValidatedFedAvg(FedAvg):
     #: warning when one does. None means nothing beyond the records uploaded
     #: besides the model, which are named without it.
     central_dp_caveat: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make a rule of the subclass's own safe unless it declares otherwise.
+
+        A class that overrides :meth:`server_update` without declaring
+        :attr:`model_linear_in_replies` gets False: every reply's model record
+        is checked for NaN and inf before its rule runs. The name this
+        declaration had before, ``linear_aggregate``, still works, with a
+        ``FutureWarning``.
+        """
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "linear_aggregate" in own:
+            warnings.warn(
+                f"{cls.__name__}.linear_aggregate is now called "
+                "model_linear_in_replies; the old name goes in a later release",
+                FutureWarning,
+                stacklevel=2,
+            )
+            if "model_linear_in_replies" not in own:
+                cls.model_linear_in_replies = bool(own["linear_aggregate"])
+        elif "server_update" in own and "model_linear_in_replies" not in own:
+            cls.model_linear_in_replies = False
 
     def __init__(
         self,
@@ -684,6 +717,28 @@ class ValidatedFedAvg(FedAvg):
             expected[keys.GRADIENT_RECORD] = spec
         return expected
 
+    def expected_train_metrics(self, server_round: int) -> dict[str, MetricSpec]:
+        """Return the metrics a train reply must carry, name -> :class:`MetricSpec`.
+
+        Declare them as :meth:`expected_train_arrays` declares records (start
+        from ``super()``'s): a reply without one, or with a value of another
+        type or out of range, is rejected with a reason naming the metric
+        before :meth:`check_reply` and :meth:`server_update` see it, and the
+        conformance kit (:mod:`flwr_prox_strategies.testing`) builds valid
+        replies from them. ``num-examples`` is always checked.
+
+        Parameters
+        ----------
+        server_round : int
+            The round whose replies are checked.
+
+        Returns
+        -------
+        dict[str, MetricSpec]
+            Metric name -> its type and range; the base declares none.
+        """
+        return {}
+
     def check_reply(self, reply: ValidReply) -> None:
         """Check a structurally valid reply further; raise to drop it.
 
@@ -786,7 +841,10 @@ class ValidatedFedAvg(FedAvg):
         return mean.result()
 
     def server_update(
-        self, server_round: int, state: dict[str, Any], replies: list[ValidReply]
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
     ) -> RoundUpdate:
         r"""Apply the algorithm's server rule: return the new model, state and metrics.
 
@@ -814,7 +872,9 @@ class ValidatedFedAvg(FedAvg):
         """
         return RoundUpdate(dict_to_record(self.weighted_mean(replies)))
 
-    def grown_state(self, state: dict[str, Any], old: int, new: int) -> dict[str, Any]:
+    def grown_state(
+        self, state: Mapping[str, Any], old: int, new: int
+    ) -> dict[str, Any]:
         """Return ``state`` adjusted to K growing from ``old`` to ``new``.
 
         Called before :meth:`server_update` in a round where K grows. Sums over
@@ -833,7 +893,7 @@ class ValidatedFedAvg(FedAvg):
         dict[str, Any]
             The adjusted state.
         """
-        return state
+        return dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         """Return the server state that resumes the run exactly.
@@ -929,10 +989,16 @@ class ValidatedFedAvg(FedAvg):
 
         With this strategy's :meth:`check_reply`, size limit and retired nodes.
         """
+        expected_metrics = screening.pop("expected_metrics", None) or {}
+
+        def check(reply: ValidReply) -> None:
+            check_metrics(reply.metrics, expected_metrics)
+            self.check_reply(reply)
+
         return self.screen.collect(
             server_round,
             replies,
-            check=self.check_reply,
+            check=check,
             max_bytes=self.reply_size_limit(screening["expected_arrays"]),
             retired=self.retired_nodes,
             **screening,
@@ -970,7 +1036,10 @@ class ValidatedFedAvg(FedAvg):
             expected_arrays=self.expected_train_arrays(server_round),
             sampled=self.train_nodes,
             phase="aggregate_train",
-            defer_finite=(self.arrayrecord_key,) if self.linear_aggregate else (),
+            expected_metrics=self.expected_train_metrics(server_round),
+            defer_finite=(
+                (self.arrayrecord_key,) if self.model_linear_in_replies else ()
+            ),
         )
         # A fixed order (client key, else node id), not the arrival order: the
         # float sums depend on it, and a run should not.
@@ -990,8 +1059,20 @@ class ValidatedFedAvg(FedAvg):
         def rule(candidates: list[ValidReply], wide: bool) -> RoundUpdate:
             self._accumulate_in = np.float64 if wide else None
             try:
-                state = population.state_for_round(self, k_before, candidates)
-                return self.server_update(server_round, state, candidates)
+                state = FrozenState(
+                    population.state_for_round(self, k_before, candidates),
+                    type(self).__name__,
+                    self.state_fields,
+                )
+                try:
+                    update = self.server_update(server_round, state, candidates)
+                except ValueError as err:  # numpy refusing a read-only array
+                    mutation = mutation_error(type(self).__name__, err)
+                    if mutation is None:
+                        raise
+                    raise mutation from err
+                update.state = {k: state.thaw(v) for k, v in update.state.items()}
+                return update
             finally:
                 self._accumulate_in = None
 

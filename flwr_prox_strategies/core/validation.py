@@ -197,6 +197,96 @@ class ValidReply:
         return found
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric every train reply must carry: its type and its range.
+
+    What :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.expected_train_metrics`
+    returns, metric name -> spec, as ``expected_train_arrays`` declares
+    records: a reply without the metric, or with a value of another type, not
+    finite or out of range, is rejected with a reason naming the metric.
+
+    Parameters
+    ----------
+    kind : str (default: "float")
+        ``"float"`` (an int or a float) or ``"int"`` (an int; a bool is
+        neither).
+    minimum : float | None (default: None)
+        The smallest value allowed; None: no bound.
+    maximum : float | None (default: None)
+        The largest value allowed; None: no bound.
+    """
+
+    kind: str = "float"
+    minimum: float | None = None
+    maximum: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("float", "int"):
+            raise ValueError(f"kind must be 'float' or 'int', got {self.kind!r}")
+        low, high = self.minimum, self.maximum
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"minimum {low!r} is above maximum {high!r}")
+
+    def problem(self, value: object) -> str | None:
+        """Return what is wrong with ``value``, or None when it is valid.
+
+        Parameters
+        ----------
+        value : object
+            The metric's value in a reply.
+
+        Returns
+        -------
+        str | None
+            The reason, without the metric's name.
+        """
+        number = (int,) if self.kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number):
+            return f"is {value!r}, not {'an int' if self.kind == 'int' else 'a number'}"
+        if not math.isfinite(value):
+            return f"is not finite ({value!r})"
+        if self.minimum is not None and value < self.minimum:
+            return f"is {value!r}, below its minimum {self.minimum!r}"
+        if self.maximum is not None and value > self.maximum:
+            return f"is {value!r}, above its maximum {self.maximum!r}"
+        return None
+
+    def example(self) -> int | float:
+        """Return a valid value (what the conformance kit puts in a reply).
+
+        Returns
+        -------
+        int | float
+            The minimum when there is one, else 1 (or the maximum, if below).
+        """
+        value: float = 1.0
+        if self.minimum is not None:
+            value = self.minimum
+        elif self.maximum is not None:
+            value = min(value, self.maximum)
+        if self.kind == "int":
+            return math.ceil(value)
+        return float(value)
+
+
+def check_metrics(metrics: MetricRecord, expected: Mapping[str, MetricSpec]) -> None:
+    """Reject a reply whose metrics do not meet ``expected`` (kind ``metric``).
+
+    Raises
+    ------
+    ReplyRejected
+        Naming the first metric missing or wrong.
+    """
+    for name, spec in expected.items():
+        if name not in metrics:
+            raise ReplyRejected(
+                "metric", f"MetricRecord has no '{name}' (the strategy needs it)"
+            )
+        if (problem := spec.problem(metrics[name])) is not None:
+            raise ReplyRejected("metric", f"metric '{name}' {problem}")
+
+
 def check_weight(metrics: MetricRecord, key: str, kind: str = "num-examples") -> float:
     """Return ``metrics[key]`` if it is a finite number > 0; else reject (``kind``)."""
     if key not in metrics:

@@ -20,6 +20,7 @@ import hydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
+from ..algorithms import PluginError, registered_algorithm
 from .config import CONF_DIR, KebabKeyError, check_snake_key
 from .sweep import run_job
 
@@ -48,6 +49,38 @@ def refuse_kebab_keys(argv: list[str]) -> None:
             sys.exit(f"Error: {err}")
 
 
+def refuse_broken_plugins(argv: list[str]) -> None:
+    """Exit naming the plugin when ``strategy=`` asks for an unusable one.
+
+    Hydra would only say that ``strategy/<name>`` is not found: the plugin's
+    own error (its distribution, its entry point, what is wrong) is the fix.
+    """
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # Hydra reports its own parse errors
+        return
+    for override in parsed:
+        if override.key_or_group != "strategy" or override.is_delete():
+            continue
+        try:  # a sweep (strategy=fedavg,nova) lists its options
+            options = (
+                list(override.sweep_string_iterator())
+                if override.is_sweep_override()
+                else [override.value()]
+            )
+        except Exception:  # glob(...) needs Hydra's config loader: Hydra checks it
+            continue
+        for option in options:
+            try:
+                registered_algorithm(str(option))
+            except PluginError as err:
+                sys.exit(f"Error: {err}")
+            except KeyError:
+                pass  # not a plugin: Hydra lists the options
+
+
 if __name__ == "__main__":
     refuse_kebab_keys(sys.argv[1:])
+    refuse_broken_plugins(sys.argv[1:])
     main()

@@ -263,18 +263,26 @@ def client_class(cfg: DictConfig) -> type:
 def mirrors_client_state(cfg: DictConfig) -> bool:
     """Return True when the app's clients keep state a resumed run needs on disk.
 
-    Stateful clients (two-phase state: SCAFFOLD, FedDyn, FedDC, FedEPM) and
-    DP-SGD clients (their privacy ledger), when checkpoints are written.
+    Stateful clients (two-phase state: SCAFFOLD, FedDyn, FedDC, FedEPM), clients
+    whose rule keeps a privacy ledger (FedEPM's and SFedAvg's noisy uploads) and
+    DP-SGD clients, when checkpoints are written.
     """
     if checkpoint_every(cfg) == 0:
         return False
     dp = cfg.get("privacy", {}).get("dp")
-    return keeps_state(client_class(cfg)) or dp is not None
+    client = client_class(cfg)
+    return keeps_state(client) or keeps_ledger(client) or dp is not None
 
 
 def keeps_state(client: Any) -> bool:
     """Return True for a client class whose rule keeps two-phase state."""
     return bool(getattr(getattr(client, "rule_class", None), "stateful", False))
+
+
+def keeps_ledger(client: Any) -> bool:
+    """Return True for a client class whose rule spends privacy itself."""
+    rule = getattr(client, "rule_class", None)
+    return bool(getattr(rule, "keeps_privacy_ledger", False))
 
 
 def client_state_dir(cfg: DictConfig, run_config: Mapping[str, Any]) -> str | None:

@@ -10,14 +10,23 @@ SuperNode. So a composition may only select from the pack's tree:
 * every ``_target_`` (also nested ones, under ``_args_``, with ``_partial_``)
   must be on the allow-list: the pack's own classes and functions
   (``flwr_prox_strategies.*``, except the ``experiment`` glue that starts
-  processes and writes files) plus what the operator of *that* process adds
+  processes and writes files), those of the installed plugins
+  (:func:`plugin_targets`), plus what the operator of *that* process adds
   with :data:`ALLOWED_TARGETS_ENV` or :func:`allow_targets`. Not a run-config
   key: the run's submitter writes the run config.
 * overrides may not touch Hydra's own config (``hydra.*``, ``hydra/...``: e.g.
   ``hydra.searchpath`` would load YAML from any folder), a config group takes
-  only the options of ``conf/`` (``dataset=../../x`` would read any YAML file),
-  and no value may call a resolver (``${oc.env:SECRET}`` would copy the host's
-  environment into logs and results); plain references like ``${seed}`` work.
+  only the options of ``conf/`` (``dataset=../../x`` would read any YAML file)
+  and ``strategy`` also those of the installed plugins, and no value may call
+  a resolver (``${oc.env:SECRET}`` would copy the host's environment into logs
+  and results); plain references like ``${seed}`` work.
+
+Plugins (:func:`~flwr_prox_strategies.algorithms.registered_algorithms`) are
+installed packages, chosen by whoever installs the environment, not by a run's
+submitter: their ``conf`` packages join Hydra's search path after ``conf/``
+(:class:`PluginSearchPath`, for the compose API and the ``python -m
+flwr_prox_strategies.experiment`` command line alike), so they add options but
+cannot replace a file of the pack's.
 
 Anything else raises :class:`ConfigNotAllowedError` before anything is
 imported or instantiated.
@@ -35,13 +44,22 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
+from hydra.plugins.search_path_plugin import SearchPathPlugin
 from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from ..algorithms import ALGORITHMS
+from ..algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    PluginError,
+    registered_algorithm,
+    registered_algorithms,
+)
 from ..core.central import central_dp
 from ..core.dp import make_private_model
 
@@ -71,6 +89,58 @@ def find_conf_dir() -> Path:
 
 
 CONF_DIR = find_conf_dir()
+
+
+def _plugins() -> dict[str, Algorithm]:
+    """Return the installed plugins' algorithms (the pack's own left out)."""
+    return {
+        name: algorithm
+        for name, algorithm in registered_algorithms().items()
+        if name not in ALGORITHMS and algorithm.conf is not None
+    }
+
+
+def plugin_conf_packages() -> list[str]:
+    """Return the installed plugins' conf packages, in the search path's order."""
+    packages: list[str] = []
+    for algorithm in _plugins().values():
+        if algorithm.conf not in packages:
+            packages.append(str(algorithm.conf))
+    return packages
+
+
+class PluginSearchPath(SearchPathPlugin):
+    """Hydra search-path plugin: the installed plugins' conf packages.
+
+    Appended after ``conf/`` (first match wins in Hydra, so a plugin adds
+    options and replaces none of the pack's files), and only to a search path
+    whose primary tree is the pack's ``conf/``: another Hydra app in the same
+    process is left as it is. Registered with Hydra when this module is
+    imported, so ``initialize_config_dir`` + ``compose`` and ``@hydra.main``
+    (the command line, sweeps) both see it.
+    """
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        """Append ``pkg://<conf>`` for every plugin when the tree is the pack's."""
+        conf = (str(CONF_DIR), f"file://{CONF_DIR}")
+        ours = any(
+            element.provider == "main" and element.path in conf
+            for element in search_path.get_path()
+        )
+        if not ours:
+            return
+        for package in plugin_conf_packages():
+            search_path.append("flwr-prox-strategies-plugin", f"pkg://{package}")
+
+
+def _register_search_path() -> None:
+    # Hydra keeps its plugins in a process-wide singleton; registering twice is
+    # a no-op. A hydra_plugins namespace package would do the same for every
+    # Hydra app, but the wheel and the editable install ship only this package.
+    Plugins.instance().register(PluginSearchPath)
+
+
+_register_search_path()
 
 # Keys of [tool.flwr.app.config] that `flwr run --run-config` may set.
 RUN_OVERRIDES = "overrides"
@@ -144,6 +214,35 @@ def _pack_default(name: str) -> bool:
     return name.startswith(PACK_PREFIX) and not name.startswith(_GLUE_PREFIXES)
 
 
+def plugin_targets() -> tuple[str, ...]:
+    """Return the allow-list entries the installed plugins add.
+
+    For each plugin: its own top-level package (the one holding its ``conf``,
+    ``"flwr_fednova."``), and the exact names of its strategy, client, rule and
+    deployed classes that live elsewhere (a plugin reusing a class of another
+    package opens that class, not the package). Nothing of the pack's own is
+    added: its classes are allowed anyway, its glue stays off the list.
+    """
+    entries: list[str] = []
+    for algorithm in _plugins().values():
+        own = str(algorithm.conf).split(".")[0] + "."
+        if own != PACK_PREFIX:
+            entries.append(own)
+        classes = (
+            algorithm.strategy,
+            algorithm.client,
+            algorithm.rule,
+            algorithm.deployed,
+        )
+        for cls in classes:
+            if cls is None:
+                continue
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            if not name.startswith((own, PACK_PREFIX)):
+                entries.append(name)
+    return tuple(dict.fromkeys(entries))
+
+
 def _how_to_allow(target: str) -> str:
     return (
         "A run's overrides may only instantiate the pack's own classes and "
@@ -175,7 +274,7 @@ def check_target(target: object, where: str = "_target_") -> None:
         raise ConfigNotAllowedError(
             f"{where}={target!r} is not a dotted name of a class or function."
         )
-    extra = allowed_targets()
+    extra = (*allowed_targets(), *plugin_targets())
     if _matches(target, extra, exact_only=True):
         return  # listed exactly: the operator asked for this very name
     private = any(part.startswith("_") for part in target.split("."))
@@ -265,6 +364,26 @@ def check_snake_key(key: str, text: str = "") -> None:
     )
 
 
+def _plugin_option(key: str, option: object) -> bool:
+    """Whether ``option`` of group ``key`` is an installed plugin's strategy.
+
+    Only ``strategy=<name>``: a plugin's conf package may hold other files (its
+    strategy's defaults list picks them), but a run's overrides choose among
+    the pack's data sets, models and partitions only.
+
+    Raises
+    ------
+    PluginError
+        When ``option`` is a plugin that is installed but broken.
+    """
+    if key != "strategy" or not isinstance(option, str) or option in ALGORITHMS:
+        return False
+    try:
+        return registered_algorithm(option).conf is not None
+    except KeyError:
+        return False
+
+
 def check_overrides(overrides: Sequence[str]) -> None:
     """Refuse overrides of Hydra's own config and config-group options not in conf/.
 
@@ -273,7 +392,11 @@ def check_overrides(overrides: Sequence[str]) -> None:
     ConfigNotAllowedError
         For ``hydra.*`` / ``hydra/...`` keys (``hydra.searchpath`` loads YAML from
         any folder) and for a group option that is not a file of ``conf/<group>/``
-        (``dataset=../../x`` reads any YAML file).
+        (``dataset=../../x`` reads any YAML file) nor, for ``strategy``, an
+        installed plugin's.
+    PluginError
+        For ``strategy=<name>`` of an installed plugin that cannot be used,
+        naming its distribution and entry point.
     KebabKeyError
         For a kebab-case key (``num-clients``), naming the snake_case one.
     ValueError
@@ -306,17 +429,21 @@ def check_overrides(overrides: Sequence[str]) -> None:
             continue
         value = override.value()
         options = value if isinstance(value, list) else [value]
-        choices = sorted(p.stem for p in group_dir.glob("*.yaml"))
         for option in options:
-            if not (
+            if (
                 isinstance(option, str)
                 and _GROUP_OPTION.fullmatch(option)
                 and (group_dir / f"{option}.yaml").is_file()
-            ):
-                raise ConfigNotAllowedError(
-                    f"override {text!r}: {option!r} is not an option of {key} "
-                    f"(conf/{key}/: {', '.join(choices)})."
-                )
+            ) or _plugin_option(key, option):
+                continue
+            choices = sorted(p.stem for p in group_dir.glob("*.yaml"))
+            plugins = sorted(_plugins()) if key == "strategy" else []
+            raise ConfigNotAllowedError(
+                f"override {text!r}: {option!r} is not an option of {key} "
+                f"(conf/{key}/: {', '.join(choices)}"
+                + (f"; installed plugins: {', '.join(plugins)}" if plugins else "")
+                + ")."
+            )
 
 
 def split_overrides(overrides: str | Sequence[str]) -> list[str]:
@@ -344,10 +471,14 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=32)
-def _compose_cached(overrides: tuple[str, ...]) -> DictConfig:
+def _compose_cached(
+    overrides: tuple[str, ...],
+    plugins: tuple[tuple[str, str | None], ...],  # part of the key: a refresh
+) -> DictConfig:
     # Inside a @hydra.main job (a sweep) Hydra is already initialised: compose
     # with a private instance and give the job's own back afterwards.
     check_overrides(overrides)
+    _register_search_path()  # in case Hydra's plugin singleton was reset
     backup = get_gh_backup()
     GlobalHydra.instance().clear()
     try:
@@ -378,12 +509,15 @@ def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
         When the overrides ask for what a run may not (a ``_target_`` off the
         allow-list, Hydra's own config, a group option outside conf/, a
         resolver call): see the module docstring.
+    PluginError
+        When ``strategy=<name>`` names an installed plugin that cannot be used.
     ValueError
         With Hydra's message when an override names an unknown group or key.
     """
+    plugins = tuple((name, a.conf) for name, a in sorted(_plugins().items()))
     try:
-        cfg = _compose_cached(tuple(split_overrides(overrides)))
-    except (ConfigNotAllowedError, KebabKeyError):
+        cfg = _compose_cached(tuple(split_overrides(overrides)), plugins)
+    except (ConfigNotAllowedError, KebabKeyError, PluginError):
         raise
     except Exception as err:  # Hydra raises several unrelated exception types
         raise ValueError(
@@ -421,7 +555,9 @@ def build_strategy(cfg: DictConfig, **runtime: Any) -> Any:
     if deploy is None:
         return instantiate(node, **runtime)
     target = get_class(str(node["_target_"]))
-    deployed = [a.deployed for a in ALGORITHMS.values() if a.strategy is target]
+    deployed = [
+        a.deployed for a in registered_algorithms().values() if a.strategy is target
+    ]
     if not deployed or deployed[0] is None:
         raise ValueError(
             f"deploy=peers runs one parameter server of P-FedAvg; strategy "

@@ -1,0 +1,42 @@
+"""FedNova for flwr-prox-strategies: an algorithm installed as a plugin.
+
+Registered through the entry point ``fednova = "flwr_fednova:FEDNOVA"`` of the
+group ``flwr_prox_strategies.algorithms``: once installed,
+``strategy=fednova`` selects it in the pack's experiment and Flower app, and
+:data:`FEDNOVA` runs the pack's conformance checks
+(``flwr_prox_strategies.testing.conformance_checks(FEDNOVA)``).
+"""
+
+from flwr_prox_strategies.extend import Algorithm
+
+from .fednova import (
+    CASES,
+    FEDNOVA_A_METRIC,
+    FEDNOVA_APPLIED_KEY,
+    FEDNOVA_MU_KEY,
+    FEDNOVA_TAU_EFF_METRIC,
+    FEDNOVA_TAU_METRIC,
+    FedNova,
+    FedNovaClient,
+    FedNovaRule,
+    normaliser,
+)
+
+#: The algorithm the entry point names: strategy, client, rule, the conformance
+#: cases and the package holding ``strategy/fednova.yaml``.
+FEDNOVA = Algorithm(
+    FedNova, FedNovaClient, FedNovaRule, cases=CASES, conf="flwr_fednova.conf"
+)
+
+__all__ = [
+    "FEDNOVA",
+    "FEDNOVA_APPLIED_KEY",
+    "FEDNOVA_A_METRIC",
+    "FEDNOVA_MU_KEY",
+    "FEDNOVA_TAU_EFF_METRIC",
+    "FEDNOVA_TAU_METRIC",
+    "FedNova",
+    "FedNovaClient",
+    "FedNovaRule",
+    "normaliser",
+]

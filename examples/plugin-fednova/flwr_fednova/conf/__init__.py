@@ -1,0 +1,1 @@
+"""FedNova's Hydra tree: ``strategy/fednova.yaml``, joined to the pack's search path."""
