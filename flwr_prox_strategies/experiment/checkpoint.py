@@ -41,6 +41,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from omegaconf import DictConfig, OmegaConf
 
+from ..tracking import Tracker, round_metrics
 from .config import RUN_OUTPUT_DIR, RUN_RESUME, check_target
 from .results import RunRecorder
 
@@ -544,7 +545,8 @@ class RoundEnd:
     every round, and once before the first), with :meth:`observing` around
     ``start`` so each round's client metrics reach ``results.json`` as the
     round ends. Round numbers here are the run's: a resumed ``start`` counts
-    from 1 again, ``offset`` (the checkpoint's round) is added.
+    from 1 again, ``offset`` (the checkpoint's round) is added. With a
+    ``tracker``, each round of ``results.json`` is logged to it as it ends.
     """
 
     def __init__(
@@ -557,8 +559,10 @@ class RoundEnd:
         num_rounds: int,
         offset: int,
         document: Mapping[str, Any],
+        tracker: Tracker | None = None,
     ) -> None:
         self.recorder = recorder
+        self.tracker = tracker
         self.central = central
         self.strategy = strategy
         self.every = every
@@ -587,6 +591,9 @@ class RoundEnd:
         self._last_end = self.recorder.elapsed()
         writing = time.monotonic()
         self.recorder.end_round(rnd)
+        entry = self.recorder.rounds.get(rnd)
+        if self.tracker is not None and rnd > 0 and entry is not None:
+            self.tracker.log_metrics(round_metrics(entry), step=rnd)
         if self.every and rnd > 0 and (rnd % self.every == 0 or rnd == self.num_rounds):
             self.save(rnd, arrays)
         self._write_s = time.monotonic() - writing

@@ -69,6 +69,7 @@ from .data import (
     to_loader,
 )
 from .results import RunRecorder, plot_run, write_json
+from .track import close_tracker, open_tracker
 
 OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
 PARTITION_SIZES_FILE = "partition-sizes.json"
@@ -240,6 +241,9 @@ def run_experiment(
         )
         recorder.flush()  # drop what the crashed run recorded after its checkpoint
     (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    tracker = open_tracker(
+        cfg, output_dir=output_dir, overrides=overrides_from_run_config(run_config)
+    )
     log(
         INFO,
         "Experiment: %r on %s, %d clients, %d rounds",
@@ -291,6 +295,7 @@ def run_experiment(
             "config": OmegaConf.to_container(cfg, resolve=True),
             "client-state": states,
         },
+        tracker=tracker,
     )
     # The wrapper (central DP) releases the model; the strategy keeps its state.
     released = wrap_central_dp(cfg, strategy)
@@ -322,7 +327,7 @@ def run_experiment(
         result = err.result
     except BaseException as err:  # a crash: say so in results.json, then raise
         recorder.meta["failure"] = f"{type(err).__name__}: {err}"
-        recorder.flush()
+        close_tracker(tracker, recorder.as_dict(), [recorder.flush()], failed=True)
         raise
     if done:  # Flower numbers a resumed start's rounds from 1: use the run's
         for history in (
@@ -361,11 +366,12 @@ def run_experiment(
         # The ServerApp must fail (`flwr ls` then shows the run as failed), but
         # only after results.json and the plots say what happened.
         recorder.meta["failure"] = str(failure)
-        recorder.flush()
+        files = [recorder.flush()]
         try:
-            plot_run(recorder.as_dict(), output_dir)
+            files += plot_run(recorder.as_dict(), output_dir)
         except Exception as err:  # the failure is the news, not the plot
             log(WARNING, "Plots of the failed run not written: %s", err)
+        close_tracker(tracker, recorder.as_dict(), files, failed=True)
         raise type(failure)(
             f"{failure} Results so far: {output_dir / 'results.json'}",
             failure.result,
@@ -413,6 +419,10 @@ def run_experiment(
         )
     log(INFO, "Results: %s", output_dir / "results.json")
     log(INFO, "Plots: %s", ", ".join(str(p) for p in plots))
+    files = [output_dir / name for name in ("results.json", "privacy-ledger.json")]
+    close_tracker(
+        tracker, results, [*files, *plots, output_dir / CHECKPOINT_FILE], failed=False
+    )
     log(INFO, "Output folder: %s", output_dir)
     return result, output_dir
 

@@ -18,6 +18,7 @@ import contextlib
 import csv
 import functools
 import json
+import logging
 import math
 import os
 import shlex
@@ -34,13 +35,17 @@ from typing import Any
 import numpy as np
 from flwr.common.logger import log
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .._executables import flower_env, flower_executable
 from .appdir import make_client_app, write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
 from .results import RESULTS_FILE, pyplot
+from .track import sweep_overrides, where_for_sweep
 
 JOB_SUMMARY = "job.json"
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
@@ -217,10 +222,15 @@ def run_job(cfg: DictConfig) -> float:
     engine = str(cfg.engine)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    ran = overrides
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sweep_dir = Path(hydra_cfg.sweep.dir)
+        ran = [*overrides, *sweep_overrides(cfg, sweep_dir)]
+        log_progress(sweep_dir, int(hydra_cfg.job.num), overrides)
     start = time.monotonic()
     if engine == "flwr":
         results_path = flwr_run(
-            overrides,
+            ran,
             job_dir,
             num_supernodes=int(cfg["num_clients"]),
             cpus_per_client=float(cfg["num_cpus_per_client"]),
@@ -232,7 +242,7 @@ def run_job(cfg: DictConfig) -> float:
             else math.ceil(float(cfg["num_cpus_per_client"]))
         )
         results_path = run_inprocess(
-            overrides, job_dir, int(cfg["num_clients"]), threads=threads
+            ran, job_dir, int(cfg["num_clients"]), threads=threads
         )
     results = json.loads(results_path.read_text())
     summary = {
@@ -248,6 +258,79 @@ def run_job(cfg: DictConfig) -> float:
     (job_dir / JOB_SUMMARY).write_text(json.dumps(summary, indent=2))
     final = summary["final-accuracy"]
     return float(final) if final is not None else float("nan")
+
+
+def sweep_size(argv: Sequence[str], sweeper: str) -> int | None:
+    """Count the jobs of a sweep from its command line (None: cannot tell).
+
+    The count is Hydra's basic sweeper's: the product of the lengths of the
+    comma lists (``strategy=fedavg,fedprox seed=0,1,2``: 6). Another sweeper
+    (an optimiser's), or ranges and intervals it samples, give None.
+
+    Parameters
+    ----------
+    argv : Sequence[str]
+        The multirun's command-line arguments.
+    sweeper : str
+        The sweeper's ``_target_`` (``hydra.sweeper._target_``).
+
+    Returns
+    -------
+    int | None
+        The number of jobs.
+    """
+    if not sweeper.endswith("BasicSweeper"):
+        return None
+    texts = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(texts)
+    except OverrideParseException:
+        return None
+    count = 1
+    for override in parsed:
+        if override.is_sweep_override():
+            if not override.is_discrete_sweep():
+                return None
+            count *= len(list(override.sweep_string_iterator()))
+    return count
+
+
+def log_progress(sweep_dir: Path, job: int, overrides: Sequence[str]) -> None:
+    """Log which job of how many starts, the time so far and an estimate of the rest.
+
+    The estimate is the finished jobs' mean wall time (their ``job.json``)
+    times the jobs left, this one included.
+
+    Parameters
+    ----------
+    sweep_dir : Path
+        The sweep's folder.
+    job : int
+        The job's number (from 0, Hydra's ``job.num``).
+    overrides : Sequence[str]
+        The job's overrides, for the line.
+    """
+    total = sweep_size(sys.argv[1:], str(HydraConfig.get().sweeper.get("_target_")))
+    times = [
+        float(json.loads(path.read_text()).get("wall-time-s") or 0.0)
+        for path in sweep_dir.glob(f"*/{JOB_SUMMARY}")
+    ]
+    done = sum(times)
+    text = f"job {job + 1} of {total}" if total else f"job {job + 1}"
+    if times:
+        text += f", {len(times)} done in {_duration(done)}"
+        if total:
+            left = max(total - len(times), 1) * done / len(times)
+            text += f", about {_duration(left)} left"
+    log(INFO, "Sweep: %s: %s", text, " ".join(overrides) or "(no overrides)")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
 
 
 def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
@@ -418,8 +501,24 @@ def plot_comparison(
     return fig
 
 
+class PrintedByFlower(logging.Filter):
+    """Leave out the records of Flower's logger: its own handler prints them.
+
+    The console handler of the Hydra entry point's job logging
+    (``conf/hydra/job_logging/flower.yaml``) uses it, so each of Flower's
+    lines is printed once, in Flower's format.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        return not (record.name == "flwr" or record.name.startswith("flwr."))
+
+
 class SweepSummary(Callback):
     """Hydra callback: summarise a multirun when it ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
-        summarise_sweep(Path(config.hydra.sweep.dir))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        summarise_sweep(sweep_dir)
+        where = where_for_sweep(config, sweep_dir)
+        if where:
+            log(INFO, "Sweep tracked; to look: %s", where)
