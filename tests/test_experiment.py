@@ -250,12 +250,27 @@ def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
         "model=logreg",
         "strategy=fedavg,fedprox",
         "strategy.mu=0.01,1.0",
+        "logger=tensorboard",
         f"hydra.sweep.dir={tmp_path}",
     ]
     out = subprocess.run(
         command, capture_output=True, text=True, cwd=tmp_path, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    printed = (out.stdout + out.stderr).splitlines()
+    # Each of Flower's records printed once, in Flower's format (not Hydra's too).
+    sampled = [line for line in printed if "configure_train: sampled" in line]
+    assert len(sampled) == 4 * 2 and all(line.startswith("\x1b") for line in sampled)
+    assert not [line for line in printed if "][flwr][" in line]
+    progress = [line.split("Sweep: ")[1] for line in printed if "Sweep: job" in line]
+    assert [p.split(":")[0].split(",")[0] for p in progress] == [
+        f"job {n} of 4" for n in range(1, 5)
+    ]
+    assert "about" in progress[-1] and "left" in progress[-1]
+    # One TensorBoard root, a run per job named by its overrides.
+    runs = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    assert len(runs) == 4 and all("strategy=" in r and "logger" not in r for r in runs)
+    assert f"tensorboard --logdir {tmp_path}/tensorboard" in printed[-1]
     with open(tmp_path / "summary.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == 4

@@ -592,7 +592,7 @@ class RoundEnd:
         writing = time.monotonic()
         self.recorder.end_round(rnd)
         entry = self.recorder.rounds.get(rnd)
-        if self.tracker is not None and rnd > 0 and entry is not None:
+        if self.tracker is not None and entry is not None:
             self.tracker.log_metrics(round_metrics(entry), step=rnd)
         if self.every and rnd > 0 and (rnd % self.every == 0 or rnd == self.num_rounds):
             self.save(rnd, arrays)

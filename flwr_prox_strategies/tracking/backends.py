@@ -42,6 +42,7 @@ class TensorBoardTracker(Tracker):
     """
 
     name = "tensorboard"
+    requires = ("tensorboard", "tensorboard")
 
     def __init__(self, log_dir: str | Path) -> None:
         self.log_dir = Path(log_dir)
@@ -135,6 +136,7 @@ class MLflowTracker(Tracker):
     """
 
     name = "mlflow"
+    requires = ("mlflow", "mlflow")
 
     def __init__(
         self,
@@ -270,6 +272,7 @@ class WandbTracker(Tracker):
     """
 
     name = "wandb"
+    requires = ("wandb", "wandb")
 
     def __init__(
         self,

@@ -20,6 +20,8 @@ from typing import Any
 
 from flwr.common.logger import log
 
+from .._optional import require_installed
+
 
 class Tracker:
     """One run of an experiment tracker; subclasses talk to one library.
@@ -33,6 +35,9 @@ class Tracker:
 
     #: The backend's name, for messages (``"mlflow"``).
     name = "tracker"
+    #: The module the backend imports and the pack's extra that installs it
+    #: (``("mlflow", "mlflow")``); None: nothing to install.
+    requires: tuple[str, str] | None = None
 
     def open(self) -> None:
         """Import the library and start the run (the default does nothing)."""
@@ -96,7 +101,8 @@ class InBackground(Tracker):
     opens the tracker first. The first error of the backend is logged with
     Flower's logger (a warning naming the backend and what failed) and the
     tracker is dropped: tracking never fails a run. :meth:`close` waits for
-    the queue to drain, at most ``close_timeout`` seconds.
+    the queue to drain, at most ``close_timeout`` seconds. A backend whose
+    library is not installed fails here, at once, naming the extra to install.
 
     Parameters
     ----------
@@ -104,9 +110,17 @@ class InBackground(Tracker):
         The tracker to run in the background.
     close_timeout : float (default: 300)
         Seconds :meth:`close` waits for the queued calls to be carried out.
+
+    Raises
+    ------
+    ImportError
+        When the backend's library is not installed, naming the extra.
     """
 
     def __init__(self, tracker: Tracker, *, close_timeout: float = 300) -> None:
+        if tracker.requires is not None:  # here, not on the thread: fail at once
+            module, extra = tracker.requires
+            require_installed((module,), extra, f"Tracking with {tracker.name}")
         self.tracker = tracker
         self.name = tracker.name
         self.close_timeout = float(close_timeout)
