@@ -29,6 +29,7 @@ NAMESPACES = (
     "flwr_prox_strategies",
     "flwr_prox_strategies.extend",
     "flwr_prox_strategies.testing",
+    "flwr_prox_strategies.tracking",
     "flwr_prox_strategies.task",
 )
 PUBLIC = [

@@ -230,12 +230,35 @@ def test_a_sweep_job_gets_the_sweep_folder_and_group_unless_set(tmp_path: Path) 
         "logger.group=2026-12-03_10-11-12",
     ]
     cfg = compose_config(["logger=mlflow", "logger.group=mine"])
-    assert sweep_overrides(cfg, sweep) == [f"logger.folder={sweep.resolve()}"]
+    assert sweep_overrides(cfg, sweep, ["seed", "strategy.mu"]) == [
+        f"logger.folder={sweep.resolve()}",
+        "logger.swept=[seed,strategy.mu]",
+    ]
+    named = compose_config(["logger=mlflow", "logger.swept=[seed,strategy.mu]"])
+    assert list(named.logger.swept) == ["seed", "strategy.mu"]
     assert sweep_overrides(compose_config([]), sweep) == []
     assert sweep_name(tmp_path / "my-sweep") == "my-sweep"
     assert run_name_of(["engine=inprocess", "logger=wandb", "seed=1", "+x.y=2"]) == (
         "seed=1 +x.y=2"
     )
+    assert run_name_of(["num_rounds=3", "seed=1", "strategy.mu=0.1"], ["seed"]) == (
+        "seed=1"
+    )
+
+
+def test_sweep_runs_are_named_by_the_swept_keys(tmp_path: Path) -> None:
+    from flwr_prox_strategies.experiment.sweep import swept_keys
+    from flwr_prox_strategies.experiment.track import build_tracker
+
+    assert swept_keys(["-m", "strategy=fedavg,fedprox", "seed=0", "+x=1,2"]) == [
+        "strategy",
+        "x",
+    ]
+    cfg = compose_config(["logger=tensorboard", "logger.swept=[strategy]"])
+    tracker = build_tracker(
+        cfg, output_dir=tmp_path, overrides=["seed=0", "strategy=fedprox"]
+    )
+    assert tracker.log_dir == tmp_path / "tensorboard" / "strategy=fedprox"
 
 
 def test_sweep_size_counts_the_basic_sweepers_jobs() -> None:
@@ -436,3 +459,31 @@ def test_tracked_refuses_what_is_not_a_strategy_or_tracker() -> None:
         Tracked(object(), Recording())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Tracker"):
         Tracked(FedProx(proximal_mu=0.1), object())  # type: ignore[arg-type]
+
+
+def test_tracked_logs_into_the_users_own_wandb_run(tmp_path: Path) -> None:
+    import wandb
+
+    from flwr_prox_strategies.tracking import WandbTracker
+
+    run = wandb.init(
+        project="advanced-pytorch",
+        mode="offline",
+        dir=str(tmp_path),
+        reinit="create_new",
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    strategy = Tracked(FlowerFedAvg(), WandbTracker(run=run), background=False)
+    grid = InProcessGrid(least_squares_app(), num_nodes=2)
+    initial = ArrayRecord([np.zeros(2, dtype=np.float32)])
+    result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    run.log({"my-own": 1.0}, step=2)  # the user's run is still open, theirs
+    run.finish()
+    (folder,) = glob.glob(str(tmp_path / "wandb/offline-run-*"))
+    logged = read_wandb_run(Path(folder))
+    assert logged["exit"] == 0
+    for step in (1, 2):
+        assert logged["history"][step]["train/train_loss"] == pytest.approx(
+            result.train_metrics_clientapp[step]["train_loss"]
+        )
+    assert logged["history"][2]["my-own"] == 1.0

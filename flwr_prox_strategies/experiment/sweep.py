@@ -225,7 +225,8 @@ def run_job(cfg: DictConfig) -> float:
     ran = overrides
     if hydra_cfg.mode == RunMode.MULTIRUN:
         sweep_dir = Path(hydra_cfg.sweep.dir)
-        ran = [*overrides, *sweep_overrides(cfg, sweep_dir)]
+        swept = swept_keys(sys.argv[1:])
+        ran = [*overrides, *sweep_overrides(cfg, sweep_dir, swept)]
         log_progress(sweep_dir, int(hydra_cfg.job.num), overrides)
     start = time.monotonic()
     if engine == "flwr":
@@ -293,6 +294,27 @@ def sweep_size(argv: Sequence[str], sweeper: str) -> int | None:
                 return None
             count *= len(list(override.sweep_string_iterator()))
     return count
+
+
+def swept_keys(argv: Sequence[str]) -> list[str]:
+    """Return the keys a sweep's command line varies (``strategy=a,b``: ``strategy``).
+
+    Parameters
+    ----------
+    argv : Sequence[str]
+        The multirun's command-line arguments.
+
+    Returns
+    -------
+    list[str]
+        The keys of its sweep overrides, in order (none if it cannot be parsed).
+    """
+    texts = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(texts)
+    except OverrideParseException:
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
 
 
 def log_progress(sweep_dir: Path, job: int, overrides: Sequence[str]) -> None:

@@ -31,25 +31,30 @@ from .config import instantiate
 UNNAMED = ("logger", "engine", "hydra", "num_cpus_per_client", "node_wait_timeout")
 
 
-def run_name_of(overrides: Sequence[str]) -> str:
-    """Name a run by its overrides, those that say how it ran left out.
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=")[0]
+
+
+def run_name_of(overrides: Sequence[str], swept: Sequence[str] | None = None) -> str:
+    """Name a run by its overrides: the swept ones, or all but how it ran.
 
     Parameters
     ----------
     overrides : Sequence[str]
         The run's Hydra overrides.
+    swept : Sequence[str] | None (default: None)
+        The keys a sweep varies (``["strategy", "strategy.mu"]``): only their
+        overrides name the run. None: every override but those that say how
+        it ran (``logger``, ``engine``, ...).
 
     Returns
     -------
     str
         ``"strategy=fedprox strategy.mu=0.1"``; ``""`` when none is left.
     """
-    kept = [
-        o
-        for o in overrides
-        if not o.lstrip("+~").split("=")[0].split(".")[0].startswith(UNNAMED)
-    ]
-    return " ".join(kept)
+    if swept:
+        return " ".join(o for o in overrides if _key(o) in set(swept))
+    return " ".join(o for o in overrides if _key(o).split(".")[0] not in UNNAMED)
 
 
 def tracks(cfg: DictConfig) -> bool:
@@ -95,10 +100,15 @@ def build_tracker(
     if not tracks(cfg):
         return None
     node = cfg.logger
+    target = OmegaConf.masked_copy(node, [k for k in node if k != "swept"])
     return instantiate(  # type: ignore[no-any-return]
-        node,
+        target,
         folder=str(node.get("folder") or output_dir),
-        run_name=str(node.get("run_name") or run_name_of(overrides) or output_dir.name),
+        run_name=str(
+            node.get("run_name")
+            or run_name_of(overrides, node.get("swept"))
+            or output_dir.name
+        ),
         group=node.get("group"),
         _convert_="all",
     )
@@ -167,7 +177,9 @@ def close_tracker(
         log(INFO, "Tracked with %s; to look: %s", tracker.name, where)
 
 
-def sweep_overrides(cfg: DictConfig, sweep_dir: Path) -> list[str]:
+def sweep_overrides(
+    cfg: DictConfig, sweep_dir: Path, swept: Sequence[str] = ()
+) -> list[str]:
     """Return the overrides that put a sweep's job in the sweep's tracker.
 
     Only the keys the configuration leaves null are set.
@@ -178,12 +190,14 @@ def sweep_overrides(cfg: DictConfig, sweep_dir: Path) -> list[str]:
         The job's composed configuration.
     sweep_dir : Path
         The sweep's folder (``hydra.sweep.dir``).
+    swept : Sequence[str] (default: ())
+        The keys the sweep varies: they name each job's run.
 
     Returns
     -------
     list[str]
-        ``logger.folder=...`` and ``logger.group=...`` as needed (none for
-        ``logger=none``).
+        ``logger.folder=...``, ``logger.group=...`` and ``logger.swept=[...]``
+        as needed (none for ``logger=none``).
     """
     if not tracks(cfg):
         return []
@@ -192,6 +206,8 @@ def sweep_overrides(cfg: DictConfig, sweep_dir: Path) -> list[str]:
         extra.append(f"logger.folder={sweep_dir.resolve()}")
     if not cfg.logger.get("group"):
         extra.append(f"logger.group={sweep_name(sweep_dir)}")
+    if swept and not cfg.logger.get("swept"):
+        extra.append(f"logger.swept=[{','.join(swept)}]")
     return extra
 
 
