@@ -254,8 +254,8 @@ class WandbTracker(Tracker):
     ----------
     run : Any (default: None)
         A run already started (``wandb.init(...)``): metrics go to it and it is
-        left open at the end. None: :meth:`open` starts one with the keywords
-        below and :meth:`close` finishes it.
+        left open at the end. None: opening the tracker starts one with the
+        keywords below, and closing it finishes it.
     project : str (default: "flwr-prox-strategies")
         The W&B project of a new run.
     group : str | None (default: None)

@@ -82,8 +82,10 @@ def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
     """A Hydra multirun whose job is a real `flwr run`, started outside any
     checkout: it runs the Flower app the pack writes for itself (a folder
     holding only a pyproject.toml whose components are the package's), as a
-    pip-installed pack does. (One job: the summary and the comparison plot of
-    several jobs are the same code in process, tests/test_experiment.py.)"""
+    pip-installed pack does. The job's ServerApp logs to the sweep's MLflow
+    experiment, a run named by its swept key, and Flower's lines are in the
+    job's log once. (The comparison of several settings is the same code in
+    process, tests/test_experiment.py.)"""
     app = write_app_dir(tmp_path / "app")
     assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
     sweep_dir = tmp_path / "sweep"
@@ -94,6 +96,8 @@ def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
             "num_clients=3",
             "num_rounds=2",
             "model=logreg",
+            "seed=choice(0)",  # one job, its swept key names its run
+            "logger=mlflow",
             f"hydra.sweep.dir={sweep_dir}",
         ],
         capture_output=True,
@@ -110,4 +114,17 @@ def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
     assert [r["strategy"] for r in rows] == ["FedProx"]
     assert all(r["engine"] == "flwr" and float(r["final-accuracy"]) > 0.3 for r in rows)
     assert (sweep_dir / "comparison.png").is_file()
-    assert (sweep_dir / "0" / "flwr.log").is_file()
+    # Each of Flower's records once in a flwr run's log, in Flower's format.
+    log = (sweep_dir / "0" / "flwr.log").read_text().splitlines()
+    assert len([line for line in log if "configure_train: sampled" in line]) == 2
+    assert not [line for line in log if "][flwr][" in line]
+    # The ServerApp of each flwr run logged to the sweep's MLflow experiment.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{sweep_dir.resolve() / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["seed=0"]
+    for run, row in zip(sorted(runs, key=lambda r: r.info.run_name), rows, strict=True):
+        assert run.info.status == "FINISHED"
+        assert run.data.metrics["central/accuracy"] == float(row["final-accuracy"])
