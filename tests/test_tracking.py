@@ -33,6 +33,7 @@ from flwr_prox_strategies.experiment.track import (
     run_name_of,
     sweep_name,
     sweep_overrides,
+    swept_of,
 )
 from flwr_prox_strategies.tracking import (
     InBackground,
@@ -232,10 +233,11 @@ def test_a_sweep_job_gets_the_sweep_folder_and_group_unless_set(tmp_path: Path) 
     cfg = compose_config(["logger=mlflow", "logger.group=mine"])
     assert sweep_overrides(cfg, sweep, ["seed", "strategy.mu"]) == [
         f"logger.folder={sweep.resolve()}",
-        "logger.swept=[seed,strategy.mu]",
+        "logger.swept=seed:strategy.mu",
     ]
-    named = compose_config(["logger=mlflow", "logger.swept=[seed,strategy.mu]"])
-    assert list(named.logger.swept) == ["seed", "strategy.mu"]
+    named = compose_config(["logger=mlflow", "logger.swept=seed:strategy.mu"])
+    assert swept_of(named.logger.swept) == ["seed", "strategy.mu"]
+    assert swept_of(["seed"]) == ["seed"] and swept_of(None) == []
     assert sweep_overrides(compose_config([]), sweep) == []
     assert sweep_name(tmp_path / "my-sweep") == "my-sweep"
     assert run_name_of(["engine=inprocess", "logger=wandb", "seed=1", "+x.y=2"]) == (
@@ -254,7 +256,7 @@ def test_sweep_runs_are_named_by_the_swept_keys(tmp_path: Path) -> None:
         "strategy",
         "x",
     ]
-    cfg = compose_config(["logger=tensorboard", "logger.swept=[strategy]"])
+    cfg = compose_config(["logger=tensorboard", "logger.swept=strategy"])
     tracker = build_tracker(
         cfg, output_dir=tmp_path, overrides=["seed=0", "strategy=fedprox"]
     )

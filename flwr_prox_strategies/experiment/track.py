@@ -57,6 +57,26 @@ def run_name_of(overrides: Sequence[str], swept: Sequence[str] | None = None) ->
     return " ".join(o for o in overrides if _key(o).split(".")[0] not in UNNAMED)
 
 
+def swept_of(value: Any) -> list[str]:
+    """Read ``logger.swept``: keys joined by ``:`` (``seed:strategy.mu``) or a list.
+
+    Parameters
+    ----------
+    value : Any
+        The configuration's value (None: no key).
+
+    Returns
+    -------
+    list[str]
+        The keys.
+    """
+    if not value:
+        return []
+    if isinstance(value, str):
+        return [k for k in value.split(":") if k]
+    return [str(k) for k in value]
+
+
 def tracks(cfg: DictConfig) -> bool:
     """Whether the configuration selects a tracker (``logger`` other than none).
 
@@ -106,7 +126,7 @@ def build_tracker(
         folder=str(node.get("folder") or output_dir),
         run_name=str(
             node.get("run_name")
-            or run_name_of(overrides, node.get("swept"))
+            or run_name_of(overrides, swept_of(node.get("swept")))
             or output_dir.name
         ),
         group=node.get("group"),
@@ -196,7 +216,7 @@ def sweep_overrides(
     Returns
     -------
     list[str]
-        ``logger.folder=...``, ``logger.group=...`` and ``logger.swept=[...]``
+        ``logger.folder=...``, ``logger.group=...`` and ``logger.swept=a:b``
         as needed (none for ``logger=none``).
     """
     if not tracks(cfg):
@@ -207,7 +227,8 @@ def sweep_overrides(
     if not cfg.logger.get("group"):
         extra.append(f"logger.group={sweep_name(sweep_dir)}")
     if swept and not cfg.logger.get("swept"):
-        extra.append(f"logger.swept=[{','.join(swept)}]")
+        # ':'-joined: brackets would be quoted by the shell line of `flwr run`
+        extra.append(f"logger.swept={':'.join(swept)}")
     return extra
 
 
@@ -261,6 +282,7 @@ __all__ = [
     "run_name_of",
     "sweep_name",
     "sweep_overrides",
+    "swept_of",
     "tracks",
     "where_for_sweep",
 ]
