@@ -241,9 +241,6 @@ def run_experiment(
         )
         recorder.flush()  # drop what the crashed run recorded after its checkpoint
     (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    tracker = open_tracker(
-        cfg, output_dir=output_dir, overrides=overrides_from_run_config(run_config)
-    )
     log(
         INFO,
         "Experiment: %r on %s, %d clients, %d rounds",
@@ -282,6 +279,9 @@ def run_experiment(
                 {"from-round": done, "to-round": caught_up}
             )
             done = caught_up
+    tracker = open_tracker(
+        cfg, output_dir=output_dir, overrides=overrides_from_run_config(run_config)
+    )
     round_end = RoundEnd(
         recorder=recorder,
         central=make_evaluate_fn(cfg, recorder, num_rounds, strategy)
