@@ -36,6 +36,7 @@ import numpy as np
 from flwr.common.logger import log
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -280,19 +281,14 @@ def sweep_size(argv: Sequence[str], sweeper: str) -> int | None:
     int | None
         The number of jobs.
     """
-    if not sweeper.endswith("BasicSweeper"):
-        return None
-    texts = [a for a in argv if "=" in a and not a.startswith("-")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(texts)
-    except OverrideParseException:
+    sweeps = _sweeps_of(argv)
+    if not sweeper.endswith("BasicSweeper") or sweeps is None:
         return None
     count = 1
-    for override in parsed:
-        if override.is_sweep_override():
-            if not override.is_discrete_sweep():
-                return None
-            count *= len(list(override.sweep_string_iterator()))
+    for override in sweeps:
+        if not override.is_discrete_sweep():
+            return None
+        count *= len(list(override.sweep_string_iterator()))
     return count
 
 
@@ -309,12 +305,17 @@ def swept_keys(argv: Sequence[str]) -> list[str]:
     list[str]
         The keys of its sweep overrides, in order (none if it cannot be parsed).
     """
+    return [o.key_or_group for o in _sweeps_of(argv) or []]
+
+
+def _sweeps_of(argv: Sequence[str]) -> list[Override] | None:
+    """Return the sweep overrides of a command line (None: it cannot be parsed)."""
     texts = [a for a in argv if "=" in a and not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(texts)
     except OverrideParseException:
-        return []
-    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+        return None
+    return [o for o in parsed if o.is_sweep_override()]
 
 
 def log_progress(sweep_dir: Path, job: int, overrides: Sequence[str]) -> None:
