@@ -434,6 +434,7 @@ def test_tracked_logs_flowers_own_fedavg_round_by_round() -> None:
             result.train_metrics_clientapp[step]["train_loss"]
         )
         assert metrics["train/replies-received"] == 3
+        assert metrics["train/replies-with-error"] == 0
         assert metrics["evaluate/eval_loss"] == 1.0
         assert metrics["evaluate/replies-received"] == 3
         assert metrics["timing/round-s"] > 0
@@ -453,7 +454,48 @@ def test_tracked_keeps_the_pack_strategys_failure_and_marks_the_run_failed() -> 
     rounds = [payload for kind, payload in backend.calls if kind == "metrics"]
     assert [step for step, _ in rounds] == [1, 2]  # logged after each evaluation
     assert all(m["train/replies-received"] == 2 for _, m in rounds)
+    assert all(m["train/replies-with-error"] == 2 for _, m in rounds)
     assert all(m["train/replies-valid"] == 0 for _, m in rounds)
+
+
+def test_tracked_flowers_fedavg_with_every_client_failing_shows_it() -> None:
+    """Flower's FedAvg ends such a run without an error: the log must say so."""
+    backend = Recording()
+    strategy = Tracked(FlowerFedAvg(), backend, background=False)
+    grid = InProcessGrid(least_squares_app(fail=True), num_nodes=2)
+    initial = ArrayRecord([np.zeros(2, dtype=np.float32)])
+    strategy.start(grid=grid, initial_arrays=initial, num_rounds=2)
+    rounds = [payload for kind, payload in backend.calls if kind == "metrics"]
+    assert [m["train/replies-with-error"] for _, m in rounds] == [2, 2]
+    assert not any(key.startswith("train/train") for _, m in rounds for key in m)
+
+
+def test_an_experiment_where_every_client_fails_is_a_failed_tracked_run(
+    tmp_path: Path,
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from flwr_prox_strategies import to_client_app
+
+    def broken_client(context):
+        raise RuntimeError("cannot load my data")
+
+    run_config = {
+        "overrides": f"{BASE} logger=mlflow",
+        "output-dir": str(tmp_path),
+    }
+    grid = InProcessGrid(
+        to_client_app(broken_client), num_nodes=2, run_config=run_config
+    )
+    with pytest.raises(NoRoundAggregatedError):
+        run_experiment(grid, run_config)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("flwr-prox-strategies").experiment_id]
+    )
+    assert run.info.status == "FAILED"
+    assert run.data.metrics["train/replies-valid"] == 0
+    assert run.data.metrics["train/replies-failed"] == 2
 
 
 def test_tracked_refuses_what_is_not_a_strategy_or_tracker() -> None:

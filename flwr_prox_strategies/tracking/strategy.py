@@ -32,8 +32,10 @@ class Tracked(Strategy):
     wrapped strategy's aggregated train metrics as ``train/<name>``, its
     aggregated evaluate metrics as ``evaluate/<name>``, the central evaluation
     (``evaluate_fn``) as ``central/<name>``, the replies received as
-    ``train/replies-received`` and ``evaluate/replies-received`` (the pack's
-    strategies add how many were valid), and the round's wall time as
+    ``train/replies-received`` and ``evaluate/replies-received``, those that
+    carry an error (a client that failed) as ``train/replies-with-error`` and
+    ``evaluate/replies-with-error`` (the pack's strategies add how many were
+    valid), and the round's wall time as
     ``timing/round-s``. The round is logged when its last part ends: after the
     central evaluation when ``start`` has an ``evaluate_fn``, else after the
     federated evaluation.
@@ -107,12 +109,13 @@ class Tracked(Strategy):
         server_round: int,
         section: str,
         metrics: MetricRecord | None,
-        received: int | None = None,
+        replies: list[Message] | None = None,
     ) -> None:
         self._begin(server_round)
         values = dict(metrics) if metrics is not None else {}
-        if received is not None:
-            values["replies-received"] = received
+        if replies is not None:  # a round of error replies must not look fine
+            values["replies-received"] = len(replies)
+            values["replies-with-error"] = sum(m.has_error() for m in replies)
         self._round.setdefault(section, {}).update(values)
 
     def _end(self, server_round: int) -> None:
@@ -135,7 +138,7 @@ class Tracked(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
         arrays, metrics = original(server_round, replies)
-        self._add(server_round, "train", metrics, received=len(replies))
+        self._add(server_round, "train", metrics, replies)
         return arrays, metrics
 
     def _aggregate_evaluate(
@@ -146,7 +149,7 @@ class Tracked(Strategy):
     ) -> MetricRecord | None:
         replies = list(replies)
         metrics = original(server_round, replies)
-        self._add(server_round, "evaluate", metrics, received=len(replies))
+        self._add(server_round, "evaluate", metrics, replies)
         if not self._central:
             self._end(server_round)
         return metrics
