@@ -5,7 +5,7 @@
 engine for the exchange between parameter servers. This script runs the same
 exchange on both, side by side in one run, one process per server:
 
-* **grpc**: :class:`flwr_prox_strategies.core.exchange.PeerExchange` (grpcio,
+* **grpc**: :class:`flwr_prox_strategies.pfedavg_deploy.exchange.PeerExchange` (grpcio,
   Flower's own transport; the models travel as Flower's ``RecordDict`` protobuf);
 * **gloo**: ``torch.distributed`` with the gloo backend, one process group of the
   M servers, each round ``isend`` of the model to both ring neighbours and
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from flwr_prox_strategies.pfedavg_deploy import free_port
+from flwr_prox_strategies.pfedavg_deploy.launcher import free_port
 
 SHAPES = {"w1": (784, 200), "b1": (200,), "w2": (200, 200), "b2": (200,)}
 SHAPES |= {"w3": (200, 10), "b3": (10,)}
@@ -61,8 +61,8 @@ def arrays(value: float) -> dict[str, np.ndarray]:
 
 # ------------------------------------------------------------------ gRPC (ours)
 def grpc_server(i: int, m: int, addresses: list[str], plan: dict, out: Any) -> None:
-    from flwr_prox_strategies.core.exchange import PeerExchange
-    from flwr_prox_strategies.core.records import dict_to_record
+    from flwr_prox_strategies.core.transport.records import dict_to_record
+    from flwr_prox_strategies.pfedavg_deploy.exchange import PeerExchange
 
     exchange = PeerExchange(
         index=i,

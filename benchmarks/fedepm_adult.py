@@ -48,7 +48,7 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies.algorithms.fedepm import official_partition, official_stop
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.task.datasets import adult_matrix
 
 RIDGE = 1e-3

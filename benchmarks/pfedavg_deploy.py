@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flwr_prox_strategies import pfedavg_deploy
 from flwr_prox_strategies.ops.communication import volumes
 from flwr_prox_strategies.ops.graphs import adjacency
+from flwr_prox_strategies.pfedavg_deploy import launcher as pfedavg_deploy
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "pfedavg-deploy"
@@ -194,7 +194,7 @@ def logical(
     servers: int, clients: int, rounds: int, overrides: str
 ) -> dict[int, list[float]]:
     """Each server's accuracy per round in the logical P-FedAvg (one in-process grid)."""
-    from flwr_prox_strategies.core.inprocess import InProcessGrid
+    from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
     from flwr_prox_strategies.experiment.appdir import make_client_app
     from flwr_prox_strategies.experiment.server import run_experiment
 

@@ -205,7 +205,7 @@ def client_cost(rounds: int = 5) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from flwr_prox_strategies import DPSGD, FedAvgClient
-    from flwr_prox_strategies.core.dp import PrivacyLedger
+    from flwr_prox_strategies.core.client.dp import PrivacyLedger
     from flwr_prox_strategies.task.models import MLP
 
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp.strategy import FedProx as FlowerFedProx
 
 from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.data import to_loader
 from flwr_prox_strategies.task.datasets import load_digits
 from flwr_prox_strategies.task.models import MLP

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_prox_strategies._executables import flower_env, flower_executable
-from flwr_prox_strategies.pfedavg_deploy import free_port
+from flwr_prox_strategies.pfedavg_deploy.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_APP = ROOT / "benchmarks" / "scale_app"
@@ -171,7 +171,7 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
     (Flower's simulation keeps every node's context in its own process).
 
     The same ServerApp and ClientApp as the case, on
-    :class:`~flwr_prox_strategies.core.inprocess.InProcessGrid`, every call
+    :class:`~flwr_prox_strategies.core.transport.inprocess.InProcessGrid`, every call
     timed; the first round's calls (imports, first optimiser) are left out,
     as each Ray actor pays them once.
     """
@@ -179,7 +179,7 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
 
     from flwr.app import Context, RecordDict
 
-    from flwr_prox_strategies.core.inprocess import InProcessGrid
+    from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
     overrides = CASES[case]
     times: list[float] = []

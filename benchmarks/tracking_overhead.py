@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from flwr.common.logger import FLOWER_LOGGER
 
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.appdir import make_client_app
 from flwr_prox_strategies.experiment.server import run_experiment
 from flwr_prox_strategies.experiment.sweep import flwr_run

@@ -25,23 +25,17 @@ from .algorithms.fedprox import FedProx, FedProxClient, FedProxRule
 from .algorithms.pfedavg import PFedAvg
 from .algorithms.pfedavg_server import PFedAvgServer
 from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
-from .algorithms.sfed import (
-    SFedAvg,
-    SFedAvgClient,
-    SFedProx,
-    SFedProxClient,
-    SFedRule,
-)
-from .core.adapter import to_client_app
-from .core.central import ClientSideFixedClipping, ServerSideFixedClipping
-from .core.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
-from .core.outcome import (
+from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient, SFedRule
+from .core.client.adapter import to_client_app
+from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
+from .core.client.rule import ClientRule, ProtocolError
+from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
+from .core.privacy.uploads import LaplaceUploadMod
+from .core.server.outcome import (
     AggregationStalledError,
     EveryClientRetiredError,
     NoRoundAggregatedError,
 )
-from .core.privacy import LaplaceUploadMod
-from .core.rule import ClientRule, ProtocolError
 
 PROXIMAL_MU_KEY = _PROXIMAL_MU_KEY
 """The train-config key of FedProx's :math:`\\mu`, ``"proximal-mu"``.

@@ -168,16 +168,16 @@ from __future__ import annotations
 
 from .algorithms import ALGORITHMS as _ALGORITHMS
 from .algorithms import Algorithm
-from .core.client import TorchClient
-from .core.fields import RoundUpdate
-from .core.outcome import NoRoundAggregatedError, ReplyTally
-from .core.records import ArraySpec, dict_to_record, record_to_dict
-from .core.records import RecordSpec as _RecordSpec
-from .core.rule import ClientRule
-from .core.state import ClientState
-from .core.strategy import ValidatedFedAvg
-from .core.training import GradientTerm
-from .core.validation import MetricSpec, ReplyRejected, ValidReply
+from .core.client.client import TorchClient
+from .core.client.rule import ClientRule
+from .core.client.state import ClientState
+from .core.client.training import GradientTerm
+from .core.contract.fields import RoundUpdate
+from .core.contract.validation import MetricSpec, ReplyRejected, ValidReply
+from .core.server.outcome import NoRoundAggregatedError, ReplyTally
+from .core.server.strategy import ValidatedFedAvg
+from .core.transport.records import ArraySpec, dict_to_record, record_to_dict
+from .core.transport.records import RecordSpec as _RecordSpec
 from .ops.checks import (
     check_choice,
     check_fraction,

@@ -17,9 +17,9 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedAvg, FedProxClient, to_client_app
-from flwr_prox_strategies.core.adapter import ErrorLog, handle_train
-from flwr_prox_strategies.core.flower import MOD_FAILED_PRECONDITION
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.client.adapter import ErrorLog, handle_train
+from flwr_prox_strategies.core.transport.flower import MOD_FAILED_PRECONDITION
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import model_arrays, record
 

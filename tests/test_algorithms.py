@@ -96,23 +96,23 @@ USER_API = {
 }  # fmt: skip
 
 EXTEND_API = {
-    "ValidatedFedAvg": "flwr_prox_strategies.core.strategy",
-    "RoundUpdate": "flwr_prox_strategies.core.fields",
-    "ClientRule": "flwr_prox_strategies.core.rule",
-    "TorchClient": "flwr_prox_strategies.core.client",
-    "GradientTerm": "flwr_prox_strategies.core.training",
-    "ValidReply": "flwr_prox_strategies.core.validation",
-    "ReplyRejected": "flwr_prox_strategies.core.validation",
-    "MetricSpec": "flwr_prox_strategies.core.validation",
-    "RecordSpec": "flwr_prox_strategies.core.records",
-    "ArraySpec": "flwr_prox_strategies.core.records",
-    "ClientState": "flwr_prox_strategies.core.state",
-    "record_to_dict": "flwr_prox_strategies.core.records",
-    "dict_to_record": "flwr_prox_strategies.core.records",
+    "ValidatedFedAvg": "flwr_prox_strategies.core.server.strategy",
+    "RoundUpdate": "flwr_prox_strategies.core.contract.fields",
+    "ClientRule": "flwr_prox_strategies.core.client.rule",
+    "TorchClient": "flwr_prox_strategies.core.client.client",
+    "GradientTerm": "flwr_prox_strategies.core.client.training",
+    "ValidReply": "flwr_prox_strategies.core.contract.validation",
+    "ReplyRejected": "flwr_prox_strategies.core.contract.validation",
+    "MetricSpec": "flwr_prox_strategies.core.contract.validation",
+    "RecordSpec": "flwr_prox_strategies.core.transport.records",
+    "ArraySpec": "flwr_prox_strategies.core.transport.records",
+    "ClientState": "flwr_prox_strategies.core.client.state",
+    "record_to_dict": "flwr_prox_strategies.core.transport.records",
+    "dict_to_record": "flwr_prox_strategies.core.transport.records",
     "ALGORITHMS": "flwr_prox_strategies.algorithms",
     "Algorithm": "flwr_prox_strategies.algorithms",
-    "NoRoundAggregatedError": "flwr_prox_strategies.core.outcome",
-    "ReplyTally": "flwr_prox_strategies.core.outcome",
+    "NoRoundAggregatedError": "flwr_prox_strategies.core.server.outcome",
+    "ReplyTally": "flwr_prox_strategies.core.server.outcome",
     **{
         f"check_{kind}": "flwr_prox_strategies.ops.checks"
         for kind in ("int", "positive", "non_negative", "fraction", "choice")

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from flwr_prox_strategies import APFL, APFLClient, FedAvg, FedAvgClient, to_client_app
 from flwr_prox_strategies.algorithms.apfl import averaging_weight_sum
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.state import ClientState
+from flwr_prox_strategies.core.client.state import ClientState
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 

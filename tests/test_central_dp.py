@@ -22,7 +22,7 @@ from flwr_prox_strategies import (
     FedDyn,
     ServerSideFixedClipping,
 )
-from flwr_prox_strategies.core.central import dp_caveats, extra_reply_records
+from flwr_prox_strategies.core.privacy.central import dp_caveats, extra_reply_records
 
 from .helpers import model_arrays, record, sampling_grid
 from .test_contract import (
@@ -196,7 +196,7 @@ def test_central_dp_from_the_privacy_group_clips_every_update(
 
 
 def test_central_dp_refuses_what_it_cannot_wrap() -> None:
-    from flwr_prox_strategies.core.central import central_dp
+    from flwr_prox_strategies.core.privacy.central import central_dp
 
     settings = {"noise_multiplier": 1.0, "clipping_norm": 1.0, "num_sampled_clients": 5}
     with pytest.raises(ValueError, match="one model per server"):

@@ -18,8 +18,8 @@ from flwr.app import Array, ArrayRecord, Context, RecordDict
 from flwr_prox_strategies import FedDyn, FedDynClient, Scaffold, ScaffoldClient
 from flwr_prox_strategies.algorithms.feddyn import DRIFT_STATE
 from flwr_prox_strategies.algorithms.scaffold import CONTROL_STATE
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.state import ClientState
+from flwr_prox_strategies.core.client.state import ClientState
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .lsq import LeastSquares
 

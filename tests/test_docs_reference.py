@@ -278,7 +278,7 @@ def capture(strategy, client_cls, client_kwargs=None, rounds=2):
     from torch.utils.data import DataLoader, TensorDataset
 
     from flwr_prox_strategies import to_client_app
-    from flwr_prox_strategies.core.inprocess import InProcessGrid
+    from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
     def loader(i):
         g = torch.Generator().manual_seed(i)
@@ -564,7 +564,7 @@ def test_every_option_of_the_parsers_is_explained(confref) -> None:
 
     argparse.ArgumentParser.parse_args = grab  # type: ignore[method-assign]
     try:
-        from flwr_prox_strategies.pfedavg_deploy import parse_args
+        from flwr_prox_strategies.pfedavg_deploy.launcher import parse_args
 
         with pytest.raises(SystemExit):
             parse_args([])
@@ -588,7 +588,9 @@ def test_the_cli_help_is_the_parsers(confref) -> None:
         "flwr_prox_strategies.topology.__main__", "build_parser"
     )
     assert build_parser().prog == "python -m flwr_prox_strategies.topology"
-    deploy = confref.cli_help("flwr_prox_strategies.pfedavg_deploy", "parse_args")
+    deploy = confref.cli_help(
+        "flwr_prox_strategies.pfedavg_deploy.launcher", "parse_args"
+    )
     assert deploy.startswith("usage: python -m flwr_prox_strategies.pfedavg_deploy")
     assert "--restart-after" in deploy
 
@@ -615,8 +617,8 @@ def test_the_weighting_table_matches_each_strategys_default() -> None:
 def test_every_pack_metric_key_is_documented() -> None:
     """Every key the base adds to a round's metrics is on the metrics page."""
     from flwr_prox_strategies.core import metrics
-    from flwr_prox_strategies.core.privacy import privacy_metrics
-    from flwr_prox_strategies.core.rule import pack_rules
+    from flwr_prox_strategies.core.client.rule import pack_rules
+    from flwr_prox_strategies.core.contract.ledger import privacy_metrics
 
     page = (REPO / "docs" / "reference" / "metrics.md").read_text()
     counts = metrics.round_counts(

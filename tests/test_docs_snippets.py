@@ -79,7 +79,7 @@ def test_the_readmes_drop_in_app_trains_under_its_strategy() -> None:
     from flwr.app import ArrayRecord
 
     from flwr_prox_strategies import FedDyn
-    from flwr_prox_strategies.core.inprocess import InProcessGrid
+    from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
     [(_, code)] = [
         block for block in python_blocks(REPO / "README.md") if "FedDynRule" in block[1]

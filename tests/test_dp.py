@@ -24,9 +24,12 @@ from flwr_prox_strategies import (
     ProtocolError,
     to_client_app,
 )
-from flwr_prox_strategies.core.dp import unsupported_layers
-from flwr_prox_strategies.core.keys import REPORT_GRADIENT_KEY
-from flwr_prox_strategies.core.privacy import EPSILON_METRIC, EPSILON_TOTAL_METRIC
+from flwr_prox_strategies.core.client.dp import unsupported_layers
+from flwr_prox_strategies.core.contract.ledger import (
+    EPSILON_METRIC,
+    EPSILON_TOTAL_METRIC,
+)
+from flwr_prox_strategies.core.transport.keys import REPORT_GRADIENT_KEY
 
 from .helpers import record, sampling_grid
 from .test_adapter import context, train_message
@@ -205,7 +208,7 @@ def test_budget_exhaustion_stops_the_client_and_spends_nothing() -> None:
     # The refused round trained nothing and spent nothing.
     after = list(client.model.state_dict().values())
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    from flwr_prox_strategies.core.dp import PrivacyLedger
+    from flwr_prox_strategies.core.client.dp import PrivacyLedger
 
     assert PrivacyLedger(client.dp, client.state).epsilon() == pytest.approx(totals[-1])
 
@@ -459,7 +462,10 @@ def test_a_run_whose_every_client_retires_stops_with_a_clear_message(
 
 def test_round_rows_list_every_client_only_up_to_the_limit() -> None:
     """10,000 clients' epsilons are not copied into every round's metrics."""
-    from flwr_prox_strategies.core.privacy import PER_CLIENT_LIMIT, privacy_metrics
+    from flwr_prox_strategies.core.contract.ledger import (
+        PER_CLIENT_LIMIT,
+        privacy_metrics,
+    )
 
     small = privacy_metrics({k: float(k) for k in range(PER_CLIENT_LIMIT)})
     assert small["dp-epsilon-total-per-client"] == [float(k) for k in range(100)]

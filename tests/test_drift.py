@@ -19,8 +19,8 @@ from flwr_prox_strategies.algorithms.fedavg import FedAvg, FedAvgClient
 from flwr_prox_strategies.algorithms.feddc import FedDC, FedDCClient
 from flwr_prox_strategies.algorithms.feddyn import FedDyn, FedDynClient
 from flwr_prox_strategies.algorithms.scaffold import Scaffold, ScaffoldClient
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.state import ClientState
+from flwr_prox_strategies.core.client.state import ClientState
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .lsq import LeastSquares, half_sse
 

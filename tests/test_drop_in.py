@@ -29,7 +29,7 @@ from flwr_prox_strategies import (
     Scaffold,
     ScaffoldRule,
 )
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .lsq import LeastSquares, half_sse
 from .test_rules import LR, context, dict_loader, own_client_app, train_message

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord
 
-from flwr_prox_strategies.core.exchange import (
+from flwr_prox_strategies.pfedavg_deploy.exchange import (
     SERVICE,
     TOKEN_METADATA,
     PeerExchange,

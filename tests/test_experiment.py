@@ -14,7 +14,7 @@ from hydra.utils import get_class
 
 from flwr_prox_strategies import FedAvg, FedProx
 from flwr_prox_strategies.algorithms import ALGORITHMS
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.config import (
     build_strategy,
     compose_config,

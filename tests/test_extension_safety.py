@@ -13,7 +13,10 @@ import pytest
 from flwr.app import ConfigRecord
 
 from flwr_prox_strategies import testing
-from flwr_prox_strategies.core.frozen import StateMutationError, UndeclaredStateError
+from flwr_prox_strategies.core.contract.frozen import (
+    StateMutationError,
+    UndeclaredStateError,
+)
 from flwr_prox_strategies.extend import (
     Algorithm,
     MetricSpec,

@@ -31,10 +31,13 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies.algorithms.fedprox import PROXIMAL_MU_APPLIED_KEY
-from flwr_prox_strategies.core.central import ServerSideFixedClipping
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.outcome import NoRoundAggregatedError, short_reason
-from flwr_prox_strategies.core.validation import client_error_text
+from flwr_prox_strategies.core.contract.validation import client_error_text
+from flwr_prox_strategies.core.privacy.central import ServerSideFixedClipping
+from flwr_prox_strategies.core.server.outcome import (
+    NoRoundAggregatedError,
+    short_reason,
+)
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import model_arrays, record
 

@@ -33,7 +33,7 @@ from flwr_prox_strategies.algorithms.fedepm import (
     official_stop,
 )
 from flwr_prox_strategies.algorithms.sfed import step_size
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 

@@ -15,7 +15,7 @@ from flwr_prox_strategies import (
     FedProxClient,
     to_client_app,
 )
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.ops.proximal import ProximalTerm
 
 from .helpers import model_arrays, record, sampling_grid

@@ -24,8 +24,8 @@ from flwr_prox_strategies import (
     SFedProx,
 )
 from flwr_prox_strategies.algorithms.fedepm import default_eta
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.strategy import ValidatedFedAvg
+from flwr_prox_strategies.core.server.strategy import ValidatedFedAvg
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import configure, model_arrays, record, reply, sampling_grid
 

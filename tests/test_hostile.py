@@ -15,14 +15,14 @@ from flwr.app import Array, ConfigRecord, Context, Message, MetricRecord, Record
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedAvg, FedDC, FedEPM, FedProx, PFedAvg, Scaffold
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.strategy import ValidatedFedAvg
-from flwr_prox_strategies.core.validation import (
+from flwr_prox_strategies.core.contract.validation import (
     MAX_ABS_VALUE,
     NON_FINITE,
     OUT_OF_RANGE,
     value_problem,
 )
+from flwr_prox_strategies.core.server.strategy import ValidatedFedAvg
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import model_arrays, record, reply, sampling_grid
 from .test_contract import build_reply, good_content

@@ -17,7 +17,7 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from flwr_prox_strategies.core.frozen import FrozenState
+from flwr_prox_strategies.core.contract.frozen import FrozenState
 from flwr_prox_strategies.ops.apfl import (
     add_weighted,
     alpha_gradient,

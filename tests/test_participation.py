@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from flwr_prox_strategies import FedAvg, FedAvgClient, to_client_app
-from flwr_prox_strategies.core.central import central_dp
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.privacy.central import central_dp
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .lsq import LeastSquares
 

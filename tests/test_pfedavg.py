@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flwr_prox_strategies import FedAvg, FedAvgClient, FedProx, PFedAvg, to_client_app
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.ops.graphs import adjacency
 from flwr_prox_strategies.ops.mixing import (
     check_mixing,

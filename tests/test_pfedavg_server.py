@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from flwr_prox_strategies import FedAvgClient, PFedAvg, PFedAvgServer, to_client_app
-from flwr_prox_strategies.core.exchange import PeerExchange
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.records import dict_to_record, record_to_dict
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.records import dict_to_record, record_to_dict
 from flwr_prox_strategies.ops.mixing import mix_row
+from flwr_prox_strategies.pfedavg_deploy.exchange import PeerExchange
 
 from .lsq import LeastSquares
 from .test_pfedavg import GD, inner_fedavg, run
@@ -271,7 +271,7 @@ def test_the_launcher_waits_while_a_run_is_pending_or_starting(tmp_path) -> None
     (The launcher once stopped watching a server whose run was still starting
     under load, and reported the run failed.)
     """
-    from flwr_prox_strategies.pfedavg_deploy import Server
+    from flwr_prox_strategies.pfedavg_deploy.launcher import Server
 
     server = Server(
         index=0, home=tmp_path, link_port=1, exchange="127.0.0.1:2", partitions=[0]
@@ -295,7 +295,7 @@ def test_the_launcher_builds_its_servers_and_knows_when_one_is_ending(
     failure."""
     import json
 
-    from flwr_prox_strategies.pfedavg_deploy import Launcher, parse_args
+    from flwr_prox_strategies.pfedavg_deploy.launcher import Launcher, parse_args
 
     repo = str(Path(__file__).resolve().parents[1])
     args = parse_args(
@@ -335,7 +335,7 @@ def test_the_launcher_builds_its_servers_and_knows_when_one_is_ending(
     ],
 )
 def test_the_launcher_refuses_a_bad_command_line(argv, message, capsys) -> None:
-    from flwr_prox_strategies.pfedavg_deploy import parse_args
+    from flwr_prox_strategies.pfedavg_deploy.launcher import parse_args
 
     repo = str(Path(__file__).resolve().parents[1])
     with pytest.raises(SystemExit):

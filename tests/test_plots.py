@@ -28,7 +28,7 @@ from flwr_prox_strategies.experiment.results import (
     positive_points,
 )
 from flwr_prox_strategies.experiment.sweep import plot_comparison
-from flwr_prox_strategies.pfedavg_deploy import plot_deploy
+from flwr_prox_strategies.pfedavg_deploy.launcher import plot_deploy
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import torch
 from flwr.app import Message, MessageType
 
 from flwr_prox_strategies.algorithms import ALGORITHMS
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.keys import SERVER_ROUND_KEY
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.keys import SERVER_ROUND_KEY
 from flwr_prox_strategies.experiment.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointError,

@@ -43,10 +43,10 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies.algorithms import ALGORITHMS
-from flwr_prox_strategies.core.flower import set_task_identity
-from flwr_prox_strategies.core.inprocess import InProcessGrid
-from flwr_prox_strategies.core.outcome import NoRoundAggregatedError
-from flwr_prox_strategies.core.training import BatchFormatError
+from flwr_prox_strategies.core.client.training import BatchFormatError
+from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
+from flwr_prox_strategies.core.transport.flower import set_task_identity
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .lsq import LeastSquares, half_sse
 

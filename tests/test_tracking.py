@@ -25,7 +25,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedProx, NoRoundAggregatedError
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.appdir import make_client_app
 from flwr_prox_strategies.experiment.config import compose_config
 from flwr_prox_strategies.experiment.server import run_experiment

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.client import TorchClient
-from ..core.rule import ClientRule
+from ..core.client.client import TorchClient
+from ..core.client.rule import ClientRule
 from . import apfl, fedavg, feddc, feddyn, fedepm, fedprox, pfedavg, scaffold, sfed
 from .apfl import APFL, APFLClient, APFLRule
 from .fedavg import FedAvg, FedAvgClient

@@ -103,16 +103,21 @@ from flwr.app import ArrayRecord
 from numpy.typing import NDArray
 from torch import nn
 
-from ..core.client import TorchClient
+from ..core.client.client import TorchClient
+from ..core.client.rule import ClientRule, ProtocolError, arrays_from_params
+from ..core.client.state import ClientState
+from ..core.client.training import LossFn, TrainReport, cycle_batches, trainable
+from ..core.contract.fields import RoundUpdate
+from ..core.contract.validation import (
+    ValidReply,
+    check_fraction,
+    check_int,
+    check_positive,
+)
 from ..core.docstrings import inherit_parameters
-from ..core.fields import RoundUpdate
-from ..core.keys import LOCAL_STEPS_KEY
-from ..core.records import RecordSpec, dict_to_record, record_to_dict
-from ..core.rule import ClientRule, ProtocolError, arrays_from_params
-from ..core.state import ClientState
-from ..core.strategy import ValidatedFedAvg
-from ..core.training import LossFn, TrainReport, cycle_batches, trainable
-from ..core.validation import ValidReply, check_fraction, check_int, check_positive
+from ..core.server.strategy import ValidatedFedAvg
+from ..core.transport.keys import LOCAL_STEPS_KEY
+from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
 from ..ops.apfl import (
     add_weighted,
     alpha_gradient,

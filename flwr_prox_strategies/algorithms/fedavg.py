@@ -17,9 +17,9 @@ with the same seeded draws).
 
 from __future__ import annotations
 
-from ..core.client import TorchClient
+from ..core.client.client import TorchClient
 from ..core.docstrings import inherit_parameters
-from ..core.strategy import ValidatedFedAvg
+from ..core.server.strategy import ValidatedFedAvg
 
 
 @inherit_parameters(ValidatedFedAvg)

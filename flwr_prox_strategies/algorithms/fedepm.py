@@ -93,20 +93,17 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
-from ..core.client import TorchClient
-from ..core.fields import RoundUpdate
-from ..core.keys import CLIENT_KEY_METRIC
-from ..core.privacy import (
+from ..core.client.client import TorchClient
+from ..core.client.rule import ClientRule
+from ..core.client.training import TrainReport, evaluate_model, full_gradient, trainable
+from ..core.contract.fields import RoundUpdate
+from ..core.contract.ledger import (
     DELTA_METRIC,
     EPSILON_METRIC,
     EPSILON_TOTAL_METRIC,
     spend_epsilon,
 )
-from ..core.records import dict_to_record, float_keys, record_to_dict
-from ..core.rule import ClientRule
-from ..core.strategy import ValidatedFedAvg
-from ..core.training import TrainReport, evaluate_model, full_gradient, trainable
-from ..core.validation import (
+from ..core.contract.validation import (
     ReplyRejected,
     ValidReply,
     check_choice,
@@ -114,6 +111,9 @@ from ..core.validation import (
     check_non_negative,
     check_positive,
 )
+from ..core.server.strategy import ValidatedFedAvg
+from ..core.transport.keys import CLIENT_KEY_METRIC
+from ..core.transport.records import dict_to_record, float_keys, record_to_dict
 from ..ops.elastic_net import (
     elastic_net_center,
     soft_threshold,

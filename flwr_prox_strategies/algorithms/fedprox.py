@@ -45,12 +45,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..core.client import TorchClient
+from ..core.client.client import TorchClient
+from ..core.client.rule import ClientRule
+from ..core.client.training import GradientTerm, full_gradient, grad_norm
+from ..core.contract.validation import check_non_negative, resolve_alias
 from ..core.docstrings import inherit_parameters
-from ..core.rule import ClientRule
-from ..core.strategy import ValidatedFedAvg
-from ..core.training import GradientTerm, full_gradient, grad_norm
-from ..core.validation import check_non_negative, resolve_alias
+from ..core.server.strategy import ValidatedFedAvg
 from ..ops.proximal import ProximalTerm
 
 #: The train-config key of :math:`\mu` (Flower's own FedProx sends the same key).

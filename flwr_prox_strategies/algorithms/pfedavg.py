@@ -64,17 +64,17 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
-from ..core.grid import GroupGrid
-from ..core.outcome import (
+from ..core.contract.validation import check_int, reject_unknown_kwargs
+from ..core.server.outcome import (
     AggregationStalledError,
     NoRoundAggregatedError,
     ReplyTally,
     finish_run,
 )
-from ..core.records import RecordSpec, dict_to_record, record_to_dict
-from ..core.screening import reply_node
-from ..core.strategy import ValidatedFedAvg
-from ..core.validation import check_int, reject_unknown_kwargs
+from ..core.server.screening import reply_node
+from ..core.server.strategy import ValidatedFedAvg
+from ..core.transport.grid import GroupGrid
+from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
 from ..ops.graphs import adjacency, from_adjacency
 from ..ops.mixing import (
     check_mixing,

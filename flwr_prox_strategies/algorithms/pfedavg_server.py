@@ -53,12 +53,12 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from ..core.exchange import PeerExchange, PeerSecurity
-from ..core.outcome import ReplyTally, finish_run
-from ..core.records import dict_to_record, record_to_dict
-from ..core.strategy import ValidatedFedAvg
-from ..core.validation import check_int, check_positive
+from ..core.contract.validation import check_int, check_positive
+from ..core.server.outcome import ReplyTally, finish_run
+from ..core.server.strategy import ValidatedFedAvg
+from ..core.transport.records import dict_to_record, record_to_dict
 from ..ops.mixing import mix_row
+from ..pfedavg_deploy.exchange import PeerExchange, PeerSecurity
 from .fedavg import FedAvg
 from .pfedavg import server_graph
 

@@ -50,14 +50,19 @@ import torch
 from flwr.app import ArrayRecord
 from numpy.typing import NDArray
 
-from ..core.client import TorchClient
+from ..core.client.client import TorchClient
+from ..core.client.rule import ClientRule, arrays_from_params
+from ..core.client.training import GradientTerm
+from ..core.contract.fields import RoundUpdate
+from ..core.contract.validation import ValidReply, check_choice, check_positive
 from ..core.docstrings import inherit_parameters
-from ..core.fields import RoundUpdate
-from ..core.records import RecordSpec, dict_to_record, float_keys, record_to_dict
-from ..core.rule import ClientRule, arrays_from_params
-from ..core.strategy import ValidatedFedAvg
-from ..core.training import GradientTerm
-from ..core.validation import ValidReply, check_choice, check_positive
+from ..core.server.strategy import ValidatedFedAvg
+from ..core.transport.records import (
+    RecordSpec,
+    dict_to_record,
+    float_keys,
+    record_to_dict,
+)
 from ..ops.control import control_update, rescaled, zeros_like
 from ..ops.drift import norm
 from ..ops.proximal import ProximalTerm

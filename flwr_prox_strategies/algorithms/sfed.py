@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 
-from ..core.strategy import ValidatedFedAvg
-from ..core.training import TrainReport
-from ..core.validation import (
+from ..core.client.training import TrainReport
+from ..core.contract.validation import (
     check_int,
     check_non_negative,
     check_positive,
     resolve_alias,
 )
+from ..core.server.strategy import ValidatedFedAvg
 from .fedepm import (
     GROWTH_KEY,
     ITERATION_KEY,

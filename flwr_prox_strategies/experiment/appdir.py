@@ -55,8 +55,8 @@ def make_client_app() -> ClientApp:
         client's update when a central-DP run asks for it.
     """
     # Imported here: writing an app folder needs neither torch nor the data code.
-    from ..core.adapter import to_client_app
-    from ..core.central import clip_when_asked
+    from ..core.client.adapter import to_client_app
+    from ..core.privacy.central import clip_when_asked
     from .server import make_client
 
     return to_client_app(make_client, mods=[clip_when_asked])

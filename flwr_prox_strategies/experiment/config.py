@@ -60,8 +60,8 @@ from ..algorithms import (
     registered_algorithm,
     registered_algorithms,
 )
-from ..core.central import central_dp
-from ..core.dp import make_private_model
+from ..core.client.dp import make_private_model
+from ..core.privacy.central import central_dp
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 

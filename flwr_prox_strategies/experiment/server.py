@@ -26,16 +26,16 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from omegaconf import DictConfig, OmegaConf
 
-from ..core.client import ProtocolError
-from ..core.outcome import (
+from ..core.client.client import ProtocolError
+from ..core.client.training import evaluate_model
+from ..core.contract.ledger import PER_CLIENT_LIMIT
+from ..core.server.outcome import (
     AggregationStalledError,
     EveryClientRetiredError,
     NoRoundAggregatedError,
     ReplyTally,
 )
-from ..core.privacy import PER_CLIENT_LIMIT
-from ..core.strategy import ValidatedFedAvg
-from ..core.training import evaluate_model
+from ..core.server.strategy import ValidatedFedAvg
 from .checkpoint import (
     CHECKPOINT_FILE,
     RoundEnd,

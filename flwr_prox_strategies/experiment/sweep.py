@@ -5,7 +5,7 @@ Each job runs the same ServerApp/ClientApp code as ``flwr run .``:
 * ``engine=flwr`` (default) starts ``flwr run <app> --stream`` with the job's
   overrides: Flower's own engine (managed SuperLink, Ray simulation);
 * ``engine=inprocess`` runs :func:`~.server.run_experiment` on an
-  :class:`~flwr_prox_strategies.core.inprocess.InProcessGrid` with the same
+  :class:`~flwr_prox_strategies.core.transport.inprocess.InProcessGrid` with the same
   ClientApp, with no engine start-up cost (quick sweeps, tests).
 
 After a multirun, :class:`SweepSummary` writes ``summary.csv`` (one row per job)
@@ -184,7 +184,7 @@ def run_inprocess(
     rounds of 20 clients (E=5, the digits MLP) take 56 s instead of 8 s on 2
     cores shared with other work: the threads wait for each other.
     """
-    from ..core.inprocess import InProcessGrid
+    from ..core.transport.inprocess import InProcessGrid
     from .server import run_experiment
 
     run_config: dict[str, int | float | str | bool] = {

@@ -40,8 +40,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..core.inprocess import InProcessGrid
-from ..core.rule import ClientRule
+from ..core.client.rule import ClientRule
+from ..core.transport.inprocess import InProcessGrid
 from .checks import NUM_NODES as _NUM_NODES
 from .checks import STRATEGY_CHECKS as _STRATEGY_CHECKS
 from .checks import Factory as _Factory

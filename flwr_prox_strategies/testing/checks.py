@@ -20,12 +20,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import MessageType
 
-from ..core.client import TorchClient
-from ..core.flower import set_task_identity
-from ..core.inprocess import InProcessGrid
-from ..core.keys import ACCEPTED_KEYS_KEY, ACCEPTED_ROUND_KEY, ACCEPTED_ROUNDS_KEY
-from ..core.records import record_to_dict
-from ..core.rule import ClientRule, ProtocolError
+from ..core.client.client import TorchClient
+from ..core.client.rule import ClientRule, ProtocolError
+from ..core.transport.flower import set_task_identity
+from ..core.transport.inprocess import InProcessGrid
+from ..core.transport.keys import (
+    ACCEPTED_KEYS_KEY,
+    ACCEPTED_ROUND_KEY,
+    ACCEPTED_ROUNDS_KEY,
+)
+from ..core.transport.records import record_to_dict
 from .replies import (
     BAD_REPLIES,
     error_reply,

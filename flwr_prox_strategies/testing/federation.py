@@ -16,8 +16,8 @@ import torch
 from flwr.app import ArrayRecord, Context
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..core.adapter import to_client_app
-from ..core.inprocess import InProcessGrid
+from ..core.client.adapter import to_client_app
+from ..core.transport.inprocess import InProcessGrid
 
 
 def half_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from ..core.inprocess import node_unavailable_reply
+from ..core.transport.inprocess import node_unavailable_reply
 
 #: The model every check sends: two arrays, so a bad reply can miss one.
 MODEL_KEYS = ("w", "b")

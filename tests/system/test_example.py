@@ -35,7 +35,7 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies._executables import flower_executable
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .engine import REPO, managed_engine, run_log, wait_finished
 

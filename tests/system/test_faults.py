@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from flwr_prox_strategies.algorithms import feddc, feddyn, scaffold
-from flwr_prox_strategies.core.state import ClientState
+from flwr_prox_strategies.core.client.state import ClientState
 from flwr_prox_strategies.experiment.checkpoint import CLIENT_STATE_DIR, read_checkpoint
 from flwr_prox_strategies.experiment.config import build_model, compose_config
 from flwr_prox_strategies.experiment.data import partition_sizes

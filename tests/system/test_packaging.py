@@ -61,7 +61,7 @@ from flwr.app import ArrayRecord
 from torch.utils.data import DataLoader, TensorDataset
 
 from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 
 def net():

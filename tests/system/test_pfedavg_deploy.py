@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.checkpoint import CheckpointError, read_checkpoint
 from flwr_prox_strategies.experiment.server import run_experiment
 

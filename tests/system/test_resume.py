@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from flwr_prox_strategies.core.inprocess import InProcessGrid
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.checkpoint import CheckpointError, read_checkpoint
 from flwr_prox_strategies.experiment.server import run_experiment
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from .frozen import FrozenState
+from ..contract.frozen import FrozenState
+from ..contract.validation import ValidReply
 from .sampling import connected_nodes
-from .validation import ValidReply
 
 if TYPE_CHECKING:
     from .strategy import ValidatedFedAvg

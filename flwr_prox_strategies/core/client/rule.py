@@ -58,7 +58,7 @@ from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
-from .keys import (
+from ..transport.keys import (
     ACCEPTED_KEYS_KEY,
     ACCEPTED_ROUND_KEY,
     ACCEPTED_ROUNDS_KEY,
@@ -70,8 +70,9 @@ from .keys import (
     RUN_TAG_KEY,
     SERVER_ROUND_KEY,
     STATE_ROUND_METRIC,
+    node_key,
 )
-from .records import to_ndarrays, to_record
+from ..transport.records import to_ndarrays, to_record
 from .state import ClientState
 from .training import GradientTerm, trainable
 
@@ -112,11 +113,6 @@ def accepted_round(config: Mapping[str, Any], client_key: int) -> int | None:
         )
         return int(table.get(client_key, -1))
     return None
-
-
-def node_key(node_id: int) -> int:
-    """Return a node id made exact as a float metric (Flower's ids are 64-bit)."""
-    return int(node_id) % (1 << 52)
 
 
 def must_reset(config: Mapping[str, Any], client_key: int) -> bool:

@@ -24,11 +24,11 @@ from logging import WARNING
 
 from flwr.common.logger import log
 
-from ..ops.aggregate import ZeroTotalWeightError
-from .fields import RoundUpdate
-from .records import record_is_finite
+from ...ops.aggregate import ZeroTotalWeightError
+from ..contract.fields import RoundUpdate
+from ..contract.validation import NON_FINITE, OUT_OF_RANGE, ValidReply
+from ..transport.records import record_is_finite
 from .screening import ReplyScreen
-from .validation import NON_FINITE, OUT_OF_RANGE, ValidReply
 
 # The rule on (candidate replies, wide): wide asks for float64 accumulators.
 Rule = Callable[[list[ValidReply], bool], RoundUpdate]

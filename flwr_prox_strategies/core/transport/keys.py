@@ -36,3 +36,8 @@ RUN_TAG_KEY = "run-tag"
 # An error reply whose reason starts with this (the client's exception name) comes
 # from a client whose privacy budget is spent: absent from now on, not failed.
 BUDGET_EXHAUSTED_REASON = "PrivacyBudgetExhausted"
+
+
+def node_key(node_id: int) -> int:
+    """Return a node id made exact as a float metric (Flower's ids are 64-bit)."""
+    return int(node_id) % (1 << 52)

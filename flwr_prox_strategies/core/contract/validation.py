@@ -19,15 +19,15 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from numpy.typing import NDArray
 
-from ..ops.checks import (  # the pack's modules import them from here
+from ...ops.checks import (
     check_choice,
     check_fraction,
     check_int,
     check_non_negative,
     check_positive,
 )
-from .keys import BUDGET_EXHAUSTED_REASON, NUM_EXAMPLES_KEY
-from .records import RecordSpec, array_view
+from ..transport.keys import BUDGET_EXHAUSTED_REASON, NUM_EXAMPLES_KEY
+from ..transport.records import RecordSpec, array_view
 
 # Names of Flower's legacy strategies (flwr.server.strategy) -> the Message
 # API's (and the pack's) name of the same parameter.

@@ -49,8 +49,8 @@ from flwr.common.logger import log
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .._optional import require
-from .privacy import DELTA_METRIC, EPSILON_METRIC, EPSILON_TOTAL_METRIC
+from ..._optional import require
+from ..contract.ledger import DELTA_METRIC, EPSILON_METRIC, EPSILON_TOTAL_METRIC
 from .state import ClientState
 from .training import GradientTerm
 

@@ -14,17 +14,18 @@ import numpy as np
 from flwr.app import MetricRecord, RecordDict
 from flwr.common.logger import log
 
-from ..ops.aggregate import WeightedMean
-from ..ops.dissimilarity import dissimilarity, sq_norm
-from .keys import (
+from ...ops.aggregate import WeightedMean
+from ...ops.dissimilarity import dissimilarity, sq_norm
+from ..client.rule import LOCAL_STEPS_METRIC, pack_rules
+from ..contract.validation import ValidReply
+from ..transport.keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     NUM_EXAMPLES_KEY,
     STATE_ROUND_METRIC,
+    node_key,
 )
-from .messages import payload_bytes
-from .rule import LOCAL_STEPS_METRIC, node_key, pack_rules
-from .validation import ValidReply
+from ..transport.messages import payload_bytes
 
 
 def rule_bookkeeping() -> set[str]:

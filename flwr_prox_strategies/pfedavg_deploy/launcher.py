@@ -50,11 +50,11 @@ from typing import Any
 
 import numpy as np
 
-from ._executables import flower_env, flower_executable
-from .core.exchange import read_status
-from .core.records import record_to_dict
-from .experiment.checkpoint import CheckpointError, read_checkpoint
-from .ops.mixing import consensus_average, consensus_distance
+from .._executables import flower_env, flower_executable
+from ..core.transport.records import record_to_dict
+from ..experiment.checkpoint import CheckpointError, read_checkpoint
+from ..ops.mixing import consensus_average, consensus_distance
+from .exchange import read_status
 
 REPO_MARKER = "pyproject.toml"
 #: Seconds between two reads of the runs' statuses (`flwr ls`), while every
@@ -565,7 +565,7 @@ def plot_deploy(results: dict[str, Any], path: Path) -> Path | None:
     mixing) has no place there, so it is left out and the curve's label says
     "0 from round k" instead. Returns None when there is no round to draw.
     """
-    from .experiment.results import integer_rounds, plot_log, pyplot
+    from ..experiment.results import integer_rounds, plot_log, pyplot
 
     rows = results["rounds"]
     if not rows:

@@ -17,7 +17,8 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from .keys import (
+from ..contract.validation import ReplyRejected, ValidReply
+from ..transport.keys import (
     ACCEPTED_KEYS_KEY,
     ACCEPTED_ROUND_KEY,
     ACCEPTED_ROUNDS_KEY,
@@ -27,7 +28,6 @@ from .keys import (
     RUN_TAG_KEY,
     STATE_ROUND_METRIC,
 )
-from .validation import ReplyRejected, ValidReply
 
 
 def client_key(reply: ValidReply) -> int:

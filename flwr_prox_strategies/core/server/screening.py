@@ -20,17 +20,17 @@ from flwr.app import Message, Metadata
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 
-from .keys import CLIENT_KEY_METRIC
-from .outcome import ReplyTally
-from .records import RecordSpec
-from .rule import pack_rules
-from .validation import (
+from ..client.rule import pack_rules
+from ..contract.validation import (
     NON_FINITE,
     ReplyRejected,
     ValidReply,
     expected_bytes,
     validate_reply,
 )
+from ..transport.keys import CLIENT_KEY_METRIC
+from ..transport.records import RecordSpec
+from .outcome import ReplyTally
 
 
 def reply_node(message: Message, sent_to: Mapping[str, int]) -> int:

@@ -21,6 +21,16 @@ from flwr.client import NumPyClient
 from numpy.typing import NDArray
 from torch import nn
 
+from ..contract.validation import check_int, check_non_negative, check_positive
+from ..transport.keys import (
+    CLIENT_KEY_METRIC,
+    GRADIENT_RECORD,
+    LOCAL_EPOCHS_KEY,
+    LOCAL_STEPS_KEY,
+    LR_SCALE_KEY,
+    REPORT_GRADIENT_KEY,
+    SERVER_ROUND_KEY,
+)
 from .dp import (
     DPSGD,
     PrivacyLedger,
@@ -30,15 +40,6 @@ from .dp import (
     log_round,
     make_private_model,
     sample_rate_of,
-)
-from .keys import (
-    CLIENT_KEY_METRIC,
-    GRADIENT_RECORD,
-    LOCAL_EPOCHS_KEY,
-    LOCAL_STEPS_KEY,
-    LR_SCALE_KEY,
-    REPORT_GRADIENT_KEY,
-    SERVER_ROUND_KEY,
 )
 from .rule import (
     ClientRule,
@@ -63,7 +64,6 @@ from .training import (
     train_local,
     trainable,
 )
-from .validation import check_int, check_non_negative, check_positive
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..contract.fields import check_settings, load_fields, save_fields
 from . import population
-from .fields import check_settings, load_fields, save_fields
 
 if TYPE_CHECKING:
     from .strategy import ValidatedFedAvg

@@ -41,13 +41,13 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
-from .docstrings import inherit_parameters
-from .flower import KEY_CLIPPING_NORM
-from .keys import BUDGET_EXHAUSTED_REASON
-from .outcome import ReplyTally, finish_run
-from .screening import reply_node
-from .strategy import ValidatedFedAvg
-from .validation import ReplyRejected
+from ..contract.validation import ReplyRejected
+from ..docstrings import inherit_parameters
+from ..server.outcome import ReplyTally, finish_run
+from ..server.screening import reply_node
+from ..server.strategy import ValidatedFedAvg
+from ..transport.flower import KEY_CLIPPING_NORM
+from ..transport.keys import BUDGET_EXHAUSTED_REASON
 
 
 def extra_reply_records(strategy: ValidatedFedAvg) -> list[str]:

@@ -55,7 +55,7 @@ from flwr.common.logger import log
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-from .records import record_is_finite, spec_of
+from ..core.transport.records import record_is_finite, spec_of
 
 SERVICE = "flwr_prox_strategies.ModelExchange"
 TOKEN_METADATA = "x-pfedavg-token"

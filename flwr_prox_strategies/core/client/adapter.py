@@ -37,10 +37,10 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
+from ..transport.flower import MOD_FAILED_PRECONDITION
+from ..transport.keys import NUM_EXAMPLES_KEY
+from ..transport.records import to_ndarrays, to_record
 from .dp import PrivacyBudgetExhausted
-from .flower import MOD_FAILED_PRECONDITION
-from .keys import NUM_EXAMPLES_KEY
-from .records import to_ndarrays, to_record
 from .rule import ProtocolError, read_message
 
 ClientFn = Callable[[Context], NumPyClient]

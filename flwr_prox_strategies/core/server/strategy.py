@@ -45,24 +45,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from numpy.typing import NDArray
 
-from ..ops.aggregate import WeightedMean
-from . import keys, metrics, population, sampling, screening
-from .commit import ClientBook
-from .fields import RoundUpdate, settings_text
-from .finite import finite_update
-from .frozen import FrozenState, mutation_error
-from .messages import node_messages, payload_bytes
-from .outcome import (
-    AggregationStalledError,
-    NoRoundAggregatedError,
-    ReplyTally,
-    finish_run,
-)
-from .privacy import record_privacy
-from .records import RecordSpec, dict_to_record, spec_of
-from .resume import restore_strategy, strategy_state
-from .summary import log_flower_summary, log_summary
-from .validation import (
+from ...ops.aggregate import WeightedMean
+from ..contract.fields import RoundUpdate, settings_text
+from ..contract.frozen import FrozenState, mutation_error
+from ..contract.ledger import record_privacy
+from ..contract.validation import (
     MetricSpec,
     ReplyRejected,
     ValidReply,
@@ -74,6 +61,20 @@ from .validation import (
     reject_unknown_kwargs,
     resolve_weighting,
 )
+from ..transport import keys
+from ..transport.messages import node_messages, payload_bytes
+from ..transport.records import RecordSpec, dict_to_record, spec_of
+from . import metrics, population, sampling, screening
+from .commit import ClientBook
+from .finite import finite_update
+from .outcome import (
+    AggregationStalledError,
+    NoRoundAggregatedError,
+    ReplyTally,
+    finish_run,
+)
+from .resume import restore_strategy, strategy_state
+from .summary import log_flower_summary, log_summary
 
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 

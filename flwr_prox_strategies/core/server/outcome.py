@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
 
-from .validation import ReplyRejected, ValidReply, client_error_text
+from ..contract.validation import ReplyRejected, ValidReply, client_error_text
 
 # A reason longer than this is cut, saying by how much.
 REASON_LIMIT = 600

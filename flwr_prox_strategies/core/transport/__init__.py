@@ -1,0 +1,7 @@
+"""Messages on the wire and the grids that carry them.
+
+:mod:`.keys` (the kebab-case wire keys), :mod:`.records` (Flower records to and
+from numpy, array layouts), :mod:`.grid` (a view of a grid limited to a group of
+nodes), :mod:`.inprocess` (a grid that runs a ``ClientApp`` in this process) and
+:mod:`.flower` (Flower internals that moved between releases).
+"""
