@@ -200,12 +200,13 @@ def string_constants(path: Path) -> dict[str, str]:
 KEBAB = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 # Where the wire keys and context.state names are defined.
 WIRE_FILES = [
-    PACKAGE / "core" / "keys.py",
-    PACKAGE / "core" / "rule.py",
-    PACKAGE / "core" / "client.py",
-    PACKAGE / "core" / "privacy.py",
-    PACKAGE / "core" / "dp.py",
-    PACKAGE / "core" / "state.py",
+    PACKAGE / "core" / "transport" / "keys.py",
+    PACKAGE / "core" / "client" / "rule.py",
+    PACKAGE / "core" / "client" / "client.py",
+    PACKAGE / "core" / "contract" / "ledger.py",
+    PACKAGE / "core" / "privacy" / "uploads.py",
+    PACKAGE / "core" / "client" / "dp.py",
+    PACKAGE / "core" / "client" / "state.py",
     *sorted((PACKAGE / "algorithms").glob("*.py")),
 ]
 # String constants of those files that are not keys of messages or state.
@@ -616,9 +617,9 @@ def test_the_weighting_table_matches_each_strategys_default() -> None:
 
 def test_every_pack_metric_key_is_documented() -> None:
     """Every key the base adds to a round's metrics is on the metrics page."""
-    from flwr_prox_strategies.core import metrics
     from flwr_prox_strategies.core.client.rule import pack_rules
     from flwr_prox_strategies.core.contract.ledger import privacy_metrics
+    from flwr_prox_strategies.core.server import metrics
 
     page = (REPO / "docs" / "reference" / "metrics.md").read_text()
     counts = metrics.round_counts(

@@ -31,7 +31,17 @@ def test_the_pack_keeps_its_layers() -> None:
     ("module", "line", "contract"),
     [
         ("ops/proximal.py", "import flwr", "ops is pure maths"),
-        ("core/records.py", "from ..algorithms import fedavg", "core knows no"),
+        (
+            "core/transport/records.py",
+            "from ...algorithms import fedavg",
+            "core knows no",
+        ),
+        (
+            "core/transport/keys.py",
+            "from ..server import strategy",
+            "core's rooms are layers",
+        ),
+        ("core/server/sampling.py", "from . import strategy", "no import cycle"),
         ("algorithms/fedavg.py", "from ..task import models", "algorithms know no"),
         ("experiment/sweep.py", "import apps.client_app", "nothing imports the apps"),
         ("experiment/sweep.py", "from . import apps", "nothing in the pack imports"),

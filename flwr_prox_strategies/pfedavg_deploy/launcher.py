@@ -41,7 +41,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -672,7 +671,3 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         launcher.stop_all()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
