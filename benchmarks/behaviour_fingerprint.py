@@ -86,7 +86,6 @@ def digest(folder: Path) -> tuple[str, str]:
     # random tag differ from one invocation to the next on any tree.
     for volatile in ("rng", "saved-at"):
         document.pop(volatile)
-    document["strategy"].pop("run-tag", None)
     document.pop("config", None)
 
     def resolve(value: object) -> object:
@@ -97,8 +96,8 @@ def digest(folder: Path) -> tuple[str, str]:
                 list(array.shape),
                 hashlib.sha256(array).hexdigest(),
             ]
-        if isinstance(value, dict):
-            return {k: resolve(v) for k, v in value.items()}
+        if isinstance(value, dict):  # a run's random tag (P-FedAvg: one per server)
+            return {k: resolve(v) for k, v in value.items() if k != "run-tag"}
         if isinstance(value, list):
             return [resolve(v) for v in value]
         return value

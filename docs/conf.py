@@ -32,6 +32,7 @@ extensions = [
     # MathJax served with the site, so equations render without a network.
     "sphinx-mathjax-offline",
     "confref",
+    "packagemap",
 ]
 
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]

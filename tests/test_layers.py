@@ -24,7 +24,7 @@ def lint(folder: Path) -> subprocess.CompletedProcess[str]:
 def test_the_pack_keeps_its_layers() -> None:
     result = lint(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 kept, 0 broken" in result.stdout
+    assert "10 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -60,5 +60,6 @@ def test_a_back_arrow_breaks_its_contract(
     target.write_text(target.read_text() + f"\n{line}  # noqa\n")
     result = lint(tmp_path)
     assert result.returncode != 0
+    # A back arrow into core/ also closes a cycle: name the contract it breaks.
     broken = result.stdout.split("Broken contracts")[1]
-    assert contract in broken and "1 broken" in result.stdout
+    assert contract in broken

@@ -1,7 +1,6 @@
-"""What a reply and a server rule may be: the checks between clients and the rule.
+"""What a reply and a server rule may be: the terms both sides of a round keep.
 
-A reply is screened against what was sent (:mod:`.screening`, :mod:`.validation`),
-its values kept out of the model when they are not finite (:mod:`.finite`); a
-rule reads its declared state read-only (:mod:`.frozen`) and returns what the
-strategy declared (:mod:`.fields`). Knows Flower's records, not the round.
+What a valid reply is (:mod:`.validation`), what a private reply reports
+(:mod:`.ledger`), the state a strategy declares (:mod:`.fields`) and its rule
+reads read-only (:mod:`.frozen`). Knows Flower's records, neither side's code.
 """

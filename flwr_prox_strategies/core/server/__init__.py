@@ -1,9 +1,11 @@
 """The server's round: the validated strategy base and the parts it holds.
 
-:mod:`.strategy` (the base every strategy inherits) runs a round and delegates
-each job to a part: which nodes train (:mod:`.sampling`), K, the number of all
-clients (:mod:`.population`), the two-phase commit of client state
-(:mod:`.commit`), the checkpoint (:mod:`.resume`), the run's summary
-(:mod:`.summary`), the round's metrics (:mod:`.metrics`), one message per node
-(:mod:`.messages`) and how a run ends (:mod:`.outcome`).
+:mod:`.strategy` (the base every strategy inherits) runs a round; what an
+algorithm declares and overrides is in :mod:`.hooks`. Each job is a part with
+its own state: which nodes train (:mod:`.sampling`), K, the number of all
+clients (:mod:`.population`), the replies a round may use (:mod:`.screening`),
+the two-phase commit of client state (:mod:`.commit`), rounds in a row not
+aggregated (:mod:`.outcome`); and the round's pieces (:mod:`.pieces`), the rule
+re-run until finite (:mod:`.finite`), its metrics (:mod:`.metrics`), the
+checkpoint (:mod:`.resume`) and the run's summary (:mod:`.summary`).
 """

@@ -9,6 +9,7 @@ model in ``Result.arrays``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord
@@ -277,3 +278,61 @@ def finish_run(
                 tally,
             )
     return result
+
+
+class StallGuard:
+    """Counts the rounds in a row not aggregated; stops the run after too many.
+
+    ``limit`` is the strategy's ``max_rounds_without_aggregation`` (None: never).
+    A stall in the run's known final round (``final_round``, set by the pack's
+    ``start()``) is left to the end-of-run check, which raises with Flower's
+    whole ``Result``.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (a new run)."""
+        self.stalled = 0
+        self.tally = ReplyTally()
+        self.final_round: int | None = None
+
+    def aggregated(self) -> None:
+        """Start the count again: a round was aggregated."""
+        self.stalled = 0
+        self.tally = ReplyTally()
+
+    def kept(
+        self,
+        server_round: int,
+        why: str,
+        *,
+        round_tally: ReplyTally,
+        never_aggregated: bool,
+        limit: int | None,
+        owner: str,
+        model: Callable[[bool], ArrayRecord | None],
+    ) -> None:
+        """Count a round not aggregated; raise after ``limit`` in a row.
+
+        ``model(never_aggregated)`` is the model the error carries: the run's
+        initial model, or the last aggregated one.
+        """
+        self.stalled += 1
+        self.tally.update(round_tally)
+        self.tally.kept[why] += 1
+        if limit is None or self.stalled < limit or server_round == self.final_round:
+            return
+        first = server_round - self.stalled + 1
+        error = NoRoundAggregatedError if never_aggregated else AggregationStalledError
+        which = "the initial model" if never_aggregated else "the last aggregated model"
+        raise error(
+            f"{owner}: no round aggregated in {self.stalled} rounds in a row "
+            f"(rounds {first}-{server_round}, max_rounds_without_aggregation="
+            f"{limit}): {self.tally.describe()}. The run stops here; "
+            f"err.result.arrays holds {which}. Fix the cause above, or set "
+            "max_rounds_without_aggregation=None to let such a run go on.",
+            Result(arrays=model(never_aggregated) or ArrayRecord()),
+            self.tally,
+        )

@@ -8,108 +8,110 @@ clients are unchanged and a mean over K is rescaled by the strategy's
 ``grown_state``. A round whose model is kept leaves K as it was. A checkpoint
 carries K and where it came from (``num-clients-source``).
 
-The functions read and set the strategy's ``num_clients`` and
-``num_clients_source`` and call its ``learn_num_clients`` (which FedEPM
-extends: its sample size and step sizes follow from K).
+:class:`Population` is the part the strategy holds. A K it adopts goes through
+the strategy's ``learn_num_clients`` hook (``adopt``), which FedEPM extends: its
+sample size and step sizes follow from K.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.common.logger import log
-from flwr.serverapp import Grid
-
-from ..contract.frozen import FrozenState
-from ..contract.validation import ValidReply
-from .sampling import connected_nodes
-
-if TYPE_CHECKING:
-    from .strategy import ValidatedFedAvg
 
 
-def learn_from_grid(strategy: ValidatedFedAvg, grid: Grid, server_round: int) -> None:
-    """Set K to the connected nodes when the rule needs K and none was given."""
-    if strategy.num_clients is not None or not strategy.requires_num_clients:
-        return
-    name = type(strategy).__name__
-    known = len(
-        connected_nodes(
-            grid, strategy.min_available_nodes, strategy.node_wait_timeout, name
+class Population:
+    """K and where it came from, for one strategy.
+
+    Parameters
+    ----------
+    num_clients : int | None
+        K as given (None: not given).
+    requires : bool
+        Whether the strategy's rule divides by K (then a missing K is learned).
+    owner : str
+        The strategy's name, in the log.
+    adopt : callable
+        ``adopt(k)``: the strategy's ``learn_num_clients``, which sets
+        :attr:`size` (and what the strategy derives from K).
+    """
+
+    def __init__(
+        self,
+        num_clients: int | None,
+        *,
+        requires: bool,
+        owner: str,
+        adopt: Callable[[int], None],
+    ) -> None:
+        self.size = num_clients
+        self.source = "given" if num_clients is not None else "not set"
+        self.requires = requires
+        self.owner = owner
+        self.adopt = adopt
+
+    def learn_from_grid(self, connected: Callable[[], int], server_round: int) -> None:
+        """Set K to the connected nodes when the rule needs K and none was given."""
+        if self.size is not None or not self.requires:
+            return
+        known = connected()
+        self.adopt(known)
+        self.source = f"learned from the grid at round {server_round}"
+        log(
+            INFO,
+            "%s: num_clients not given: using the %d nodes connected at round %d",
+            self.owner,
+            known,
+            server_round,
         )
-    )
-    strategy.learn_num_clients(known)
-    strategy.num_clients_source = f"learned from the grid at round {server_round}"
-    log(
-        INFO,
-        "%s: num_clients not given: using the %d nodes connected at round %d",
-        name,
-        known,
-        server_round,
-    )
 
+    def note(self, num_connected: int) -> str | None:
+        """Say how the connected nodes relate to K, when they differ."""
+        if not self.requires or self.size is None or num_connected == self.size:
+            return None
+        return (
+            f"{num_connected} node(s) connected, K={self.size} clients "
+            f"({self.source}): absent clients keep their state in the sums; new "
+            "ones join K when they first reply"
+        )
 
-def state_for_round(
-    strategy: ValidatedFedAvg, k_base: int | None, replies: list[ValidReply]
-) -> dict[str, Any]:
-    """Return the declared state the round's rule starts from, K set for it.
+    def grow_to(self, base: int, needed: int) -> int:
+        """Let K (``base`` before the round) cover ``needed`` clients, uncommitted."""
+        self.size = max(base, needed)
+        return self.size
 
-    K counts every client seen, these repliers included; when that grows it,
-    the state is the strategy's ``grown_state`` (not yet committed).
-    """
-    state = {name: getattr(strategy, name) for name in strategy.state_fields}
-    if strategy.stateful_clients and strategy.requires_num_clients and k_base:
-        strategy.num_clients = max(k_base, strategy.book.clients_needed(replies))
-        if strategy.num_clients != k_base:
-            given = FrozenState(state, type(strategy).__name__, strategy.state_fields)
-            grown = strategy.grown_state(given, k_base, strategy.num_clients)
-            state = {name: given.thaw(value) for name, value in grown.items()}
-    return state
+    def commit_growth(self, old: int | None, why: str) -> None:
+        """Commit K's growth from ``old`` once the round's replies are used."""
+        new = self.size
+        if old is None or new is None or new == old:
+            return
+        self.size = old
+        self.adopt(new)
+        self.source = f"grown: {why}"
+        log(WARNING, "%s: K grows %d -> %d (%s)", self.owner, old, new, self.source)
 
+    def restore(self, state: Mapping[str, Any]) -> Any:
+        """Adopt a checkpoint's K where it grew or was learned; return the K to match.
 
-def commit_growth(strategy: ValidatedFedAvg, old: int | None) -> None:
-    """Commit K's growth from ``old`` once the round's replies are used."""
-    new = strategy.num_clients
-    if old is None or new is None or new == old:
-        return
-    strategy.num_clients = old
-    strategy.learn_num_clients(new)
-    strategy.num_clients_source = (
-        f"grown: {len(strategy.book.client_keys_seen)} client keys seen, "
-        f"{strategy.book.retired_states} retired state(s)"
-    )
-    log(
-        WARNING,
-        "%s: K grows %d -> %d (%s)",
-        type(strategy).__name__,
-        old,
-        new,
-        strategy.num_clients_source,
-    )
-
-
-def restore(strategy: ValidatedFedAvg, state: Mapping[str, Any]) -> Any:
-    """Adopt a checkpoint's K where it grew or was learned; return the K to match.
-
-    A K that grew during the run (new clients, retired states) is adopted; a
-    K learned from the grid is adopted by a strategy built without one, and a
-    strategy built with K resumes a checkpoint made before K was learned.
-    """
-    saved_k = state.get("num-clients")
-    grown = str(state.get("num-clients-source", "")).startswith("grown")
-    if grown and strategy.num_clients is not None and saved_k is not None:
-        if int(saved_k) < strategy.num_clients:
-            raise ValueError(
-                f"checkpoint has K={saved_k} after growth, below the "
-                f"strategy's num_clients={strategy.num_clients}"
-            )
-        strategy.learn_num_clients(int(saved_k))
-        strategy.num_clients_source = str(state["num-clients-source"])
-    if strategy.requires_num_clients and None in (saved_k, strategy.num_clients):
-        if saved_k is not None and strategy.num_clients is None:
-            strategy.learn_num_clients(int(saved_k))
-            strategy.num_clients_source = "from the checkpoint"
-        saved_k = strategy.num_clients
-    return saved_k
+        A K that grew during the run (new clients, retired states) is adopted; a
+        K learned from the grid is adopted by a strategy built without one, and a
+        strategy built with K resumes a checkpoint made before K was learned.
+        """
+        saved_k = state.get("num-clients")
+        grown = str(state.get("num-clients-source", "")).startswith("grown")
+        if grown and self.size is not None and saved_k is not None:
+            if int(saved_k) < self.size:
+                raise ValueError(
+                    f"checkpoint has K={saved_k} after growth, below the "
+                    f"strategy's num_clients={self.size}"
+                )
+            self.adopt(int(saved_k))
+            self.source = str(state["num-clients-source"])
+        if self.requires and None in (saved_k, self.size):
+            if saved_k is not None and self.size is None:
+                self.adopt(int(saved_k))
+                self.source = "from the checkpoint"
+            saved_k = self.size
+        return saved_k

@@ -2,62 +2,90 @@
 
 Sampling is seeded per round, so no RNG state is saved, only the rounds done:
 after a restore, ``start()``'s round 1 continues as round ``rounds-completed + 1``.
-Besides the algorithm's declared fields (:mod:`.fields`), a checkpoint holds
-the base's own state: K and its source (:mod:`.population`), the epsilon
-ledger and the retired nodes, the two-phase commit (:mod:`.commit`). A
-checkpoint of another strategy, seed, K or resume setting is refused, naming
-the difference: the run would not resume identically.
+Besides the algorithm's declared fields (:mod:`..contract.fields`), a checkpoint
+holds the base's own parts: K and its source (:class:`.population.Population`),
+the epsilon ledger and the retired nodes, the two-phase commit
+(:class:`.commit.ClientBook`). A checkpoint of another strategy, seed, K or
+resume setting is refused, naming the difference: the run would not resume
+identically.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from ..contract.fields import check_settings, load_fields, save_fields
-from . import population
-
-if TYPE_CHECKING:
-    from .strategy import ValidatedFedAvg
+from .commit import ClientBook
+from .population import Population
 
 
-def strategy_state(strategy: ValidatedFedAvg) -> dict[str, Any]:
-    """Return what :func:`restore_strategy` needs to resume ``strategy``'s run."""
+@dataclass(frozen=True)
+class Restored:
+    """What a checkpoint gives back besides the parts it restores in place."""
+
+    rounds_completed: int
+    epsilon_totals: dict[int, float]
+    retired_nodes: set[int]
+
+
+def checkpoint(
+    *,
+    strategy: str,
+    seed: int,
+    rounds_completed: int,
+    population: Population,
+    epsilon_totals: Mapping[int, float],
+    retired_nodes: set[int],
+    book: ClientBook,
+    fields: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Return what :func:`restore` needs to resume the run (``fields``: declared)."""
     return {
-        "strategy": type(strategy).__name__,
-        "seed": strategy.seed,
-        "rounds-completed": strategy.rounds_completed,
-        "num-clients": strategy.num_clients,
-        "epsilon-totals": dict(strategy.epsilon_totals),
-        "retired-nodes": sorted(strategy.retired_nodes),
-        "num-clients-source": strategy.num_clients_source,
-        **strategy.book.state_dict(),
-        **save_fields(strategy, strategy.resume_settings),
-        **save_fields(strategy, strategy.state_fields),
+        "strategy": strategy,
+        "seed": seed,
+        "rounds-completed": rounds_completed,
+        "num-clients": population.size,
+        "epsilon-totals": dict(epsilon_totals),
+        "retired-nodes": sorted(retired_nodes),
+        "num-clients-source": population.source,
+        **book.state_dict(),
+        **fields,
     }
 
 
-def restore_strategy(strategy: ValidatedFedAvg, state: Mapping[str, Any]) -> None:
-    """Restore what :func:`strategy_state` returned, or refuse it naming why."""
-    name = type(strategy).__name__
-    if state.get("strategy") != name:
-        raise ValueError(f"checkpoint is for {state.get('strategy')!r}, not {name}")
-    check_settings(strategy, strategy.resume_settings, state)
-    saved_k = population.restore(strategy, state)
+def restore(
+    state: Mapping[str, Any],
+    *,
+    strategy: str,
+    seed: int,
+    population: Population,
+    book: ClientBook,
+    check_settings: Callable[[Mapping[str, Any]], None],
+) -> Restored:
+    """Restore ``population`` and ``book`` from :func:`checkpoint`'s, or refuse it.
+
+    ``check_settings(state)`` refuses a checkpoint made under other resume
+    settings (after the strategy's name, before K and the seed).
+    """
+    if state.get("strategy") != strategy:
+        raise ValueError(f"checkpoint is for {state.get('strategy')!r}, not {strategy}")
+    check_settings(state)
+    saved_k = population.restore(state)
     for key, mine, saved in (
-        ("seed", strategy.seed, state.get("seed")),
-        ("num-clients", strategy.num_clients, saved_k),
+        ("seed", seed, state.get("seed")),
+        ("num-clients", population.size, saved_k),
     ):
         if saved != mine:
             raise ValueError(
                 f"checkpoint was made with {key}={saved!r}, the strategy "
                 f"has {mine!r}: the run would not resume identically"
             )
-    strategy.rounds_completed = int(state["rounds-completed"])
-    strategy.epsilon_totals = {
-        int(k): float(v) for k, v in state.get("epsilon-totals", {}).items()
-    }
-    strategy.retired_nodes = {int(n) for n in state.get("retired-nodes", [])}
-    strategy.book.load_state_dict(state)
-    strategy.round_offset = strategy.rounds_completed
-    load_fields(strategy, strategy.state_fields, state)
+    book.load_state_dict(state)
+    return Restored(
+        rounds_completed=int(state["rounds-completed"]),
+        epsilon_totals={
+            int(k): float(v) for k, v in state.get("epsilon-totals", {}).items()
+        },
+        retired_nodes={int(n) for n in state.get("retired-nodes", [])},
+    )

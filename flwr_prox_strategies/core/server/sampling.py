@@ -4,25 +4,27 @@ The generator of a draw is seeded by ``(seed, round, stream)`` and nothing else
 (no global ``random`` state), so two strategies built with the same seed sample
 the same nodes, and a resumed run samples exactly as an uninterrupted one.
 Streams: 0 training, 1 stragglers, 2 evaluation.
+
+:class:`Sampler` is the part the strategy holds (its seed, participation, the
+quorum of later rounds); :class:`Stragglers` is the FedProx paper's systems
+heterogeneity, a piece the sampler composes (none by default).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from logging import INFO
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from .outcome import EveryClientRetiredError
-
-if TYPE_CHECKING:
-    from flwr.app import ArrayRecord
-
-    from .strategy import ValidatedFedAvg
 
 PARTICIPATION = ("fixed", "bernoulli")
 # Redraws of a Bernoulli sample below min_train_nodes before giving up (the official
@@ -128,48 +130,119 @@ def draw_stragglers(
     return {node: int(e) for node, e in zip(stragglers, epochs, strict=True)}
 
 
+@dataclass(frozen=True)
+class Stragglers:
+    """The FedProx paper's stragglers: a share of each round's nodes do less work.
+
+    ``drop_percent`` of the sampled nodes run a random number of epochs in
+    ``1 .. local_epochs - 1``; ``keep_partial`` says whether the strategy uses
+    their partial work (FedProx) or drops them before sending (its FedAvg).
+    """
+
+    drop_percent: float = 0.0
+    keep_partial: bool = False
+
+    def draw(
+        self,
+        node_ids: list[int],
+        server_round: int,
+        seed: int,
+        local_epochs: int | None,
+    ) -> dict[int, int]:
+        """Return ``{node: epochs}`` for this round's stragglers (seeded, stream 1)."""
+        return draw_stragglers(
+            node_ids,
+            server_round,
+            seed=seed,
+            drop_percent=self.drop_percent,
+            local_epochs=local_epochs,
+        )
+
+
+@dataclass
+class Sampler:
+    """The nodes of each round, for one strategy: its seed and participation.
+
+    The first sampling waits for the first quorum (``min_available_nodes``),
+    later ones for the second when set (``min_round_nodes``: a federation that
+    loses nodes goes on). ``stragglers`` is a piece it composes.
+    """
+
+    seed: int
+    participation: str
+    stragglers: Stragglers = field(default_factory=Stragglers)
+    sampled_once: bool = False
+
+    def sample(
+        self,
+        grid: Grid,
+        server_round: int,
+        *,
+        quorum: tuple[int, int | None],
+        timeout: float,
+        owner: str,
+        **draw: Any,
+    ) -> tuple[list[int], int]:
+        """Sample with this seed once the round's quorum is connected."""
+        first, later = quorum
+        needed = later if self.sampled_once and later is not None else first
+        self.sampled_once = True
+        return sample_nodes(
+            grid,
+            server_round,
+            seed=self.seed,
+            quorum=needed,
+            timeout=timeout,
+            owner=owner,
+            **draw,
+        )
+
+    @staticmethod
+    def connected(grid: Grid, needed: int, timeout: float, owner: str) -> int:
+        """Return how many nodes are connected once ``needed`` are."""
+        return len(connected_nodes(grid, needed, timeout, owner))
+
+
 def training_sample(
-    strategy: ValidatedFedAvg,
-    grid: Grid,
+    sample: Callable[..., tuple[list[int], int]],
     server_round: int,
+    *,
+    fraction: float,
+    minimum: int,
+    bernoulli: bool,
+    retired: set[int],
+    stragglers: Stragglers,
+    seed: int,
+    local_epochs: int | None,
     arrays: ArrayRecord,
+    population_note: Callable[[int], str | None],
+    owner: str,
 ) -> tuple[list[int], dict[int, int]]:
     """Return the nodes that train this round and the stragglers' epochs.
 
-    Retired nodes (privacy budget spent) are never drawn; when every connected
-    node is retired, training stops (:class:`.outcome.EveryClientRetiredError`,
-    with ``arrays``, the last aggregated model). Stragglers are dropped or kept
-    with partial work, as the strategy's ``straggler_policy`` says.
+    ``sample`` is the strategy's :meth:`Sampler.sample` (a subclass may
+    override it). Retired nodes (privacy budget spent) are never drawn; when
+    every connected node is retired, training stops
+    (:class:`.outcome.EveryClientRetiredError`, with ``arrays``, the last
+    aggregated model). Stragglers are dropped or kept with partial work, as
+    ``stragglers`` says. ``population_note(num_connected)`` says how the
+    connected nodes relate to K, when it matters.
     """
-    name = type(strategy).__name__
-    node_ids, num_connected = strategy.sample_nodes(
-        grid,
+    node_ids, num_connected = sample(
         server_round,
-        fraction=strategy.fraction_train,
-        minimum=strategy.min_train_nodes,
+        fraction=fraction,
+        minimum=minimum,
         stream=0,
-        exclude=strategy.retired_nodes,
-        bernoulli=strategy.participation == "bernoulli",
+        exclude=retired,
+        bernoulli=bernoulli,
     )
-    if (
-        strategy.requires_num_clients
-        and strategy.num_clients is not None
-        and num_connected != strategy.num_clients
-    ):
-        log(
-            INFO,
-            "configure_train: %d node(s) connected, K=%d clients (%s): absent "
-            "clients keep their state in the sums; new ones join K when they "
-            "first reply",
-            num_connected,
-            strategy.num_clients,
-            strategy.num_clients_source,
-        )
-    if not node_ids and num_connected and strategy.retired_nodes:
+    if note := population_note(num_connected):
+        log(INFO, "configure_train: %s", note)
+    if not node_ids and num_connected and retired:
         raise EveryClientRetiredError(
-            f"{name}: round {server_round}: every one of the "
+            f"{owner}: round {server_round}: every one of the "
             f"{num_connected} connected node(s) has spent its privacy budget "
-            f"(retired: {len(strategy.retired_nodes)}); training stops here instead "
+            f"(retired: {len(retired)}); training stops here instead "
             f"of idling through the remaining rounds. The model is the one "
             f"aggregated last (round {server_round - 1}). To train longer, "
             "raise the budget (privacy.dp.target_epsilon) or spend it more "
@@ -177,30 +250,23 @@ def training_sample(
             Result(arrays=arrays),
             server_round,
         )
-    stragglers = draw_stragglers(
-        node_ids,
-        server_round,
-        seed=strategy.seed,
-        drop_percent=strategy.drop_percent,
-        local_epochs=strategy.local_epochs,
-    )
-    keep_partial = strategy.straggler_policy == "keep-partial"
-    if stragglers and not keep_partial:
-        node_ids = [n for n in node_ids if n not in stragglers]
-        log(INFO, "configure_train: dropping %d straggler(s)", len(stragglers))
-    if strategy.retired_nodes:
+    drawn = stragglers.draw(node_ids, server_round, seed, local_epochs)
+    if drawn and not stragglers.keep_partial:
+        node_ids = [n for n in node_ids if n not in drawn]
+        log(INFO, "configure_train: dropping %d straggler(s)", len(drawn))
+    if retired:
         log(
             INFO,
             "configure_train: %d node(s) retired (privacy budget spent)",
-            len(strategy.retired_nodes),
+            len(retired),
         )
     log(
         INFO,
         "configure_train: sampled %d nodes (out of %d)%s",
         len(node_ids),
         num_connected,
-        f", {len(stragglers)} straggler(s) keep partial work"
-        if stragglers and keep_partial
+        f", {len(drawn)} straggler(s) keep partial work"
+        if drawn and stragglers.keep_partial
         else "",
     )
-    return node_ids, stragglers
+    return node_ids, drawn

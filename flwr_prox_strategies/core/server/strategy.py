@@ -1,35 +1,28 @@
-"""The validated strategy base every strategy of the pack inherits.
+"""The validated strategy base every strategy of the pack inherits: one round.
 
 It keeps Flower's ``FedAvg`` interface (so ``strategy.start(...)`` and Flower's DP
-wrappers work unchanged) and runs a round; each job it delegates lives in a
-module named for it:
+wrappers work unchanged) and runs a round, holding a part for each job:
 
-* :mod:`.screening` (replies validated against what was sent, hostile claims and
-  sizes bounded, a dead node's reply attributed to it) and :mod:`.finite` (the
-  server rule re-run without replies holding NaN, inf or huge values);
-* :mod:`.sampling` (seeded per round, bounded waits, stragglers) and
-  :mod:`.messages` (one fresh message per node);
-* :mod:`.commit` (the server's half of the two-phase commit of client state) and
-  :mod:`.population` (K, the number of all clients: learned, grown, restored);
-* :mod:`.fields` and :mod:`.resume` (declared state, from which ``state_dict``,
-  ``load_state_dict``, ``repr`` and :mod:`.summary` follow);
-* :mod:`.outcome`, :mod:`.metrics` and :mod:`.privacy` (a round without a valid
-  reply keeps the model and says why; the round's metrics; the epsilon ledger).
+* a :class:`.sampling.Sampler` (seeded per round, quorum-checked, its
+  :class:`.sampling.Stragglers`), a :class:`.population.Population` (K: given,
+  learned, grown, restored), a :class:`.commit.ClientBook` (the server's half of
+  the two-phase commit of client state), a :class:`.screening.ReplyScreen`
+  (replies checked against what was sent) and a :class:`.outcome.StallGuard`
+  (rounds in a row not aggregated);
+* the round's pieces (:mod:`.pieces`: a learning-rate decay, the dissimilarity
+  monitor) and, per round, :func:`.finite.finite_update` (the rule re-run
+  without replies holding NaN, inf or huge values), :mod:`.metrics`,
+  :func:`..contract.ledger.record_privacy`, and :mod:`.resume` for checkpoints.
 
-An algorithm subclasses it, declares its state in class attributes and
-overrides a few hooks (``flwr_prox_strategies.extend`` is the guide):
-:meth:`~ValidatedFedAvg.server_update` (its server rule, pure), and when it
-needs them :meth:`~ValidatedFedAvg.grown_state`, :meth:`~ValidatedFedAvg.train_config`,
-:meth:`~ValidatedFedAvg.train_records` / :meth:`~ValidatedFedAvg.node_train_records`,
-:meth:`~ValidatedFedAvg.expected_train_arrays`, :meth:`~ValidatedFedAvg.check_reply`.
+What an algorithm declares and overrides lives in :class:`.hooks.AlgorithmHooks`
+(``flwr_prox_strategies.extend`` is the guide).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from flwr.app import (
@@ -43,14 +36,17 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
-from numpy.typing import NDArray
 
-from ...ops.aggregate import WeightedMean
-from ..contract.fields import RoundUpdate, settings_text
+from ..contract.fields import (
+    RoundUpdate,
+    check_settings,
+    load_fields,
+    save_fields,
+    settings_text,
+)
 from ..contract.frozen import FrozenState, mutation_error
 from ..contract.ledger import record_privacy
 from ..contract.validation import (
-    MetricSpec,
     ReplyRejected,
     ValidReply,
     check_base_options,
@@ -63,23 +59,21 @@ from ..contract.validation import (
 )
 from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
-from ..transport.records import RecordSpec, dict_to_record, spec_of
-from . import metrics, population, sampling, screening
+from ..transport.records import RecordSpec, spec_of
+from . import metrics, resume, screening
 from .commit import ClientBook
 from .finite import finite_update
-from .outcome import (
-    AggregationStalledError,
-    NoRoundAggregatedError,
-    ReplyTally,
-    finish_run,
-)
-from .resume import restore_strategy, strategy_state
+from .hooks import AlgorithmHooks
+from .outcome import StallGuard, finish_run
+from .pieces import round_pieces
+from .population import Population
+from .sampling import PARTICIPATION, Sampler, Stragglers, training_sample
 from .summary import log_flower_summary, log_summary
 
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
-class ValidatedFedAvg(FedAvg):
+class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     """Federated averaging with validated replies, seeded sampling and stragglers.
 
     The base of every strategy of the pack, and the pack's FedAvg baseline
@@ -224,96 +218,6 @@ class ValidatedFedAvg(FedAvg):
     flwr_prox_strategies.extend : the hooks a subclass overrides.
     """
 
-    #: What happens to stragglers (``drop_percent``), ``"drop"`` (they are sent
-    #: no work, as the FedProx paper's FedAvg) or ``"keep-partial"`` (their
-    #: fewer epochs are used).
-    straggler_policy: ClassVar[str] = "drop"
-    #: Whether clients keep state the server sums over (FedDyn, FedDC,
-    #: SCAFFOLD). Then the base runs the two-phase commit of client state (a
-    #: client commits its pending state once told its reply was aggregated)
-    #: and rejects replies without an integer ``client-key`` metric.
-    stateful_clients: ClassVar[bool] = False
-    #: The metric (value 1) a client reports when it applied this algorithm's
-    #: client rule (the rule's :attr:`ClientRule.applied_metric
-    #: <flwr_prox_strategies.extend.ClientRule.applied_metric>`). Replies
-    #: without it are named in one warning per run, or rejected with
-    #: ``strict=True``. None means any client will do.
-    rule_metric: ClassVar[str | None] = None
-    #: What the client rule is called, in that warning.
-    rule_name: ClassVar[str] = "client rule"
-    #: The pack's ``(client, rule)`` class names that apply the rule, in that
-    #: warning; None means ``<Class>Client`` and ``<Class>Rule``.
-    rule_pieces: ClassVar[tuple[str, str] | None] = None
-    #: Whether the server rule divides by K, the number of all clients. Then
-    #: ``num_clients=None`` means "learn K from the grid at the first round"
-    #: (then checked every round, grown when a new client replies).
-    requires_num_clients: ClassVar[bool] = False
-    #: Whether the server keeps sums over all clients' states. Then a state
-    #: lost on a client stays in them, retired, and the client goes on as a
-    #: new one.
-    keeps_client_sums: ClassVar[bool] = False
-    #: Whether a client that lost its state may reply with a fresh state as a
-    #: new client.
-    accept_lost_state: bool = True
-    #: The weighting used when neither ``weighting`` nor ``weighted_by_key`` is
-    #: given.
-    default_weighting: ClassVar[str] = "num-examples"
-    #: Whether the server rule's model is a positive linear combination of
-    #: the replies' model records (``arrays``): a NaN or inf in one then
-    #: reaches the model, so the replies' value check waits for the result
-    #: (one check instead of one per reply). False, the default for any class
-    #: that overrides :meth:`server_update` without declaring it, checks every
-    #: reply's model record before the rule runs: safe for a rule that builds
-    #: its model from other records, or a median that can hide an inf.
-    model_linear_in_replies: ClassVar[bool] = True
-    #: ArrayRecords the strategy sends each node once more after a restore
-    #: (FedDyn's :math:`\theta^0`), which the conformance kit allows.
-    records_resent_after_restore: ClassVar[tuple[str, ...]] = ()
-    #: Attribute names of the algorithm's server state, saved by
-    #: :meth:`state_dict` (kebab-case keys), restored by
-    #: :meth:`load_state_dict`, passed to :meth:`server_update` and replaced by
-    #: the state it returns. No hand-written ``state_dict``, ``__repr__`` or
-    #: ``summary``.
-    state_fields: ClassVar[tuple[str, ...]] = ()
-    #: Constructor settings a checkpoint must have been made with (compared
-    #: on restore, so a run never resumes under another ``alpha``).
-    resume_settings: ClassVar[tuple[str, ...]] = ()
-    #: The settings ``repr()`` and the run's summary show.
-    settings: ClassVar[tuple[str, ...]] = (
-        "fraction_train",
-        "participation",
-        "weighting",
-        "seed",
-    )
-    #: What Flower's central-DP wrappers leave uncovered when they wrap the
-    #: strategy (server state built from un-noised aggregates), logged as a
-    #: warning when one does. None means nothing beyond the records uploaded
-    #: besides the model, which are named without it.
-    central_dp_caveat: ClassVar[str | None] = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Make a rule of the subclass's own safe unless it declares otherwise.
-
-        A class that overrides :meth:`server_update` without declaring
-        :attr:`model_linear_in_replies` gets False: every reply's model record
-        is checked for NaN and inf before its rule runs. The name this
-        declaration had before, ``linear_aggregate``, still works, with a
-        ``FutureWarning``.
-        """
-        super().__init_subclass__(**kwargs)
-        own = vars(cls)
-        if "linear_aggregate" in own:
-            warnings.warn(
-                f"{cls.__name__}.linear_aggregate is now called "
-                "model_linear_in_replies; the old name goes in a later release",
-                FutureWarning,
-                stacklevel=2,
-            )
-            if "model_linear_in_replies" not in own:
-                cls.model_linear_in_replies = bool(own["linear_aggregate"])
-        elif "server_update" in own and "model_linear_in_replies" not in own:
-            cls.model_linear_in_replies = False
-
     def __init__(
         self,
         *,
@@ -356,7 +260,7 @@ class ValidatedFedAvg(FedAvg):
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
             participation=participation,
-            participations=sampling.PARTICIPATION,
+            participations=PARTICIPATION,
             min_train_nodes=min_train_nodes,
             min_evaluate_nodes=min_evaluate_nodes,
             min_available_nodes=min_available_nodes,
@@ -385,17 +289,11 @@ class ValidatedFedAvg(FedAvg):
             train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
         )
+        name = type(self).__name__
         self._custom_metrics = (train_metrics_aggr_fn, evaluate_metrics_aggr_fn)
         self.weighting = weighting
-        self.participation = participation
         self.local_epochs = local_epochs
         self.local_steps = local_steps
-        self.drop_percent = float(drop_percent)
-        self.lr_decay = float(lr_decay)
-        self.num_clients = num_clients
-        self.num_clients_source = "given" if num_clients is not None else "not set"
-        self.seed = seed
-        self.monitor_dissimilarity = bool(monitor_dissimilarity)
         self.accept_failures = accept_failures
         self.node_wait_timeout = float(node_wait_timeout)
         self.min_round_nodes = min_round_nodes
@@ -406,8 +304,23 @@ class ValidatedFedAvg(FedAvg):
         self.max_num_examples = max_num_examples
         self.max_weight_ratio = max_weight_ratio
         self.max_reply_bytes = max_reply_bytes
+        # The parts: each owns its state and is called by the round below.
+        keep_partial = self.straggler_policy == "keep-partial"
+        self.sampler = Sampler(
+            seed, participation, Stragglers(float(drop_percent), keep_partial)
+        )
+        self.population = Population(
+            num_clients,
+            requires=self.requires_num_clients,
+            owner=name,
+            adopt=self.learn_num_clients,
+        )
+        self.pieces = round_pieces(
+            lr_decay=float(lr_decay), monitor_dissimilarity=bool(monitor_dissimilarity)
+        )
         self.screen = screening.ReplyScreen()  # reply validation, and what was not used
         self.book = ClientBook()  # the two-phase commit of client state (state)
+        self.stall = StallGuard()
         # The round's model and sampled nodes: set by configure_*, read by aggregate_*.
         self.global_arrays: ArrayRecord | None = None
         self._global_spec: RecordSpec | None = None
@@ -421,20 +334,36 @@ class ValidatedFedAvg(FedAvg):
         # and the nodes whose budget is spent, never sampled again (state).
         self.epsilon_totals: dict[int, float] = {}
         self.retired_nodes: set[int] = set()
-        self._accumulate_in: type[np.floating] | None = None  # float64 on retry
-        self._sampled_once = False
         self._rule_warned = False
         self._bytes_sent = 0
-        # The run's first model (what Result.arrays holds if nothing is
-        # aggregated) and the rounds in a row not aggregated, with their reasons.
+        # The run's first model: what Result.arrays holds if nothing is aggregated.
         self._run_initial: ArrayRecord | None = None
-        self._final_round: int | None = None  # known in the pack's start() only
-        self._stalled = 0
-        self._stall_tally = ReplyTally()
 
     rejections = property(lambda self: self.screen.rejections)
     run_tally = property(lambda self: self.screen.run_tally)
     round_tally = property(lambda self: self.screen.round_tally)
+    # The settings the parts own, read (and K also set) as the strategy's own.
+    seed = property(lambda self: self.sampler.seed)
+    participation = property(lambda self: self.sampler.participation)
+    drop_percent = property(lambda self: self.sampler.stragglers.drop_percent)
+    num_clients = property(
+        lambda self: self.population.size,
+        lambda self, k: setattr(self.population, "size", k),
+    )
+    num_clients_source = property(
+        lambda self: self.population.source,
+        lambda self, text: setattr(self.population, "source", text),
+    )
+
+    @property
+    def lr_decay(self) -> float:
+        """The per-round learning-rate decay sent as ``lr-scale`` (1.0: none)."""
+        return next((p.decay for p in self.pieces if hasattr(p, "decay")), 1.0)
+
+    @property
+    def monitor_dissimilarity(self) -> bool:
+        """Whether each round logs the FedProx paper's dissimilarity B."""
+        return any(p.expected_arrays({}) for p in self.pieces)
 
     @classmethod
     def accepted_kwargs(cls) -> set[str]:
@@ -506,7 +435,7 @@ class ValidatedFedAvg(FedAvg):
         self._run_initial = initial_arrays
         # A stall in the last round is left to check_run, which raises with
         # Flower's whole Result.
-        self._final_round = self.round_offset + num_rounds
+        self.stall.final_round = self.round_offset + num_rounds
         result = super().start(
             grid=grid,
             initial_arrays=initial_arrays,
@@ -569,11 +498,9 @@ class ValidatedFedAvg(FedAvg):
     def reset_run(self) -> None:
         """Start a new run's diagnostics (reasons tally, the once-per-run warning)."""
         self.screen.reset_run()
+        self.stall.reset()
         self._rule_warned = False
         self._run_initial = None
-        self._final_round = None
-        self._stalled = 0
-        self._stall_tally = ReplyTally()
 
     def sample_nodes(
         self, grid: Grid, server_round: int, **draw: Any
@@ -583,116 +510,14 @@ class ValidatedFedAvg(FedAvg):
         The quorum is ``min_available_nodes`` at the first sampling, then
         ``min_round_nodes`` when set.
         """
-        quorum = self.min_available_nodes
-        if self._sampled_once and self.min_round_nodes is not None:
-            quorum = self.min_round_nodes
-        self._sampled_once = True
-        return sampling.sample_nodes(
+        return self.sampler.sample(
             grid,
             server_round,
-            seed=self.seed,
-            quorum=quorum,
+            quorum=(self.min_available_nodes, self.min_round_nodes),
             timeout=self.node_wait_timeout,
             owner=type(self).__name__,
             **draw,
         )
-
-    # ----------------------------------------------------------------- hooks
-    def train_config(self, server_round: int) -> dict[str, Any]:
-        """Return the algorithm's values for this round's train ConfigRecord.
-
-        Parameters
-        ----------
-        server_round : int
-            The round being configured (continuing after a resume).
-
-        Returns
-        -------
-        dict[str, Any]
-            Values added to every sampled node's train ``ConfigRecord``, under
-            kebab-case keys defined beside the algorithm (``feddyn-alpha``).
-            The base sends none.
-        """
-        return {}
-
-    def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """Return extra ArrayRecords sent to every sampled node with the model.
-
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, ArrayRecord]
-            Record name -> record, e.g. SCAFFOLD's server control variate. The
-            base sends none.
-        """
-        return {}
-
-    def node_train_records(
-        self, node_id: int, server_round: int
-    ) -> dict[str, ArrayRecord]:
-        """Return extra ArrayRecords for one node only.
-
-        Parameters
-        ----------
-        node_id : int
-            The sampled node.
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, ArrayRecord]
-            Record name -> record, sent to this node besides
-            :meth:`train_records`. The base sends none.
-        """
-        return {}
-
-    def evaluate_config(self, server_round: int) -> dict[str, Any]:
-        """Return the algorithm's values for this round's evaluate ConfigRecord.
-
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, Any]
-            Values added to every evaluate ``ConfigRecord``; the base sends none.
-        """
-        return {}
-
-    def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """Return extra ArrayRecords sent with the model for evaluation.
-
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, ArrayRecord]
-            Record name -> record; the base sends none.
-        """
-        return {}
-
-    def central_models(self) -> dict[str, ArrayRecord]:
-        """Return further server-side models to evaluate centrally.
-
-        The pack's app evaluates each beside the global model under its name
-        (FedDyn's mean of all clients' models, APFL's weighted average).
-
-        Returns
-        -------
-        dict[str, ArrayRecord]
-            Name -> model; the base has none.
-        """
-        return {}
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
         """Return the ArrayRecords a train reply must carry.
@@ -714,31 +539,9 @@ class ValidatedFedAvg(FedAvg):
         """
         spec = {} if self._global_spec is None else self._global_spec
         expected = {self.arrayrecord_key: spec}
-        if self.monitor_dissimilarity:
-            expected[keys.GRADIENT_RECORD] = spec
+        for piece in self.pieces:
+            expected.update(piece.expected_arrays(spec))
         return expected
-
-    def expected_train_metrics(self, server_round: int) -> dict[str, MetricSpec]:
-        """Return the metrics a train reply must carry, name -> :class:`MetricSpec`.
-
-        Declare them as :meth:`expected_train_arrays` declares records (start
-        from ``super()``'s): a reply without one, or with a value of another
-        type or out of range, is rejected with a reason naming the metric
-        before :meth:`check_reply` and :meth:`server_update` see it, and the
-        conformance kit (:mod:`flwr_prox_strategies.testing`) builds valid
-        replies from them. ``num-examples`` is always checked.
-
-        Parameters
-        ----------
-        server_round : int
-            The round whose replies are checked.
-
-        Returns
-        -------
-        dict[str, MetricSpec]
-            Metric name -> its type and range; the base declares none.
-        """
-        return {}
 
     def check_reply(self, reply: ValidReply) -> None:
         """Check a structurally valid reply further; raise to drop it.
@@ -796,106 +599,6 @@ class ValidatedFedAvg(FedAvg):
         check_int("num_clients", num_clients, 1)
         self.num_clients = num_clients
 
-    def reply_weight(self, reply: ValidReply) -> float:
-        """Return the weight of a valid reply in the average.
-
-        Parameters
-        ----------
-        reply : ValidReply
-            A validated reply.
-
-        Returns
-        -------
-        float
-            Its ``num-examples`` (``weighting="num-examples"``), 1.0
-            (``"uniform"``) or its ``weighted_by_key`` metric.
-        """
-        if self.weighting == "metric":  # checked finite and > 0 in check_reply
-            return float(reply.metrics[self.weighted_by_key])  # type: ignore[arg-type]
-        return reply.num_examples if self.weighting == "num-examples" else 1.0
-
-    def weighted_mean(
-        self, replies: list[ValidReply], record: str | None = None
-    ) -> dict[str, NDArray]:
-        """Return the weighted mean of one record over the replies.
-
-        Weights (:meth:`reply_weight`) are normalised before they are applied
-        (as Flower's ``FedAvg``), so finite replies never overflow the
-        accumulator.
-
-        Parameters
-        ----------
-        replies : list[ValidReply]
-            The replies to average (non-empty).
-        record : str | None (default: None)
-            The ArrayRecord to average; None: the model.
-
-        Returns
-        -------
-        dict[str, NDArray]
-            Array key -> mean, in the replies' dtypes.
-        """
-        weights = [self.reply_weight(reply) for reply in replies]
-        mean = WeightedMean(total=sum(weights), accumulate_in=self._accumulate_in)
-        for reply, weight in zip(replies, weights, strict=True):
-            mean.add(reply.arrays[record or self.arrayrecord_key], weight)
-        return mean.result()
-
-    def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
-    ) -> RoundUpdate:
-        r"""Apply the algorithm's server rule: return the new model, state and metrics.
-
-        It may be called more than once per round (a reply found non-finite is
-        dropped and the rule re-run), so it must depend on its arguments only
-        (and ``self.global_arrays``, the model this round sent,
-        :math:`\theta^t`). The base returns the weighted mean.
-
-        Parameters
-        ----------
-        server_round : int
-            The round being aggregated.
-        state : dict[str, Any]
-            The current values of :attr:`state_fields` (as :meth:`grown_state`
-            left them when K grows this round). Do not mutate it.
-        replies : list[ValidReply]
-            The round's valid replies, in a fixed order (client key, else node
-            id): ``reply.arrays[record][key]`` are read-only arrays.
-
-        Returns
-        -------
-        RoundUpdate
-            The new model, the new state values (committed only if the round
-            is aggregated) and extra metrics.
-        """
-        return RoundUpdate(dict_to_record(self.weighted_mean(replies)))
-
-    def grown_state(
-        self, state: Mapping[str, Any], old: int, new: int
-    ) -> dict[str, Any]:
-        """Return ``state`` adjusted to K growing from ``old`` to ``new``.
-
-        Called before :meth:`server_update` in a round where K grows. Sums over
-        all clients need nothing (a new client holds zero state); a mean over K
-        (SCAFFOLD's c) is rescaled. The base returns ``state`` unchanged.
-
-        Parameters
-        ----------
-        state : dict[str, Any]
-            The current values of :attr:`state_fields`; do not mutate it.
-        old, new : int
-            K before and after this round.
-
-        Returns
-        -------
-        dict[str, Any]
-            The adjusted state.
-        """
-        return dict(state)
-
     def state_dict(self) -> dict[str, Any]:
         """Return the server state that resumes the run exactly.
 
@@ -910,7 +613,19 @@ class ValidatedFedAvg(FedAvg):
             clients' commit bookkeeping: pass it to
             :meth:`load_state_dict` of a strategy built the same way.
         """
-        return strategy_state(self)
+        return resume.checkpoint(
+            strategy=type(self).__name__,
+            seed=self.seed,
+            rounds_completed=self.rounds_completed,
+            population=self.population,
+            epsilon_totals=self.epsilon_totals,
+            retired_nodes=self.retired_nodes,
+            book=self.book,
+            fields={
+                **save_fields(self, self.resume_settings),
+                **save_fields(self, self.state_fields),
+            },
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, or refuse it naming why.
@@ -928,7 +643,19 @@ class ValidatedFedAvg(FedAvg):
             another seed or another K, naming the difference (the run would
             not resume identically).
         """
-        restore_strategy(self, state)
+        restored = resume.restore(
+            state,
+            strategy=type(self).__name__,
+            seed=self.seed,
+            population=self.population,
+            book=self.book,
+            check_settings=lambda s: check_settings(self, self.resume_settings, s),
+        )
+        self.rounds_completed = restored.rounds_completed
+        self.epsilon_totals = restored.epsilon_totals
+        self.retired_nodes = restored.retired_nodes
+        self.round_offset = self.rounds_completed
+        load_fields(self, self.state_fields, state)
 
     # ------------------------------------------------------------- the round
     def configure_train(
@@ -943,9 +670,28 @@ class ValidatedFedAvg(FedAvg):
         if self.fraction_train == 0.0:
             self.train_nodes = set()
             return []
-        population.learn_from_grid(self, grid, server_round)
-        node_ids, stragglers = sampling.training_sample(
-            self, grid, server_round, arrays
+        self.population.learn_from_grid(
+            lambda: self.sampler.connected(
+                grid,
+                self.min_available_nodes,
+                self.node_wait_timeout,
+                type(self).__name__,
+            ),
+            server_round,
+        )
+        node_ids, stragglers = training_sample(
+            lambda *args, **draw: self.sample_nodes(grid, *args, **draw),
+            server_round,
+            fraction=self.fraction_train,
+            minimum=self.min_train_nodes,
+            bernoulli=self.participation == "bernoulli",
+            retired=self.retired_nodes,
+            stragglers=self.sampler.stragglers,
+            seed=self.seed,
+            local_epochs=self.local_epochs,
+            arrays=arrays,
+            population_note=self.population.note,
+            owner=type(self).__name__,
         )
         self.train_nodes = set(node_ids)
         shared = {**config, keys.SERVER_ROUND_KEY: server_round}
@@ -953,10 +699,8 @@ class ValidatedFedAvg(FedAvg):
             shared[keys.LOCAL_EPOCHS_KEY] = self.local_epochs
         if self.local_steps is not None:
             shared[keys.LOCAL_STEPS_KEY] = self.local_steps
-        if self.lr_decay != 1.0:
-            shared[keys.LR_SCALE_KEY] = self.lr_decay ** (server_round - 1)
-        if self.monitor_dissimilarity:
-            shared[keys.REPORT_GRADIENT_KEY] = True
+        for piece in self.pieces:
+            shared.update(piece.train_config(server_round))
         shared.update(self.train_config(server_round))
 
         def node_config(node_id: int) -> dict[str, Any]:
@@ -1061,7 +805,7 @@ class ValidatedFedAvg(FedAvg):
             self._accumulate_in = np.float64 if wide else None
             try:
                 state = FrozenState(
-                    population.state_for_round(self, k_before, candidates),
+                    self._round_state(k_before, candidates),
                     type(self).__name__,
                     self.state_fields,
                 )
@@ -1117,14 +861,29 @@ class ValidatedFedAvg(FedAvg):
                 keep,
                 self.round_tally.describe(),
             )
-            self._count_stalled_round(server_round, keep or "no model")
+            if self.fraction_train > 0.0 and self.train_nodes:
+                # (a round that sampled nobody for training is no failure)
+                self.stall.kept(
+                    server_round,
+                    keep or "no model",
+                    round_tally=self.round_tally,
+                    never_aggregated=self.run_tally.aggregated == 0,
+                    limit=self.max_rounds_without_aggregation,
+                    owner=type(self).__name__,
+                    model=lambda never: (
+                        self._run_initial if never else self.global_arrays
+                    ),
+                )
             return None, MetricRecord(counts)
         self.run_tally.aggregated += 1
-        self._stalled = 0
-        self._stall_tally = ReplyTally()
+        self.stall.aggregated()
         if self.stateful_clients:
             self.book.commit(server_round, valid)
-            population.commit_growth(self, k_before)
+            self.population.commit_growth(
+                k_before,
+                f"{len(self.book.client_keys_seen)} client keys seen, "
+                f"{self.book.retired_states} retired state(s)",
+            )
         if unknown := set(update.state) - set(self.state_fields):
             raise TypeError(
                 f"{type(self).__name__}.server_update returned state {sorted(unknown)} "
@@ -1139,11 +898,28 @@ class ValidatedFedAvg(FedAvg):
             pack_metrics=self.pack_metrics,
         )
         extra = dict(update.metrics)
-        if self.monitor_dissimilarity:
-            extra.update(metrics.dissimilarity_metrics(valid, self.reply_weight))
+        for piece in self.pieces:
+            extra.update(piece.metrics(valid, self.reply_weight))
         for key, value in {**counts, **extra}.items():
             record[key] = value
         return update.arrays, record
+
+    def _round_state(
+        self, k_base: int | None, replies: list[ValidReply]
+    ) -> dict[str, Any]:
+        """Return the declared state the round's rule starts from, K set for it.
+
+        K counts every client seen, these repliers included; when that grows it,
+        the state is the strategy's ``grown_state`` (not yet committed).
+        """
+        state = {name: getattr(self, name) for name in self.state_fields}
+        if self.stateful_clients and self.requires_num_clients and k_base:
+            k = self.population.grow_to(k_base, self.book.clients_needed(replies))
+            if k != k_base:
+                given = FrozenState(state, type(self).__name__, self.state_fields)
+                grown = self.grown_state(given, k_base, k)
+                state = {name: given.thaw(value) for name, value in grown.items()}
+        return state
 
     def _count_rule_not_applied(
         self, server_round: int, replies: list[ValidReply], aggregated: bool
@@ -1163,34 +939,6 @@ class ValidatedFedAvg(FedAvg):
                     self, server_round, lacking
                 )
         return len(lacking)
-
-    def _count_stalled_round(self, server_round: int, why: str) -> None:
-        """Count a round not aggregated; raise after too many in a row."""
-        if self.fraction_train == 0.0 or not self.train_nodes:
-            return  # a round that sampled nobody for training is no failure
-        self._stalled += 1
-        self._stall_tally.update(self.round_tally)
-        self._stall_tally.kept[why] += 1
-        limit = self.max_rounds_without_aggregation
-        if limit is None or self._stalled < limit or server_round == self._final_round:
-            return
-        name = type(self).__name__
-        first = server_round - self._stalled + 1
-        never = self.run_tally.aggregated == 0
-        error = NoRoundAggregatedError if never else AggregationStalledError
-        model = "the initial model" if never else "the last aggregated model"
-        raise error(
-            f"{name}: no round aggregated in {self._stalled} rounds in a row "
-            f"(rounds {first}-{server_round}, max_rounds_without_aggregation="
-            f"{limit}): {self._stall_tally.describe()}. The run stops here; "
-            f"err.result.arrays holds {model}. Fix the cause above, or set "
-            "max_rounds_without_aggregation=None to let such a run go on.",
-            Result(
-                arrays=(self._run_initial if never else self.global_arrays)
-                or ArrayRecord()
-            ),
-            self._stall_tally,
-        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

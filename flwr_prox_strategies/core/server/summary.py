@@ -9,15 +9,15 @@ reply alike, and a summary must not contradict itself.
 from __future__ import annotations
 
 from logging import INFO
-from typing import TYPE_CHECKING
+from typing import Any
 
 from flwr.common.logger import log
 
-if TYPE_CHECKING:
-    from .strategy import ValidatedFedAvg
+# Any strategy of the pack: the summary reads its public settings only.
+Summarised = Any
 
 
-def weighting_text(strategy: ValidatedFedAvg) -> str:
+def weighting_text(strategy: Summarised) -> str:
     """Return how replies are weighted, in words, and whether Flower's differs."""
     if strategy.weighting == "metric":
         return f"metric '{strategy.weighted_by_key}'"
@@ -26,7 +26,7 @@ def weighting_text(strategy: ValidatedFedAvg) -> str:
     return "'num-examples'"
 
 
-def caps_text(strategy: ValidatedFedAvg) -> str:
+def caps_text(strategy: Summarised) -> str:
     """Return the caps on a reply's claimed ``num-examples``, in words."""
     caps = []
     if strategy.max_weight_ratio is not None:
@@ -36,7 +36,7 @@ def caps_text(strategy: ValidatedFedAvg) -> str:
     return " and ".join(caps) or "none"
 
 
-def log_summary(strategy: ValidatedFedAvg, base_settings: tuple[str, ...]) -> None:
+def log_summary(strategy: Summarised, base_settings: tuple[str, ...]) -> None:
     """Log the algorithm's settings (when it declares its own), then the base's."""
     settings = strategy.settings
     if settings != base_settings:
@@ -73,7 +73,7 @@ def log_summary(strategy: ValidatedFedAvg, base_settings: tuple[str, ...]) -> No
     )
 
 
-def log_flower_summary(strategy: ValidatedFedAvg) -> None:
+def log_flower_summary(strategy: Summarised) -> None:
     """Log Flower's ``FedAvg.summary`` lines, with the weighting actually used."""
     log(INFO, "\t├──> Sampling:")
     log(

@@ -1,0 +1,351 @@
+"""What an algorithm declares and overrides: the extension surface of the base.
+
+:class:`AlgorithmHooks` holds the class attributes an algorithm sets (its state,
+its client rule's metric, what a checkpoint must match) and the hooks it
+overrides, each with the base's default: what a round sends
+(:meth:`~AlgorithmHooks.train_config`, :meth:`~AlgorithmHooks.train_records`,
+...), what a reply must carry (:meth:`~AlgorithmHooks.expected_train_metrics`),
+the weights and the server rule (:meth:`~AlgorithmHooks.server_update`,
+:meth:`~AlgorithmHooks.grown_state`). The round that calls them is
+:class:`.strategy.ValidatedFedAvg`; ``flwr_prox_strategies.extend`` is the guide.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ArrayRecord
+from numpy.typing import NDArray
+
+from ...ops.aggregate import WeightedMean
+from ..contract.fields import RoundUpdate
+from ..contract.validation import MetricSpec, ValidReply
+from ..transport.records import dict_to_record
+
+
+class AlgorithmHooks:
+    """The class attributes and hooks an algorithm of the pack sets and overrides.
+
+    A mixin of :class:`~flwr_prox_strategies.extend.ValidatedFedAvg`: every
+    default here is the base's (federated averaging); see
+    ``flwr_prox_strategies.extend`` for which to override.
+    """
+
+    # Set by the base strategy (the round's settings, and float64 accumulators
+    # while a non-finite result is retried).
+    weighting: str
+    weighted_by_key: str
+    arrayrecord_key: str
+    _accumulate_in: type[np.floating] | None = None
+
+    #: What happens to stragglers (``drop_percent``), ``"drop"`` (they are sent
+    #: no work, as the FedProx paper's FedAvg) or ``"keep-partial"`` (their
+    #: fewer epochs are used).
+    straggler_policy: ClassVar[str] = "drop"
+    #: Whether clients keep state the server sums over (FedDyn, FedDC,
+    #: SCAFFOLD). Then the base runs the two-phase commit of client state (a
+    #: client commits its pending state once told its reply was aggregated)
+    #: and rejects replies without an integer ``client-key`` metric.
+    stateful_clients: ClassVar[bool] = False
+    #: The metric (value 1) a client reports when it applied this algorithm's
+    #: client rule (the rule's :attr:`ClientRule.applied_metric
+    #: <flwr_prox_strategies.extend.ClientRule.applied_metric>`). Replies
+    #: without it are named in one warning per run, or rejected with
+    #: ``strict=True``. None means any client will do.
+    rule_metric: ClassVar[str | None] = None
+    #: What the client rule is called, in that warning.
+    rule_name: ClassVar[str] = "client rule"
+    #: The pack's ``(client, rule)`` class names that apply the rule, in that
+    #: warning; None means ``<Class>Client`` and ``<Class>Rule``.
+    rule_pieces: ClassVar[tuple[str, str] | None] = None
+    #: Whether the server rule divides by K, the number of all clients. Then
+    #: ``num_clients=None`` means "learn K from the grid at the first round"
+    #: (then checked every round, grown when a new client replies).
+    requires_num_clients: ClassVar[bool] = False
+    #: Whether the server keeps sums over all clients' states. Then a state
+    #: lost on a client stays in them, retired, and the client goes on as a
+    #: new one.
+    keeps_client_sums: ClassVar[bool] = False
+    #: Whether a client that lost its state may reply with a fresh state as a
+    #: new client.
+    accept_lost_state: bool = True
+    #: The weighting used when neither ``weighting`` nor ``weighted_by_key`` is
+    #: given.
+    default_weighting: ClassVar[str] = "num-examples"
+    #: Whether the server rule's model is a positive linear combination of
+    #: the replies' model records (``arrays``): a NaN or inf in one then
+    #: reaches the model, so the replies' value check waits for the result
+    #: (one check instead of one per reply). False, the default for any class
+    #: that overrides :meth:`server_update` without declaring it, checks every
+    #: reply's model record before the rule runs: safe for a rule that builds
+    #: its model from other records, or a median that can hide an inf.
+    model_linear_in_replies: ClassVar[bool] = True
+    #: ArrayRecords the strategy sends each node once more after a restore
+    #: (FedDyn's :math:`\theta^0`), which the conformance kit allows.
+    records_resent_after_restore: ClassVar[tuple[str, ...]] = ()
+    #: Attribute names of the algorithm's server state, saved by
+    #: :meth:`state_dict` (kebab-case keys), restored by
+    #: :meth:`load_state_dict`, passed to :meth:`server_update` and replaced by
+    #: the state it returns. No hand-written ``state_dict``, ``__repr__`` or
+    #: ``summary``.
+    state_fields: ClassVar[tuple[str, ...]] = ()
+    #: Constructor settings a checkpoint must have been made with (compared
+    #: on restore, so a run never resumes under another ``alpha``).
+    resume_settings: ClassVar[tuple[str, ...]] = ()
+    #: The settings ``repr()`` and the run's summary show.
+    settings: ClassVar[tuple[str, ...]] = (
+        "fraction_train",
+        "participation",
+        "weighting",
+        "seed",
+    )
+    #: What Flower's central-DP wrappers leave uncovered when they wrap the
+    #: strategy (server state built from un-noised aggregates), logged as a
+    #: warning when one does. None means nothing beyond the records uploaded
+    #: besides the model, which are named without it.
+    central_dp_caveat: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make a rule of the subclass's own safe unless it declares otherwise.
+
+        A class that overrides :meth:`server_update` without declaring
+        :attr:`model_linear_in_replies` gets False: every reply's model record
+        is checked for NaN and inf before its rule runs. The name this
+        declaration had before, ``linear_aggregate``, still works, with a
+        ``FutureWarning``.
+        """
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "linear_aggregate" in own:
+            warnings.warn(
+                f"{cls.__name__}.linear_aggregate is now called "
+                "model_linear_in_replies; the old name goes in a later release",
+                FutureWarning,
+                stacklevel=2,
+            )
+            if "model_linear_in_replies" not in own:
+                cls.model_linear_in_replies = bool(own["linear_aggregate"])
+        elif "server_update" in own and "model_linear_in_replies" not in own:
+            cls.model_linear_in_replies = False
+
+    # ----------------------------------------------------------------- hooks
+    def train_config(self, server_round: int) -> dict[str, Any]:
+        """Return the algorithm's values for this round's train ConfigRecord.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured (continuing after a resume).
+
+        Returns
+        -------
+        dict[str, Any]
+            Values added to every sampled node's train ``ConfigRecord``, under
+            kebab-case keys defined beside the algorithm (``feddyn-alpha``).
+            The base sends none.
+        """
+        return {}
+
+    def train_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Return extra ArrayRecords sent to every sampled node with the model.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Record name -> record, e.g. SCAFFOLD's server control variate. The
+            base sends none.
+        """
+        return {}
+
+    def node_train_records(
+        self, node_id: int, server_round: int
+    ) -> dict[str, ArrayRecord]:
+        """Return extra ArrayRecords for one node only.
+
+        Parameters
+        ----------
+        node_id : int
+            The sampled node.
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Record name -> record, sent to this node besides
+            :meth:`train_records`. The base sends none.
+        """
+        return {}
+
+    def evaluate_config(self, server_round: int) -> dict[str, Any]:
+        """Return the algorithm's values for this round's evaluate ConfigRecord.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, Any]
+            Values added to every evaluate ``ConfigRecord``; the base sends none.
+        """
+        return {}
+
+    def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Return extra ArrayRecords sent with the model for evaluation.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being configured.
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Record name -> record; the base sends none.
+        """
+        return {}
+
+    def central_models(self) -> dict[str, ArrayRecord]:
+        """Return further server-side models to evaluate centrally.
+
+        The pack's app evaluates each beside the global model under its name
+        (FedDyn's mean of all clients' models, APFL's weighted average).
+
+        Returns
+        -------
+        dict[str, ArrayRecord]
+            Name -> model; the base has none.
+        """
+        return {}
+
+    def expected_train_metrics(self, server_round: int) -> dict[str, MetricSpec]:
+        """Return the metrics a train reply must carry, name -> :class:`MetricSpec`.
+
+        Declare them as :meth:`expected_train_arrays` declares records (start
+        from ``super()``'s): a reply without one, or with a value of another
+        type or out of range, is rejected with a reason naming the metric
+        before :meth:`check_reply` and :meth:`server_update` see it, and the
+        conformance kit (:mod:`flwr_prox_strategies.testing`) builds valid
+        replies from them. ``num-examples`` is always checked.
+
+        Parameters
+        ----------
+        server_round : int
+            The round whose replies are checked.
+
+        Returns
+        -------
+        dict[str, MetricSpec]
+            Metric name -> its type and range; the base declares none.
+        """
+        return {}
+
+    def reply_weight(self, reply: ValidReply) -> float:
+        """Return the weight of a valid reply in the average.
+
+        Parameters
+        ----------
+        reply : ValidReply
+            A validated reply.
+
+        Returns
+        -------
+        float
+            Its ``num-examples`` (``weighting="num-examples"``), 1.0
+            (``"uniform"``) or its ``weighted_by_key`` metric.
+        """
+        if self.weighting == "metric":  # checked finite and > 0 in check_reply
+            return float(reply.metrics[self.weighted_by_key])  # type: ignore[arg-type]
+        return reply.num_examples if self.weighting == "num-examples" else 1.0
+
+    def weighted_mean(
+        self, replies: list[ValidReply], record: str | None = None
+    ) -> dict[str, NDArray]:
+        """Return the weighted mean of one record over the replies.
+
+        Weights (:meth:`reply_weight`) are normalised before they are applied
+        (as Flower's ``FedAvg``), so finite replies never overflow the
+        accumulator.
+
+        Parameters
+        ----------
+        replies : list[ValidReply]
+            The replies to average (non-empty).
+        record : str | None (default: None)
+            The ArrayRecord to average; None: the model.
+
+        Returns
+        -------
+        dict[str, NDArray]
+            Array key -> mean, in the replies' dtypes.
+        """
+        weights = [self.reply_weight(reply) for reply in replies]
+        mean = WeightedMean(total=sum(weights), accumulate_in=self._accumulate_in)
+        for reply, weight in zip(replies, weights, strict=True):
+            mean.add(reply.arrays[record or self.arrayrecord_key], weight)
+        return mean.result()
+
+    def server_update(
+        self,
+        server_round: int,
+        state: Mapping[str, Any],
+        replies: list[ValidReply],
+    ) -> RoundUpdate:
+        r"""Apply the algorithm's server rule: return the new model, state and metrics.
+
+        It may be called more than once per round (a reply found non-finite is
+        dropped and the rule re-run), so it must depend on its arguments only
+        (and ``self.global_arrays``, the model this round sent,
+        :math:`\theta^t`). The base returns the weighted mean.
+
+        Parameters
+        ----------
+        server_round : int
+            The round being aggregated.
+        state : dict[str, Any]
+            The current values of :attr:`state_fields` (as :meth:`grown_state`
+            left them when K grows this round). Do not mutate it.
+        replies : list[ValidReply]
+            The round's valid replies, in a fixed order (client key, else node
+            id): ``reply.arrays[record][key]`` are read-only arrays.
+
+        Returns
+        -------
+        RoundUpdate
+            The new model, the new state values (committed only if the round
+            is aggregated) and extra metrics.
+        """
+        return RoundUpdate(dict_to_record(self.weighted_mean(replies)))
+
+    def grown_state(
+        self, state: Mapping[str, Any], old: int, new: int
+    ) -> dict[str, Any]:
+        """Return ``state`` adjusted to K growing from ``old`` to ``new``.
+
+        Called before :meth:`server_update` in a round where K grows. Sums over
+        all clients need nothing (a new client holds zero state); a mean over K
+        (SCAFFOLD's c) is rescaled. The base returns ``state`` unchanged.
+
+        Parameters
+        ----------
+        state : dict[str, Any]
+            The current values of :attr:`state_fields`; do not mutate it.
+        old, new : int
+            K before and after this round.
+
+        Returns
+        -------
+        dict[str, Any]
+            The adjusted state.
+        """
+        return dict(state)
