@@ -108,12 +108,7 @@ from ..core.client.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.client.state import ClientState
 from ..core.client.training import LossFn, TrainReport, cycle_batches, trainable
 from ..core.contract.fields import RoundUpdate
-from ..core.contract.validation import (
-    ValidReply,
-    check_fraction,
-    check_int,
-    check_positive,
-)
+from ..core.contract.validation import ValidReply
 from ..core.docstrings import inherit_parameters
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.keys import LOCAL_STEPS_KEY
@@ -131,6 +126,7 @@ from ..ops.apfl import (
     normalised,
     personal_gradient,
 )
+from ..ops.checks import check_fraction, check_int, check_positive
 
 APFL_ALPHA_KEY = "apfl-alpha"
 APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"

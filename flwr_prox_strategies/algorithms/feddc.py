@@ -69,10 +69,11 @@ from ..core.client.client import TorchClient
 from ..core.client.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.client.training import GradientTerm
 from ..core.contract.fields import RoundUpdate
-from ..core.contract.validation import ValidReply, check_choice, check_positive
+from ..core.contract.validation import ValidReply
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.keys import LOCAL_EPOCHS_KEY
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
+from ..ops.checks import check_choice, check_positive
 from ..ops.control import control_update, rescaled, zeros_like
 from ..ops.drift import drift_corrected, drift_sum
 from ..ops.proximal import ProximalTerm

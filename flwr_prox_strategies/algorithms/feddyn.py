@@ -68,7 +68,7 @@ from ..core.client.client import TorchClient
 from ..core.client.rule import ClientRule, arrays_from_params
 from ..core.client.training import GradientTerm
 from ..core.contract.fields import RoundUpdate
-from ..core.contract.validation import ValidReply, check_positive
+from ..core.contract.validation import ValidReply
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import (
     RecordSpec,
@@ -76,6 +76,7 @@ from ..core.transport.records import (
     float_keys,
     record_to_dict,
 )
+from ..ops.checks import check_positive
 from ..ops.drift import drift_corrected, drift_sum, norm, summed
 from ..ops.proximal import ProximalTerm
 

@@ -103,17 +103,11 @@ from ..core.contract.ledger import (
     EPSILON_TOTAL_METRIC,
     spend_epsilon,
 )
-from ..core.contract.validation import (
-    ReplyRejected,
-    ValidReply,
-    check_choice,
-    check_int,
-    check_non_negative,
-    check_positive,
-)
+from ..core.contract.validation import ReplyRejected, ValidReply
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.keys import CLIENT_KEY_METRIC
 from ..core.transport.records import dict_to_record, float_keys, record_to_dict
+from ..ops.checks import check_choice, check_int, check_non_negative, check_positive
 from ..ops.elastic_net import (
     elastic_net_center,
     soft_threshold,

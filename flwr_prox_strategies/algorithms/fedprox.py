@@ -48,9 +48,10 @@ from typing import Any
 from ..core.client.client import TorchClient
 from ..core.client.rule import ClientRule
 from ..core.client.training import GradientTerm, full_gradient, grad_norm
-from ..core.contract.validation import check_non_negative, resolve_alias
+from ..core.contract.validation import resolve_alias
 from ..core.docstrings import inherit_parameters
 from ..core.server.strategy import ValidatedFedAvg
+from ..ops.checks import check_non_negative
 from ..ops.proximal import ProximalTerm
 
 #: The train-config key of :math:`\mu` (Flower's own FedProx sends the same key).

@@ -64,7 +64,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
-from ..core.contract.validation import check_int, reject_unknown_kwargs
+from ..core.contract.validation import reject_unknown_kwargs
 from ..core.server.outcome import (
     AggregationStalledError,
     NoRoundAggregatedError,
@@ -75,6 +75,7 @@ from ..core.server.screening import reply_node
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.grid import GroupGrid
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
+from ..ops.checks import check_int
 from ..ops.graphs import adjacency, from_adjacency
 from ..ops.mixing import (
     check_mixing,

@@ -14,7 +14,7 @@ traffic is spread over M links. Round :math:`t`:
    :math:`y_i` (its validation included); a round without a valid reply keeps
    :math:`y_i = x_i`;
 2. :math:`y_i` goes to the neighbours :math:`j` (:math:`W_{ij} \ne 0`) and theirs
-   come back, over gRPC with a deadline (:mod:`..core.exchange`);
+   come back, over gRPC with a deadline (:mod:`..pfedavg_deploy.exchange`);
 3. :math:`x_i = \sum_{j \in A} W_{ij} y_j / \sum_{j \in A} W_{ij}` over the
    models at hand :math:`A` (:func:`..ops.mixing.mix_row`): with every
    neighbour's model, exactly the logical P-FedAvg's :math:`x_i`; a neighbour
@@ -53,10 +53,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from ..core.contract.validation import check_int, check_positive
 from ..core.server.outcome import ReplyTally, finish_run
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import dict_to_record, record_to_dict
+from ..ops.checks import check_int, check_positive
 from ..ops.mixing import mix_row
 from ..pfedavg_deploy.exchange import PeerExchange, PeerSecurity
 from .fedavg import FedAvg

@@ -54,7 +54,7 @@ from ..core.client.client import TorchClient
 from ..core.client.rule import ClientRule, arrays_from_params
 from ..core.client.training import GradientTerm
 from ..core.contract.fields import RoundUpdate
-from ..core.contract.validation import ValidReply, check_choice, check_positive
+from ..core.contract.validation import ValidReply
 from ..core.docstrings import inherit_parameters
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import (
@@ -63,6 +63,7 @@ from ..core.transport.records import (
     float_keys,
     record_to_dict,
 )
+from ..ops.checks import check_choice, check_positive
 from ..ops.control import control_update, rescaled, zeros_like
 from ..ops.drift import norm
 from ..ops.proximal import ProximalTerm

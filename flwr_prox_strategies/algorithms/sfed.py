@@ -40,13 +40,9 @@ from typing import Any
 import torch
 
 from ..core.client.training import TrainReport
-from ..core.contract.validation import (
-    check_int,
-    check_non_negative,
-    check_positive,
-    resolve_alias,
-)
+from ..core.contract.validation import resolve_alias
 from ..core.server.strategy import ValidatedFedAvg
+from ..ops.checks import check_int, check_non_negative, check_positive
 from .fedepm import (
     GROWTH_KEY,
     ITERATION_KEY,

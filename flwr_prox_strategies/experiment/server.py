@@ -119,7 +119,7 @@ def make_evaluate_fn(
 ):
     """Central evaluation of the global model on the test set, with progress logs.
 
-    The strategy's :meth:`~..core.strategy.ValidatedFedAvg.central_models` (FedDyn's
+    The strategy's :meth:`~..core.server.hooks.AlgorithmHooks.central_models` (FedDyn's
     mean of all clients' models, APFL's weighted average) are evaluated too, each
     under its own section of ``results.json``.
     """

@@ -21,7 +21,7 @@ from flwr.client import NumPyClient
 from numpy.typing import NDArray
 from torch import nn
 
-from ..contract.validation import check_int, check_non_negative, check_positive
+from ...ops.checks import check_int, check_non_negative, check_positive
 from ..transport.keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,

@@ -19,13 +19,6 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from numpy.typing import NDArray
 
-from ...ops.checks import (
-    check_choice,
-    check_fraction,
-    check_int,
-    check_non_negative,
-    check_positive,
-)
 from ..transport.keys import BUDGET_EXHAUSTED_REASON, NUM_EXAMPLES_KEY
 from ..transport.records import RecordSpec, array_view
 
@@ -469,42 +462,6 @@ def validate_reply(
     )
 
 
-WEIGHTINGS = ("num-examples", "uniform")
-
-
-def resolve_weighting(
-    owner: str, weighting: str | None, weighted_by_key: str | None, default: str
-) -> tuple[str, str]:
-    """Return ``(weighting, metric key)`` from ours and Flower's names.
-
-    ``weighting`` (``"num-examples"``, ``"uniform"``; None: ``default``) or
-    Flower's ``weighted_by_key`` (a reply metric; ``"num-examples"`` is the
-    same as ``weighting="num-examples"``), not both.
-    """
-    if weighting is not None and weighted_by_key is not None:
-        raise TypeError(
-            f"{owner}() got both weighting={weighting!r} and "
-            f"weighted_by_key={weighted_by_key!r}; weighted_by_key is Flower's "
-            "name for the weighting: give one"
-        )
-    if weighted_by_key is not None:
-        if not isinstance(weighted_by_key, str) or not weighted_by_key:
-            raise ValueError(
-                "weighted_by_key must be a non-empty metric name, got "
-                f"{weighted_by_key!r}"
-            )
-        if weighted_by_key == NUM_EXAMPLES_KEY:
-            return "num-examples", NUM_EXAMPLES_KEY
-        return "metric", weighted_by_key
-    weighting = default if weighting is None else weighting
-    if weighting not in WEIGHTINGS:
-        raise ValueError(
-            f"weighting must be one of {WEIGHTINGS}, got {weighting!r} (to "
-            "weight by a metric of the replies, give weighted_by_key=<metric>)"
-        )
-    return weighting, NUM_EXAMPLES_KEY
-
-
 def init_keywords(cls: type, base: type) -> set[str]:
     """Return the keyword arguments ``cls(...)`` accepts, up to ``base`` included."""
     names: set[str] = set()
@@ -520,70 +477,3 @@ def init_keywords(cls: type, base: type) -> set[str]:
         if klass is base:
             break
     return names
-
-
-def check_base_options(
-    *,
-    fraction_train: float,
-    fraction_evaluate: float,
-    participation: str,
-    participations: tuple[str, ...],
-    min_train_nodes: int,
-    min_evaluate_nodes: int,
-    min_available_nodes: int,
-    local_epochs: int | None,
-    local_steps: int | None,
-    drop_percent: float,
-    lr_decay: float,
-    num_clients: int | None,
-    seed: int,
-    node_wait_timeout: float,
-    max_num_examples: float | None,
-    max_weight_ratio: float | None,
-    max_reply_bytes: int | None,
-    min_round_nodes: int | None,
-    max_rounds_without_aggregation: int | None = None,
-) -> None:
-    """Check the base strategy's keywords; a ``ValueError`` names the bad one."""
-    check_fraction("fraction_train", fraction_train)
-    check_fraction("fraction_evaluate", fraction_evaluate)
-    check_choice("participation", participation, participations)
-    check_int("min_train_nodes", min_train_nodes, 0)
-    check_int("min_evaluate_nodes", min_evaluate_nodes, 0)
-    check_int("min_available_nodes", min_available_nodes, 0)
-    if local_epochs is not None:
-        check_int("local_epochs", local_epochs, 1)
-    if local_steps is not None:
-        check_int("local_steps", local_steps, 1)
-    check_fraction("drop_percent", drop_percent)
-    if drop_percent > 0 and local_steps is not None:
-        raise ValueError(
-            "drop_percent > 0 draws straggler epochs; it cannot be combined "
-            f"with local_steps={local_steps!r}"
-        )
-    if drop_percent > 0 and (local_epochs is None or local_epochs < 2):
-        raise ValueError(
-            "drop_percent > 0 needs local_epochs >= 2 (stragglers run 1 .. "
-            f"local_epochs - 1 epochs), got local_epochs={local_epochs!r}"
-        )
-    check_int("seed", seed, 0)
-    if not (isinstance(lr_decay, (int, float)) and 0.0 < lr_decay <= 1.0):
-        raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay!r}")
-    if num_clients is not None:
-        check_int("num_clients", num_clients, 1)
-    check_non_negative("node_wait_timeout", node_wait_timeout)
-    if max_num_examples is not None:
-        check_positive("max_num_examples", max_num_examples)
-    if max_weight_ratio is not None and (
-        check_positive("max_weight_ratio", max_weight_ratio) < 1.0
-    ):
-        raise ValueError(
-            f"max_weight_ratio must be >= 1 (a multiple of the round's median "
-            f"claim), got {max_weight_ratio!r}"
-        )
-    if max_reply_bytes is not None:
-        check_int("max_reply_bytes", max_reply_bytes, 1)
-    if min_round_nodes is not None:
-        check_int("min_round_nodes", min_round_nodes, 1)
-    if max_rounds_without_aggregation is not None:
-        check_int("max_rounds_without_aggregation", max_rounds_without_aggregation, 1)

@@ -7,5 +7,6 @@ clients (:mod:`.population`), the replies a round may use (:mod:`.screening`),
 the two-phase commit of client state (:mod:`.commit`), rounds in a row not
 aggregated (:mod:`.outcome`); and the round's pieces (:mod:`.pieces`), the rule
 re-run until finite (:mod:`.finite`), its metrics (:mod:`.metrics`), the
-checkpoint (:mod:`.resume`) and the run's summary (:mod:`.summary`).
+checkpoint (:mod:`.resume`), and the base's keywords: documented, checked and
+summarised (:mod:`.options`).
 """

@@ -15,7 +15,8 @@ wrappers work unchanged) and runs a round, holding a part for each job:
   :func:`..contract.ledger.record_privacy`, and :mod:`.resume` for checkpoints.
 
 What an algorithm declares and overrides lives in :class:`.hooks.AlgorithmHooks`
-(``flwr_prox_strategies.extend`` is the guide).
+(``flwr_prox_strategies.extend`` is the guide); what each keyword of the base
+means, and how a bad value is refused, in :mod:`.options`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 
+from ...ops.checks import check_int
 from ..contract.fields import (
     RoundUpdate,
     check_settings,
@@ -49,13 +51,10 @@ from ..contract.ledger import record_privacy
 from ..contract.validation import (
     ReplyRejected,
     ValidReply,
-    check_base_options,
-    check_int,
     check_metrics,
     check_weight,
     init_keywords,
     reject_unknown_kwargs,
-    resolve_weighting,
 )
 from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
@@ -64,11 +63,17 @@ from . import metrics, resume, screening
 from .commit import ClientBook
 from .finite import finite_update
 from .hooks import AlgorithmHooks
+from .options import (
+    PARAMETERS,
+    check_base_options,
+    log_flower_summary,
+    log_summary,
+    resolve_weighting,
+)
 from .outcome import StallGuard, finish_run
-from .pieces import round_pieces
+from .pieces import DissimilarityMonitor, LearningRateDecay, round_pieces
 from .population import Population
 from .sampling import PARTICIPATION, Sampler, Stragglers, training_sample
-from .summary import log_flower_summary, log_summary
 
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -86,136 +91,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     previous model, and the server state an algorithm declares
     (:attr:`state_fields`) is checkpointed by :meth:`state_dict`.
 
-    Parameters
-    ----------
-    fraction_train, fraction_evaluate : float (default: 1.0)
-        Fraction of connected nodes sampled for training / federated
-        evaluation, in ``[0, 1]``.
-    participation : str (default: "fixed")
-        ``"fixed"``: exactly ``max(int(fraction_train * n), min_train_nodes)`` of
-        the ``n`` connected nodes, uniformly without replacement (Flower's
-        ``FedAvg``, the papers' "m clients per round"). ``"bernoulli"``: each
-        node joins with probability ``fraction_train``, redrawn while fewer than
-        ``max(min_train_nodes, 1)`` join (the official FedDyn/FedDC codes'
-        ``act_prob``; 100 nodes at 0.1: 3 to 22 a round over 200 rounds).
-    min_train_nodes, min_evaluate_nodes, min_available_nodes : int (default: 2)
-        Least nodes sampled for training, for evaluation; connected to start.
-    weighting : str | None (default: None)
-        ``"num-examples"`` (each reply's sample count) or ``"uniform"`` (plain
-        mean); None: the class's
-        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.default_weighting`.
-    weighted_by_key : str | None (default: None)
-        Flower's name for the weighting: the reply metric that weights the
-        average (finite and > 0 in every reply, else it is rejected). Give
-        ``weighting`` or ``weighted_by_key``, not both.
-    local_epochs, local_steps : int | None (default: None)
-        Sent as ``local-epochs`` / ``local-steps`` when set; otherwise clients
-        use their own setting.
-    drop_percent : float (default: 0.0)
-        Fraction of the sampled nodes made stragglers (the FedProx paper's
-        systems heterogeneity), each running a random number of epochs in
-        ``1 .. local_epochs - 1`` (``np.random.randint(1, E)`` in the official
-        code); the class's
-        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.straggler_policy`
-        drops them (FedAvg) or keeps their partial work (FedProx). Needs
-        ``local_epochs >= 2``.
-    lr_decay : float (default: 1.0)
-        Round ``t`` sends ``lr-scale = lr_decay ** (t - 1)``, which clients
-        multiply into their step size (the official FedDyn/FedDC codes: 0.998).
-    num_clients : int | None (default: None)
-        ``K``, the federation's size, checked every round. Rules that divide by
-        all clients
-        (:attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.requires_num_clients`)
-        take None as "the nodes connected at the first round"; K grows when a
-        new client first replies.
-    seed : int (default: 0)
-        Seeds node sampling and straggler draws, per round.
-    monitor_dissimilarity : bool (default: False)
-        Ask clients for their full local gradient at the global model and log
-        the FedProx paper's dissimilarity
-        ``B = E_k||grad f_k||^2 / ||grad f||^2`` over the round's valid
-        replies (one extra pass, one model-sized upload).
-    accept_failures : bool (default: True)
-        When False, a round in which any reply failed or was rejected keeps the
-        model, as in Flower's legacy strategies.
-    node_wait_timeout : float (default: 120.0)
-        Seconds to wait for the nodes a round needs before failing with the fix
-        (Flower's ``FedAvg`` waits forever).
-    max_num_examples : float | None (default: None)
-        Absolute cap on a reply's claimed ``num-examples`` (lowered, logged).
-    max_weight_ratio : float | None (default: 100.0)
-        Cap on a claim relative to the round's median claim (a capped claim is
-        logged). It bounds a liar in a large federation, not in a small one:
-        there set ``max_num_examples`` or ``weighting="uniform"``. None: no cap.
-    max_reply_bytes : int | None (default: None)
-        Largest reply accepted (bytes of its ArrayRecords), checked before any
-        array is decoded. None: twice an honest reply, plus 1 MiB.
-    min_round_nodes : int | None (default: None)
-        Nodes that must be connected for a later round to start (None:
-        ``min_available_nodes`` every round). A federation that loses nodes goes
-        on with at least this many; stateful rules keep absent clients' state.
-    strict : bool (default: False)
-        Reject train replies that do not report
-        :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`
-        (kind ``rule-not-applied``) instead of averaging them in with a
-        warning (given once per run, repeated at the run's end and counted
-        each round in ``replies-rule-missing``).
-    max_rounds_without_aggregation : int | None (default: 3)
-        Rounds in a row that may end without aggregating (no valid reply, or
-        ``accept_failures=False`` refusing the round) before
-        ``aggregate_train`` raises
-        :class:`~flwr_prox_strategies.AggregationStalledError`
-        (:class:`~flwr_prox_strategies.NoRoundAggregatedError` when no round
-        was ever aggregated), with the counted reasons. Raised inside the
-        round, it stops any loop that calls the strategy, a ``start()`` of
-        your own included; a round that aggregates resets the count. None:
-        never (the pack's ``start()`` and
-        :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.check_run` still
-        fail a run that aggregated nothing).
-    pack_metrics : bool (default: True)
-        Add the pack's bookkeeping to each round's aggregated metrics (the
-        counts of valid, failed, rejected, absent and capped replies, bytes
-        sent and received, the privacy ledger's summary, the evaluation's
-        spread over clients, and the rules' ``<algorithm>-applied`` flags and
-        ``local-steps`` averaged from the replies). False: a round's metrics
-        are only the aggregate of the clients' own metrics (and the
-        algorithm's).
-    per_client_metrics : bool (default: False)
-        Add per-client lists to the aggregated metrics (``eval-client-keys``
-        and ``<metric>-per-client`` of every accuracy, the privacy ledger's
-        ``dp-epsilon-total-per-client``). The pack's experiment asks for them
-        (its per-client table and plots); Flower's own metric handling
-        expects scalars.
-    arrayrecord_key : str (default: "arrays")
-        The model's ArrayRecord name in the messages (Flower's default).
-    configrecord_key : str (default: "config")
-        The ConfigRecord's name in the messages (Flower's default).
-    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable | None (default: None)
-        Flower-style ``(list[RecordDict], str) -> MetricRecord``, called on the
-        valid replies only, with ``weighted_by_key`` for training and
-        ``num-examples`` for evaluation. None: the weighted mean of every
-        metric.
-
-    Raises
-    ------
-    ValueError
-        If a parameter is out of range, naming it and the allowed range:
-        ``fraction_train``, ``fraction_evaluate`` and ``drop_percent`` outside
-        ``[0, 1]``; ``participation`` or ``weighting`` not one of the choices;
-        a negative ``min_*_nodes``; ``local_epochs``, ``local_steps``,
-        ``num_clients``, ``min_round_nodes`` or ``max_reply_bytes`` below 1;
-        a negative ``seed``; ``lr_decay`` outside ``(0, 1]``; a negative
-        ``node_wait_timeout``; ``max_num_examples`` not > 0;
-        ``max_weight_ratio`` below 1; ``drop_percent > 0`` with
-        ``local_steps`` or with ``local_epochs < 2``.
-    TypeError
-        If a keyword is unknown (naming the closest accepted one, or the
-        Message-API name of a Flower legacy name such as ``fraction_fit``), or
-        if both ``weighting`` and ``weighted_by_key`` are given.
-
-    See Also
-    --------
-    flwr_prox_strategies.extend : the hooks a subclass overrides.
     """
 
     def __init__(
@@ -358,12 +233,13 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     @property
     def lr_decay(self) -> float:
         """The per-round learning-rate decay sent as ``lr-scale`` (1.0: none)."""
-        return next((p.decay for p in self.pieces if hasattr(p, "decay")), 1.0)
+        decays = [p for p in self.pieces if isinstance(p, LearningRateDecay)]
+        return decays[0].decay if decays else 1.0
 
     @property
     def monitor_dissimilarity(self) -> bool:
         """Whether each round logs the FedProx paper's dissimilarity B."""
-        return any(p.expected_arrays({}) for p in self.pieces)
+        return any(isinstance(p, DissimilarityMonitor) for p in self.pieces)
 
     @classmethod
     def accepted_kwargs(cls) -> set[str]:
@@ -996,3 +872,8 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             pack_metrics=self.pack_metrics,
             per_client=self.per_client_metrics,
         )
+
+
+# What each keyword means is written beside its check (options.py); the class's
+# documentation (help(), the API reference) is the whole.
+ValidatedFedAvg.__doc__ = f"{ValidatedFedAvg.__doc__}{PARAMETERS}"
