@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from flwr_prox_strategies.pfedavg_deploy.launcher import free_port
+from flwr_prox_strategies.pfedavg_deploy.deployment import free_port
 
 SHAPES = {"w1": (784, 200), "b1": (200,), "w2": (200, 200), "b2": (200,)}
 SHAPES |= {"w3": (200, 10), "b3": (10,)}

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr_prox_strategies._executables import flower_env, flower_executable
-from flwr_prox_strategies.pfedavg_deploy.launcher import free_port
+from flwr_prox_strategies.pfedavg_deploy.deployment import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_APP = ROOT / "benchmarks" / "scale_app"

@@ -271,7 +271,7 @@ def test_the_launcher_waits_while_a_run_is_pending_or_starting(tmp_path) -> None
     (The launcher once stopped watching a server whose run was still starting
     under load, and reported the run failed.)
     """
-    from flwr_prox_strategies.pfedavg_deploy.launcher import Server
+    from flwr_prox_strategies.pfedavg_deploy.deployment import Server
 
     server = Server(
         index=0, home=tmp_path, link_port=1, exchange="127.0.0.1:2", partitions=[0]

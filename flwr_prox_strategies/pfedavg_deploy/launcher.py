@@ -37,22 +37,19 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import os
 import signal
-import socket
-import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._executables import flower_env, flower_executable
+from .._executables import flower_executable
 from ..core.transport.records import record_to_dict
 from ..experiment.checkpoint import CheckpointError, read_checkpoint
 from ..ops.mixing import consensus_average, consensus_distance
+from .deployment import Deployments, Server
 from .exchange import read_status
 
 REPO_MARKER = "pyproject.toml"
@@ -61,231 +58,25 @@ REPO_MARKER = "pyproject.toml"
 STATUS_EVERY, STATUS_EVERY_ENDING = 15.0, 2.0
 
 
-def free_port() -> int:
-    """Return a TCP port free on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cmdlines() -> dict[int, str]:
-    lines = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                raw = (entry / "cmdline").read_bytes()
-                if raw:
-                    lines[int(entry.name)] = raw.replace(b"\0", b" ").decode(
-                        errors="replace"
-                    )
-    return lines
-
-
-def descendants_groups(roots: set[int]) -> set[int]:
-    """Return the process groups of ``roots`` and of what they started.
-
-    Flower's SuperExecs name their parent with ``--parent-pid``; other children
-    are found by their parent pid.
-    """
-    lines = _cmdlines()
-    pids = set(roots)
-    for _ in range(3):  # SuperLink -> SuperExec -> ServerApp / ClientApp
-        pids |= {
-            pid
-            for pid, cmd in lines.items()
-            if any(f"--parent-pid {root}" in cmd for root in pids)
-        }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = line.read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) in pids:  # its parent is one of ours
-                    pids.add(int(line.parent.name))
-    groups = set()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            groups.add(os.getpgid(pid))
-    groups.discard(os.getpgid(0))  # never our own
-    return groups
-
-
-def kill_groups(groups: set[int]) -> None:
-    """SIGTERM, then SIGKILL, every group (Ray's and gRPC's threads ignore SIGTERM)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, sig)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(g) for g in groups):
-            time.sleep(0.2)
-
-
-def _alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@dataclass
-class Server:
-    """One parameter server's deployment: SuperLink, SuperNodes, its run."""
-
-    index: int
-    home: Path
-    link_port: int
-    exchange: str
-    partitions: list[int]
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    run_id: str | None = None
-    status: str = "not started"
-    restarts: int = 0
-
-    @property
-    def active(self) -> bool:
-        """Its run was submitted and has not ended (pending, starting, running)."""
-        return self.run_id is not None and not self.status.startswith(
-            ("finished", "killed")
-        )
-
-    @property
-    def connection(self) -> str:
-        """Name of the ``flwr`` CLI connection to this server's SuperLink."""
-        return f"server-{self.index}"
-
-
 class Launcher:
     """Start, watch and stop M deployments of the pack's app on loopback."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.app = Path(args.app).resolve()
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.output = Path(
             args.output or Path("outputs") / f"{stamp}-pfedavg-deploy"
         ).resolve()
-        self.engine = self.output / "engine"
-        self.env = flower_env()
-        self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
-        self.env.pop("FLWR_HOME", None)
-        m, per = args.servers, args.clients_per_server
-        self.num_partitions = m * per
-        self.ports: set[int] = set()
-        self.servers = [
-            Server(
-                index=i,
-                home=self.engine / f"server-{i}",
-                link_port=self.port(),
-                exchange=f"127.0.0.1:{self.port()}",
-                partitions=[i + m * k for k in range(per)],
-            )
-            for i in range(m)
-        ]
+        self.deployments = Deployments(
+            Path(args.app).resolve(),
+            self.output / "engine",
+            args.servers,
+            args.clients_per_server,
+        )
+        self.servers = self.deployments.servers
+        self.env = self.deployments.env
         self.rows: dict[int, dict[str, Any]] = {}
         self.started = time.monotonic()
-
-    def port(self) -> int:
-        """Return a port free now and not yet handed out by this launcher."""
-        while (port := free_port()) in self.ports:
-            pass
-        self.ports.add(port)
-        return port
-
-    # ------------------------------------------------------------ processes
-    def _env(self, home: Path) -> dict[str, str]:
-        return {**self.env, "FLWR_HOME": str(home)}
-
-    def _spawn(
-        self, server: Server, command: list[str], folder: Path, log: str
-    ) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(
-            command,
-            cwd=folder,
-            env=self._env(folder),
-            start_new_session=True,
-            stdout=open(folder / log, "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        server.procs.append(proc)
-
-    def start_deployment(self, server: Server) -> None:
-        """Start server's SuperLink and SuperNodes; wait until all are online."""
-        server.home.mkdir(parents=True, exist_ok=True)
-        (server.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{server.connection}"\n\n'
-            f"[superlink.{server.connection}]\n"
-            f'address = "127.0.0.1:{server.link_port}"\ninsecure = true\n'
-        )
-        link = server.home / f"superlink-{server.restarts}"
-        self._spawn(
-            server,
-            [
-                flower_executable("flower-superlink"),
-                "--insecure",
-                *("--host", "127.0.0.1", "--port", str(server.link_port)),
-                # State in memory: with a database file, 8 SuperNodes pushing
-                # replies at once made the SuperLink fail pushes with "database
-                # is locked" and the round waited for its timeout. A restarted
-                # server gets a new SuperLink anyway.
-                "--disable-runtime-dependency-installation",
-            ],
-            link,
-            "superlink.log",
-        )
-        for partition in server.partitions:
-            self._spawn(
-                server,
-                [
-                    flower_executable("flower-supernode"),
-                    "--insecure",
-                    *("--superlink", f"127.0.0.1:{server.link_port}"),
-                    *("--host", "127.0.0.1", "--port", str(self.port())),
-                    "--node-config",
-                    f"partition-id={partition} num-partitions={self.num_partitions}",
-                ],
-                server.home / f"supernode-{partition}-{server.restarts}",
-                "supernode.log",
-            )
-        self._wait_online(server)
-
-    def _flwr(self, server: Server, *args: str, timeout: float = 120) -> Any:
-        try:
-            out = subprocess.run(
-                [flower_executable("flwr"), *args],
-                capture_output=True,
-                text=True,
-                env=self._env(server.home),
-                cwd=self.app,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:  # a loaded machine: the caller retries
-            return {
-                "success": False,
-                "error": f"flwr {args[0]}: no answer in {timeout} s",
-            }
-        try:
-            return json.loads(out.stdout)
-        except ValueError:
-            return {"success": False, "error": out.stdout + out.stderr}
-
-    def _wait_online(self, server: Server) -> None:
-        # Each SuperNode takes seconds of CPU to start: 40 on 2 cores, minutes.
-        timeout = 120 + 10 * len(server.partitions)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            listing = self._flwr(
-                server, "supernode", "list", server.connection, "--format", "json"
-            )
-            if str(listing).count("'online'") >= len(server.partitions):
-                return
-            time.sleep(1)
-        raise TimeoutError(
-            f"server {server.index}: {len(server.partitions)} SuperNodes did not come "
-            f"online in {timeout:.0f} s (logs in {server.home})"
-        )
 
     def overrides(self, server: Server) -> str:
         """Return the Hydra overrides that make server's ServerApp server i."""
@@ -298,7 +89,7 @@ class Launcher:
                 f"topology.servers={a.servers}",
                 f"topology.mixing={a.mixing}",
                 f"num_clients={len(server.partitions)}",
-                f"num_partitions={self.num_partitions}",
+                f"num_partitions={self.deployments.num_partitions}",
                 f"num_rounds={a.rounds}",
                 f"seed={a.seed}",
                 "deploy=peers",
@@ -316,10 +107,10 @@ class Launcher:
         run_config = f"overrides='{self.overrides(server)}' output-dir='{folder}'"
         if resume:
             run_config += f" resume='{folder}'"
-        reply = self._flwr(
+        reply = self.deployments.flwr(
             server,
             "run",
-            str(self.app),
+            str(self.deployments.app),
             server.connection,
             "--format",
             "json",
@@ -331,37 +122,9 @@ class Launcher:
         server.run_id = str(reply["run-id"])
         server.status = "running"
 
-    def refresh_status(self, server: Server) -> str:
-        """Read server's run status (``flwr ls``), e.g. ``finished:completed``."""
-        if server.run_id is None:
-            return server.status
-        reply = self._flwr(
-            server,
-            "ls",
-            server.connection,
-            "--run-id",
-            server.run_id,
-            "--format",
-            "json",
-        )
-        with contextlib.suppress(KeyError, IndexError, TypeError):
-            server.status = str(reply["runs"][0]["status"])
-        return server.status
-
-    def stop_deployment(self, server: Server) -> None:
-        """Kill server's SuperLink, SuperNodes and what they started."""
-        kill_groups(descendants_groups({p.pid for p in server.procs}))
-        for proc in server.procs:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=5)
-        server.procs = []
-        server.status = "killed"
-
     def stop_all(self) -> None:
         """Stop every deployment still running."""
-        for server in self.servers:
-            if server.procs:
-                self.stop_deployment(server)
+        self.deployments.stop_all()
 
     # --------------------------------------------------------------- watching
     def reached_its_end(self, server: Server, rounds: dict[int, Any]) -> bool:
@@ -441,7 +204,7 @@ class Launcher:
         self.output.mkdir(parents=True, exist_ok=True)
         print(f"[pfedavg-deploy] output: {self.output}", flush=True)
         for server in self.servers:
-            self.start_deployment(server)
+            self.deployments.start(server)
             print(
                 f"[pfedavg-deploy] server {server.index}: SuperLink 127.0.0.1:"
                 f"{server.link_port}, clients {server.partitions}, exchange "
@@ -472,7 +235,7 @@ class Launcher:
                 and max(per_server[victim], default=0) >= a.kill_after
             ):
                 print(f"[pfedavg-deploy] killing server {victim}", flush=True)
-                self.stop_deployment(self.servers[victim])
+                self.deployments.stop(self.servers[victim])
                 killed_at = time.monotonic()
             if (
                 killed_at is not None
@@ -483,7 +246,7 @@ class Launcher:
                 server = self.servers[victim]
                 server.restarts += 1
                 print(f"[pfedavg-deploy] restarting server {victim}", flush=True)
-                self.start_deployment(server)
+                self.deployments.start(server)
                 self.submit(server, resume=True)
             # Each `flwr ls` is a Python start (about 2 s of CPU): asked often
             # only once a server's results say it reached its end, else now
@@ -497,7 +260,7 @@ class Launcher:
                 last_status = time.monotonic()
                 for server in self.servers:
                     if server.active:  # flwr ls: pending, starting, running, finished:*
-                        self.refresh_status(server)
+                        self.deployments.refresh_status(server)
                 if not any(s.active for s in self.servers):
                     break
             time.sleep(0.5)

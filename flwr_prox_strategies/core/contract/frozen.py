@@ -12,10 +12,12 @@ that returns a value it was given unchanged is committed as the original
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from .fields import RoundUpdate
 
 #: What the errors tell a rule that wrote into what it was given.
 RETURN_NEW = (
@@ -169,3 +171,26 @@ def mutation_error(owner: str, err: ValueError) -> StateMutationError | None:
         f"{owner}.server_update wrote into an array it was given (the state and "
         f"the replies' arrays are read-only): {RETURN_NEW}. numpy said: {err}"
     )
+
+
+def call_rule(
+    rule: Callable[[FrozenState], RoundUpdate],
+    state: Mapping[str, Any],
+    owner: str,
+    fields: tuple[str, ...],
+) -> RoundUpdate:
+    """Call a server rule on ``state`` made read-only; return its update, thawed.
+
+    A write into an array it was given becomes a :class:`StateMutationError`
+    naming the fix; the state it returns is handed back writable.
+    """
+    frozen = FrozenState(state, owner, fields)
+    try:
+        update = rule(frozen)
+    except ValueError as err:  # numpy refusing a read-only array
+        mutation = mutation_error(owner, err)
+        if mutation is None:
+            raise
+        raise mutation from err
+    update.state = {k: frozen.thaw(v) for k, v in update.state.items()}
+    return update

@@ -22,8 +22,11 @@ from numpy.typing import NDArray
 
 from ...ops.aggregate import WeightedMean
 from ..contract.fields import RoundUpdate
-from ..contract.validation import MetricSpec, ValidReply
-from ..transport.records import dict_to_record
+from ..contract.validation import MetricSpec, ReplyRejected, ValidReply, check_weight
+from ..transport import keys
+from ..transport.records import RecordSpec, dict_to_record
+from . import screening
+from .pieces import RoundPiece
 
 
 class AlgorithmHooks:
@@ -39,6 +42,9 @@ class AlgorithmHooks:
     weighting: str
     weighted_by_key: str
     arrayrecord_key: str
+    strict: bool
+    pieces: tuple[RoundPiece, ...]
+    _global_spec: RecordSpec | None
     _accumulate_in: type[np.floating] | None = None
 
     #: What happens to stragglers (``drop_percent``), ``"drop"`` (they are sent
@@ -227,6 +233,68 @@ class AlgorithmHooks:
             Name -> model; the base has none.
         """
         return {}
+
+    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
+        """Return the ArrayRecords a train reply must carry.
+
+        Start from ``super()``'s (the model) and add yours: a reply missing a
+        record, or with another key, shape or dtype, is rejected before
+        :meth:`server_update` sees it. Before the first round the model's
+        layout is not known: only the names are.
+
+        Parameters
+        ----------
+        server_round : int
+            The round whose replies are checked.
+
+        Returns
+        -------
+        dict[str, RecordSpec]
+            Record name -> expected keys, dtypes and shapes.
+        """
+        spec = {} if self._global_spec is None else self._global_spec
+        expected = {self.arrayrecord_key: spec}
+        for piece in self.pieces:
+            expected.update(piece.expected_arrays(spec))
+        return expected
+
+    def check_reply(self, reply: ValidReply) -> None:
+        """Check a structurally valid reply further; raise to drop it.
+
+        Extend it with ``super().check_reply(reply)`` first. The base checks
+        the rule metric (``strict=True``), a metric weight
+        (``weighted_by_key``) and the client key (:attr:`stateful_clients`).
+
+        Parameters
+        ----------
+        reply : ValidReply
+            The reply, its arrays already checked against
+            :meth:`expected_train_arrays`.
+
+        Raises
+        ------
+        ReplyRejected
+            To drop the reply; it is logged with its node and counted by
+            ``kind``.
+        """
+        if self.strict and not screening.reports_rule(reply, self.rule_metric):
+            raise ReplyRejected(
+                "rule-not-applied",
+                f"no '{self.rule_metric}' metric, so the client is not applying "
+                f"{self.rule_name} (strict=True): "
+                f"{screening.protocol_problem(self, reply)}",
+            )
+        if self.weighting == "metric":
+            check_weight(reply.metrics, self.weighted_by_key, kind="weight")
+        if self.stateful_clients:
+            key = reply.metrics.get(keys.CLIENT_KEY_METRIC)
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise ReplyRejected(
+                    "client-key",
+                    f"no integer '{keys.CLIENT_KEY_METRIC}' metric, which "
+                    f"{screening.pack_class(type(self)).__name__} needs to keep "
+                    f"each client's state: {screening.protocol_problem(self, reply)}",
+                )
 
     def expected_train_metrics(self, server_round: int) -> dict[str, MetricSpec]:
         """Return the metrics a train reply must carry, name -> :class:`MetricSpec`.

@@ -46,13 +46,11 @@ from ..contract.fields import (
     save_fields,
     settings_text,
 )
-from ..contract.frozen import FrozenState, mutation_error
+from ..contract.frozen import FrozenState, call_rule
 from ..contract.ledger import record_privacy
 from ..contract.validation import (
-    ReplyRejected,
     ValidReply,
     check_metrics,
-    check_weight,
     init_keywords,
     reject_unknown_kwargs,
 )
@@ -395,68 +393,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             **draw,
         )
 
-    def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
-        """Return the ArrayRecords a train reply must carry.
-
-        Start from ``super()``'s (the model) and add yours: a reply missing a
-        record, or with another key, shape or dtype, is rejected before
-        :meth:`server_update` sees it. Before the first round the model's
-        layout is not known: only the names are.
-
-        Parameters
-        ----------
-        server_round : int
-            The round whose replies are checked.
-
-        Returns
-        -------
-        dict[str, RecordSpec]
-            Record name -> expected keys, dtypes and shapes.
-        """
-        spec = {} if self._global_spec is None else self._global_spec
-        expected = {self.arrayrecord_key: spec}
-        for piece in self.pieces:
-            expected.update(piece.expected_arrays(spec))
-        return expected
-
-    def check_reply(self, reply: ValidReply) -> None:
-        """Check a structurally valid reply further; raise to drop it.
-
-        Extend it with ``super().check_reply(reply)`` first. The base checks
-        the rule metric (``strict=True``), a metric weight
-        (``weighted_by_key``) and the client key (:attr:`stateful_clients`).
-
-        Parameters
-        ----------
-        reply : ValidReply
-            The reply, its arrays already checked against
-            :meth:`expected_train_arrays`.
-
-        Raises
-        ------
-        ReplyRejected
-            To drop the reply; it is logged with its node and counted by
-            ``kind``.
-        """
-        if self.strict and not screening.reports_rule(reply, self.rule_metric):
-            raise ReplyRejected(
-                "rule-not-applied",
-                f"no '{self.rule_metric}' metric, so the client is not applying "
-                f"{self.rule_name} (strict=True): "
-                f"{screening.protocol_problem(self, reply)}",
-            )
-        if self.weighting == "metric":
-            check_weight(reply.metrics, self.weighted_by_key, kind="weight")
-        if self.stateful_clients:
-            key = reply.metrics.get(keys.CLIENT_KEY_METRIC)
-            if isinstance(key, bool) or not isinstance(key, int):
-                raise ReplyRejected(
-                    "client-key",
-                    f"no integer '{keys.CLIENT_KEY_METRIC}' metric, which "
-                    f"{screening.pack_class(type(self)).__name__} needs to keep "
-                    f"each client's state: {screening.protocol_problem(self, reply)}",
-                )
-
     def learn_num_clients(self, num_clients: int) -> None:
         """Adopt K learned from the grid, grown, or from a checkpoint.
 
@@ -680,20 +616,12 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         def rule(candidates: list[ValidReply], wide: bool) -> RoundUpdate:
             self._accumulate_in = np.float64 if wide else None
             try:
-                state = FrozenState(
+                return call_rule(
+                    lambda state: self.server_update(server_round, state, candidates),
                     self._round_state(k_before, candidates),
                     type(self).__name__,
                     self.state_fields,
                 )
-                try:
-                    update = self.server_update(server_round, state, candidates)
-                except ValueError as err:  # numpy refusing a read-only array
-                    mutation = mutation_error(type(self).__name__, err)
-                    if mutation is None:
-                        raise
-                    raise mutation from err
-                update.state = {k: state.thaw(v) for k, v in update.state.items()}
-                return update
             finally:
                 self._accumulate_in = None
 
