@@ -162,3 +162,17 @@ html_title = "flwr-prox-strategies"
 html_static_path = ["_static"]
 copybutton_prompt_text = r"\$ "
 copybutton_prompt_is_regexp = True
+
+
+def _public_bases(app, name, obj, options, bases):
+    """Leave internal mixins out of "Bases:" (their members are shown on the class)."""
+    bases[:] = [
+        base
+        for base in bases
+        if not getattr(base, "__module__", "").startswith("flwr_prox_strategies.core.")
+    ]
+
+
+def setup(app):
+    """Connect the handlers above."""
+    app.connect("autodoc-process-bases", _public_bases)
