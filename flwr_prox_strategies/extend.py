@@ -155,6 +155,17 @@ reply records and metrics. A :class:`TorchClient` subclass runs it in the
 pack's training loop: set ``protocol`` and ``rule_class`` (and
 ``rule_options(config)`` for the rule's own keywords).
 
+A feature of the round
+----------------------
+A feature that is not an algorithm (a learning-rate schedule, a monitor of the
+replies) is a :class:`RoundPiece`, passed as ``pieces=[...]`` to any strategy:
+its ``train_config(server_round)`` adds values to every train config,
+``expected_arrays(model)`` records every train reply must carry, and
+``metrics(replies, weight)`` metrics of the round's valid replies. The pack's
+own, :class:`LearningRateDecay` and :class:`DissimilarityMonitor`, are what the
+``lr_decay`` and ``monitor_dissimilarity`` keywords build; the FedProx paper's
+stragglers are the sampler's :class:`Stragglers` (``drop_percent``).
+
 Registering it
 --------------
 One line in :data:`ALGORITHMS` (an :class:`Algorithm` of strategy, client and
@@ -175,6 +186,8 @@ from .core.client.training import GradientTerm
 from .core.contract.fields import RoundUpdate
 from .core.contract.validation import MetricSpec, ReplyRejected, ValidReply
 from .core.server.outcome import NoRoundAggregatedError, ReplyTally
+from .core.server.pieces import DissimilarityMonitor, LearningRateDecay, RoundPiece
+from .core.server.sampling import Stragglers
 from .core.server.strategy import ValidatedFedAvg
 from .core.transport.records import ArraySpec, dict_to_record, record_to_dict
 from .core.transport.records import RecordSpec as _RecordSpec
@@ -209,13 +222,17 @@ __all__ = [
     "ArraySpec",
     "ClientRule",
     "ClientState",
+    "DissimilarityMonitor",
     "GradientTerm",
+    "LearningRateDecay",
     "MetricSpec",
     "NoRoundAggregatedError",
     "RecordSpec",
     "ReplyRejected",
     "ReplyTally",
+    "RoundPiece",
     "RoundUpdate",
+    "Stragglers",
     "TorchClient",
     "ValidReply",
     "ValidatedFedAvg",

@@ -113,6 +113,10 @@ EXTEND_API = {
     "Algorithm": "flwr_prox_strategies.algorithms",
     "NoRoundAggregatedError": "flwr_prox_strategies.core.server.outcome",
     "ReplyTally": "flwr_prox_strategies.core.server.outcome",
+    "RoundPiece": "flwr_prox_strategies.core.server.pieces",
+    "LearningRateDecay": "flwr_prox_strategies.core.server.pieces",
+    "DissimilarityMonitor": "flwr_prox_strategies.core.server.pieces",
+    "Stragglers": "flwr_prox_strategies.core.server.sampling",
     **{
         f"check_{kind}": "flwr_prox_strategies.ops.checks"
         for kind in ("int", "positive", "non_negative", "fraction", "choice")

@@ -80,6 +80,12 @@ PARAMETERS = """
         the FedProx paper's dissimilarity
         ``B = E_k||grad f_k||^2 / ||grad f||^2`` over the round's valid
         replies (one extra pass, one model-sized upload).
+    pieces : sequence of RoundPiece (default: ())
+        Further features of the round, your own
+        (:class:`~flwr_prox_strategies.extend.RoundPiece`: values added to every
+        train config, records every train reply must carry, metrics of the
+        round's valid replies), applied after those that ``lr_decay`` and
+        ``monitor_dissimilarity`` build, in order.
     accept_failures : bool (default: True)
         When False, a round in which any reply failed or was rejected keeps the
         model, as in Flower's legacy strategies.
@@ -155,8 +161,9 @@ PARAMETERS = """
         ``local_steps`` or with ``local_epochs < 2``.
     TypeError
         If a keyword is unknown (naming the closest accepted one, or the
-        Message-API name of a Flower legacy name such as ``fraction_fit``), or
-        if both ``weighting`` and ``weighted_by_key`` are given.
+        Message-API name of a Flower legacy name such as ``fraction_fit``), if
+        both ``weighting`` and ``weighted_by_key`` are given, or if ``pieces``
+        holds anything but round pieces.
 
     See Also
     --------

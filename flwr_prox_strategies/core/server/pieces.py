@@ -3,14 +3,15 @@
 A :class:`RoundPiece` may add values to every train config, records every train
 reply must carry, and metrics of the round's valid replies; the base strategy
 asks each of its pieces in turn (:func:`round_pieces` builds them from its
-``lr_decay`` and ``monitor_dissimilarity`` keywords; the stragglers of the
-FedProx paper are the sampler's piece, :class:`.sampling.Stragglers`). None is
-on by default, and a strategy without them sends, expects and logs nothing more.
+``lr_decay`` and ``monitor_dissimilarity`` keywords, and adds the strategy's
+``pieces=``, a user's own; the stragglers of the FedProx paper are the
+sampler's piece, :class:`.sampling.Stragglers`). None is on by default, and a
+strategy without them sends, expects and logs nothing more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,11 @@ class LearningRateDecay(RoundPiece):
     """Round ``t`` sends ``lr-scale = decay ** (t - 1)``; clients scale their step.
 
     The official FedDyn and FedDC codes decay every algorithm's rate by 0.998.
+
+    Parameters
+    ----------
+    decay : float
+        The factor per round, in ``(0, 1]`` (the base's ``lr_decay`` checks it).
     """
 
     decay: float
@@ -76,12 +82,28 @@ class DissimilarityMonitor(RoundPiece):
 
 
 def round_pieces(
-    *, lr_decay: float, monitor_dissimilarity: bool
+    *,
+    lr_decay: float,
+    monitor_dissimilarity: bool,
+    own: Sequence[RoundPiece] = (),
 ) -> tuple[RoundPiece, ...]:
-    """Return the pieces the base's keywords ask for, in the order they apply."""
+    """Return the pieces the base's keywords ask for, then ``own``, in that order.
+
+    Raises
+    ------
+    TypeError
+        If ``own`` is not a sequence of :class:`RoundPiece`, naming ``pieces``.
+    """
+    if isinstance(own, RoundPiece | str) or not all(
+        isinstance(piece, RoundPiece) for piece in own
+    ):
+        raise TypeError(
+            f"pieces must be a sequence of RoundPiece (flwr_prox_strategies.extend), "
+            f"got {own!r}"
+        )
     pieces: list[RoundPiece] = []
     if lr_decay != 1.0:
         pieces.append(LearningRateDecay(lr_decay))
     if monitor_dissimilarity:
         pieces.append(DissimilarityMonitor())
-    return tuple(pieces)
+    return (*pieces, *own)

@@ -137,6 +137,14 @@ class Stragglers:
     ``drop_percent`` of the sampled nodes run a random number of epochs in
     ``1 .. local_epochs - 1``; ``keep_partial`` says whether the strategy uses
     their partial work (FedProx) or drops them before sending (its FedAvg).
+
+    Parameters
+    ----------
+    drop_percent : float (default: 0.0)
+        The share of each round's sampled nodes made stragglers, in ``[0, 1]``.
+    keep_partial : bool (default: False)
+        Keep their partial work (the strategy's ``straggler_policy`` is
+        ``"keep-partial"``) instead of dropping them.
     """
 
     drop_percent: float = 0.0

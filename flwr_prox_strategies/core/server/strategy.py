@@ -21,7 +21,7 @@ means, and how a bad value is refused, in :mod:`.options`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
@@ -69,7 +69,12 @@ from .options import (
     resolve_weighting,
 )
 from .outcome import StallGuard, finish_run
-from .pieces import DissimilarityMonitor, LearningRateDecay, round_pieces
+from .pieces import (
+    DissimilarityMonitor,
+    LearningRateDecay,
+    RoundPiece,
+    round_pieces,
+)
 from .population import Population
 from .sampling import PARTICIPATION, Sampler, Stragglers, training_sample
 
@@ -109,6 +114,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         num_clients: int | None = None,
         seed: int = 0,
         monitor_dissimilarity: bool = False,
+        pieces: Sequence[RoundPiece] = (),
         accept_failures: bool = True,
         node_wait_timeout: float = 120.0,
         max_num_examples: float | None = None,
@@ -189,7 +195,9 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             adopt=self.learn_num_clients,
         )
         self.pieces = round_pieces(
-            lr_decay=float(lr_decay), monitor_dissimilarity=bool(monitor_dissimilarity)
+            lr_decay=float(lr_decay),
+            monitor_dissimilarity=bool(monitor_dissimilarity),
+            own=pieces,
         )
         self.screen = screening.ReplyScreen()  # reply validation, and what was not used
         self.book = ClientBook()  # the two-phase commit of client state (state)
