@@ -80,7 +80,7 @@ PARAMETERS = """
         the FedProx paper's dissimilarity
         ``B = E_k||grad f_k||^2 / ||grad f||^2`` over the round's valid
         replies (one extra pass, one model-sized upload).
-    pieces : sequence of RoundPiece (default: ())
+    pieces : list[RoundPiece] (default: none)
         Further features of the round, your own
         (:class:`~flwr_prox_strategies.extend.RoundPiece`: values added to every
         train config, records every train reply must carry, metrics of the

@@ -93,7 +93,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     draws are seeded per round, a round without a valid reply keeps the
     previous model, and the server state an algorithm declares
     (:attr:`state_fields`) is checkpointed by :meth:`state_dict`.
-
     """
 
     def __init__(
