@@ -42,6 +42,11 @@ def test_the_pack_keeps_its_layers() -> None:
             "core's rooms are layers",
         ),
         ("core/server/sampling.py", "from . import strategy", "no import cycle"),
+        (  # an import for type hints only closes a cycle too
+            "core/server/population.py",
+            "import typing\nif typing.TYPE_CHECKING:\n    from . import strategy",
+            "no import cycle",
+        ),
         ("algorithms/fedavg.py", "from ..task import models", "algorithms know no"),
         ("experiment/sweep.py", "import apps.client_app", "nothing imports the apps"),
         ("experiment/sweep.py", "from . import apps", "nothing in the pack imports"),
