@@ -31,7 +31,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _cmdlines() -> dict[int, str]:
+def process_cmdlines() -> dict[int, str]:
+    """Return pid -> command line of every process this machine shows in /proc."""
     lines = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -50,7 +51,7 @@ def descendants_groups(roots: set[int]) -> set[int]:
     Flower's SuperExecs name their parent with ``--parent-pid``; other children
     are found by their parent pid.
     """
-    lines = _cmdlines()
+    lines = process_cmdlines()
     pids = set(roots)
     for _ in range(3):  # SuperLink -> SuperExec -> ServerApp / ClientApp
         pids |= {

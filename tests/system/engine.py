@@ -14,8 +14,6 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,31 +22,19 @@ from pathlib import Path
 
 from flwr_prox_strategies._executables import flower_env, flower_executable
 
+# The launcher's process helpers: one implementation of listing and killing groups.
+from flwr_prox_strategies.pfedavg_deploy.deployment import (
+    free_port,
+    kill_groups,
+    process_cmdlines,
+)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _cmdlines() -> dict[int, str]:
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                raw = (entry / "cmdline").read_bytes()
-                if raw:
-                    out[int(entry.name)] = raw.replace(b"\0", b" ").decode(
-                        errors="replace"
-                    )
-    return out
 
 
 def groups_started_under(flwr_home: Path, extra_pids: list[int] = ()) -> set[int]:
     """Process groups of the SuperLink/SuperExec processes tied to ``flwr_home``."""
-    lines = _cmdlines()
+    lines = process_cmdlines()
     marker = f"{flwr_home}/"
     roots = {pid for pid, cmd in lines.items() if marker in cmd and "flower-" in cmd}
     roots |= set(extra_pids)
@@ -63,24 +49,6 @@ def groups_started_under(flwr_home: Path, extra_pids: list[int] = ()) -> set[int
             groups.add(os.getpgid(pid))
     groups.discard(os.getpgid(0))  # never our own group
     return groups
-
-
-def kill_groups(groups: set[int]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(group, sig)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(g) for g in groups):
-            time.sleep(0.2)
-
-
-def _alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def flwr_env(flwr_home: Path) -> dict[str, str]:

@@ -205,11 +205,6 @@ class Sampler:
             **draw,
         )
 
-    @staticmethod
-    def connected(grid: Grid, needed: int, timeout: float, owner: str) -> int:
-        """Return how many nodes are connected once ``needed`` are."""
-        return len(connected_nodes(grid, needed, timeout, owner))
-
 
 def training_sample(
     sample: Callable[..., tuple[list[int], int]],

@@ -76,7 +76,13 @@ from .pieces import (
     round_pieces,
 )
 from .population import Population
-from .sampling import PARTICIPATION, Sampler, Stragglers, training_sample
+from .sampling import (
+    PARTICIPATION,
+    Sampler,
+    Stragglers,
+    connected_nodes,
+    training_sample,
+)
 
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -490,11 +496,13 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             self.train_nodes = set()
             return []
         self.population.learn_from_grid(
-            lambda: self.sampler.connected(
-                grid,
-                self.min_available_nodes,
-                self.node_wait_timeout,
-                type(self).__name__,
+            lambda: len(
+                connected_nodes(
+                    grid,
+                    self.min_available_nodes,
+                    self.node_wait_timeout,
+                    type(self).__name__,
+                )
             ),
             server_round,
         )
