@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import os
 import tempfile
@@ -160,11 +161,16 @@ def _load(loader_yaml: str) -> TrainTest:
 def _partitions(
     loader_yaml: str, partition_yaml: str, num_partitions: int, seed: int
 ) -> tuple[np.ndarray, ...]:
-    labels = _load(loader_yaml).train.y
+    data = _load(loader_yaml)
+    labels = data.train.y
     config = OmegaConf.create(partition_yaml)
 
     def split() -> dict[str, np.ndarray]:
-        parts = instantiate(config)(labels, num_partitions=num_partitions, seed=seed)
+        partition = instantiate(config)
+        extra = {}
+        if "owners" in inspect.signature(partition).parameters:
+            extra["owners"] = data.train_owners  # the data set's own clients
+        parts = partition(labels, num_partitions=num_partitions, seed=seed, **extra)
         return {str(i): np.asarray(part) for i, part in enumerate(parts)}
 
     target = config.get("_target_", "") if isinstance(config, DictConfig) else ""
@@ -173,6 +179,8 @@ def _partitions(
     if reads_file or not str(target).startswith("flwr_prox_strategies."):
         return tuple(split().values())
     labels_hash = hashlib.sha256(labels.tobytes()).hexdigest()
+    if data.train_owners is not None:
+        labels_hash += hashlib.sha256(data.train_owners.tobytes()).hexdigest()
     key = [partition_yaml, num_partitions, seed, labels_hash]
     arrays = _cached("partition", key, split)
     return tuple(arrays[str(i)] for i in range(num_partitions))

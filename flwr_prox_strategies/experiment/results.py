@@ -278,6 +278,7 @@ def plot_run(results: Mapping[str, Any], output_dir: Path) -> list[Path]:
         ),
         "global on clients' splits, worst": ("evaluate", "accuracy-worst", ax_acc),
         "central loss": ("central", "loss", ax_loss),
+        "training loss (global model)": ("central-train", "loss", ax_loss),
         "clients' train loss": ("train", "train-loss", ax_loss),
     }
     for label, (section, key, ax) in series.items():

@@ -121,10 +121,17 @@ def make_evaluate_fn(
 
     The strategy's :meth:`~..core.server.hooks.AlgorithmHooks.central_models` (FedDyn's
     mean of all clients' models, APFL's weighted average) are evaluated too, each
-    under its own section of ``results.json``.
+    under its own section of ``results.json``. With ``evaluate.central_train``
+    the global model's loss and accuracy on the whole training set (the FedProx
+    paper's training loss) go under ``central-train``.
     """
     data = load_data(cfg)
     loader = to_loader(data.test, batch_size=1024, shuffle=False)
+    train_loader = (
+        to_loader(data.train, batch_size=1024, shuffle=False)
+        if cfg.evaluate.get("central_train", False)
+        else None
+    )
     model = build_model(cfg)
     start = time.monotonic()
 
@@ -139,6 +146,15 @@ def make_evaluate_fn(
             "num-examples": count,
         }
         recorder.record(server_round, "central", metrics)
+        if train_loader is not None:
+            train_loss, train_acc, _ = evaluate_model(
+                model, train_loader, torch.nn.functional.cross_entropy
+            )
+            recorder.record(
+                server_round,
+                "central-train",
+                {"loss": train_loss, "accuracy": train_acc},
+            )
         extra_models: dict[str, ArrayRecord] = getattr(
             strategy, "central_models", dict
         )()

@@ -138,6 +138,16 @@ class TrainTest:
         Number of features per sample.
     num_classes : int
         Number of classes.
+    train_owners, test_owners : np.ndarray or None (default: None)
+        For a data set generated per client (the FedProx paper's synthetic
+        federations), the client each training and test sample belongs to
+        (int64, one per sample, clients numbered from 0); ``partition=natural``
+        splits the training set by them. None for a pooled data set.
+
+    Raises
+    ------
+    ValueError
+        If an owners array is not one integer per sample of its split.
     """
 
     train: ArrayDataset
@@ -145,6 +155,36 @@ class TrainTest:
     name: str
     num_features: int
     num_classes: int
+    train_owners: np.ndarray | None = None
+    test_owners: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        """Check the owners arrays against their splits."""
+        for field_name, split in (
+            ("train_owners", self.train),
+            ("test_owners", self.test),
+        ):
+            owners = getattr(self, field_name)
+            if owners is None:
+                continue
+            owners = np.asarray(owners)
+            if owners.shape != (len(split),) or not (
+                owners.size == 0 or np.issubdtype(owners.dtype, np.integer)
+            ):
+                raise ValueError(
+                    f"{field_name} must hold one integer per sample "
+                    f"({len(split)}), got shape {owners.shape} and dtype {owners.dtype}"
+                )
+            if owners.size and owners.min() < 0:
+                raise ValueError(f"{field_name} must be >= 0")
+            object.__setattr__(self, field_name, owners.astype(np.int64))
+
+    @property
+    def num_owners(self) -> int | None:
+        """Number of natural clients (None for a pooled data set)."""
+        if self.train_owners is None:
+            return None
+        return int(self.train_owners.max()) + 1 if self.train_owners.size else 0
 
 
 # --------------------------------------------------------------------------- paths

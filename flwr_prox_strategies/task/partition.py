@@ -8,9 +8,12 @@ the same partitions.
 
 Two more rules need no flwr-datasets: the official FedDyn/FedDC code's split
 (:func:`official_dirichlet_partition`, :func:`official_iid_partition`), index
-for index, and a split read from a file of client ids (:func:`file_partition`).
-Every partition function is called as ``fn(labels, *, num_partitions, seed,
-**params)`` and returns one index array per partition.
+for index, a split read from a file of client ids (:func:`file_partition`), and
+the clients a data set was generated for (:func:`natural_partition`). Every
+partition function is called as ``fn(labels, *, num_partitions, seed,
+**params)`` and returns one index array per partition; a function with an
+``owners`` parameter also gets the data set's client of every sample (None for
+a pooled data set).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "SCHEMES",
     "file_partition",
     "label_histogram",
+    "natural_partition",
     "official_dirichlet_partition",
     "official_iid_partition",
     "partition_dataset",
@@ -893,3 +897,59 @@ def file_partition(
         allow_empty=bool(allow_empty),
     )
     return [np.flatnonzero(ids == client) for client in range(num_partitions)]
+
+
+def natural_partition(
+    labels: np.ndarray | Sequence[int],
+    *,
+    num_partitions: int,
+    owners: np.ndarray | None,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Split indices by the client each sample was generated for.
+
+    The data set itself says who owns what (``TrainTest.train_owners``: the
+    FedProx paper's synthetic federations); the pack's pipeline passes it to
+    any partition function with an ``owners`` parameter.
+
+    Parameters
+    ----------
+    labels : np.ndarray or Sequence[int]
+        Labels of the training set (only their number is used).
+    num_partitions : int
+        Number of clients: must equal the data set's number of clients.
+    owners : np.ndarray or None
+        The client of every training sample; None when the data set has none.
+    seed : int, default 0
+        Unused: the data fixes the split.
+
+    Returns
+    -------
+    list of np.ndarray
+        Sorted int64 indices of each client's samples.
+
+    Raises
+    ------
+    ValueError
+        If the data set has no natural clients, or ``num_partitions`` is not
+        their number (the message says which value to set).
+    """
+    del seed
+    if owners is None:
+        raise ValueError(
+            "partition=natural needs a data set generated per client (dataset="
+            "synthetic); this data set is pooled: choose another partition"
+        )
+    owners = np.asarray(owners, dtype=np.int64)
+    if len(owners) != len(np.asarray(labels)):
+        raise ValueError(
+            f"owners has {len(owners)} entries for {len(np.asarray(labels))} samples"
+        )
+    count = int(owners.max()) + 1 if owners.size else 0
+    if num_partitions != count:
+        raise ValueError(
+            f"partition=natural: the data set has {count} clients, but "
+            f"num_partitions={num_partitions}; set num_clients={count} (and "
+            "num_partitions, if you set it)"
+        )
+    return [np.flatnonzero(owners == client) for client in range(count)]
