@@ -1,8 +1,10 @@
 """Models, data sets and client partitions for the experiments.
 
 ``models`` holds the PyTorch classifiers, ``datasets`` the numpy loaders
-(digits, Fashion-MNIST, UCI Adult) and ``partition`` the splitting of a data set among
-clients (flwr-datasets' partitioners, the official FedDyn/FedDC rules, a file).
+(digits, Fashion-MNIST, UCI Adult), ``synthetic`` the FedProx paper's generated
+federations and ``partition`` the splitting of a data set among clients
+(flwr-datasets' partitioners, the official FedDyn/FedDC rules, a file, the clients
+a data set was generated for).
 """
 
 from .datasets import (
@@ -19,11 +21,13 @@ from .partition import SCHEMES as _SCHEMES
 from .partition import (
     file_partition,
     label_histogram,
+    natural_partition,
     official_dirichlet_partition,
     official_iid_partition,
     partition_dataset,
     partition_indices,
 )
+from .synthetic import load_synthetic
 
 SCHEMES = _SCHEMES
 """The partition schemes :func:`partition_dataset` knows, by name.
@@ -50,6 +54,8 @@ __all__ = [
     "load_dataset",
     "load_digits",
     "load_fashion_mnist",
+    "load_synthetic",
+    "natural_partition",
     "official_dirichlet_partition",
     "official_iid_partition",
     "partition_dataset",
