@@ -224,6 +224,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def legend_handles(methods) -> list:
+    """One line per method, whether or not a panel has it yet."""
+    from matplotlib.lines import Line2D
+
+    return [Line2D([], [], color=COLOURS[m], label=m) for m in methods]
+
+
 def grid_plot(rows: list[dict], key: str, label: str, path: Path, log: bool) -> None:
     """Rows: straggler levels; columns: federations (the paper's Figure 1)."""
     data = curves(rows, key)
@@ -257,38 +264,53 @@ def grid_plot(rows: list[dict], key: str, label: str, path: Path, log: bool) -> 
                 ax.set_xlabel("round")
             if j == 0:
                 ax.set_ylabel(label)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles=legend_handles(METHODS), loc="upper center", ncol=3)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def moving_mean(values: list[float], width: int = 10) -> list[float]:
+    """Mean of each value and the ``width - 1`` before it (fewer at the start)."""
+    return [
+        statistics.fmean(values[max(0, i - width + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
 def dissimilarity_plot(rows: list[dict], path: Path) -> None:
-    """Without stragglers: training loss (top) and B(theta) (bottom), Figure 2."""
+    """Without stragglers: training loss (top) and B(theta) (bottom), Figure 2.
+
+    B(theta) is estimated each round from 10 sampled clients, so it is noisy:
+    the thin line is the round's value, the thick one its 10-round moving mean.
+    """
     loss, dissim = curves(rows, "train-loss"), curves(rows, "dissimilarity-b")
     fig, axes = plt.subplots(2, len(SETTINGS), figsize=(4 * len(SETTINGS), 6))
     for j, setting in enumerate(SETTINGS):
         for method in ("FedAvg", "FedProx (mu=1)"):
             for i, data in enumerate((loss, dissim)):
                 per_round = data.get((setting, 0.0, method))
-                if per_round:
-                    xs = sorted(per_round)
-                    axes[i][j].plot(
-                        xs,
-                        [statistics.fmean(per_round[r]) for r in xs],
-                        color=COLOURS[method],
-                        label=method,
-                    )
+                if not per_round:
+                    continue
+                xs = sorted(per_round)
+                ys = [statistics.fmean(per_round[r]) for r in xs]
+                ax = axes[i][j]
+                if i == 0:
+                    ax.plot(xs, ys, color=COLOURS[method])
+                else:
+                    ax.plot(xs, ys, color=COLOURS[method], linewidth=0.6, alpha=0.35)
+                    ax.plot(xs, moving_mean(ys), color=COLOURS[method], linewidth=1.8)
         axes[0][j].set_title(setting, fontsize=9)
-        axes[0][j].set_yscale("log")
         axes[1][j].set_xlabel("round")
         for ax in axes[:, j]:
+            ax.set_yscale("log")
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training loss")
-    axes[1][0].set_ylabel("B(theta), sampled clients")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    axes[1][0].set_ylabel("B(theta), 10 sampled clients")
+    fig.legend(
+        handles=legend_handles(("FedAvg", "FedProx (mu=1)")), loc="upper center", ncol=2
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
