@@ -28,7 +28,9 @@ initial model, stragglers). Runs go in priority order, seed by seed: the three
 straggler levels of synthetic(1,1) (Figure 1's synthetic column), then the other
 federations without stragglers (Figure 2), then the rest; a finished run
 (complete ``results.json``) is reused, so the grid can be run in pieces and in
-parallel (``--worker 0/2`` and ``--worker 1/2`` in two shells).
+parallel (``--worker 0/2`` and ``--worker 1/2`` in two shells); ``--settings`` and
+``--drops`` run some cells only. The tables and plots take every finished run of
+``--seeds`` (a cell may have fewer seeds than another: the table says how many).
 
 Writes into ``--out``: ``fedprox_synthetic.csv`` (every round of every run),
 ``fedprox_synthetic.md`` (the table), ``loss.png`` and ``accuracy.png`` (rows:
@@ -47,6 +49,7 @@ import argparse
 import csv
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -85,10 +88,14 @@ def priority(setting: str, drop: float) -> int:
     return 1 if drop == 0.0 else 2
 
 
-def jobs(seeds: list[int], rounds: int) -> list[tuple[str, float, str, int]]:
-    """Every run of the grid, in the order they are worth running."""
+def jobs(
+    seeds: list[int],
+    settings: Sequence[str] = tuple(SETTINGS),
+    drops: Sequence[float] = DROPS,
+) -> list[tuple[str, float, str, int]]:
+    """The runs of the grid (or of its chosen cells), in the order worth running."""
     cells = sorted(
-        ((s, d) for s in SETTINGS for d in DROPS), key=lambda c: priority(*c)
+        ((s, d) for s in settings for d in drops), key=lambda c: priority(*c)
     )
     return [
         (setting, drop, method, seed)
@@ -162,7 +169,7 @@ def rows_of(results: dict, job: tuple[str, float, str, int]) -> list[dict]:
 def collect(out: Path, seeds: list[int], rounds: int) -> list[dict]:
     """Per-round rows of every finished run; FedAvg's stand for mu=0 at 0%."""
     rows = []
-    for job in jobs(seeds, rounds):
+    for job in jobs(seeds):
         path = job_dir(out, *job) / "results.json"
         if complete(path, rounds):
             results = json.loads(path.read_text())
@@ -326,6 +333,10 @@ def main() -> None:
         default="0/1",
         help="i/n: run every n-th job from the i-th (parallel shells)",
     )
+    parser.add_argument(
+        "--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS)
+    )
+    parser.add_argument("--drops", type=float, nargs="+", default=list(DROPS))
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/fedprox_synthetic")
@@ -336,7 +347,9 @@ def main() -> None:
         parser.error(f"--worker must be i/n with 0 <= i < n, got {args.worker}")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
-        for job in jobs(args.seeds, args.rounds)[index::count]:
+        if not set(args.drops) <= set(DROPS):
+            parser.error(f"--drops must be among {DROPS}")
+        for job in jobs(args.seeds, args.settings, args.drops)[index::count]:
             run(args.out, job, args.rounds)
     rows = collect(args.out, args.seeds, args.rounds)
     if not rows:
