@@ -35,7 +35,8 @@ parallel (``--worker 0/2`` and ``--worker 1/2`` in two shells); ``--settings`` a
 Writes into ``--out``: ``fedprox_synthetic.csv`` (every round of every run),
 ``fedprox_synthetic.md`` (the table), ``loss.png`` and ``accuracy.png`` (rows:
 straggler levels, columns: federations, as the paper's Figure 1) and
-``dissimilarity.png`` (Figure 2: training loss and B(theta) without stragglers).
+``dissimilarity.png`` (Figure 2: training loss, B(theta) and the variance of the
+local gradients without stragglers).
 
 Run (the whole grid, 3 seeds: about 60 h of one core; see ``--help``)::
 
@@ -286,16 +287,22 @@ def moving_mean(values: list[float], width: int = 10) -> list[float]:
 
 
 def dissimilarity_plot(rows: list[dict], path: Path) -> None:
-    """Without stragglers: training loss (top) and B(theta) (bottom), Figure 2.
+    """Without stragglers, Figure 2: training loss, B(theta), gradient variance.
 
-    B(theta) is estimated each round from 10 sampled clients, so it is noisy:
-    the thin line is the round's value, the thick one its 10-round moving mean.
+    B(theta) = E||grad f_k||^2 / ||grad f||^2 is the dissimilarity of the
+    paper's theory; the paper's figure plots the variance E||grad f_k -
+    grad f||^2 = (B - 1) ||grad f||^2, which shrinks as the model nears a
+    stationary point while B grows. Both are estimated each round from the 10
+    sampled clients, so they are noisy: the thin line is the round's value, the
+    thick one its 10-round moving mean.
     """
-    loss, dissim = curves(rows, "train-loss"), curves(rows, "dissimilarity-b")
-    fig, axes = plt.subplots(2, len(SETTINGS), figsize=(4 * len(SETTINGS), 6))
+    panels = [
+        curves(rows, key) for key in ("train-loss", "dissimilarity-b", "grad-variance")
+    ]
+    fig, axes = plt.subplots(3, len(SETTINGS), figsize=(4 * len(SETTINGS), 9))
     for j, setting in enumerate(SETTINGS):
         for method in ("FedAvg", "FedProx (mu=1)"):
-            for i, data in enumerate((loss, dissim)):
+            for i, data in enumerate(panels):
                 per_round = data.get((setting, 0.0, method))
                 if not per_round:
                     continue
@@ -308,12 +315,13 @@ def dissimilarity_plot(rows: list[dict], path: Path) -> None:
                     ax.plot(xs, ys, color=COLOURS[method], linewidth=0.6, alpha=0.35)
                     ax.plot(xs, moving_mean(ys), color=COLOURS[method], linewidth=1.8)
         axes[0][j].set_title(setting, fontsize=9)
-        axes[1][j].set_xlabel("round")
+        axes[-1][j].set_xlabel("round")
         for ax in axes[:, j]:
             ax.set_yscale("log")
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training loss")
     axes[1][0].set_ylabel("B(theta), 10 sampled clients")
+    axes[2][0].set_ylabel("variance of local gradients")
     fig.legend(
         handles=legend_handles(("FedAvg", "FedProx (mu=1)")), loc="upper center", ncol=2
     )
