@@ -38,7 +38,8 @@ straggler levels, columns: federations, as the paper's Figure 1) and
 ``dissimilarity.png`` (Figure 2: training loss, B(theta) and the variance of the
 local gradients without stragglers).
 
-Run (the whole grid, 3 seeds: about 60 h of one core; see ``--help``)::
+Run (100 rounds, one seed of the whole grid: about 1.5 h on 2 cores, two runs at a
+time, measured 2026-12-04; the paper's 200 rounds and 3 seeds: about 9 h)::
 
     python benchmarks/fedprox_synthetic.py --seeds 0 1 2
     python benchmarks/fedprox_synthetic.py --plot-only   # tables and plots of what ran
