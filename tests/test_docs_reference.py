@@ -629,7 +629,8 @@ def test_every_pack_metric_key_is_documented() -> None:
         **privacy_metrics({1: 1.0}, per_client=True),
         **privacy_metrics({1: 1.0}, per_client=False),
     }
-    keys = {*counts, *privacy, "replies-rule-missing", "dp-clients-retired"}
+    keys = {*counts, *privacy, "replies-rule-missing", "replies-term-incomplete"}
+    keys.add("dp-clients-retired")
     keys |= {"eval-client-keys", "dissimilarity-b", "grad-sq-norm-global"}
     keys |= metrics.rule_bookkeeping() - {
         rule.applied_metric for rule in pack_rules() if rule.applied_metric

@@ -227,8 +227,9 @@ def test_fedprox_rule_with_momentum_by_hand(problem):
     )
     reply = rule.reply(num_examples=20)
     metrics = reply.content["metrics"]
-    assert metrics["proximal-mu-applied"] == 1
+    assert metrics["proximal-mu-applied"] == 3  # every step held the term
     assert metrics["local-steps"] == 3
+    assert metrics["term-lost-steps"] == metrics["term-missing-steps"] == 0
     assert metrics["num-examples"] == 20
     np.testing.assert_allclose(
         reply.content["arrays"].to_numpy_ndarrays()[0][0], w, rtol=1e-4, atol=1e-5
@@ -263,7 +264,7 @@ def test_scaffold_rule_by_hand_and_state_commit(problem):
     delta = reply.content["control-delta"].to_numpy_ndarrays()[0][0]
     np.testing.assert_allclose(delta, ci_new, rtol=1e-4, atol=1e-5)
     assert reply.content["metrics"]["client-key"] == 2
-    assert reply.content["metrics"]["scaffold-applied"] == 1
+    assert reply.content["metrics"]["scaffold-applied"] == 2  # both steps
     # Round 2 says round 1 was not aggregated: c_i stays 0.
     msg2 = train_message(
         ArrayRecord([x0]),
@@ -525,14 +526,16 @@ def test_reply_takes_numpy_and_tensor_metrics():
     assert metrics["client-key"] == 0 and "state-round" not in metrics  # no state
 
 
-def test_rule_refuses_a_model_moved_after_it_was_built():
+def test_rule_refuses_a_model_moved_after_its_first_step():
     model = torch.nn.Linear(3, 1, bias=False)
     msg = train_message(
         ArrayRecord([np.zeros((1, 3), np.float32)]), {"proximal-mu": 0.1}
     )
     rule = FedProxRule.from_message(msg, context(), model)
+    model(torch.ones(2, 3)).sum().backward()
+    rule.add_gradient()
     model.to("meta")
-    with pytest.raises(RuntimeError, match=r"call model.to\(device\) before"):
+    with pytest.raises(RuntimeError, match=r"move the model before its first step"):
         rule.add_gradient()
 
 

@@ -561,13 +561,14 @@ class APFLRule(ClientRule):
         self.alpha_grad = 0.0
         self.personal_loss_sum = 0.0
         self.seen = 0
+        self.done = 0  # steps completed this round (t = first + done)
         return None
 
     def step_size(self, base: float) -> float:
         """Return step :math:`t`'s size: the server's schedule, else ``base``."""
         if self.lr_mu is None:
             return base
-        t = self.first + self.steps
+        t = self.first + self.done
         return decay_rate(t, float(self.lr_mu), float(self.lr_a or 0.0))
 
     def personal_step(
@@ -664,10 +665,11 @@ class APFLRule(ClientRule):
                 group["lr"] = lr
         self.omega_optimizer.step()
         self._lr = lr
+        self.add_gradient(lr)  # APFL adds no term to theta: the step is marked
 
     def after_step(self) -> None:
         """Learn alpha_k (adaptive); add step t's models to the weighted sums."""
-        t = self.first + self.steps
+        t = self.first + self.done
         if self.adaptive:
             self.alpha = alpha_update(self.alpha, self._lr, self.alpha_grad)
         if self.theta_sum is not None and self.omega_sum is not None:
@@ -677,7 +679,7 @@ class APFLRule(ClientRule):
                 acc.add_(p.detach().double(), alpha=weight_t)
             for acc, p in zip(self.omega_sum, self.omega, strict=True):
                 acc.add_(p.detach().double(), alpha=weight_t)
-        self.add_gradient(self._lr)  # counts the step (APFL adds no term to theta)
+        self.done += 1
 
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Step omega_k with every ``optimizer.step()`` and schedule both sizes."""

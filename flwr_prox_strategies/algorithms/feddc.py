@@ -320,12 +320,12 @@ class FedDCRule(ClientRule):
         self.mode = str(self.required(FEDDC_CORRECTION_KEY))
         if self.mode not in CORRECTIONS:
             raise ProtocolError(f"unknown feddc-correction {self.mode!r}")
-        self.h = self.state.get_tensors(DRIFT_STATE, self.params)
+        self.h = self.state.get_tensors(DRIFT_STATE, self.anchor)
         anchor = [w - h for w, h in zip(self.anchor, self.h, strict=True)]
         rho = self.relative_size
         if self.mode == "official":
             self.c = self.received_params(CONTROL_RECORD)
-            self.ci = self.state.get_tensors(CONTROL_STATE, self.params)
+            self.ci = self.state.get_tensors(CONTROL_STATE, self.anchor)
             shift = [c / rho - ci for c, ci in zip(self.c, self.ci, strict=True)]
             return ProximalTerm(alpha / rho, anchor, shift)
         if self.planned_steps is None or self.planned_lr is None:
@@ -335,7 +335,7 @@ class FedDCRule(ClientRule):
                 "takes them from len(train_loader))"
             )
         g = self.received_params(GLOBAL_UPDATE_RECORD)
-        g_i = self.state.get_tensors(UPDATE_STATE, self.params)
+        g_i = self.state.get_tensors(UPDATE_STATE, self.anchor)
         scale = 1.0 / (self.planned_steps * self.planned_lr)
         shift = [(gi - gg) * scale for gi, gg in zip(g_i, g, strict=True)]
         return ProximalTerm(alpha, anchor, shift)

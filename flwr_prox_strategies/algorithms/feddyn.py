@@ -322,7 +322,7 @@ class FedDynRule(ClientRule):
         if not (np.isfinite(alpha) and alpha > 0):
             raise ValueError(f"received feddyn-alpha={alpha!r}; it must be > 0")
         self.alpha = alpha / self.relative_size
-        self.drift = self.state.get_tensors(DRIFT_STATE, self.params)
+        self.drift = self.state.get_tensors(DRIFT_STATE, self.anchor)
         shift = [self.alpha * d for d in self.drift]
         return ProximalTerm(self.alpha, self.anchor, shift, decoupled=self.decoupled)
 

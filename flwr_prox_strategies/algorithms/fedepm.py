@@ -603,7 +603,7 @@ class FedEPMRule(ClientRule):
             for p, value_now in zip(self.params, local, strict=True):
                 p.copy_(value_now)
         self.round_metrics = {"fedepm-mu": mu, **self.noisy_upload(value, grads, mu)}
-        self.steps = self.k0
+        self.took_steps(self.k0)
         return TrainReport(epochs=0, steps=self.k0, examples_seen=d, mean_loss=value)
 
     def noisy_upload(

@@ -253,7 +253,7 @@ class ScaffoldRule(ClientRule):
     def setup(self) -> GradientTerm:
         """Return the correction :math:`c - c_i` (a constant gradient shift)."""
         self.c = self.received_params(CONTROL_RECORD)
-        self.ci = self.state.get_tensors(CONTROL_STATE, self.params)
+        self.ci = self.state.get_tensors(CONTROL_STATE, self.anchor)
         shift = [c - ci for c, ci in zip(self.c, self.ci, strict=True)]
         return ProximalTerm(0.0, self.anchor, shift)
 

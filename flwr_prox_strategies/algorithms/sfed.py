@@ -334,7 +334,7 @@ class SFedRule(FedEPMRule):
                         p.sub_(gamma * (g + self.mu * (p - a)))
         noise_mu = self.r0 * self.growth ** (self.first + self.k0)
         self.round_metrics = self.noisy_upload(value, received_grads, noise_mu)
-        self.steps = self.k0 * self.inner
+        self.took_steps(self.k0 * self.inner)
         return TrainReport(epochs=0, steps=self.steps, examples_seen=d, mean_loss=value)
 
 

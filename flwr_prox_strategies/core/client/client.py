@@ -71,6 +71,17 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 SERVER_LR_KEY = "lr"
 
 
+class RuleTerm:
+    """A rule's term, added through :meth:`ClientRule.add_gradient` (counted)."""
+
+    def __init__(self, rule: ClientRule) -> None:
+        self.rule = rule
+
+    def add_(self, params: Sequence[torch.Tensor]) -> None:
+        """Add the rule's term to the gradients once, as a user's loop would."""
+        self.rule.add_gradient()
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """Return ``device``; ``"auto"`` is CUDA when available, else the CPU."""
     if device == "auto":
@@ -352,9 +363,9 @@ class TorchClient(NumPyClient):
         """Finish the round's rule (state, extra records); return its metrics."""
         if self.rule is None:
             return {}
-        extra, metrics = self.rule.finish(report.steps, self.round_lr)
+        extra, metrics = self.rule.reply_records(steps=report.steps, lr=self.round_lr)
         self.reply_arrays.update(extra)
-        return {**metrics, **self.rule.metrics()}
+        return metrics
 
     def local_solve(
         self, config: dict[str, Any], *, epochs: int, steps: int | None
@@ -366,7 +377,7 @@ class TorchClient(NumPyClient):
         model per step (APFL) overrides this instead.
         """
         term = self.gradient_term(config)
-        with self.training_run(self.make_optimizer(), term) as run:
+        with self.training_run(self.make_optimizer(), self.measured(term)) as run:
             return train_local(
                 run.model,
                 run.loader,
@@ -379,6 +390,18 @@ class TorchClient(NumPyClient):
                 max_steps=steps,
                 device=self.device,
             )
+
+    def measured(self, term: GradientTerm | None) -> GradientTerm | None:
+        """Return ``term`` added through this round's rule, which counts what it did.
+
+        The pack's loop then reports, as a user's loop does, how many of its
+        optimiser steps held the term (:attr:`ClientRule.counts
+        <flwr_prox_strategies.extend.ClientRule.counts>`). A term that is not
+        the rule's is returned as it is.
+        """
+        if self.rule is None or term is not self.rule.term:
+            return term
+        return RuleTerm(self.rule)
 
     def training_run(
         self, optimizer: torch.optim.Optimizer, term: GradientTerm | None

@@ -74,10 +74,16 @@ from ..transport.keys import (
 )
 from ..transport.records import to_ndarrays, to_record
 from .state import ClientState
+from .steps import StepCounts, StepWatch, innermost_optimizer, shortfall_text
 from .training import GradientTerm, trainable
 
 # Metric every rule's reply carries: the local optimiser steps it counted.
 LOCAL_STEPS_METRIC = "local-steps"
+#: Metric of a rule's reply: steps whose term was added, then lost before the
+#: update (a backward pass after it, or the gradients cleared or replaced).
+TERM_LOST_METRIC = "term-lost-steps"
+#: Metric of a rule's reply: steps with no term added before the update.
+TERM_MISSING_METRIC = "term-missing-steps"
 
 
 class ProtocolError(Exception):
@@ -133,39 +139,85 @@ def client_key_of(context: Context | None) -> int:
 
 
 def params_from_arrays(
-    model: nn.Module, arrays: Sequence[NDArray]
+    model: nn.Module,
+    arrays: Sequence[NDArray],
+    like: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Pick the trainable parameters' entries out of ``state_dict``-ordered arrays."""
+    """Pick the trainable parameters' entries out of ``state_dict``-ordered arrays.
+
+    The tensors take the dtype and device of ``like`` (one per trainable
+    parameter; a rule passes its :attr:`ClientRule.anchor`), else the
+    parameters' own.
+    """
     keys = list(model.state_dict(keep_vars=True))
     if len(arrays) != len(keys):
         raise ProtocolError(f"received {len(arrays)} arrays, expected {len(keys)}")
     by_key = dict(zip(keys, arrays, strict=True))
     names = {id(p): name for name, p in model.named_parameters()}
+    params = trainable(model)
+    templates = params if like is None else list(like)
     return [
         torch.as_tensor(
-            np.asarray(by_key[names[id(p)]]), dtype=p.dtype, device=p.device
+            np.asarray(by_key[names[id(p)]]), dtype=t.dtype, device=t.device
         )
-        for p in trainable(model)
+        for p, t in zip(params, templates, strict=True)
     ]
 
 
+def numpy_dtype(tensor: torch.Tensor) -> np.dtype[Any]:
+    """Return the numpy dtype a tensor travels as (bfloat16 as float32)."""
+    if tensor.dtype == torch.bfloat16:
+        return np.dtype(np.float32)
+    return np.dtype(str(tensor.dtype).removeprefix("torch."))
+
+
+def to_numpy(tensor: torch.Tensor, dtype: np.dtype[Any] | None = None) -> NDArray:
+    """Return a tensor as a numpy array on the CPU, in ``dtype`` (default: its own)."""
+    value = tensor.detach()
+    if value.dtype == torch.bfloat16:
+        value = value.float()
+    array = value.cpu().numpy()
+    return array if dtype is None or array.dtype == dtype else array.astype(dtype)
+
+
 def arrays_from_params(
-    model: nn.Module, tensors: Sequence[torch.Tensor]
+    model: nn.Module,
+    tensors: Sequence[torch.Tensor],
+    dtypes: Sequence[np.dtype[Any]] | None = None,
 ) -> list[NDArray]:
-    """Lay out per-parameter tensors like ``state_dict`` (zeros for buffers)."""
+    """Lay out per-parameter tensors like ``state_dict`` (zeros for buffers).
+
+    Each array takes the dtype of ``dtypes`` (one per ``state_dict`` entry:
+    what the server sent), else its entry's own (bfloat16 as float32).
+    """
     by_id = {id(p): t for p, t in zip(trainable(model), tensors, strict=True)}
     named = dict(model.named_parameters())
+    entries = model.state_dict(keep_vars=True).items()
+    wanted = list(dtypes) if dtypes is not None else [None] * len(entries)
     out = []
-    for key, value in model.state_dict(keep_vars=True).items():
-        dtype = value.detach().cpu().numpy().dtype
+    for (key, value), given in zip(entries, wanted, strict=True):
+        dtype = numpy_dtype(value) if given is None else np.dtype(given)
         param = named.get(key)
         tensor = by_id.get(id(param)) if param is not None else None
         out.append(
-            tensor.detach().cpu().numpy().astype(dtype)
+            to_numpy(tensor, dtype)
             if tensor is not None
             else np.zeros(tuple(value.shape), dtype=dtype)
         )
     return out
+
+
+def rule_precision(param: torch.Tensor) -> torch.Tensor:
+    """Return a copy of ``param`` in the precision a rule computes in.
+
+    Half-precision parameters (bfloat16, float16) are copied as float32: the
+    anchor, the state and the received records keep the server's precision
+    while the model trains in the lower one.
+    """
+    value = param.detach().clone()
+    if value.is_floating_point() and value.element_size() < 4:
+        return value.float()
+    return value
 
 
 def _single(records: Mapping[str, Any], kind: str, preferred: str) -> Any:
@@ -337,18 +389,29 @@ class ClientRule:
                 self.state.reset(self.state_names)
             self.state.resolve(accepted_round(self.config, self.client_key))
         self.params = trainable(model)
-        # The received global model, the point every rule measures from.
-        self.anchor = [p.detach().clone() for p in self.params]
+        # The received global model, the point every rule measures from (in
+        # float32 at least: a half-precision model keeps a full-precision anchor).
+        self.anchor = [rule_precision(p) for p in self.params]
         # Where local training started: the anchor, unless the user changed
         # part of the model after from_message (a personal layer restored).
         self.start = self.anchor
-        self.steps = 0
-        self.lr_sum = 0.0
-        self.last_lr: float | None = None
+        self._own_steps = 0
+        self._given_lrs: list[float] = []
+        self._prepared = False
+        self._warned_twice = False
         self._handles: list[Any] = []
         self._message: Message | None = None
         self._keys: list[str] = []
+        self._dtypes: list[np.dtype[Any]] | None = None
         self.term: GradientTerm | None = self.setup()
+        # Counts the optimiser steps over the model and whether each held the
+        # term: what the reply reports (see .steps).
+        self.watch = StepWatch(
+            model,
+            self.params,
+            on_optimizer=self._learn_optimizer,
+            on_params_changed=lambda: trainable(self.model),
+        )
 
     def undecayed_lr(self, lr: float) -> float:
         """Return the step size before the server's per-round decay (``base_lr``)."""
@@ -460,7 +523,7 @@ class ClientRule:
                 f"{self.protocol} sends; is the ServerApp running {self.protocol}? "
                 f"Received: {sorted(self.received)}"
             )
-        return params_from_arrays(self.model, self.received[name])
+        return params_from_arrays(self.model, self.received[name], like=self.anchor)
 
     def metrics(self) -> dict[str, Any]:
         """Return the metrics every reply of this rule carries.
@@ -468,46 +531,114 @@ class ClientRule:
         Returns
         -------
         dict[str, Any]
-            :attr:`applied_metric` (1), ``client-key`` and, for a stateful
-            rule, ``state-round`` (the round its committed state comes from).
+            :attr:`applied_metric`: the optimiser steps whose update held the
+            term (measured, see :attr:`counts`), with ``term-lost-steps`` and
+            ``term-missing-steps``, the steps that did not; ``client-key``;
+            and, for a stateful rule, ``state-round`` (the round its committed
+            state comes from).
         """
         metrics: dict[str, Any] = {}
         if self.applied_metric is not None:
-            metrics[self.applied_metric] = 1
+            counts = self.counts
+            metrics[self.applied_metric] = counts.applied
+            metrics[TERM_LOST_METRIC] = counts.lost
+            metrics[TERM_MISSING_METRIC] = counts.missing
         metrics[CLIENT_KEY_METRIC] = self.client_key  # orders the server's sum
         if self.stateful:
             metrics[STATE_ROUND_METRIC] = self.state.committed_round()
         return metrics
 
+    # ------------------------------------------------------ what was measured
+    @property
+    def counts(self) -> StepCounts:
+        """What this round's steps did: taken, with the term, lost, missing.
+
+        Measured by :class:`~flwr_prox_strategies.core.client.steps.StepWatch`
+        at every ``step()`` of a torch optimiser over the model's parameters;
+        a loop without one is counted by its :meth:`add_gradient` calls; a
+        rule that takes its own steps (FedEPM) by :meth:`took_steps`.
+        """
+        if self._own_steps:
+            return StepCounts(steps=self._own_steps, applied=self._own_steps)
+        return self.watch.result()
+
+    @property
+    def steps(self) -> int:
+        """The local steps taken so far this round (measured, see :attr:`counts`)."""
+        return self.counts.steps
+
+    def took_steps(self, steps: int) -> None:
+        """Record ``steps`` steps the rule took itself (its update, by construction).
+
+        For rules that compute their own update instead of adding a term to
+        an optimiser's (FedEPM's closed-form iterations).
+        """
+        self._own_steps += int(steps)
+
     # ------------------------------------------------------ in the user's loop
     def add_gradient(self, lr: float | None = None) -> None:
-        """Add the term's gradient to every ``p.grad``; count one step.
+        """Add the term's gradient to every ``p.grad``, once per step.
 
-        Call it between ``loss.backward()`` and ``optimizer.step()`` (once per
-        step), when you do not :meth:`attach` the rule.
+        Call it between ``loss.backward()`` (and the whole of it: with a
+        closure-based step, inside the closure after ``backward()``) and the
+        optimiser's update, when you do not :meth:`attach` the rule; a second
+        call before the update adds nothing. Whether the update then holds
+        the term is measured (:attr:`counts`), not assumed.
 
         Parameters
         ----------
         lr : float | None (default: None)
-            The step size about to be taken (needed by the rules whose state
-            divides by it, e.g. SCAFFOLD, unless given to :meth:`reply`).
+            The step size about to be taken, for a loop without a torch
+            optimiser (the rule reads it from the optimiser that steps).
 
         Raises
         ------
         RuntimeError
-            If the model's parameters were moved or replaced since the rule
-            was built (call ``model.to(device)`` before building it).
+            If the model's parameters changed shape, or were moved or
+            replaced after the first step.
         """
-        if self.steps == 0:
-            self.check_model_unmoved()
-            if self.path_estimate:
-                self.start = self.starting_point()
+        self._prepare()
+        if self.watch.term_intact():
+            if not self._warned_twice:
+                self._warned_twice = True
+                log(
+                    WARNING,
+                    "client %d: %s.add_gradient was called again before the "
+                    "optimiser's update; the term is added once per step",
+                    self.client_key,
+                    type(self).__name__,
+                )
+            return
         if self.term is not None:
             self.term.add_(self.params)
-        self.steps += 1
+        self.watch.term_added(in_gradients=self.term is not None)
         if lr is not None:
-            self.last_lr = float(lr)
-            self.lr_sum += float(lr)
+            self._given_lrs.append(float(lr))
+
+    def ensure_term(self) -> None:
+        """Add the term unless this step's gradients already hold it.
+
+        What :meth:`attach` runs before every update (after the closure, for
+        a closure-based step).
+        """
+        if not self.watch.term_intact():
+            self.add_gradient()
+
+    def _prepare(self) -> None:
+        """Before the first step: follow a moved model, note where training starts."""
+        if self._prepared:
+            self.check_model_unmoved()
+            return
+        self.follow_model()
+        if self.path_estimate:
+            self.start = self.starting_point()
+        self._prepared = True
+
+    def _learn_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check an optimiser that steps the model (attached or not) before it does."""
+        self._prepare()
+        if self.plain_sgd:
+            self.check_plain_sgd(optimizer)
 
     def starting_point(self) -> list[torch.Tensor]:
         """Return the parameters local training starts from (read at the first step).
@@ -524,7 +655,7 @@ class ClientRule:
         changed = [
             i
             for i, (p, a) in enumerate(zip(self.params, self.anchor, strict=True))
-            if not torch.equal(p.detach(), a)
+            if not torch.equal(p.detach(), a.to(p.dtype))
         ]
         if not changed:
             return self.anchor
@@ -538,10 +669,61 @@ class ClientRule:
             len(self.params),
             type(self).__name__,
         )
-        return [p.detach().clone() for p in self.params]
+        return [rule_precision(p) for p in self.params]
+
+    def follow_model(self) -> None:
+        """Follow a model moved to another device or dtype since the rule was built.
+
+        Frameworks move the model after :meth:`from_message` (Lightning does
+        it inside ``fit()``, converting it for ``precision="bf16-true"``
+        too). Before the first step the rule follows: it moves its anchor
+        (keeping its precision) and builds its term again (:meth:`setup`) on
+        the parameters' device. A dtype change alone needs nothing: the term
+        is computed in the rule's precision and added to the gradients in
+        theirs.
+
+        Raises
+        ------
+        RuntimeError
+            If the parameters no longer match the received model's shapes.
+        """
+        current = trainable(self.model)
+        same = len(current) == len(self.params) and all(
+            p is q for p, q in zip(current, self.params, strict=True)
+        )
+        moved = any(
+            p.device != a.device for p, a in zip(current, self.anchor, strict=False)
+        )
+        if same and not moved:
+            return
+        if len(current) != len(self.anchor) or any(
+            p.shape != a.shape for p, a in zip(current, self.anchor, strict=True)
+        ):
+            raise RuntimeError(
+                f"{type(self).__name__}: the model's trainable parameters no "
+                "longer match the received model's shapes; build the rule on "
+                "the model you train"
+            )
+        device = current[0].device if current else torch.device("cpu")
+        self.params = current
+        self.anchor = [
+            a.to(p.device) for a, p in zip(self.anchor, current, strict=True)
+        ]
+        self.start = self.anchor
+        self.term = self.setup()
+        self.watch.follow(current)
+        log(
+            INFO,
+            "client %d: the model moved (device %s, dtype %s) after the rule "
+            "was built; %s follows it",
+            self.client_key,
+            device,
+            current[0].dtype if current else "-",
+            type(self).__name__,
+        )
 
     def check_model_unmoved(self) -> None:
-        """Fail if the model's parameters changed object or device since setup."""
+        """Fail if its parameters were moved or replaced after the first step."""
         current = trainable(self.model)
         moved = len(current) != len(self.params) or any(
             p is not q or p.device != a.device
@@ -550,19 +732,31 @@ class ClientRule:
         if moved:
             raise RuntimeError(
                 f"{type(self).__name__}: the model's parameters were moved or "
-                "replaced after the rule anchored them; call model.to(device) "
-                "before building the rule"
+                "replaced after local training started; move the model before "
+                "its first step"
             )
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Add the term before every ``optimizer.step()``; return the optimiser.
+    def attach(self, optimizer: Any) -> Any:
+        """Add the term at every ``optimizer.step()``, once, just before the update.
 
-        The hook also counts the steps and reads their step size.
+        For a step called with a closure (Lightning's automatic optimisation,
+        LBFGS, any ``optimizer.step(closure)``) the term is added after the
+        closure has run ``backward()``, at every call of the closure, and
+        the closure's returned loss includes the term's value when the term
+        has one (``value(params)``); otherwise in the step's pre-hook. Either
+        way it comes after anything your loop does between ``backward()`` and
+        ``step()`` (gradient clipping, AMP's unscaling). To have the term
+        clipped with the data gradient, call :meth:`add_gradient` yourself
+        before clipping: the hook then adds nothing more.
 
         Parameters
         ----------
         optimizer : torch.optim.Optimizer
             Built from ``model.parameters()`` of the model given to the rule.
+            A wrapper (opacus' ``DPOptimizer``, accelerate's
+            ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) is
+            hooked through the optimiser it wraps, so under DP-SGD the term
+            comes after the clipping and the noise.
 
         Returns
         -------
@@ -577,30 +771,60 @@ class ClientRule:
             model, or the rule assumes plain SGD (SCAFFOLD, FedDC) and the
             optimiser is not ``torch.optim.SGD`` without momentum.
         """
+        target = innermost_optimizer(optimizer)
         if self.plain_sgd:
-            self.check_plain_sgd(optimizer)
-        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [i for i, p in enumerate(self.params) if id(p) not in optimized]
+            self.check_plain_sgd(target)
+        optimized = {id(p) for group in target.param_groups for p in group["params"]}
+        missing = [
+            i for i, p in enumerate(trainable(self.model)) if id(p) not in optimized
+        ]
         if missing:
             raise ValueError(
                 f"{type(self).__name__}.attach: the optimizer does not update "
                 f"{len(missing)} of the model's trainable parameters; build it "
                 "from model.parameters() of the model given to the rule"
             )
-
-        def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.add_gradient(float(opt.param_groups[0]["lr"]))
-
-        self._handles.append(optimizer.register_step_pre_hook(before_step))
+        self._handles.append(target.register_step_pre_hook(self._before_update))
         return optimizer
 
-    def check_plain_sgd(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse an optimiser whose steps are not plain SGD steps."""
+    def _before_update(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Step pre-hook of :meth:`attach`: add the term now, or after the closure."""
+        # (args[0] is the optimiser itself: torch passes step's own arguments.)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.ensure_term()
+            return None
+
+        def closure_with_term() -> Any:
+            loss = closure()
+            self.ensure_term()
+            value = getattr(self.term, "value", None)
+            if isinstance(loss, torch.Tensor) and callable(value):
+                loss = loss + value(self.params)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_with_term}
+        return (args[0], closure_with_term, *args[2:]), dict(kwargs)
+
+    def check_plain_sgd(self, optimizer: Any) -> None:
+        """Refuse an optimiser whose steps are not plain SGD steps of one size.
+
+        Raises
+        ------
+        ValueError
+            Naming the optimiser found and what the rule needs.
+        """
+        optimizer = innermost_optimizer(optimizer)
         if type(optimizer) is not torch.optim.SGD:
             raise ValueError(
                 f"{type(self).__name__} needs torch.optim.SGD without momentum "
                 f"({self.protocol}'s control-variate update assumes plain SGD "
-                f"steps); got {type(optimizer).__name__}"
+                f"steps); got {type(optimizer).__name__}. Build the optimiser "
+                "your training stack steps as torch.optim.SGD(params, lr=..., "
+                "momentum=0)"
             )
         for group in optimizer.param_groups:
             if group.get("momentum", 0.0) != 0.0 or group.get("nesterov", False):
@@ -609,12 +833,42 @@ class ClientRule:
                     "control-variate update assumes plain SGD steps); got "
                     f"momentum={group.get('momentum')}"
                 )
+        rates = {float(group["lr"]) for group in optimizer.param_groups}
+        if len(rates) > 1:
+            raise ValueError(
+                f"{type(self).__name__} needs one learning rate for every "
+                f"parameter ({self.protocol}'s update divides by it); the "
+                f"optimiser's groups have {sorted(rates)}"
+            )
 
     def detach(self) -> None:
         """Remove the optimiser hooks :meth:`attach` installed (:meth:`reply` does)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def close(self) -> None:
+        """End the round's watch: remove every hook; warn if a step lacked the term.
+
+        :meth:`reply` and :meth:`reply_records` call it; the counts
+        (:attr:`counts`) stay readable.
+        """
+        self.detach()
+        if self.watch.closed:
+            return
+        self.watch.close()
+        counts = self.counts
+        if self.applied_metric is None or counts.applied >= counts.steps:
+            return
+        log(
+            WARNING,
+            "client %d: %s's term reached the update in %d of %d optimiser steps: %s",
+            self.client_key,
+            type(self).__name__,
+            counts.applied,
+            counts.steps,
+            shortfall_text(counts.lost, counts.missing, type(self).__name__),
+        )
 
     # ------------------------------------------------------ Message API, both ends
     @classmethod
@@ -673,14 +927,37 @@ class ClientRule:
         )
         rule._message = message
         rule._keys = list(received.arrays.keys())
+        rule._dtypes = [np.dtype(array.dtype) for array in received.arrays.values()]
         return rule
 
     def lr_of_round(self, lr: float | None) -> float:
-        """Return the step size of this round's steps (for :meth:`finish`)."""
+        """Return the step size of this round's steps (for :meth:`finish`).
+
+        The rates the optimiser actually applied when it was seen stepping
+        (their mean: a scheduler's rates too; the rate itself when constant),
+        else ``lr``, else the rates given to :meth:`add_gradient`.
+        """
+        measured = self.counts.lr_mean()
+        if measured is not None:
+            if lr is None or math.isclose(float(lr), measured, rel_tol=1e-6):
+                return measured if lr is None else float(lr)
+            log(
+                WARNING,
+                "client %d: %s was given lr=%g, but the optimiser's steps had a "
+                "mean learning rate of %g; the measured rate is used",
+                self.client_key,
+                type(self).__name__,
+                float(lr),
+                measured,
+            )
+            return measured
         if lr is not None:
             return float(lr)
-        if self.steps and self.last_lr is not None:
-            return self.lr_sum / self.steps  # their mean: lr itself when constant
+        if self._given_lrs:
+            first = self._given_lrs[0]
+            if all(rate == first for rate in self._given_lrs):
+                return first
+            return sum(self._given_lrs) / len(self._given_lrs)
         if self.steps == 0 or not self.needs_lr:
             return math.nan  # no step taken, or no state divides by it
         raise ValueError(
@@ -699,9 +976,12 @@ class ClientRule:
         Parameters
         ----------
         steps : int | None (default: None)
-            The optimiser steps taken; counted when not given.
+            The optimiser steps taken; when a torch optimiser was seen
+            stepping the model, its measured count is used (a different
+            ``steps`` is logged).
         lr : float | None (default: None)
-            Their step size; read from the attached optimiser when not given.
+            Their step size; the rates the optimiser applied are used when it
+            was seen stepping.
 
         Returns
         -------
@@ -711,8 +991,22 @@ class ClientRule:
             :meth:`~flwr_prox_strategies.extend.ClientRule.metrics`
             and ``local-steps``).
         """
-        self.detach()
-        steps = self.steps if steps is None else int(steps)
+        self.close()
+        counted = self.counts.steps
+        if steps is None or (self.watch.observed and int(steps) == counted):
+            steps = counted
+        elif self.watch.observed:
+            log(
+                WARNING,
+                "client %d: %s was told %d steps, but the optimiser took %d; "
+                "the counted steps are used",
+                self.client_key,
+                type(self).__name__,
+                int(steps),
+                counted,
+            )
+            steps = counted
+        steps = int(steps)
         extra, metrics = self.finish(steps, self.lr_of_round(lr))
         self.state.flush()
         return extra, {**metrics, **self.metrics(), LOCAL_STEPS_METRIC: steps}
@@ -766,9 +1060,22 @@ class ClientRule:
                 value = value.item()  # MetricRecord holds Python numbers
             record[key] = value
         record[NUM_EXAMPLES_KEY] = int(num_examples)
-        state = [v.detach().cpu().numpy() for v in self.model.state_dict().values()]
+        values = list(self.model.state_dict().values())
+        # In the dtypes the server sent (a half-precision model replies in them).
+        dtypes = (
+            self._dtypes if self._dtypes and len(self._dtypes) == len(values) else None
+        )
+        state = [
+            to_numpy(v, None if dtypes is None else dtypes[i])
+            for i, v in enumerate(values)
+        ]
         content = RecordDict({"arrays": to_record(state, self._keys or None)})
         for name, arrays in extra.items():
+            if dtypes is not None and len(arrays) == len(dtypes):
+                arrays = [
+                    np.asarray(a).astype(dt, copy=False)
+                    for a, dt in zip(arrays, dtypes, strict=True)
+                ]
             content[name] = to_record(arrays, self._keys or None)
         content["metrics"] = record
         return Message(content, reply_to=self._message)

@@ -56,11 +56,13 @@ class AlgorithmHooks:
     #: client commits its pending state once told its reply was aggregated)
     #: and rejects replies without an integer ``client-key`` metric.
     stateful_clients: ClassVar[bool] = False
-    #: The metric (value 1) a client reports when it applied this algorithm's
+    #: The metric a client reports when it runs this algorithm's
     #: client rule (the rule's :attr:`ClientRule.applied_metric
-    #: <flwr_prox_strategies.extend.ClientRule.applied_metric>`). Replies
-    #: without it are named in one warning per run, or rejected with
-    #: ``strict=True``. None means any client will do.
+    #: <flwr_prox_strategies.extend.ClientRule.applied_metric>`): the count
+    #: of its steps whose update held the rule's term, beside
+    #: ``local-steps``. Replies without it, or with fewer applied steps than
+    #: local steps, are named in one warning per run (each kind), or
+    #: rejected with ``strict=True``. None means any client will do.
     rule_metric: ClassVar[str | None] = None
     #: What the client rule is called, in that warning.
     rule_name: ClassVar[str] = "client rule"
@@ -280,9 +282,14 @@ class AlgorithmHooks:
         if self.strict and not screening.reports_rule(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
-                f"no '{self.rule_metric}' metric, so the client is not applying "
-                f"{self.rule_name} (strict=True): "
+                f"no '{self.rule_metric}' metric, so nothing says the client "
+                f"applies {self.rule_name} (strict=True): "
                 f"{screening.protocol_problem(self, reply)}",
+            )
+        if self.strict and screening.term_shortfall(reply, self.rule_metric):
+            raise ReplyRejected(
+                "rule-not-applied",
+                f"{screening.shortfall_problem(self, reply)} (strict=True)",
             )
         if self.weighting == "metric":
             check_weight(reply.metrics, self.weighted_by_key, kind="weight")

@@ -16,7 +16,12 @@ from flwr.common.logger import log
 
 from ...ops.aggregate import WeightedMean
 from ...ops.dissimilarity import dissimilarity, sq_norm
-from ..client.rule import LOCAL_STEPS_METRIC, pack_rules
+from ..client.rule import (
+    LOCAL_STEPS_METRIC,
+    TERM_LOST_METRIC,
+    TERM_MISSING_METRIC,
+    pack_rules,
+)
 from ..contract.validation import ValidReply
 from ..transport.keys import (
     CLIENT_KEY_METRIC,
@@ -31,11 +36,16 @@ from ..transport.messages import payload_bytes
 def rule_bookkeeping() -> set[str]:
     """Return the metrics the pack's rules add to a reply besides the user's own.
 
-    Every rule's ``<algorithm>-applied`` flag and ``local-steps`` (``client-key``
-    and ``state-round`` are never averaged).
+    Every rule's ``<algorithm>-applied`` count, ``term-lost-steps``,
+    ``term-missing-steps`` and ``local-steps`` (``client-key`` and
+    ``state-round`` are never averaged).
     """
     applied = {rule.applied_metric for rule in pack_rules()}
-    return {name for name in applied if name is not None} | {LOCAL_STEPS_METRIC}
+    return {name for name in applied if name is not None} | {
+        LOCAL_STEPS_METRIC,
+        TERM_LOST_METRIC,
+        TERM_MISSING_METRIC,
+    }
 
 
 def weighted_metric_mean(

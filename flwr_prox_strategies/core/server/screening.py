@@ -20,7 +20,13 @@ from flwr.app import Message, Metadata
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 
-from ..client.rule import pack_rules
+from ..client.rule import (
+    LOCAL_STEPS_METRIC,
+    TERM_LOST_METRIC,
+    TERM_MISSING_METRIC,
+    pack_rules,
+)
+from ..client.steps import shortfall_text
 from ..contract.validation import (
     NON_FINITE,
     ReplyRejected,
@@ -188,6 +194,7 @@ class ReplyScreen:
         retired: set[int],
         defer_finite: tuple[str, ...] = (),
         tally: ReplyTally | None = None,
+        explain_records: Callable[[Message], str] | None = None,
     ) -> tuple[list[ValidReply], int, int, int]:
         """Validate replies; return the valid ones, #failed, #rejected, #absent.
 
@@ -198,7 +205,8 @@ class ReplyScreen:
         node when some reply is valid, else one warning with the counted
         reasons (for ``aggregate_train``, the caller's). A client that says its
         privacy budget is spent is absent, not failed: in training it joins
-        ``retired``.
+        ``retired``. ``explain_records(message)`` adds the cause and the fix
+        to a rejection for missing or unexpected records.
         """
         valid: list[ValidReply] = []
         seen: set[int] = set()
@@ -227,6 +235,13 @@ class ReplyScreen:
                 if expected_arrays:
                     check(reply)
             except ReplyRejected as err:
+                hint = (
+                    explain_records(message)
+                    if err.kind == "records" and explain_records is not None
+                    else ""
+                )
+                if hint:
+                    err = ReplyRejected(err.kind, f"{err.reason}: {hint}")
                 if err.kind == "budget-exhausted":
                     absent += 1
                     if training:
@@ -322,13 +337,62 @@ class ReplyScreen:
         return found
 
 
-def reports_rule(reply: ValidReply, metric: str | None) -> bool:
-    """Return True when the reply reports ``metric`` non-zero (or none is due)."""
+def _count(value: Any) -> int | float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def reports_rule(reply: ValidReply | Mapping[str, Any], metric: str | None) -> bool:
+    """Return True when the reply (or its metrics) reports ``metric`` (or none is due).
+
+    The metric is the count of steps whose update held the rule's term (0
+    for a client that took no step); a reply without it comes from a client
+    that did not run the rule's :meth:`~flwr_prox_strategies.ClientRule.reply`.
+    """
     if metric is None:
         return True
-    value = reply.metrics.get(metric)
+    metrics = reply if isinstance(reply, Mapping) else reply.metrics
+    value = _count(metrics.get(metric))
+    return value is not None and value >= 0
+
+
+def term_shortfall(reply: ValidReply, metric: str | None) -> tuple[int, int] | None:
+    """Return ``(applied, steps)`` when the rule's term missed some of the steps.
+
+    ``metric`` counts the steps whose update held the term, ``local-steps``
+    all the client's steps; None when every step held it (or the reply does
+    not say: an earlier client's flag of 1 without ``local-steps``).
+    """
+    if metric is None:
+        return None
+    applied = _count(reply.metrics.get(metric))
+    steps = _count(reply.metrics.get(LOCAL_STEPS_METRIC))
+    if applied is None or steps is None or applied >= steps:
+        return None
+    return int(applied), int(steps)
+
+
+def shortfall_problem(strategy: Any, reply: ValidReply, *, counted: bool = True) -> str:
+    """Say in how many steps a client's term reached the update, why not, the fix.
+
+    ``counted=False`` leaves the numbers out (one line for many replies).
+    """
+    shortfall = term_shortfall(reply, strategy.rule_metric)
+    assert shortfall is not None
+    applied, steps = shortfall
+    _, rule = rule_pieces_of(strategy)
+    lost = int(_count(reply.metrics.get(TERM_LOST_METRIC)) or 0)
+    missing = int(_count(reply.metrics.get(TERM_MISSING_METRIC)) or 0)
+    if not (lost or missing):
+        missing = steps - applied
+    if not counted:
+        return f"{strategy.rule_name} missed updates: " + shortfall_text(
+            lost, missing, rule, counted=False
+        )
     return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+        f"{strategy.rule_name} reached the update in {applied} of the client's "
+        f"{steps} local steps: {shortfall_text(lost, missing, rule)}"
     )
 
 
@@ -356,28 +420,30 @@ def rule_pieces_of(strategy: Any) -> tuple[str, str]:
     return strategy.rule_pieces or (f"{name}Client", f"{name}Rule")
 
 
-def rules_applied(reply: ValidReply) -> list[str]:
-    """Return the pack's rules a reply says were applied (its ``*-applied`` metrics)."""
+def rules_applied(metrics: Mapping[str, Any]) -> list[str]:
+    """Return the pack's rules a reply's metrics say were run (their ``*-applied``)."""
     return sorted(
         {
             rule.__name__
             for rule in pack_rules()
             if rule.applied_metric is not None
-            and reports_rule(reply, rule.applied_metric)
+            and reports_rule(metrics, rule.applied_metric)
         }
     )
 
 
-def protocol_problem(strategy: Any, reply: ValidReply) -> str:
+def protocol_problem(strategy: Any, reply: ValidReply | Mapping[str, Any]) -> str:
     """Say what the client did instead of applying the strategy's rule, and the fix.
 
     Either it applied another algorithm's rule (naming both), or its reply
     carries none of the records :meth:`ClientRule.reply` adds (a ClientApp
-    that builds its own reply, or Flower's own client).
+    that builds its own reply, or Flower's own client). Takes a reply or its
+    metrics.
     """
     client, rule = rule_pieces_of(strategy)
     server = pack_class(type(strategy)).__name__
-    others = [name for name in rules_applied(reply) if name != rule]
+    metrics = reply if isinstance(reply, Mapping) else reply.metrics
+    others = [name for name in rules_applied(metrics) if name != rule]
     if others:
         return (
             f"the client applies {' and '.join(others)}, but this server runs "
@@ -385,11 +451,52 @@ def protocol_problem(strategy: Any, reply: ValidReply) -> str:
             f"@app.train instead (or use the pack's {client})"
         )
     return (
-        f"the reply carries none of {rule}'s records: in your @app.train, "
-        f"build {rule}.from_message(msg, context, model) and return "
-        f"rule.reply(...) instead of a reply of your own (or use the pack's "
-        f"{client})"
+        f"the reply carries none of {rule}'s records (a reply built without "
+        f"rule.reply, which says in how many steps the term was applied): in "
+        f"your @app.train, build {rule}.from_message(msg, context, model) and "
+        f"return rule.reply(...) instead of a reply of your own (or use the "
+        f"pack's {client})"
     )
+
+
+def records_problem(strategy: Any, message: Message) -> str:
+    """Say why a train reply lacks the records the strategy expects, and the fix.
+
+    Empty unless the strategy's clients run a rule and the reply does not
+    report it (a reply of the user's own, or another algorithm's rule).
+    """
+    if strategy.rule_metric is None:
+        return ""
+    records = list(message.content.metric_records.values())
+    metrics: Mapping[str, Any] = records[0] if len(records) == 1 else {}
+    if reports_rule(metrics, strategy.rule_metric):
+        return ""
+    return protocol_problem(strategy, metrics)
+
+
+def warn_term_shortfall(
+    strategy: Any, server_round: int, short: list[ValidReply]
+) -> bool:
+    """Warn, naming the nodes of ``short``, replies whose term missed steps.
+
+    Their clients ran the rule, but its term did not reach every update (a
+    closure-based step wiped it, or the optimiser that stepped was not the
+    one attached): the message says in how many steps, why, and the fix.
+    Returns whether there were any.
+    """
+    if not short:
+        return False
+    log(
+        WARNING,
+        "%s: round %d: nodes %s: %s. Their updates are averaged in as they are; "
+        "strict=True rejects such replies. (Given once per run, repeated at the "
+        "run's end and counted in the 'replies-term-incomplete' metric.)",
+        type(strategy).__name__,
+        server_round,
+        sorted(r.node_id for r in short),
+        shortfall_problem(strategy, short[0]),
+    )
+    return True
 
 
 def warn_rule_not_applied(
@@ -405,8 +512,8 @@ def warn_rule_not_applied(
     metric = strategy.rule_metric
     log(
         WARNING,
-        "%s: round %d: nodes %s do not report '%s', so their clients are not "
-        "applying %s and their updates are averaged in without it: %s. "
+        "%s: round %d: nodes %s do not report '%s', so nothing says their "
+        "clients apply %s; their updates are averaged in as they are: %s. "
         "strict=True rejects such replies. (Given once per run, repeated at "
         "the run's end and counted in the 'replies-rule-missing' metric.)",
         type(strategy).__name__,

@@ -221,6 +221,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self.epsilon_totals: dict[int, float] = {}
         self.retired_nodes: set[int] = set()
         self._rule_warned = False
+        self._shortfall_warned = False
         self._bytes_sent = 0
         # The run's first model: what Result.arrays holds if nothing is aggregated.
         self._run_initial: ArrayRecord | None = None
@@ -387,6 +388,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self.screen.reset_run()
         self.stall.reset()
         self._rule_warned = False
+        self._shortfall_warned = False
         self._run_initial = None
 
     def sample_nodes(
@@ -555,13 +557,13 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self,
         server_round: int,
         replies: Iterable[Message],
-        **screening: Any,
+        **options: Any,
     ) -> tuple[list[ValidReply], int, int, int]:
         """Validate replies.
 
         With this strategy's :meth:`check_reply`, size limit and retired nodes.
         """
-        expected_metrics = screening.pop("expected_metrics", None) or {}
+        expected_metrics = options.pop("expected_metrics", None) or {}
 
         def check(reply: ValidReply) -> None:
             check_metrics(reply.metrics, expected_metrics)
@@ -571,9 +573,10 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             server_round,
             replies,
             check=check,
-            max_bytes=self.reply_size_limit(screening["expected_arrays"]),
+            max_bytes=self.reply_size_limit(options["expected_arrays"]),
             retired=self.retired_nodes,
-            **screening,
+            explain_records=lambda message: screening.records_problem(self, message),
+            **options,
         )
 
     def reply_size_limit(self, expected_arrays: Mapping[str, RecordSpec]) -> int:
@@ -648,7 +651,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         valid = finite
         if keep is None and (failed or rejected) and not self.accept_failures:
             keep = "accept_failures=False and some replies failed or were rejected"
-        lacking = self._count_rule_not_applied(server_round, valid, keep is None)
+        lacking, short = self._count_rule_not_applied(server_round, valid, keep is None)
         counts = metrics.round_counts(
             valid,
             failed=failed,
@@ -659,6 +662,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         )
         if self.rule_metric is not None:
             counts["replies-rule-missing"] = lacking
+            counts["replies-term-incomplete"] = short
         # Privacy spent is spent, even in a round whose model is not kept.
         counts.update(
             record_privacy(
@@ -742,12 +746,22 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
 
     def _count_rule_not_applied(
         self, server_round: int, replies: list[ValidReply], aggregated: bool
-    ) -> int:
-        """Count the valid replies that lack the rule metric; warn once per run."""
+    ) -> tuple[int, int]:
+        """Count the valid replies without the rule, or whose term missed steps.
+
+        Returns ``(lacking, short)``: replies without the rule metric, and
+        replies whose term reached fewer updates than the client's steps.
+        Each kind is warned about once per run.
+        """
         if self.rule_metric is None:
-            return 0
+            return 0, 0
         lacking = [
             r for r in replies if not screening.reports_rule(r, self.rule_metric)
+        ]
+        short = [
+            r
+            for r in replies
+            if screening.term_shortfall(r, self.rule_metric) is not None
         ]
         if lacking and aggregated:
             self.run_tally.add_not_applied(
@@ -757,7 +771,16 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
                 self._rule_warned = screening.warn_rule_not_applied(
                     self, server_round, lacking
                 )
-        return len(lacking)
+        if short and aggregated:
+            for reply in short:
+                self.run_tally.add_not_applied(
+                    [reply], screening.shortfall_problem(self, reply, counted=False)
+                )
+            if not self._shortfall_warned:
+                self._shortfall_warned = screening.warn_term_shortfall(
+                    self, server_round, short
+                )
+        return len(lacking), len(short)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

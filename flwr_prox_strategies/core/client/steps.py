@@ -1,0 +1,356 @@
+r"""Which optimiser updates held the rule's term: measured at every step.
+
+A rule's reply says in how many of the client's optimiser steps the
+algorithm's term reached the update (``<algorithm>-applied``) out of how many
+steps were taken (``local-steps``). Training stacks differ in where
+``backward()`` runs: a plain loop runs it before ``optimizer.step()``, while
+Lightning's automatic optimisation, LBFGS and any ``optimizer.step(closure)``
+run it *inside* the step, after the optimiser's step pre-hooks. A term added
+to ``p.grad`` in the wrong place is wiped without a word. So the count is
+measured here, never assumed:
+
+- torch's global optimiser step hooks see every ``step()`` of every optimiser;
+  :class:`StepWatch` keeps those that update the model's trainable
+  parameters (an optimiser wrapping another, such as opacus'
+  ``DPOptimizer`` or accelerate's ``AcceleratedOptimizer``, is counted once,
+  through the optimiser that updates);
+- when the term is added, the watch notes the gradient tensors it went into;
+  a hook on each parameter notes any backward pass that accumulates into its
+  gradient afterwards;
+- at the end of a step, the update held the term when it was added since the
+  previous step, no backward pass came after it, and every parameter still
+  holds the gradient tensor it was added to. Scaling in place (gradient
+  clipping, AMP's unscaling) keeps it; zeroing, a new backward pass, or a
+  gradient replaced (opacus' noise) loses it.
+
+A loop that updates the parameters without a torch optimiser is counted by
+its calls to :meth:`ClientRule.add_gradient
+<flwr_prox_strategies.extend.ClientRule.add_gradient>`; such a call counts as
+applied when the parameters changed after it, before the next call or the
+reply.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+# Attributes under which optimiser wrappers keep the optimiser they wrap:
+# opacus' DPOptimizer, accelerate's AcceleratedOptimizer, Lightning's
+# LightningOptimizer.
+WRAPPED_OPTIMIZER_ATTRIBUTES = ("original_optimizer", "optimizer", "_optimizer")
+
+
+def innermost_optimizer(optimizer: Any) -> Any:
+    """Return the optimiser that updates the parameters, unwrapping wrappers.
+
+    opacus' ``DPOptimizer`` (``original_optimizer``), accelerate's
+    ``AcceleratedOptimizer`` (``optimizer``) and Lightning's
+    ``LightningOptimizer`` (``_optimizer``) step the optimiser they wrap.
+    """
+    seen = {id(optimizer)}
+    while True:
+        for attribute in WRAPPED_OPTIMIZER_ATTRIBUTES:
+            inner = getattr(optimizer, attribute, None)
+            steps = isinstance(inner, torch.optim.Optimizer) or (
+                hasattr(inner, "param_groups")
+                and callable(getattr(inner, "step", None))
+            )
+            if steps and id(inner) not in seen:
+                seen.add(id(inner))
+                optimizer = inner
+                break
+        else:
+            return optimizer
+
+
+def optimizer_parameters(optimizer: Any) -> list[torch.Tensor]:
+    """Return every parameter an optimiser's groups hold."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@dataclass
+class StepCounts:
+    """What the watch counted over one round."""
+
+    #: Optimiser steps that updated the model's parameters.
+    steps: int = 0
+    #: Those whose update held the term.
+    applied: int = 0
+    #: Those for which the term was added, then lost before the update (a
+    #: backward pass after it, or the gradients cleared or replaced).
+    lost: int = 0
+    #: Those with no term added since the previous step.
+    missing: int = 0
+    #: The sum of the steps' learning rates (read from the optimiser).
+    lr_sum: float = 0.0
+    #: The first step's learning rate (None: no optimiser step seen).
+    first_lr: float | None = None
+    #: Whether the learning rate changed between steps (a scheduler).
+    lr_varied: bool = False
+
+    def add_lr(self, lr: float) -> None:
+        """Count one step's learning rate."""
+        if self.first_lr is None:
+            self.first_lr = lr
+        elif lr != self.first_lr:
+            self.lr_varied = True
+        self.lr_sum += lr
+
+    def lr_mean(self) -> float | None:
+        """Return the steps' mean learning rate (exactly the rate when constant)."""
+        if self.first_lr is None or self.steps == 0:
+            return None
+        return self.lr_sum / self.steps if self.lr_varied else self.first_lr
+
+
+# One live watch per model: building a new rule for a model retires the last
+# one (a round that raised before its reply leaves no watch counting the next
+# round's steps). Keyed weakly by the model, holding the watch weakly.
+_LIVE: weakref.WeakKeyDictionary[Any, weakref.ReferenceType[StepWatch]] = (
+    weakref.WeakKeyDictionary()
+)
+_LIVE_LOCK = threading.Lock()
+
+
+class StepWatch:
+    """Count a model's optimiser steps and whether each update held the term.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model whose trainable parameters are watched (re-read when the
+        model's parameters are replaced).
+    params : Sequence[torch.Tensor]
+        Its trainable parameters now.
+    on_optimizer : Callable[[torch.optim.Optimizer], None]
+        Called with each new optimiser (the one that updates) the first time
+        it steps the parameters, before its update; it may raise to refuse
+        it (SCAFFOLD's plain-SGD requirement).
+    on_params_changed : Callable[[], list[torch.Tensor]]
+        Called when an optimiser steps parameters the watch does not know
+        (the model's parameters were replaced); returns the new ones.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        params: Sequence[torch.Tensor],
+        *,
+        on_optimizer: Callable[[Any], None],
+        on_params_changed: Callable[[], list[torch.Tensor]],
+    ) -> None:
+        self.counts = StepCounts()
+        self.optimizers: list[weakref.ReferenceType[Any]] = []
+        self._on_optimizer = on_optimizer
+        self._on_params_changed = on_params_changed
+        self._params: list[torch.Tensor] = []
+        self._ids: set[int] = set()
+        self._known: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        # The gradients the term went into since the last step (None: not added).
+        self._term_grads: list[weakref.ReferenceType[torch.Tensor] | None] | None = None
+        self._backward_after_term = False
+        self._step_lr: float | None = None
+        # A loop without a torch optimiser: its add_gradient calls, and the
+        # parameters' versions at the last one.
+        self.manual_adds = 0
+        self.manual_applied = 0
+        self._versions_at_add: list[int] | None = None
+        self._param_handles: list[RemovableHandle] = []
+        self._closed = False
+        self._watch_params(params)
+        this = weakref.ref(self)
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            watch = this()
+            if watch is not None:
+                watch._before_step(optimizer)
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            watch = this()
+            if watch is not None:
+                watch._after_step(optimizer)
+
+        self._step_handles = [
+            register_optimizer_step_pre_hook(pre),
+            register_optimizer_step_post_hook(post),
+        ]
+        with _LIVE_LOCK:
+            previous = _LIVE.get(model)
+            _LIVE[model] = this
+        if previous is not None and (old := previous()) is not None:
+            old.close()
+
+    # ------------------------------------------------------------ the term
+    def term_added(self, *, in_gradients: bool = True) -> None:
+        """Note that the term was just added to the parameters' gradients.
+
+        ``in_gradients=False``: the rule acted this step without touching the
+        gradients (APFL's personal step): nothing there can be lost.
+        """
+        self._term_grads = (
+            [None if p.grad is None else weakref.ref(p.grad) for p in self._params]
+            if in_gradients
+            else []
+        )
+        self._backward_after_term = False
+        if not self.observed:
+            if self._versions_at_add is not None and self._params_moved():
+                self.manual_applied += 1
+            self.manual_adds += 1
+            self._versions_at_add = [p._version for p in self._params]
+
+    def term_intact(self) -> bool:
+        """Return whether the term added since the last step is in the gradients."""
+        if self._term_grads is None:
+            return False
+        if not self._term_grads:
+            return True  # nothing was added to the gradients (see term_added)
+        if self._backward_after_term:
+            return False
+        return all(
+            (ref is None and p.grad is None) or (ref is not None and p.grad is ref())
+            for p, ref in zip(self._params, self._term_grads, strict=True)
+        )
+
+    @property
+    def observed(self) -> bool:
+        """Whether a torch optimiser has stepped the parameters this round."""
+        return self.counts.steps > 0 or bool(self.optimizers)
+
+    def result(self) -> StepCounts:
+        """Return the round's counts (a loop without an optimiser: its additions)."""
+        if self.observed:
+            return self.counts
+        applied = self.manual_applied
+        if self._versions_at_add is not None and self._params_moved():
+            applied += 1
+        return StepCounts(
+            steps=self.manual_adds,
+            applied=applied,
+            missing=self.manual_adds - applied,
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def follow(self, params: Sequence[torch.Tensor]) -> None:
+        """Watch ``params`` instead (the model's parameters were replaced)."""
+        self._watch_params(params)
+        self._known = weakref.WeakKeyDictionary()
+
+    def close(self) -> None:
+        """Stop watching: remove every hook (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in (*self._step_handles, *self._param_handles):
+            handle.remove()
+        self._param_handles = []
+
+    # ----------------------------------------------------------- internals
+    def _watch_params(self, params: Sequence[torch.Tensor]) -> None:
+        for handle in self._param_handles:
+            handle.remove()
+        self._params = list(params)
+        self._ids = {id(p) for p in self._params}
+        this = weakref.ref(self)
+
+        def accumulated(param: torch.Tensor) -> None:
+            watch = this()
+            if watch is not None and watch._term_grads is not None:
+                watch._backward_after_term = True
+
+        self._param_handles = [
+            p.register_post_accumulate_grad_hook(accumulated) for p in self._params
+        ]
+
+    def _params_moved(self) -> bool:
+        assert self._versions_at_add is not None
+        return any(
+            p._version != v
+            for p, v in zip(self._params, self._versions_at_add, strict=True)
+        )
+
+    def _updates_model(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` itself updates the watched parameters."""
+        if innermost_optimizer(optimizer) is not optimizer:
+            return False  # a wrapper: the optimiser it wraps is counted
+        known = self._known.get(optimizer)
+        if known is not None:
+            return known
+        ids = {id(p) for p in optimizer_parameters(optimizer)}
+        if not ids & self._ids:
+            current = self._on_params_changed()
+            if ids & {id(p) for p in current}:
+                self._watch_params(current)
+        updates = bool(ids & self._ids)
+        self._known[optimizer] = updates
+        return updates
+
+    def _before_step(self, optimizer: Any) -> None:
+        if self._closed or not self._updates_model(optimizer):
+            return
+        if not any(ref() is optimizer for ref in self.optimizers):
+            self._on_optimizer(optimizer)
+            self.optimizers.append(weakref.ref(optimizer))
+        self._step_lr = float(optimizer.param_groups[0]["lr"])
+
+    def _after_step(self, optimizer: Any) -> None:
+        if self._closed or not self._updates_model(optimizer):
+            return
+        counts = self.counts
+        counts.steps += 1
+        if self._term_grads is None:
+            counts.missing += 1
+        elif self.term_intact():
+            counts.applied += 1
+        else:
+            counts.lost += 1
+        if self._step_lr is not None:
+            counts.add_lr(self._step_lr)
+        self._term_grads = None
+        self._backward_after_term = False
+        self._step_lr = None
+
+
+def shortfall_text(lost: int, missing: int, rule: str, *, counted: bool = True) -> str:
+    """Say why steps lacked the term, and what to change (client and server logs).
+
+    ``counted=False`` names the causes without their numbers.
+    """
+    causes = []
+    if lost:
+        causes.append(
+            f"{f'{lost} ' if counted else 'steps '}lost (the term was added, "
+            "then a backward pass or cleared gradients came before the update: "
+            "the step runs backward() inside "
+            "optimizer.step(closure), as Lightning's automatic optimisation and "
+            "LBFGS do, or the term is added before backward(); attach the rule "
+            "to the optimiser, rule.attach(optimizer), which adds it inside the "
+            "closure, or use the pack's Lightning or Hugging Face callback)"
+        )
+    if missing:
+        causes.append(
+            f"{f'{missing} ' if counted else 'steps '}without it (no term was "
+            "added before these updates: the optimiser that steps the model is "
+            "not the one attached, or "
+            f"{rule}.add_gradient() was not called at every step; attach the "
+            "optimiser your training stack steps)"
+        )
+    return "; ".join(causes) or "no step lacked the term"
+
+
+__all__ = ["StepCounts", "StepWatch", "innermost_optimizer", "shortfall_text"]

@@ -1,0 +1,580 @@
+"""The rule acts in every training stack, and says so only when it did.
+
+Closure-based steps (Lightning's automatic optimisation, LBFGS), gradient
+accumulation, clipping, AMP's GradScaler, schedulers, half precision and a
+model moved after the rule was built: each against a hand computation or a
+closed form, and each way a term can miss the update measured in the reply.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+
+from flwr_prox_strategies import (
+    FedDyn,
+    FedDynRule,
+    FedProx,
+    FedProxRule,
+    Scaffold,
+    ScaffoldRule,
+)
+from flwr_prox_strategies.core.client.steps import innermost_optimizer
+from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
+from flwr_prox_strategies.core.transport.flower import set_task_identity
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+
+from .lsq import LeastSquares, half_sse
+
+
+@pytest.fixture(scope="module")
+def problem() -> LeastSquares:
+    return LeastSquares()
+
+
+def train_message(arrays: list[np.ndarray], config: dict, extra=None) -> Message:
+    set_task_identity(1)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(arrays),
+            **{k: ArrayRecord(v) for k, v in (extra or {}).items()},
+            "config": ConfigRecord(config),
+        }
+    )
+    return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1001)
+
+
+def context(k: int = 0) -> Context:
+    return Context(
+        run_id=1,
+        node_id=1001,
+        node_config={"partition-id": k},
+        state=RecordDict(),
+        run_config={},
+    )
+
+
+def fedprox_rule(problem, w_t: np.ndarray, mu: float, k: int = 1):
+    model = torch.nn.Linear(problem.dim, 1, bias=False)
+    msg = train_message(
+        [w_t.reshape(1, -1).astype(np.float32)],
+        {"proximal-mu": mu, "server-round": 1},
+    )
+    return model, FedProxRule.from_message(msg, context(k), model)
+
+
+def data(problem, k: int = 1):
+    return torch.from_numpy(problem.a[k]), torch.from_numpy(problem.b[k])
+
+
+def fedprox_by_hand(problem, w_t, mu, lr, steps, k=1) -> np.ndarray:
+    a, b = problem.a[k].astype(np.float64), problem.b[k].astype(np.float64)
+    w = w_t.astype(np.float32).astype(np.float64)
+    for _ in range(steps):
+        w = w - lr * (a.T @ (a @ w - b) + mu * (w - w_t))
+    return w
+
+
+def metrics_of(rule, **kwargs) -> dict:
+    return dict(rule.reply(num_examples=20, **kwargs).content["metrics"])
+
+
+# ------------------------------------------------------------------ closures
+def test_attach_adds_the_term_inside_a_closure_step(problem):
+    """optimizer.step(closure): the term comes after the closure's backward."""
+    mu, lr = 2.0, 0.02
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    x, y = data(problem)
+
+    def closure():
+        optimizer.zero_grad()  # inside step, after the pre-hooks: Lightning's order
+        loss = half_sse(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        optimizer.step(closure)
+    np.testing.assert_allclose(
+        model.weight.detach().numpy()[0],
+        fedprox_by_hand(problem, w_t, mu, lr, 4),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    metrics = metrics_of(rule)
+    assert metrics["proximal-mu-applied"] == metrics["local-steps"] == 4
+    assert metrics["term-lost-steps"] == metrics["term-missing-steps"] == 0
+
+
+def test_a_closure_step_returns_the_penalised_loss(problem):
+    """What the closure returns to the optimiser includes the term's value."""
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, 3.0)
+    with torch.no_grad():
+        model.weight.add_(0.5)  # away from the anchor: a non-zero penalty
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    x, y = data(problem)
+    plain = float(half_sse(model(x), y))
+
+    def closure():
+        optimizer.zero_grad()
+        loss = half_sse(model(x), y)
+        loss.backward()
+        return loss
+
+    returned = float(optimizer.step(closure))
+    penalty = 0.5 * 3.0 * 0.25 * problem.dim
+    assert returned == pytest.approx(plain + penalty, rel=1e-5)
+
+
+def test_lbfgs_reaches_fedprox_closed_form_optimum(problem):
+    """LBFGS with line search on f_k + mu/2||w - w_t||^2: the exact minimiser."""
+    mu = 0.5
+    k = 2
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu, k=k)
+    optimizer = rule.attach(
+        torch.optim.LBFGS(
+            model.parameters(), lr=1.0, max_iter=100, line_search_fn="strong_wolfe"
+        )
+    )
+    x, y = data(problem, k)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = half_sse(model(x), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    a, b = problem.a[k].astype(np.float64), problem.b[k].astype(np.float64)
+    w_t32 = w_t.astype(np.float32).astype(np.float64)
+    optimum = np.linalg.solve(a.T @ a + mu * np.eye(problem.dim), a.T @ b + mu * w_t32)
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], optimum, atol=1e-4)
+    metrics = metrics_of(rule)
+    assert metrics["proximal-mu-applied"] == metrics["local-steps"] == 1
+
+
+def test_the_old_route_in_a_closure_step_is_measured_as_lost(problem):
+    """The term added before step(closure) is wiped: the reply says 0 of 3."""
+    model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1000.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = data(problem)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = half_sse(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        rule.add_gradient()  # where a step pre-hook used to put it
+        optimizer.step(closure)
+    metrics = metrics_of(rule)
+    assert metrics["proximal-mu-applied"] == 0
+    assert metrics["local-steps"] == 3 and metrics["term-lost-steps"] == 3
+
+
+def test_accumulation_gets_the_term_once_per_step(problem):
+    """Two backward passes, one step: the term is added once, after both."""
+    mu, lr = 1.5, 0.01
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    x, y = data(problem)
+    optimizer.zero_grad()
+    for half in (slice(0, 10), slice(10, 20)):
+        half_sse(model(x[half]), y[half]).backward()
+    optimizer.step()
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+    w = w_t.astype(np.float32).astype(np.float64)
+    expected = w - lr * (a.T @ (a @ w - b) + mu * (w - w_t))
+    np.testing.assert_allclose(
+        model.weight.detach().numpy()[0], expected, rtol=1e-5, atol=1e-6
+    )
+    assert metrics_of(rule)["proximal-mu-applied"] == 1
+
+
+def test_clipping_before_or_after_the_term(problem):
+    """add_gradient then clip: the term is clipped; attach: added after clipping."""
+    mu, lr, bound = 5.0, 0.1, 0.01
+    w_t = np.linspace(-1, 1, problem.dim)
+    x, y = data(problem)
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+    w = w_t.astype(np.float32).astype(np.float64)
+    with torch.no_grad():
+        start = torch.from_numpy(w_t.astype(np.float32) + 0.1).reshape(1, -1)
+
+    def clip(g):
+        n = np.linalg.norm(g)
+        return g * min(1.0, bound / (n + 1e-6))
+
+    w0 = start.numpy()[0].astype(np.float64)
+    data_grad = a.T @ (a @ w0 - b)
+    term = mu * (w0 - w)
+    for route in ("add_gradient", "attach"):
+        model, rule = fedprox_rule(problem, w_t, mu)
+        with torch.no_grad():
+            model.weight.copy_(start)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        if route == "attach":
+            rule.attach(optimizer)
+        optimizer.zero_grad()
+        half_sse(model(x), y).backward()
+        if route == "add_gradient":
+            rule.add_gradient()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), bound)
+        optimizer.step()
+        step = (
+            clip(data_grad + term)
+            if route == "add_gradient"
+            else clip(data_grad) + term
+        )
+        np.testing.assert_allclose(
+            model.weight.detach().numpy()[0], w0 - lr * step, rtol=1e-4, atol=1e-6
+        )
+        assert metrics_of(rule)["proximal-mu-applied"] == 1, route
+
+
+def test_grad_scaler_unscales_before_the_term(problem):
+    """AMP's GradScaler: the update equals the unscaled one, term included."""
+    mu, lr = 2.0, 0.02
+    w_t = np.linspace(-1, 1, problem.dim)
+    x, y = data(problem)
+    results = []
+    for scaled in (False, True):
+        model, rule = fedprox_rule(problem, w_t, mu)
+        optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+        for _ in range(3):
+            optimizer.zero_grad()
+            scaler.scale(half_sse(model(x), y)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        results.append(model.weight.detach().numpy()[0].copy())
+        assert metrics_of(rule)["proximal-mu-applied"] == 3
+    np.testing.assert_array_equal(results[0], results[1])  # powers of two: exact
+    np.testing.assert_allclose(
+        results[0], fedprox_by_hand(problem, w_t, mu, lr, 3), rtol=1e-5, atol=1e-6
+    )
+
+
+# ------------------------------------------------------------ what is missed
+def test_stepping_another_optimizer_is_measured_as_missing(problem):
+    model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1.0)
+    rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
+    stepped = torch.optim.SGD(model.parameters(), lr=0.01)  # the one the loop uses
+    x, y = data(problem)
+    for _ in range(2):
+        stepped.zero_grad()
+        half_sse(model(x), y).backward()
+        stepped.step()
+    metrics = metrics_of(rule)
+    assert metrics["local-steps"] == 2
+    assert metrics["proximal-mu-applied"] == 0 and metrics["term-missing-steps"] == 2
+
+
+def test_no_rule_call_at_all_is_measured(problem):
+    """The user forgot attach and add_gradient: the steps are still counted."""
+    model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1.0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = data(problem)
+    for _ in range(3):
+        optimizer.zero_grad()
+        half_sse(model(x), y).backward()
+        optimizer.step()
+    metrics = metrics_of(rule)
+    assert (metrics["local-steps"], metrics["proximal-mu-applied"]) == (3, 0)
+
+
+def test_add_gradient_twice_in_one_step_adds_once(problem, caplog):
+    mu, lr = 2.0, 0.02
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    x, y = data(problem)
+    optimizer.zero_grad()
+    half_sse(model(x), y).backward()
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        rule.add_gradient()
+        rule.add_gradient()
+    optimizer.step()  # the hook finds the term there: nothing more
+    np.testing.assert_allclose(
+        model.weight.detach().numpy()[0],
+        fedprox_by_hand(problem, w_t, mu, lr, 1),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert "called again before the optimiser's update" in caplog.text
+
+
+def test_a_loop_without_an_optimizer_counts_its_updates(problem):
+    """A manual update: each add_gradient followed by a parameter change counts."""
+    mu, lr = 1.0, 0.05
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    x, y = data(problem)
+    for step in range(3):
+        model.zero_grad()
+        half_sse(model(x), y).backward()
+        rule.add_gradient(lr=lr)
+        if step < 2:  # the last step forgets the update
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(lr * p.grad)
+    metrics = metrics_of(rule)
+    assert (metrics["local-steps"], metrics["proximal-mu-applied"]) == (3, 2)
+
+
+# ------------------------------------------------------ what a route requires
+def test_scaffold_refuses_adam_whatever_the_route(problem):
+    """attach, add_gradient or no call at all: the first Adam step is refused."""
+    c = np.full((1, problem.dim), 0.3, np.float32)
+    x, y = data(problem)
+    for route in ("attach", "add_gradient", "none"):
+        model = torch.nn.Linear(problem.dim, 1, bias=False)
+        msg = train_message(
+            [np.zeros((1, problem.dim), np.float32)],
+            {"server-round": 1},
+            {"control": [c]},
+        )
+        rule = ScaffoldRule.from_message(msg, context(), model)
+        adam = torch.optim.Adam(model.parameters(), lr=0.01)
+        if route == "attach":
+            with pytest.raises(ValueError, match=r"needs torch\.optim\.SGD"):
+                rule.attach(adam)
+            continue
+        half_sse(model(x), y).backward()
+        if route == "add_gradient":
+            rule.add_gradient(lr=0.01)
+        with pytest.raises(ValueError, match="got Adam"):
+            adam.step()
+        rule.close()
+
+
+def test_scaffold_option_two_divides_by_the_rates_applied(problem):
+    """A scheduler halves the rate each step: K*eta is the sum of the rates."""
+    lr = 0.1
+    c = np.full((1, problem.dim), 0.3, np.float32)
+    model = torch.nn.Linear(problem.dim, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    msg = train_message(
+        [np.zeros((1, problem.dim), np.float32)],
+        {"server-round": 1, "scaffold-control-lr": "round"},
+        {"control": [c]},
+    )
+    rule = ScaffoldRule.from_message(msg, context(), model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    x, y = data(problem, 2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        half_sse(model(x), y).backward()
+        rule.add_gradient()  # the callback route: no lr given, none attached
+        optimizer.step()
+        scheduler.step()
+    a, b = problem.a[2].astype(np.float64), problem.b[2].astype(np.float64)
+    w, rates = np.zeros(problem.dim), [0.1, 0.05, 0.025]
+    for rate in rates:
+        w = w - rate * (a.T @ (a @ w - b) + c[0])
+    reply = rule.reply(num_examples=20)
+    delta = reply.content["control-delta"].to_numpy_ndarrays()[0][0]
+    np.testing.assert_allclose(delta, -c[0] + (0 - w) / sum(rates), rtol=1e-4)
+    assert reply.content["metrics"]["scaffold-applied"] == 3
+
+
+# ------------------------------------------------------- dtypes and devices
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_reply_in_the_servers_dtype(problem, dtype):
+    """A model converted after from_message (Lightning's bf16-true): float32 replies."""
+    c = np.full((1, problem.dim), 0.3, np.float32)
+    model = torch.nn.Linear(problem.dim, 1, bias=False)
+    msg = train_message(
+        [np.zeros((1, problem.dim), np.float32)],
+        {"server-round": 1},
+        {"control": [c]},
+    )
+    rule = ScaffoldRule.from_message(msg, context(), model)
+    model.to(dtype)  # same Parameter objects, new dtype, as Lightning converts
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = data(problem, 2)
+    for _ in range(2):
+        optimizer.zero_grad()
+        half_sse(model(x.to(dtype)).float(), y).backward()
+        optimizer.step()
+    reply = rule.reply(num_examples=20)
+    for name in ("arrays", "control-delta"):
+        [array] = reply.content[name].to_numpy_ndarrays()
+        assert array.dtype == np.float32 and np.isfinite(array).all(), name
+    assert reply.content["metrics"]["scaffold-applied"] == 2
+    [pending] = rule.state.get("pending:scaffold-control")  # c_i+, until confirmed
+    assert pending.dtype == np.float32
+
+
+def test_the_rule_follows_replaced_parameters(problem):
+    """A conversion that replaces the Parameter objects: the rule re-points."""
+    mu, lr = 2.0, 0.02
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    old = model.weight
+    model.weight = torch.nn.Parameter(old.detach().clone())  # a new object
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    x, y = data(problem)
+    for _ in range(2):
+        optimizer.zero_grad()
+        half_sse(model(x), y).backward()
+        optimizer.step()
+    np.testing.assert_allclose(
+        model.weight.detach().numpy()[0],
+        fedprox_by_hand(problem, w_t, mu, lr, 2),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert metrics_of(rule)["proximal-mu-applied"] == 2
+
+
+def test_the_rule_follows_a_device_move_before_the_first_step(problem):
+    """Lightning moves the model inside fit(): the anchor and the term follow."""
+    model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1.0)
+    model.to("meta")  # the only other device on a CPU machine
+    rule.follow_model()
+    assert all(a.device.type == "meta" for a in rule.anchor)
+    assert all(a.device.type == "meta" for a in rule.term.anchor)
+    assert rule.params[0] is model.weight
+
+
+def test_innermost_optimizer_unwraps_wrappers():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    class Wrapper:  # as accelerate's and Lightning's wrappers keep theirs
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+            self.param_groups = optimizer.param_groups
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    assert innermost_optimizer(Wrapper(Wrapper(sgd))) is sgd
+    assert innermost_optimizer(sgd) is sgd
+
+
+# --------------------------------------------------------------- the server
+def own_app(problem, rule_cls, route: str) -> ClientApp:
+    """A user's closure-based loop: the rule attached, or added before the step."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        model = torch.nn.Linear(problem.dim, 1, bias=False)
+        rule = rule_cls.from_message(msg, context, model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        if route == "attach":
+            rule.attach(optimizer)
+        x, y = torch.from_numpy(problem.a[k]), torch.from_numpy(problem.b[k])
+
+        def closure():
+            optimizer.zero_grad()
+            loss = half_sse(model(x), y)
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            if route == "too-early":
+                rule.add_gradient()
+            optimizer.step(closure)
+        return rule.reply(num_examples=len(y))
+
+    return app
+
+
+def run(problem, strategy, app, rounds=2):
+    grid = InProcessGrid(app, num_nodes=len(problem.a))
+    return strategy.start(
+        grid=grid, initial_arrays=problem.initial(), num_rounds=rounds
+    )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "rule_cls"),
+    [
+        (lambda **kw: FedProx(mu=1.0, **kw), FedProxRule),
+        (lambda **kw: Scaffold(num_clients=4, **kw), ScaffoldRule),
+        (lambda **kw: FedDyn(alpha=0.1, num_clients=4, **kw), FedDynRule),
+    ],
+    ids=["fedprox", "scaffold", "feddyn"],
+)
+def test_the_server_hears_when_the_term_missed_the_update(
+    problem, strategy, rule_cls, caplog
+):
+    """Warned once with the cause and the fix; strict=True rejects; attach is clean."""
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        result = run(
+            problem,
+            strategy(fraction_evaluate=0.0),
+            own_app(problem, rule_cls, "too-early"),
+        )
+    counts = [
+        m["replies-term-incomplete"] for m in result.train_metrics_clientapp.values()
+    ]
+    assert counts == [4, 4]
+    warnings = [
+        r.getMessage() for r in caplog.records if "local steps" in r.getMessage()
+    ]
+    assert len(warnings) == 1, warnings
+    assert "in 0 of the client's 3 local steps" in warnings[0]
+    assert "rule.attach(optimizer)" in warnings[0]
+    caplog.clear()
+    with (
+        caplog.at_level(logging.WARNING, logger="flwr"),
+        pytest.raises(NoRoundAggregatedError),
+    ):
+        run(
+            problem,
+            strategy(fraction_evaluate=0.0, strict=True),
+            own_app(problem, rule_cls, "too-early"),
+        )
+    assert "rule-not-applied" in caplog.text
+    clean = run(
+        problem, strategy(fraction_evaluate=0.0), own_app(problem, rule_cls, "attach")
+    )
+    for metrics in clean.train_metrics_clientapp.values():
+        assert metrics["replies-term-incomplete"] == 0
+        assert metrics["replies-valid"] == 4
+
+
+def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
+    """A reply without control-delta names rule.reply, as FedDyn's does."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        content = RecordDict(
+            {
+                "arrays": msg.content["arrays"],
+                "metrics": __import__("flwr.app").app.MetricRecord({"num-examples": 5}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    with (
+        caplog.at_level(logging.WARNING, logger="flwr"),
+        pytest.raises(NoRoundAggregatedError),
+    ):
+        run(problem, Scaffold(num_clients=4, fraction_evaluate=0.0), app, rounds=1)
+    assert "expected ['arrays', 'control-delta']" in caplog.text
+    assert "return rule.reply(...)" in caplog.text
