@@ -627,6 +627,7 @@ def client_factory(cfg: DictConfig) -> Callable[..., Any]:
         learning_rate=float(train["learning_rate"]),
         momentum=float(train["momentum"]),
         weight_decay=float(train["weight_decay"]),
+        optimizer=str(train.get("optimizer", "sgd")),
         max_grad_norm=train.get("max_grad_norm"),
         finetune_steps=int(train.get("finetune_steps", 0) or 0),
         dp=build_dp(cfg),

@@ -21,7 +21,7 @@ from flwr.client import NumPyClient
 from numpy.typing import NDArray
 from torch import nn
 
-from ...ops.checks import check_int, check_non_negative, check_positive
+from ...ops.checks import check_choice, check_int, check_non_negative, check_positive
 from ..transport.keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
@@ -66,6 +66,9 @@ from .training import (
 )
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+#: The optimisers the pack's clients build (``optimizer=``).
+OPTIMIZERS = ("sgd", "adam")
 
 # The train-config key Flower's examples send the learning rate under.
 SERVER_LR_KEY = "lr"
@@ -117,6 +120,11 @@ class TorchClient(NumPyClient):
         SGD momentum (reset each round: the optimiser is rebuilt per fit).
     weight_decay : float (default: 0.0)
         L2 penalty coefficient added by the optimiser.
+    optimizer : str (default: "sgd")
+        ``"sgd"`` (``torch.optim.SGD`` with ``momentum``) or ``"adam"``
+        (``torch.optim.Adam``, its state reset each round). SCAFFOLD and FedDC
+        need ``"sgd"``; under Adam, FedProx's ``mu`` and FedDyn's ``alpha``
+        act differently (the algorithm pages measure it).
     loss_fn : callable | None (default: None)
         ``loss_fn(outputs, targets)`` returning the mean loss of a batch;
         cross-entropy when None.
@@ -199,6 +207,7 @@ class TorchClient(NumPyClient):
         learning_rate: float = 0.01,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        optimizer: str = "sgd",
         loss_fn: LossFn | None = None,
         max_grad_norm: float | None = None,
         state_dir: str | None = None,
@@ -217,6 +226,14 @@ class TorchClient(NumPyClient):
         check_non_negative("momentum", momentum)
         check_non_negative("weight_decay", weight_decay)
         check_int("finetune_steps", finetune_steps, 0)
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        if optimizer != "sgd" and self.rule_class.plain_sgd:
+            raise ValueError(
+                f"optimizer must be 'sgd' for {type(self).__name__}: "
+                f"{self.protocol}'s control-variate update assumes plain SGD "
+                f"steps; got {optimizer!r}"
+            )
+        self.optimizer_name = optimizer
         if max_grad_norm is not None and not (
             math.isfinite(max_grad_norm) and max_grad_norm > 0
         ):
@@ -443,7 +460,13 @@ class TorchClient(NumPyClient):
         return (self.seed * 1_000_003 + self.server_round) * 31 + 17
 
     def make_optimizer(self) -> torch.optim.Optimizer:
-        """Build this round's optimiser (plain SGD)."""
+        """Build this round's optimiser (``optimizer``: SGD, or Adam)."""
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(
+                trainable(self.model),
+                lr=self.round_lr,
+                weight_decay=self.weight_decay,
+            )
         return torch.optim.SGD(
             trainable(self.model),
             lr=self.round_lr,

@@ -24,16 +24,24 @@ In a Message-API ``ClientApp`` (Flower's quickstart, for instance)::
         model = Net()
         rule = FedProxRule.from_message(msg, context, model)  # loads the model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        rule.attach(optimizer)  # adds the term before every optimizer.step()
+        rule.attach(optimizer)  # adds the term at every optimizer.step()
         ...  # your loop, your loss, your batches, your device
         return rule.reply(num_examples=len(trainloader.dataset),
                           metrics={"train_loss": loss})
 
-``attach`` adds the term in a step pre-hook of the optimiser, so it comes after
-anything the loop does between ``backward()`` and ``step()`` (gradient
-clipping, say). To have the term clipped with the data gradient, as the pack's
-own loop does with ``max_grad_norm``, call :meth:`ClientRule.add_gradient`
-yourself before clipping instead of attaching.
+``attach`` adds the term just before each update: in the optimiser's step
+pre-hook, or, for a step called with a closure (Lightning, LBFGS), after the
+closure's ``backward()``. It comes after anything the loop does between
+``backward()`` and ``step()`` (gradient clipping, say). To have the term
+clipped with the data gradient, as the pack's own loop does with
+``max_grad_norm``, call :meth:`ClientRule.add_gradient` yourself before
+clipping: the hook then adds nothing more.
+
+What the reply says is measured, not assumed (:mod:`.steps`): every
+``step()`` of a torch optimiser over the model is counted, and
+``<algorithm>-applied`` is the number of them whose update held the term. A
+training stack that wipes the term or steps another optimiser makes the reply
+say so, and the server warns (or, with ``strict=True``, rejects).
 """
 
 from __future__ import annotations
@@ -280,15 +288,20 @@ class ClientRule:
             model = Net()
             rule = FedProxRule.from_message(msg, context, model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-            rule.attach(optimizer)  # adds the term before every step()
+            rule.attach(optimizer)  # adds the term at every step()
             ...  # your loop, your loss, your batches, your device
             return rule.reply(num_examples=len(trainloader.dataset),
                               metrics={"train_loss": loss})
 
-    ``attach`` adds the term in a step pre-hook of the optimiser, so it comes
-    after anything the loop does between ``backward()`` and ``step()``
-    (gradient clipping, say). To have the term clipped with the data
-    gradient, call :meth:`add_gradient` yourself before clipping instead.
+    ``attach`` adds the term just before each update (after the closure's
+    ``backward()`` for a closure-based step), so it comes after anything the
+    loop does between ``backward()`` and ``step()`` (gradient clipping,
+    say). To have the term clipped with the data gradient, call
+    :meth:`add_gradient` yourself before clipping. The reply's
+    ``<algorithm>-applied`` counts the optimiser steps whose update held the
+    term (:attr:`counts`), measured at every step; in Lightning or Hugging
+    Face's Trainer, :mod:`flwr_prox_strategies.integrations` applies a rule
+    in one line.
 
     Parameters
     ----------
@@ -325,17 +338,20 @@ class ClientRule:
 
     #: The strategy whose values the rule reads (named in protocol errors).
     protocol: ClassVar[str] = "FedAvg"
-    #: The metric (value 1) the reply carries to say the rule was applied, the
-    #: strategy's :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`,
-    #: which warns about (or with ``strict=True`` rejects) replies without it.
+    #: The metric the reply carries: the count of optimiser steps whose update
+    #: held the rule's term (measured, :attr:`counts`). It is the strategy's
+    #: :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`, which
+    #: warns about (or with ``strict=True`` rejects) replies without it or
+    #: with fewer applied steps than ``local-steps``.
     applied_metric: ClassVar[str | None] = None
     #: Whether the client keeps state the server sums over. It is then
     #: committed in two phases (pending until the server confirms the reply
     #: was aggregated).
     stateful: ClassVar[bool] = False
     #: Whether the update assumes plain SGD steps (SCAFFOLD's and FedDC's
-    #: control variates). Then :meth:`~flwr_prox_strategies.ClientRule.attach`
-    #: refuses other optimisers.
+    #: control variates). Then every optimiser seen stepping the model
+    #: (attached or not) must be ``torch.optim.SGD`` without momentum, with
+    #: one learning rate: another is refused before its first update.
     plain_sgd: ClassVar[bool] = False
     #: Whether the client spends privacy itself (a noisy release) and keeps
     #: the total in ``context.state``: a resumed run must find that ledger,
