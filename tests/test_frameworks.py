@@ -16,8 +16,14 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
-from flwr.app import RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -172,7 +178,11 @@ def test_lightning_accumulation_adds_the_term_once_per_step(problem):
 
 
 def test_lightning_bf16_true_replies_in_float32(problem):
-    w, reply, _ = fit_fedprox(problem, 2.0, precision="bf16-true")
+    w, reply, w_t = fit_fedprox(problem, 2.0, precision="bf16-true")
+    # bfloat16 keeps 8 bits of mantissa: the hand steps to its rounding
+    np.testing.assert_allclose(
+        w, fedprox_by_hand(problem, w_t, 2.0, 0.02, 3), rtol=0.05, atol=0.02
+    )
     [array] = reply.content["arrays"].to_numpy_ndarrays()
     assert array.dtype == np.float32 and np.isfinite(array).all()
     metrics = reply.content["metrics"]
@@ -214,9 +224,9 @@ def test_lightning_scaffold_refuses_adam_before_training(problem):
         [np.zeros((1, problem.dim), np.float32)], {"server-round": 1}, {"control": [c]}
     )
     rule = ScaffoldRule.from_message(msg, context(), model)
-    with pytest.raises(ValueError, match="needs torch.optim.SGD without momentum"):
+    with pytest.raises(ValueError, match=r"needs torch\.optim\.SGD without momentum"):
         trainer([RuleCallback(rule)]).fit(model, loader(problem))
-    assert model.net.weight.detach().abs().sum() == 0 or rule.steps == 0
+    assert rule.steps == 0  # refused before the first update
 
 
 def test_a_callback_that_adds_the_term_too_early_is_measured(problem, caplog):
@@ -280,7 +290,7 @@ def test_lightning_clients_run_each_algorithm_with_state(problem, make, rule_cls
         assert metrics[rule_cls.applied_metric] == metrics["local-steps"] == 4
     if rule_cls.stateful:  # round 3's clients hold the state round 2 committed
         assert sorted(c for r, c in committed if r == 3) == [2, 2, 2, 2]
-    from flwr_prox_strategies import FedAvg, ClientRule
+    from flwr_prox_strategies import ClientRule, FedAvg
 
     fedavg = FedAvg(fraction_evaluate=0.0).start(
         grid=InProcessGrid(lightning_app(problem, ClientRule), num_nodes=4),
