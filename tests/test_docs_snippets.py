@@ -97,3 +97,29 @@ def test_the_readmes_drop_in_app_trains_under_its_strategy() -> None:
         assert metrics["feddyn-applied"] == metrics["local-steps"] > 0
         assert metrics["term-lost-steps"] == metrics["term-missing-steps"] == 0
         assert metrics["replies-valid"] == 2 and metrics["replies-rejected"] == 0
+
+
+def test_the_lightning_snippet_trains_under_fedprox() -> None:
+    # The training-frameworks page's Lightning ClientApp, run as a federation:
+    # FedProx's term reached every one of the Trainer's optimiser steps.
+    import torch
+    from flwr.app import ArrayRecord
+
+    from flwr_prox_strategies import FedProx
+    from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+
+    pytest.importorskip("lightning")
+    page = REPO / "docs" / "howto" / "training-frameworks.md"
+    [(_, code)] = [b for b in python_blocks(page) if "RuleCallback" in b[1]]
+    namespace: dict[str, object] = {"__name__": "__snippet__"}
+    exec(compile(code, "<training-frameworks>", "exec"), namespace)
+    grid = InProcessGrid(namespace["client"], num_nodes=2)
+    initial = namespace["LitRegression"]().state_dict()  # type: ignore[operator]
+    result = FedProx(mu=0.5, fraction_evaluate=0.0).start(
+        grid=grid, initial_arrays=ArrayRecord(initial), num_rounds=2
+    )
+    for metrics in result.train_metrics_clientapp.values():
+        assert metrics["proximal-mu-applied"] == metrics["local-steps"] == 4
+        assert metrics["replies-valid"] == 2
+    moved = result.arrays.to_torch_state_dict()
+    assert any(not torch.equal(moved[k], initial[k]) for k in initial)

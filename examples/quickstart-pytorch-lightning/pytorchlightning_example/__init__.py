@@ -1,0 +1,1 @@
+"""pytorchlightning_example: A Flower / PyTorch Lightning app."""

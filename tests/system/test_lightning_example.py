@@ -1,0 +1,149 @@
+"""System test: examples/quickstart-pytorch-lightning under `flwr run`.
+
+The example is Flower's quickstart-pytorch-lightning (Lightning's
+``Trainer.fit`` with automatic optimisation, Adam in ``configure_optimizers``)
+with the pack's strategies and the Lightning callback. One managed SuperLink
+runs, two at a time:
+
+* FedProx and FedDyn (Flower's Adam) and SCAFFOLD (plain SGD, ``optimizer="auto"``)
+  must complete with every reply saying its term reached every update
+  (``<algorithm>-applied`` equal to ``local-steps``, no reply counted in
+  ``replies-term-incomplete``), and end on a final model different from FedAvg's
+  under the same optimiser;
+* SCAFFOLD with the example's Adam (``optimizer='adam'``) must end
+  ``finished:failed``, its last error naming the plain-SGD requirement.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from flwr_prox_strategies._executables import flower_executable
+
+from .engine import REPO, managed_engine, run_log, run_status
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = REPO / "examples" / "quickstart-pytorch-lightning"
+NUM_NODES = 4
+PARALLEL = 2
+BASE = "num-server-rounds=2 max-epochs=1 seed=0"
+RUNS = {
+    "fedprox": "algorithm='fedprox' proximal-mu=1.0",
+    "feddyn": "algorithm='feddyn' feddyn-alpha=0.1",
+    "scaffold": "algorithm='scaffold'",
+    "fedavg-adam": "algorithm='fedavg' optimizer='adam'",
+    "fedavg-sgd": "algorithm='fedavg' optimizer='sgd'",
+    "scaffold-adam": "algorithm='scaffold' optimizer='adam' num-server-rounds=3",
+}
+APPLIED = {
+    "fedprox": "proximal-mu-applied",
+    "feddyn": "feddyn-applied",
+    "scaffold": "scaffold-applied",
+}
+BASELINE = {"fedprox": "fedavg-adam", "feddyn": "fedavg-adam", "scaffold": "fedavg-sgd"}
+
+
+@dataclass
+class Run:
+    name: str
+    run_config: str
+    output: Path
+    run_id: str = ""
+    status: str = ""
+    log: str = ""
+
+
+def submit(env: dict[str, str], run_config: str) -> str:
+    out = subprocess.run(
+        [
+            flower_executable("flwr"),
+            "run",
+            str(EXAMPLE),
+            "--format",
+            "json",
+            "--federation-config",
+            f"num-supernodes={NUM_NODES} client-resources-num-cpus=1 "
+            "init-args-num-cpus=1",
+            "--run-config",
+            run_config,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return str(json.loads(out.stdout)["run-id"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("lightning")
+    queue = [
+        Run(name, f"{BASE} {cfg} output-path='{tmp / name}.pt'", tmp / f"{name}.pt")
+        for name, cfg in RUNS.items()
+    ]
+    pending, active = list(queue), []
+    with managed_engine(tmp / "home") as env:
+        env = {**env, "OMP_NUM_THREADS": "1"}
+        deadline = time.monotonic() + 900
+        while pending or active:
+            while pending and len(active) < PARALLEL:
+                run = pending.pop(0)
+                run.run_id = submit(env, run.run_config)
+                active.append(run)
+            for run in list(active):
+                status = str(run_status(run.run_id, env)["status"])
+                if status.startswith("finished"):
+                    run.status = status
+                    run.log = run_log(run.run_id, env)
+                    active.remove(run)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still running: {[r.name for r in active]}")
+            time.sleep(3)
+    return {run.name: run for run in queue}
+
+
+def train_records(log: str) -> list[dict]:
+    """The aggregated train metrics of each round, as the ServerApp logged them."""
+    found = re.findall(r"Aggregated MetricRecord: (\{'train_loss'.*?\})\s*$", log, re.M)
+    return [ast.literal_eval(text) for text in found]
+
+
+@pytest.mark.parametrize("name", list(APPLIED))
+def test_each_algorithm_really_applies_its_term(runs: dict[str, Run], name: str):
+    run = runs[name]
+    assert run.status == "finished:completed", run.log[-3000:]
+    rounds = train_records(run.log)
+    assert len(rounds) == 2, run.log[-3000:]
+    for metrics in rounds:
+        assert metrics["replies-valid"] == NUM_NODES // 2
+        assert metrics["replies-term-incomplete"] == 0
+        assert metrics[APPLIED[name]] == metrics["local-steps"] > 0
+    ours = torch.load(run.output)
+    baseline = runs[BASELINE[name]]
+    assert baseline.status == "finished:completed", baseline.log[-3000:]
+    theirs = torch.load(baseline.output)
+    moved = max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
+    assert moved > 1e-4, f"{name} ended on FedAvg's model ({moved})"
+
+
+def test_scaffold_with_adam_fails_and_says_why(runs: dict[str, Run]):
+    run = runs["scaffold-adam"]
+    assert run.status == "finished:failed", (run.status, run.log[-3000:])
+    failure = [line for line in run.log.splitlines() if "no round aggregated" in line]
+    assert failure, run.log[-3000:]
+    assert "needs torch.optim.SGD without momentum" in failure[-1]
+    assert "got Adam" in failure[-1]
