@@ -35,8 +35,7 @@ def make_strategy(context: Context):
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Main entry point for the ServerApp."""
-
+    """Run the main entry point for the ServerApp."""
     # Read run config
     num_rounds: int = context.run_config["num-server-rounds"]
 

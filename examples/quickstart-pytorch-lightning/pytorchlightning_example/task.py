@@ -43,7 +43,7 @@ class LitAutoEncoder(pl.LightningModule):
         return embedding
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Return Adam (Flower's), or plain SGD (SCAFFOLD's and FedDC's rules need it)."""
+        """Return Adam (Flower's), or plain SGD (what SCAFFOLD and FedDC need)."""
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr)
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
