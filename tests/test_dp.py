@@ -362,6 +362,10 @@ def test_every_client_trains_privately_from_the_privacy_group(
     per_client = train["dp-epsilon-total-per-client"]
     assert len(per_client) == 3 and all(0 < e < math.inf for e in per_client)
     assert train["dp-epsilon-total-max"] == max(per_client)
+    # Under DP-SGD too, every optimiser step's update held the rule's term
+    # (added after opacus' clipping and noise, measured at the inner step).
+    assert train.get("replies-term-incomplete", 0) == 0
+    assert train.get("term-lost-steps", 0) == train.get("term-missing-steps", 0) == 0
     assert results["summary"]["final-accuracy"] is not None
     assert results["summary"]["final-epsilon-max"] == max(per_client)
     assert results["summary"]["delta"] == pytest.approx(1e-5)
