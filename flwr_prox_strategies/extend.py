@@ -72,9 +72,11 @@ Class attributes declare the rest:
 ``settings``
     The settings ``repr()`` and the run's summary show.
 ``rule_metric``
-    The metric (value 1) a client reports when it applied the algorithm's
-    client rule (its rule's ``applied_metric``); replies without it are named
-    in one warning per run, or rejected with ``strict=True``. None: any client.
+    The metric a client reports when it runs the algorithm's client rule (its
+    rule's ``applied_metric``): the count of its steps whose update held the
+    term, beside ``local-steps``. Replies without it, or with fewer applied
+    steps than local steps, are named in one warning per run, or rejected
+    with ``strict=True``. None: any client.
 ``model_linear_in_replies``
     The model is a positive linear combination of the replies' model records:
     their NaN/inf check can wait for the result. A class that overrides
@@ -182,6 +184,7 @@ from .algorithms import Algorithm
 from .core.client.client import TorchClient
 from .core.client.rule import ClientRule
 from .core.client.state import ClientState
+from .core.client.steps import StepCounts
 from .core.client.training import GradientTerm
 from .core.contract.fields import RoundUpdate
 from .core.contract.validation import MetricSpec, ReplyRejected, ValidReply
@@ -232,6 +235,7 @@ __all__ = [
     "ReplyTally",
     "RoundPiece",
     "RoundUpdate",
+    "StepCounts",
     "Stragglers",
     "TorchClient",
     "ValidReply",

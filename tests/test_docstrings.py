@@ -30,6 +30,8 @@ NAMESPACES = (
     "flwr_prox_strategies.extend",
     "flwr_prox_strategies.testing",
     "flwr_prox_strategies.tracking",
+    "flwr_prox_strategies.integrations.lightning",
+    "flwr_prox_strategies.integrations.huggingface",
     "flwr_prox_strategies.task",
 )
 PUBLIC = [

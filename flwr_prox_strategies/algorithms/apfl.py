@@ -137,7 +137,7 @@ APFL_AVERAGE_A_KEY = "apfl-average-a"
 APFL_LR_MU_KEY = "apfl-lr-mu"
 APFL_LR_A_KEY = "apfl-lr-a"
 APFL_STEP_KEY = "apfl-step"
-#: Reported (value 1) by clients that apply APFL's rule (APFLRule).
+#: Reported by clients that apply APFL's rule (APFLRule).
 APFL_APPLIED_KEY = "apfl-applied"
 WEIGHTED_THETA_RECORD = "apfl-weighted-theta"
 AVERAGE_MODEL_RECORD = "apfl-average-model"
@@ -219,7 +219,9 @@ class APFL(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``apfl-applied`` (value 1); replies without it are named
+    Clients report ``apfl-applied``, the count of their steps whose update
+    held the rule's term (measured), beside ``local-steps``; replies without
+    it are named
     in a warning once per run (rejected with ``strict=True``). Evaluation
     metrics: ``personal`` and ``accuracy`` (the global model), and with
     averaging ``personal-avg`` and ``global-avg``.

@@ -83,7 +83,7 @@ from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD
 FEDDC_ALPHA_KEY = "feddc-alpha"
 #: The train-config key of the semantics (``"official"`` or ``"paper"``).
 FEDDC_CORRECTION_KEY = "feddc-correction"
-#: Reported (value 1) by clients that apply FedDC's rule (FedDCRule).
+#: Reported by clients that apply FedDC's rule (FedDCRule).
 FEDDC_APPLIED_KEY = "feddc-applied"
 GLOBAL_UPDATE_RECORD = "feddc-g"
 LOCAL_UPDATE_RECORD = "feddc-update"
@@ -140,7 +140,9 @@ class FedDC(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``feddc-applied`` (value 1); replies without it are named
+    Clients report ``feddc-applied``, the count of their steps whose update
+    held the rule's term (measured), beside ``local-steps``; replies without
+    it are named
     in a warning once per run (rejected with ``strict=True``). Train config
     keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
     ``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (paper).

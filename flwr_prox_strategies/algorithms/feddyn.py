@@ -82,7 +82,7 @@ from ..ops.proximal import ProximalTerm
 
 #: The train-config key of :math:`\alpha`.
 FEDDYN_ALPHA_KEY = "feddyn-alpha"
-#: Reported (value 1) by clients that apply FedDyn's rule (FedDynRule).
+#: Reported by clients that apply FedDyn's rule (FedDynRule).
 FEDDYN_APPLIED_KEY = "feddyn-applied"
 TRACK_LATEST_KEY = "feddyn-track-latest"
 INITIAL_MODEL_RECORD = "initial-model"
@@ -134,7 +134,9 @@ class FedDyn(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``feddyn-applied`` (value 1); replies without it are
+    Clients report ``feddyn-applied``, the count of their steps whose update
+    held the rule's term (measured), beside ``local-steps``; replies without
+    it are
     named in a warning once per run (rejected with ``strict=True``). Train
     config key: ``feddyn-alpha``.
 
@@ -284,7 +286,8 @@ class FedDynRule(ClientRule):
     Keeps :math:`\lambda_k = -g_k/\alpha` in the client's state (one model),
     advanced by :math:`\theta_k - \theta^t` once the server confirms the reply.
     :math:`\alpha_k = \alpha` divided by ``relative_size`` (1 by default).
-    Any optimiser works. It reads ``feddyn-alpha`` and reports
+    Any optimiser runs it (under Adam, alpha acts differently: the FedDyn
+    page measures it). It reads ``feddyn-alpha`` and reports
     ``feddyn-applied``.
 
     Parameters

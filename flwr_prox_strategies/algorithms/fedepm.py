@@ -123,7 +123,7 @@ ETA_KEY = "fedepm-eta"
 R0_KEY = "fedepm-r0"
 GROWTH_KEY = "fedepm-growth"
 NOISE_KEY = "fedepm-noise"
-#: Reported (value 1) by clients that apply FedEPM's rule (FedEPMRule).
+#: Reported by clients that apply FedEPM's rule (FedEPMRule).
 FEDEPM_APPLIED_KEY = "fedepm-applied"
 LOCAL_STATE = "fedepm-local"
 
@@ -315,7 +315,9 @@ class FedEPM(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``fedepm-applied`` (value 1); replies without it are named
+    Clients report ``fedepm-applied``, the count of their steps whose update
+    held the rule's term (measured), beside ``local-steps``; replies without
+    it are named
     in a warning once per run (rejected with ``strict=True``). The centre is
     not linear in the uploads (an upload's :math:`+\infty` becomes the others'
     minimum), so every upload is checked for NaN and inf before it enters the

@@ -56,7 +56,7 @@ from ..ops.proximal import ProximalTerm
 
 #: The train-config key of :math:`\mu` (Flower's own FedProx sends the same key).
 PROXIMAL_MU_KEY = "proximal-mu"
-#: Reported (value 1) by clients that add the proximal term (FedProxRule).
+#: Reported by clients that add the proximal term (FedProxRule).
 PROXIMAL_MU_APPLIED_KEY = "proximal-mu-applied"
 
 
@@ -100,9 +100,10 @@ class FedProx(ValidatedFedAvg):
             p.grad += mu * (p - p_global)     # gradient of (mu/2)||w - w_t||^2
         optimizer.step()
 
-    and reports ``proximal-mu-applied`` (value 1) in its reply's metrics: replies
-    without it are named in a warning (once per run), or rejected with
-    ``strict=True``.
+    and reports ``proximal-mu-applied`` in its reply's metrics, the number of
+    its steps whose update held the term (measured, beside ``local-steps``):
+    replies without it, or with fewer applied steps than local steps, are
+    named in a warning (once per run), or rejected with ``strict=True``.
 
     References
     ----------
@@ -140,8 +141,9 @@ class FedProx(ValidatedFedAvg):
 class FedProxRule(ClientRule):
     r"""FedProx's client rule: add :math:`\mu(\theta - \theta_t)` at every step.
 
-    Works with any optimiser (momentum, Adam, ...): the term is part of the
-    gradient of :math:`h_k`, whatever follows it. It reads ``proximal-mu``
+    Runs under any optimiser (momentum, Adam, ...): the term is part of the
+    gradient of :math:`h_k`, whatever follows it; under Adam the same
+    :math:`\mu` pulls harder (the FedProx page measures it). It reads ``proximal-mu``
     (:data:`PROXIMAL_MU_KEY`) from the train config and reports
     ``proximal-mu-applied``. In your own ClientApp::
 

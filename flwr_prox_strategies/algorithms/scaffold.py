@@ -73,7 +73,7 @@ CONTROL_RECORD = "control"
 #: The ArrayRecord of a client's :math:`\Delta c_i`, in its reply.
 CONTROL_DELTA_RECORD = "control-delta"
 CONTROL_STATE = "scaffold-control"
-#: Reported (value 1) by clients that apply SCAFFOLD's rule (ScaffoldRule).
+#: Reported by clients that apply SCAFFOLD's rule (ScaffoldRule).
 SCAFFOLD_APPLIED_KEY = "scaffold-applied"
 #: ``"round"`` or ``"base"``: the step size option II divides by.
 CONTROL_LR_KEY = "scaffold-control-lr"
@@ -124,7 +124,9 @@ class Scaffold(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``scaffold-applied`` (value 1); replies without it are
+    Clients report ``scaffold-applied``, the count of their steps whose update
+    held the rule's term (measured), beside ``local-steps``; replies without
+    it are
     named in a warning once per run (rejected with ``strict=True``). Records:
     the server sends :math:`c` (``control``), the client replies with
     :math:`\Delta c_i` (``control-delta``); config key

@@ -58,7 +58,7 @@ from .fedepm import (
 INNER_STEPS_KEY = "sfed-inner-steps"
 #: The train-config key of SFedProx's :math:`\mu` (0 for SFedAvg).
 PROX_MU_KEY = "sfed-mu"
-#: Reported (value 1) by clients that apply SFedAvg's / SFedProx's rule.
+#: Reported by clients that apply SFedAvg's / SFedProx's rule.
 SFEDAVG_APPLIED_KEY = "sfedavg-applied"
 SFEDPROX_APPLIED_KEY = "sfedprox-applied"
 
@@ -297,7 +297,8 @@ class SFedRule(FedEPMRule):
 
     def metrics(self) -> dict[str, Any]:
         """Say that both SFedAvg's and SFedProx's rule were applied."""
-        return {**super().metrics(), SFEDPROX_APPLIED_KEY: 1}
+        metrics = super().metrics()
+        return {**metrics, SFEDPROX_APPLIED_KEY: metrics[self.applied_metric]}
 
     def solve(
         self,

@@ -6,7 +6,7 @@ steps held its term) true in that framework. Each imports its framework only
 when imported itself: install the pack's ``[lightning]`` or
 ``[transformers]`` extra.
 
-- :mod:`.lightning`: its ``RuleCallback`` for ``Trainer.fit``
+- ``lightning``: its ``RuleCallback`` for ``Trainer.fit``
   (``lightning.pytorch`` or ``pytorch_lightning``);
-- :mod:`.huggingface`: its ``RuleCallback`` for ``transformers.Trainer``.
+- ``huggingface``: its ``RuleCallback`` for ``transformers.Trainer``.
 """

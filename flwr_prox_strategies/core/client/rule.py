@@ -299,7 +299,8 @@ class ClientRule:
     say). To have the term clipped with the data gradient, call
     :meth:`add_gradient` yourself before clipping. The reply's
     ``<algorithm>-applied`` counts the optimiser steps whose update held the
-    term (:attr:`counts`), measured at every step; in Lightning or Hugging
+    term (:attr:`~flwr_prox_strategies.extend.ClientRule.counts`), measured
+    at every step; in Lightning or Hugging
     Face's Trainer, :mod:`flwr_prox_strategies.integrations` applies a rule
     in one line.
 
@@ -338,8 +339,8 @@ class ClientRule:
 
     #: The strategy whose values the rule reads (named in protocol errors).
     protocol: ClassVar[str] = "FedAvg"
-    #: The metric the reply carries: the count of optimiser steps whose update
-    #: held the rule's term (measured, :attr:`counts`). It is the strategy's
+    #: The metric the reply carries, the count of optimiser steps whose update
+    #: held the rule's term (measured at every step). It is the strategy's
     #: :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.rule_metric`, which
     #: warns about (or with ``strict=True`` rejects) replies without it or
     #: with fewer applied steps than ``local-steps``.
@@ -548,8 +549,10 @@ class ClientRule:
         -------
         dict[str, Any]
             :attr:`applied_metric`: the optimiser steps whose update held the
-            term (measured, see :attr:`counts`), with ``term-lost-steps`` and
-            ``term-missing-steps``, the steps that did not; ``client-key``;
+            term (measured, see
+            :attr:`~flwr_prox_strategies.extend.ClientRule.counts`), with
+            ``term-lost-steps`` and ``term-missing-steps``, the steps that did
+            not; ``client-key``;
             and, for a stateful rule, ``state-round`` (the round its committed
             state comes from).
         """
@@ -567,12 +570,15 @@ class ClientRule:
     # ------------------------------------------------------ what was measured
     @property
     def counts(self) -> StepCounts:
-        """What this round's steps did: taken, with the term, lost, missing.
+        """The round's steps so far, and which held the term (measured).
 
-        Measured by :class:`~flwr_prox_strategies.core.client.steps.StepWatch`
-        at every ``step()`` of a torch optimiser over the model's parameters;
-        a loop without one is counted by its :meth:`add_gradient` calls; a
-        rule that takes its own steps (FedEPM) by :meth:`took_steps`.
+        Counted at every ``step()`` of a torch optimiser over the model's
+        parameters (the steps taken, those whose update held the term, those
+        that lost it, those that never got it); a loop without one is
+        counted by its
+        :meth:`~flwr_prox_strategies.ClientRule.add_gradient` calls; a rule
+        that takes its own steps (FedEPM) by
+        :meth:`~flwr_prox_strategies.extend.ClientRule.took_steps`.
         """
         if self._own_steps:
             return StepCounts(steps=self._own_steps, applied=self._own_steps)
@@ -580,7 +586,10 @@ class ClientRule:
 
     @property
     def steps(self) -> int:
-        """The local steps taken so far this round (measured, see :attr:`counts`)."""
+        """The local steps taken so far this round (measured).
+
+        See :attr:`~flwr_prox_strategies.extend.ClientRule.counts`.
+        """
         return self.counts.steps
 
     def took_steps(self, steps: int) -> None:
@@ -599,7 +608,8 @@ class ClientRule:
         closure-based step, inside the closure after ``backward()``) and the
         optimiser's update, when you do not :meth:`attach` the rule; a second
         call before the update adds nothing. Whether the update then holds
-        the term is measured (:attr:`counts`), not assumed.
+        the term is measured
+        (:attr:`~flwr_prox_strategies.extend.ClientRule.counts`), not assumed.
 
         Parameters
         ----------
@@ -867,7 +877,7 @@ class ClientRule:
         """End the round's watch: remove every hook; warn if a step lacked the term.
 
         :meth:`reply` and :meth:`reply_records` call it; the counts
-        (:attr:`counts`) stay readable.
+        (:attr:`~flwr_prox_strategies.extend.ClientRule.counts`) stay readable.
         """
         self.detach()
         if self.watch.closed:

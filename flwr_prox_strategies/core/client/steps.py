@@ -81,22 +81,33 @@ def optimizer_parameters(optimizer: Any) -> list[torch.Tensor]:
 
 @dataclass
 class StepCounts:
-    """What the watch counted over one round."""
+    """What a rule's steps did over one round (:attr:`ClientRule.counts`).
 
-    #: Optimiser steps that updated the model's parameters.
+    Parameters
+    ----------
+    steps : int (default: 0)
+        Optimiser steps that updated the model's parameters.
+    applied : int (default: 0)
+        Those whose update held the term (the reply's ``<algorithm>-applied``).
+    lost : int (default: 0)
+        Those for which the term was added, then lost before the update (a
+        backward pass after it, or the gradients cleared or replaced).
+    missing : int (default: 0)
+        Those with no term added since the previous step.
+    lr_sum : float (default: 0.0)
+        The sum of the steps' learning rates, read from the optimiser.
+    first_lr : float | None (default: None)
+        The first step's learning rate (None: no optimiser step seen).
+    lr_varied : bool (default: False)
+        Whether the learning rate changed between steps (a scheduler).
+    """
+
     steps: int = 0
-    #: Those whose update held the term.
     applied: int = 0
-    #: Those for which the term was added, then lost before the update (a
-    #: backward pass after it, or the gradients cleared or replaced).
     lost: int = 0
-    #: Those with no term added since the previous step.
     missing: int = 0
-    #: The sum of the steps' learning rates (read from the optimiser).
     lr_sum: float = 0.0
-    #: The first step's learning rate (None: no optimiser step seen).
     first_lr: float | None = None
-    #: Whether the learning rate changed between steps (a scheduler).
     lr_varied: bool = False
 
     def add_lr(self, lr: float) -> None:
