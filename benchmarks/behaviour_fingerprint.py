@@ -11,6 +11,12 @@ the process's unseeded global generators, the save time or the run's random tag)
 
 Run: ``python benchmarks/behaviour_fingerprint.py [--only fedprox]``; to compare two
 trees, run it with ``PYTHONPATH=<other tree>`` as well and ``diff`` the outputs.
+
+A change that adds keys to results.json or the config on purpose changes both hashes
+while computing the same models. ``--compare A B`` then compares two output folders
+(``--out`` of each tree) array by array: every array of every checkpoint (model,
+server state, clients' state; not the generators' state) and the central evaluation
+of every round.
 """
 
 from __future__ import annotations
@@ -109,12 +115,67 @@ def digest(folder: Path) -> tuple[str, str]:
     )
 
 
+def arrays_of(folder: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's arrays by their place in its document (no generator state)."""
+    with np.load(folder / "checkpoint.npz", allow_pickle=False) as saved:
+        arrays = {name: saved[name] for name in saved.files}
+    document = json.loads(arrays["__meta__"].tobytes())["document"]
+    found: dict[str, np.ndarray] = {}
+
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, dict) and set(value) == {"$array"}:
+            found[path] = arrays[value["$array"]]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if key not in ("rng", "saved-at"):
+                    walk(item, f"{path}/{key}")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]")
+
+    walk(document, "")
+    return found
+
+
+def compare(first: Path, second: Path) -> bool:
+    """Print, per run, whether two trees' outputs hold the same arrays and metrics."""
+    same = True
+    for folder in sorted(p for p in first.iterdir() if (p / "job").is_dir()):
+        a, b = folder / "job", second / folder.name / "job"
+        left, right = arrays_of(a), arrays_of(b)
+        differ = sorted(
+            k
+            for k in left.keys() | right.keys()
+            if k not in left or k not in right or not np.array_equal(left[k], right[k])
+        )
+        central = [
+            [
+                r.get("central")
+                for r in json.loads((f / "results.json").read_text())["rounds"]
+            ]
+            for f in (a, b)
+        ]
+        ok = not differ and central[0] == central[1]
+        same &= ok
+        print(
+            f"{folder.name:36s} {len(left):3d} arrays, {len(differ)} differ"
+            f"{' ' + str(differ[:3]) if differ else ''}; central evaluation "
+            f"{'identical' if central[0] == central[1] else 'DIFFERS'}"
+        )
+    return same
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", default=None, help="run names to run")
     # Results name their folder: two trees must write to the same one.
     parser.add_argument("--out", type=Path, default=Path("/tmp/behaviour-fingerprint"))
+    parser.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("A", "B"), help="two --out folders"
+    )
     args = parser.parse_args()
+    if args.compare:
+        sys.exit(0 if compare(*args.compare) else 1)
     shutil.rmtree(args.out, ignore_errors=True)
     if True:
         tmp = args.out

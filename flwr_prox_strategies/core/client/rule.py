@@ -415,6 +415,8 @@ class ClientRule:
         self._own_steps = 0
         self._given_lrs: list[float] = []
         self._prepared = False
+        self._first: torch.Tensor | None = None
+        self._first_device: torch.device | None = None
         self._warned_twice = False
         self._handles: list[Any] = []
         self._message: Message | None = None
@@ -653,11 +655,19 @@ class ClientRule:
     def _prepare(self) -> None:
         """Before the first step: follow a moved model, note where training starts."""
         if self._prepared:
-            self.check_model_unmoved()
+            # A cheap look each step (the model's first parameter, the same
+            # object on the same device), the whole check when it changed.
+            first = next(iter(self.model.parameters()), None)
+            if first is not self._first or (
+                first is not None and first.device != self._first_device
+            ):
+                self.check_model_unmoved()
             return
         self.follow_model()
         if self.path_estimate:
             self.start = self.starting_point()
+        self._first = next(iter(self.model.parameters()), None)
+        self._first_device = None if self._first is None else self._first.device
         self._prepared = True
 
     def _learn_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

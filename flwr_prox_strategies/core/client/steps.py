@@ -168,8 +168,9 @@ class StepWatch:
         self._params: list[torch.Tensor] = []
         self._ids: set[int] = set()
         self._known: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        # The gradients the term went into since the last step (None: not added).
-        self._term_grads: list[weakref.ReferenceType[torch.Tensor] | None] | None = None
+        # The gradients the term went into since the last step (None: not
+        # added). Held until the step ends, as the parameters hold them.
+        self._term_grads: list[torch.Tensor | None] | None = None
         self._backward_after_term = False
         self._step_lr: float | None = None
         # A loop without a torch optimiser: its add_gradient calls, and the
@@ -209,11 +210,7 @@ class StepWatch:
         ``in_gradients=False``: the rule acted this step without touching the
         gradients (APFL's personal step): nothing there can be lost.
         """
-        self._term_grads = (
-            [None if p.grad is None else weakref.ref(p.grad) for p in self._params]
-            if in_gradients
-            else []
-        )
+        self._term_grads = [p.grad for p in self._params] if in_gradients else []
         self._backward_after_term = False
         if not self.observed:
             if self._versions_at_add is not None and self._params_moved():
@@ -230,8 +227,8 @@ class StepWatch:
         if self._backward_after_term:
             return False
         return all(
-            (ref is None and p.grad is None) or (ref is not None and p.grad is ref())
-            for p, ref in zip(self._params, self._term_grads, strict=True)
+            p.grad is grad
+            for p, grad in zip(self._params, self._term_grads, strict=True)
         )
 
     @property
@@ -297,11 +294,12 @@ class StepWatch:
 
     def _updates_model(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` itself updates the watched parameters."""
-        if innermost_optimizer(optimizer) is not optimizer:
-            return False  # a wrapper: the optimiser it wraps is counted
         known = self._known.get(optimizer)
         if known is not None:
             return known
+        if innermost_optimizer(optimizer) is not optimizer:
+            self._known[optimizer] = False  # a wrapper: the one it wraps counts
+            return False
         ids = {id(p) for p in optimizer_parameters(optimizer)}
         if not ids & self._ids:
             current = self._on_params_changed()
