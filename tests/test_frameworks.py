@@ -189,6 +189,34 @@ def test_lightning_bf16_true_replies_in_float32(problem):
     assert metrics["proximal-mu-applied"] == metrics["local-steps"] == 3
 
 
+def test_lightning_bf16_mixed_applies_the_term(problem):
+    """Autocast in bfloat16, float32 parameters: every step holds the term."""
+    w, reply, w_t = fit_fedprox(problem, 2.0, precision="bf16-mixed")
+    np.testing.assert_allclose(
+        w, fedprox_by_hand(problem, w_t, 2.0, 0.02, 3), rtol=0.05, atol=0.02
+    )
+    metrics = reply.content["metrics"]
+    assert metrics["proximal-mu-applied"] == metrics["local-steps"] == 3
+
+
+def test_lightning_clips_the_term_with_the_data_gradient(problem):
+    """gradient_clip_val: the callback adds the term before Lightning clips."""
+    bound, mu, lr = 0.05, 20.0, 0.02
+    w, reply, w_t = fit_fedprox(problem, mu, gradient_clip_val=bound, max_epochs=3)
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+
+    def clip(g):
+        return g * min(1.0, bound / (np.linalg.norm(g) + 1e-6))
+
+    v = u = w_t.astype(np.float32).astype(np.float64)
+    for _ in range(3):  # clipped together, and (what must not happen) apart
+        v = v - lr * clip(a.T @ (a @ v - b) + mu * (v - w_t))
+        u = u - lr * (clip(a.T @ (a @ u - b)) + mu * (u - w_t))
+    np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    assert np.abs(v - u).max() > 1e-4  # the two orders are told apart
+    assert reply.content["metrics"]["proximal-mu-applied"] == 3
+
+
 def test_pytorch_lightning_package_takes_the_same_callback(problem):
     pl = pytest.importorskip("pytorch_lightning")
 
