@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from flwr.app import ConfigRecord, Message
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    RecordDict,
+)
+
+from flwr_prox_strategies.core.transport.flower import set_task_identity
 
 # The conformance kit's builders, under the names the tests have always used.
 from flwr_prox_strategies.testing import (
@@ -18,13 +27,46 @@ from flwr_prox_strategies.testing import (
 
 __all__ = [
     "configure",
+    "context",
     "error_reply",
     "honest_replies",
     "model_arrays",
     "record",
     "reply",
     "sampling_grid",
+    "train_message",
 ]
+
+
+def train_message(arrays, config: dict, extra: dict | None = None) -> Message:
+    """A train message as a strategy sends it: the model, extra records, config.
+
+    ``arrays`` and each value of ``extra`` are an ArrayRecord or a list of arrays.
+    """
+    set_task_identity(1)  # hand-built messages need it (DESIGN.md)
+
+    def as_record(value) -> ArrayRecord:
+        return value if isinstance(value, ArrayRecord) else ArrayRecord(value)
+
+    content = RecordDict(
+        {
+            "arrays": as_record(arrays),
+            **{name: as_record(v) for name, v in (extra or {}).items()},
+            "config": ConfigRecord(config),
+        }
+    )
+    return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1001)
+
+
+def context(k: int = 0) -> Context:
+    """A node's context with partition ``k`` and an empty state."""
+    return Context(
+        run_id=1,
+        node_id=1001,
+        node_config={"partition-id": k},
+        state=RecordDict(),
+        run_config={},
+    )
 
 
 def honest_replies(

@@ -17,12 +17,8 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
     Context,
     Message,
-    MessageType,
-    RecordDict,
 )
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, TensorDataset
@@ -37,9 +33,9 @@ from flwr_prox_strategies import (
     Scaffold,
     ScaffoldRule,
 )
-from flwr_prox_strategies.core.transport.flower import set_task_identity
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
+from .helpers import context, train_message
 from .lsq import LeastSquares, half_sse
 
 L = pytest.importorskip("lightning.pytorch")
@@ -54,28 +50,6 @@ logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 @pytest.fixture(scope="module")
 def problem() -> LeastSquares:
     return LeastSquares()
-
-
-def train_message(arrays, config, extra=None) -> Message:
-    set_task_identity(1)
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord(arrays),
-            **{k: ArrayRecord(v) for k, v in (extra or {}).items()},
-            "config": ConfigRecord(config),
-        }
-    )
-    return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1001)
-
-
-def context(k: int = 0) -> Context:
-    return Context(
-        run_id=1,
-        node_id=1001,
-        node_config={"partition-id": k},
-        state=RecordDict(),
-        run_config={},
-    )
 
 
 class LitLinear(L.LightningModule):

@@ -15,11 +15,8 @@ import pytest
 import torch
 from flwr.app import (
     ArrayRecord,
-    ConfigRecord,
     Context,
     Message,
-    MessageType,
-    RecordDict,
 )
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader, Dataset
@@ -45,9 +42,9 @@ from flwr_prox_strategies import (
 from flwr_prox_strategies.algorithms import ALGORITHMS
 from flwr_prox_strategies.core.client.training import BatchFormatError
 from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
-from flwr_prox_strategies.core.transport.flower import set_task_identity
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
+from .helpers import context, train_message
 from .lsq import LeastSquares, half_sse
 
 EPOCHS = 3
@@ -178,26 +175,6 @@ def test_own_loop_equals_pack_client(problem, name, algorithm):
     )
     np.testing.assert_allclose(own, pack, rtol=1e-6, atol=1e-7)
     assert np.linalg.norm(pack) > 1.0  # four rounds moved the model from zero
-
-
-def train_message(
-    arrays: ArrayRecord, config: dict, extra: dict | None = None
-) -> Message:
-    set_task_identity(1)  # hand-built messages need it (DESIGN.md)
-    content = RecordDict(
-        {"arrays": arrays, **(extra or {}), "config": ConfigRecord(config)}
-    )
-    return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1001)
-
-
-def context(k: int = 0) -> Context:
-    return Context(
-        run_id=1,
-        node_id=1001,
-        node_config={"partition-id": k},
-        state=RecordDict(),
-        run_config={},
-    )
 
 
 def test_fedprox_rule_with_momentum_by_hand(problem):

@@ -14,11 +14,8 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
     Context,
     Message,
-    MessageType,
     RecordDict,
 )
 from flwr.clientapp import ClientApp
@@ -33,37 +30,15 @@ from flwr_prox_strategies import (
 )
 from flwr_prox_strategies.core.client.steps import innermost_optimizer
 from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
-from flwr_prox_strategies.core.transport.flower import set_task_identity
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
+from .helpers import context, train_message
 from .lsq import LeastSquares, half_sse
 
 
 @pytest.fixture(scope="module")
 def problem() -> LeastSquares:
     return LeastSquares()
-
-
-def train_message(arrays: list[np.ndarray], config: dict, extra=None) -> Message:
-    set_task_identity(1)
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord(arrays),
-            **{k: ArrayRecord(v) for k, v in (extra or {}).items()},
-            "config": ConfigRecord(config),
-        }
-    )
-    return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1001)
-
-
-def context(k: int = 0) -> Context:
-    return Context(
-        run_id=1,
-        node_id=1001,
-        node_config={"partition-id": k},
-        state=RecordDict(),
-        run_config={},
-    )
 
 
 def fedprox_rule(problem, w_t: np.ndarray, mu: float, k: int = 1):
@@ -87,6 +62,18 @@ def fedprox_by_hand(problem, w_t, mu, lr, steps, k=1) -> np.ndarray:
     return w
 
 
+def closure_of(optimizer, model, x, y):
+    """The closure Lightning's automatic optimisation passes: zero, forward, backward."""
+
+    def closure():
+        optimizer.zero_grad()  # inside step, after the pre-hooks
+        loss = half_sse(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def metrics_of(rule, **kwargs) -> dict:
     return dict(rule.reply(num_examples=20, **kwargs).content["metrics"])
 
@@ -100,11 +87,7 @@ def test_attach_adds_the_term_inside_a_closure_step(problem):
     optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
     x, y = data(problem)
 
-    def closure():
-        optimizer.zero_grad()  # inside step, after the pre-hooks: Lightning's order
-        loss = half_sse(model(x), y)
-        loss.backward()
-        return loss
+    closure = closure_of(optimizer, model, x, y)
 
     for _ in range(4):
         optimizer.step(closure)
@@ -129,11 +112,7 @@ def test_a_closure_step_returns_the_penalised_loss(problem):
     x, y = data(problem)
     plain = float(half_sse(model(x), y))
 
-    def closure():
-        optimizer.zero_grad()
-        loss = half_sse(model(x), y)
-        loss.backward()
-        return loss
+    closure = closure_of(optimizer, model, x, y)
 
     returned = float(optimizer.step(closure))
     penalty = 0.5 * 3.0 * 0.25 * problem.dim
@@ -153,11 +132,7 @@ def test_lbfgs_reaches_fedprox_closed_form_optimum(problem):
     )
     x, y = data(problem, k)
 
-    def closure():
-        optimizer.zero_grad()
-        loss = half_sse(model(x), y)
-        loss.backward()
-        return loss
+    closure = closure_of(optimizer, model, x, y)
 
     optimizer.step(closure)
     a, b = problem.a[k].astype(np.float64), problem.b[k].astype(np.float64)
@@ -174,11 +149,7 @@ def test_the_old_route_in_a_closure_step_is_measured_as_lost(problem):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = data(problem)
 
-    def closure():
-        optimizer.zero_grad()
-        loss = half_sse(model(x), y)
-        loss.backward()
-        return loss
+    closure = closure_of(optimizer, model, x, y)
 
     for _ in range(3):
         rule.add_gradient()  # where a step pre-hook used to put it
@@ -487,11 +458,7 @@ def own_app(problem, rule_cls, route: str) -> ClientApp:
             rule.attach(optimizer)
         x, y = torch.from_numpy(problem.a[k]), torch.from_numpy(problem.b[k])
 
-        def closure():
-            optimizer.zero_grad()
-            loss = half_sse(model(x), y)
-            loss.backward()
-            return loss
+        closure = closure_of(optimizer, model, x, y)
 
         for _ in range(3):
             if route == "too-early":

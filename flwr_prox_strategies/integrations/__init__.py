@@ -10,3 +10,19 @@ when imported itself: install the pack's ``[lightning]`` or
   (``lightning.pytorch`` or ``pytorch_lightning``);
 - ``huggingface``: its ``RuleCallback`` for ``transformers.Trainer``.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.client.rule import ClientRule
+
+
+def checked_rule(rule: Any) -> ClientRule:
+    """Return ``rule`` if it is a client rule; else fail saying how to build one."""
+    if not isinstance(rule, ClientRule):
+        raise TypeError(
+            f"RuleCallback takes a client rule (XxxRule.from_message(...)), "
+            f"got {type(rule).__name__}"
+        )
+    return rule

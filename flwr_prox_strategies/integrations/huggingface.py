@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.client.rule import ClientRule
+from . import checked_rule
 
 try:
     from transformers import TrainerCallback
@@ -48,12 +49,7 @@ class RuleCallback(TrainerCallback):  # type: ignore[misc]
     """
 
     def __init__(self, rule: ClientRule) -> None:
-        if not isinstance(rule, ClientRule):
-            raise TypeError(
-                f"RuleCallback takes a client rule (XxxRule.from_message(...)), "
-                f"got {type(rule).__name__}"
-            )
-        self.rule = rule
+        self.rule = checked_rule(rule)
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any

@@ -29,6 +29,7 @@ import importlib
 from typing import Any
 
 from ..core.client.rule import ClientRule
+from . import checked_rule
 
 
 def _lightning_callback() -> type[Any]:
@@ -65,12 +66,7 @@ class RuleCallback(_lightning_callback()):  # type: ignore[misc]
     """
 
     def __init__(self, rule: ClientRule) -> None:
-        if not isinstance(rule, ClientRule):
-            raise TypeError(
-                f"RuleCallback takes a client rule (XxxRule.from_message(...)), "
-                f"got {type(rule).__name__}"
-            )
-        self.rule = rule
+        self.rule = checked_rule(rule)
 
     @property
     def state_key(self) -> str:

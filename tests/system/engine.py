@@ -154,6 +154,40 @@ def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
+def submit_app(
+    app: Path, env: dict[str, str], run_config: str, *, num_supernodes: int
+) -> str:
+    """``flwr run`` an app folder, not streamed (runs go side by side); its run id.
+
+    Ray with one CPU: one ClientApp actor per run (its nodes take turns), so
+    each run starts torch once.
+    """
+    out = subprocess.run(
+        [
+            flower_executable("flwr"),
+            "run",
+            str(app),
+            "--format",
+            "json",
+            "--federation-config",
+            f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
+            "init-args-num-cpus=1",
+            "--run-config",
+            run_config,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    reply = json.loads(out.stdout)
+    assert "run-id" in reply, (run_config, reply)
+    return str(reply["run-id"])
+
+
 def flwr_run(env: dict[str, str], *args: str, timeout: float = 300) -> dict:
     """``flwr run . <args> --stream --format json`` from the checkout; its JSON reply.
 

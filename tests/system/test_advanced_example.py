@@ -16,7 +16,6 @@ strategies and client rules. One managed SuperLink runs six runs side by side:
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,10 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from flwr_prox_strategies._executables import flower_executable
 from flwr_prox_strategies.task.datasets import candidate_dirs
 
-from .engine import REPO, managed_engine, run_log, run_status
+from .engine import REPO, managed_engine, run_log, run_status, submit_app
 
 pytestmark = pytest.mark.slow
 
@@ -112,30 +110,7 @@ def fashion_mnist_dir() -> Path:
 
 def submit(env: dict[str, str], run_config: str) -> str:
     """``flwr run`` the example (not streamed: runs go side by side); its run id."""
-    out = subprocess.run(
-        [
-            flower_executable("flwr"),
-            "run",
-            str(EXAMPLE),
-            "--format",
-            "json",
-            "--federation-config",
-            # Ray with one CPU: one ClientApp actor per run (its two nodes
-            # take turns), so each run starts torch once.
-            f"num-supernodes={NUM_NODES} client-resources-num-cpus=1 "
-            "init-args-num-cpus=1",
-            "--run-config",
-            run_config,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return str(json.loads(out.stdout)["run-id"])
+    return submit_app(EXAMPLE, env, run_config, num_supernodes=NUM_NODES)
 
 
 def run_side_by_side(env: dict[str, str], queue: list[Run], deadline: float) -> None:

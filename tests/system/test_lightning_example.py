@@ -17,9 +17,7 @@ runs, two at a time:
 from __future__ import annotations
 
 import ast
-import json
 import re
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flwr_prox_strategies._executables import flower_executable
-
-from .engine import REPO, managed_engine, run_log, run_status
+from .engine import REPO, managed_engine, run_log, run_status, submit_app
 
 pytestmark = pytest.mark.slow
 
@@ -65,33 +61,6 @@ class Run:
     log: str = ""
 
 
-def submit(env: dict[str, str], run_config: str) -> str:
-    out = subprocess.run(
-        [
-            flower_executable("flwr"),
-            "run",
-            str(EXAMPLE),
-            "--format",
-            "json",
-            "--federation-config",
-            f"num-supernodes={NUM_NODES} client-resources-num-cpus=1 "
-            "init-args-num-cpus=1",
-            "--run-config",
-            run_config,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    reply = json.loads(out.stdout)
-    assert "run-id" in reply, (run_config, reply)
-    return str(reply["run-id"])
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("lightning")
@@ -106,7 +75,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         while pending or active:
             while pending and len(active) < PARALLEL:
                 run = pending.pop(0)
-                run.run_id = submit(env, run.run_config)
+                run.run_id = submit_app(
+                    EXAMPLE, env, run.run_config, num_supernodes=NUM_NODES
+                )
                 active.append(run)
             for run in list(active):
                 status = str(run_status(run.run_id, env)["status"])
