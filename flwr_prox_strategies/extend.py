@@ -153,7 +153,10 @@ round's values (``self.required(key)``, ``self.received_params(name)``,
 ``self.state``, a :class:`ClientState`) and returns a :class:`GradientTerm`
 (an object whose ``add_(params)`` adds its gradient to each ``p.grad`` in
 place) or None; ``finish(steps, lr)`` advances the state and returns the extra
-reply records and metrics. A :class:`TorchClient` subclass runs it in the
+reply records and metrics. The base counts the optimiser steps and whether
+each update held the term (``rule.counts``, a :class:`StepCounts`; the
+reply's ``applied_metric`` is its ``applied``); a rule that computes its own
+update calls ``took_steps(n)``. A :class:`TorchClient` subclass runs it in the
 pack's training loop: set ``protocol`` and ``rule_class`` (and
 ``rule_options(config)`` for the rule's own keywords).
 

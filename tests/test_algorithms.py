@@ -107,6 +107,7 @@ EXTEND_API = {
     "RecordSpec": "flwr_prox_strategies.core.transport.records",
     "ArraySpec": "flwr_prox_strategies.core.transport.records",
     "ClientState": "flwr_prox_strategies.core.client.state",
+    "StepCounts": "flwr_prox_strategies.core.client.steps",
     "record_to_dict": "flwr_prox_strategies.core.transport.records",
     "dict_to_record": "flwr_prox_strategies.core.transport.records",
     "ALGORITHMS": "flwr_prox_strategies.algorithms",
