@@ -545,3 +545,29 @@ def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
         run(problem, Scaffold(num_clients=4, fraction_evaluate=0.0), app, rounds=1)
     assert "expected ['arrays', 'control-delta']" in caplog.text
     assert "return rule.reply(...)" in caplog.text
+
+
+def test_a_rule_never_replied_leaves_no_hook_behind(problem):
+    """A round that raised before its reply: its rule is freed, its hooks go."""
+    import gc
+
+    from torch.optim import optimizer as torch_optimizer
+
+    hooks = torch_optimizer._global_optimizer_pre_hooks
+    w_t = np.zeros(problem.dim)
+    _, rule = fedprox_rule(problem, w_t, 1.0)
+    rule.close()
+    before = len(hooks)
+    for _ in range(5):
+        fedprox_rule(problem, w_t, 1.0)  # built, never replied, dropped
+    gc.collect()
+    model, rule = fedprox_rule(problem, w_t, 1.0)
+    assert len(hooks) == before + 1  # the dropped rules' hooks were removed
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = data(problem)
+    optimizer.zero_grad()
+    half_sse(model(x), y).backward()
+    optimizer.step()
+    assert rule.counts.steps == rule.counts.applied == 1
+    rule.close()
+    assert len(hooks) == before

@@ -429,7 +429,7 @@ class ClientRule:
             model,
             self.params,
             on_optimizer=self._learn_optimizer,
-            on_params_changed=lambda: trainable(self.model),
+            on_params_changed=self._trainable_now,
         )
 
     def undecayed_lr(self, lr: float) -> float:
@@ -669,6 +669,9 @@ class ClientRule:
         self._first = next(iter(self.model.parameters()), None)
         self._first_device = None if self._first is None else self._first.device
         self._prepared = True
+
+    def _trainable_now(self) -> list[torch.Tensor]:
+        return trainable(self.model)
 
     def _learn_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Check an optimiser that steps the model (attached or not) before it does."""

@@ -32,6 +32,7 @@ reply.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -132,6 +133,18 @@ _LIVE: weakref.WeakKeyDictionary[Any, weakref.ReferenceType[StepWatch]] = (
     weakref.WeakKeyDictionary()
 )
 _LIVE_LOCK = threading.Lock()
+# Every watch's global step hooks, with the watch held weakly. A watch that was
+# never closed (its round raised) is freed with its rule; its hooks then do
+# nothing, and the next watch removes them (not from inside a step, where
+# torch iterates over its hooks).
+_HOOKED: list[tuple[weakref.ReferenceType[StepWatch], list[RemovableHandle]]] = []
+
+
+def _weakly(callback: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
+    """Hold a bound method weakly (a watch must not keep its rule alive)."""
+    if inspect.ismethod(callback):
+        return weakref.WeakMethod(callback)
+    return lambda: callback
 
 
 class StepWatch:
@@ -163,8 +176,8 @@ class StepWatch:
     ) -> None:
         self.counts = StepCounts()
         self.optimizers: list[weakref.ReferenceType[Any]] = []
-        self._on_optimizer = on_optimizer
-        self._on_params_changed = on_params_changed
+        self._on_optimizer = _weakly(on_optimizer)
+        self._on_params_changed = _weakly(on_params_changed)
         self._params: list[torch.Tensor] = []
         self._ids: set[int] = set()
         self._known: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -198,6 +211,12 @@ class StepWatch:
             register_optimizer_step_post_hook(post),
         ]
         with _LIVE_LOCK:
+            for watch, handles in _HOOKED:
+                if watch() is None:
+                    for handle in handles:
+                        handle.remove()
+            _HOOKED[:] = [(w, h) for w, h in _HOOKED if w() is not None]
+            _HOOKED.append((this, self._step_handles))
             previous = _LIVE.get(model)
             _LIVE[model] = this
         if previous is not None and (old := previous()) is not None:
@@ -301,8 +320,8 @@ class StepWatch:
             self._known[optimizer] = False  # a wrapper: the one it wraps counts
             return False
         ids = {id(p) for p in optimizer_parameters(optimizer)}
-        if not ids & self._ids:
-            current = self._on_params_changed()
+        if not ids & self._ids and (reread := self._on_params_changed()) is not None:
+            current = reread()
             if ids & {id(p) for p in current}:
                 self._watch_params(current)
         updates = bool(ids & self._ids)
@@ -313,7 +332,8 @@ class StepWatch:
         if self._closed or not self._updates_model(optimizer):
             return
         if not any(ref() is optimizer for ref in self.optimizers):
-            self._on_optimizer(optimizer)
+            if (learn := self._on_optimizer()) is not None:
+                learn(optimizer)
             self.optimizers.append(weakref.ref(optimizer))
         self._step_lr = float(optimizer.param_groups[0]["lr"])
 
