@@ -8,8 +8,9 @@ runs, two at a time:
 * FedProx and FedDyn (Flower's Adam) and SCAFFOLD (plain SGD, ``optimizer="auto"``)
   must complete with every reply saying its term reached every update
   (``<algorithm>-applied`` equal to ``local-steps``, no reply counted in
-  ``replies-term-incomplete``), and end on a final model different from FedAvg's
-  under the same optimiser;
+  ``replies-term-incomplete``), and each end on its own final model (that each
+  algorithm's run differs from FedAvg's under the same optimiser is proven in
+  process, with the real Lightning: ``tests/test_frameworks.py``);
 * SCAFFOLD with the example's Adam (``optimizer='adam'``) must end
   ``finished:failed``, its last error naming the plain-SGD requirement.
 """
@@ -38,8 +39,6 @@ RUNS = {
     "fedprox": f"{ROUNDS} algorithm='fedprox' proximal-mu=1.0",
     "feddyn": f"{ROUNDS} algorithm='feddyn' feddyn-alpha=0.1",
     "scaffold": f"{ROUNDS} algorithm='scaffold'",
-    "fedavg-adam": f"{ROUNDS} algorithm='fedavg' optimizer='adam'",
-    "fedavg-sgd": f"{ROUNDS} algorithm='fedavg' optimizer='sgd'",
     # 3 rounds: a pack strategy gives up after 3 in a row without a valid reply
     "scaffold-adam": "num-server-rounds=3 algorithm='scaffold' optimizer='adam'",
 }
@@ -48,7 +47,6 @@ APPLIED = {
     "feddyn": "feddyn-applied",
     "scaffold": "scaffold-applied",
 }
-BASELINE = {"fedprox": "fedavg-adam", "feddyn": "fedavg-adam", "scaffold": "fedavg-sgd"}
 
 
 @dataclass
@@ -108,11 +106,11 @@ def test_each_algorithm_really_applies_its_term(runs: dict[str, Run], name: str)
         assert metrics["replies-term-incomplete"] == 0
         assert metrics[APPLIED[name]] == metrics["local-steps"] > 0
     ours = torch.load(run.output)
-    baseline = runs[BASELINE[name]]
-    assert baseline.status == "finished:completed", baseline.log[-3000:]
-    theirs = torch.load(baseline.output)
-    moved = max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
-    assert moved > 1e-4, f"{name} ended on FedAvg's model ({moved})"
+    for other in APPLIED:
+        if other != name and runs[other].output.exists():
+            theirs = torch.load(runs[other].output)
+            apart = max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
+            assert apart > 1e-4, f"{name} and {other} ended on one model"
 
 
 def test_scaffold_with_adam_fails_and_says_why(runs: dict[str, Run]):
