@@ -13,11 +13,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from flwr.app import (
-    Context,
-    Message,
-    RecordDict,
-)
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flwr_prox_strategies import (
@@ -533,7 +529,7 @@ def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
         content = RecordDict(
             {
                 "arrays": msg.content["arrays"],
-                "metrics": __import__("flwr.app").app.MetricRecord({"num-examples": 5}),
+                "metrics": MetricRecord({"num-examples": 5}),
             }
         )
         return Message(content, reply_to=msg)
@@ -571,3 +567,47 @@ def test_a_rule_never_replied_leaves_no_hook_behind(problem):
     assert rule.counts.steps == rule.counts.applied == 1
     rule.close()
     assert len(hooks) == before
+
+
+def test_a_reply_in_another_dtype_is_told_what_the_server_accepts(problem, caplog):
+    """A half-precision client replying in its own dtype: rejected, saying which."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        arrays = [
+            a.astype(np.float16) for a in msg.content["arrays"].to_numpy_ndarrays()
+        ]
+        metrics = {"num-examples": 5, "proximal-mu-applied": 1, "local-steps": 1}
+        content = RecordDict(
+            {"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)}
+        )
+        return Message(content, reply_to=msg)
+
+    with (
+        caplog.at_level(logging.WARNING, logger="flwr"),
+        pytest.raises(NoRoundAggregatedError),
+    ):
+        run(problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
+    assert "has dtype float16, expected float32" in caplog.text
+    assert "replies in the dtypes it received" in caplog.text
+
+
+def test_an_own_reply_is_not_said_to_skip_the_term(problem, caplog):
+    """Without rule.reply the server cannot know: it says so, not 'not applied'."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        content = RecordDict(
+            {
+                "arrays": msg.content["arrays"],
+                "metrics": MetricRecord({"num-examples": 5}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        run(problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
+    assert "so nothing says their clients apply FedProx's proximal term" in caplog.text
+    assert "return rule.reply(...)" in caplog.text

@@ -310,7 +310,9 @@ def _check_array_record(
         if str(array.dtype) != expected.dtype:
             raise ReplyRejected(
                 "dtype",
-                f"'{name}/{key}' has dtype {array.dtype}, expected {expected.dtype}",
+                f"'{name}/{key}' has dtype {array.dtype}, expected {expected.dtype}"
+                " (the global model's: a client training in another precision "
+                "replies in the dtypes it received, as rule.reply does)",
             )
         if tuple(array.shape) != expected.shape:
             raise ReplyRejected(
