@@ -298,10 +298,14 @@ def test_a_loop_without_an_optimizer_counts_its_updates(problem):
         model.zero_grad()
         half_sse(model(x), y).backward()
         rule.add_gradient(lr=lr)
-        if step < 2:  # the last step forgets the update
+        if step == 0:  # an update in place
             with torch.no_grad():
                 for p in model.parameters():
                     p.sub_(lr * p.grad)
+        elif step == 1:  # an update through .data (the version stays)
+            for p in model.parameters():
+                p.data -= lr * p.grad
+        # the last step forgets the update
     metrics = metrics_of(rule)
     assert (metrics["local-steps"], metrics["proximal-mu-applied"]) == (3, 2)
 

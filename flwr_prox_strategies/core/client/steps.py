@@ -187,10 +187,11 @@ class StepWatch:
         self._backward_after_term = False
         self._step_lr: float | None = None
         # A loop without a torch optimiser: its add_gradient calls, and the
-        # parameters' versions at the last one.
+        # parameters at the last one (their versions and a checksum: an update
+        # through ``p.data`` leaves the version as it was).
         self.manual_adds = 0
         self.manual_applied = 0
-        self._versions_at_add: list[int] | None = None
+        self._versions_at_add: list[tuple[int, float]] | None = None
         self._param_handles: list[RemovableHandle] = []
         self._closed = False
         self._watch_params(params)
@@ -235,7 +236,7 @@ class StepWatch:
             if self._versions_at_add is not None and self._params_moved():
                 self.manual_applied += 1
             self.manual_adds += 1
-            self._versions_at_add = [p._version for p in self._params]
+            self._versions_at_add = [_fingerprint(p) for p in self._params]
 
     def term_intact(self) -> bool:
         """Return whether the term added since the last step is in the gradients."""
@@ -307,8 +308,8 @@ class StepWatch:
     def _params_moved(self) -> bool:
         assert self._versions_at_add is not None
         return any(
-            p._version != v
-            for p, v in zip(self._params, self._versions_at_add, strict=True)
+            _fingerprint(p) != seen
+            for p, seen in zip(self._params, self._versions_at_add, strict=True)
         )
 
     def _updates_model(self, optimizer: Any) -> bool:
@@ -353,6 +354,11 @@ class StepWatch:
         self._term_grads = None
         self._backward_after_term = False
         self._step_lr = None
+
+
+def _fingerprint(param: torch.Tensor) -> tuple[int, float]:
+    """Return a parameter's version and checksum (an update changes either)."""
+    return param._version, float(param.detach().double().sum())
 
 
 def shortfall_text(lost: int, missing: int, rule: str, *, counted: bool = True) -> str:
