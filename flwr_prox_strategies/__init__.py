@@ -31,6 +31,7 @@ from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.client.rule import ClientRule, ProtocolError
 from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
 from .core.privacy.uploads import LaplaceUploadMod
+from .core.secure import SecAggPlus, SecAggPlusMod
 from .core.server.outcome import (
     AggregationStalledError,
     EveryClientRetiredError,
@@ -83,6 +84,8 @@ __all__ = [
     "Scaffold",
     "ScaffoldClient",
     "ScaffoldRule",
+    "SecAggPlus",
+    "SecAggPlusMod",
     "ServerSideFixedClipping",
     "make_private_model",
     "to_client_app",

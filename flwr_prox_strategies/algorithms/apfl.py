@@ -341,6 +341,13 @@ class APFL(ValidatedFedAvg):
             expected[WEIGHTED_THETA_RECORD] = expected[self.arrayrecord_key]
         return expected
 
+    def secure_sums(self) -> dict[str, tuple[str, ...]]:
+        r"""Declare the weighted means of the :math:`\theta_k` (and of the averages)."""
+        sums: dict[str, tuple[str, ...]] = {self.arrayrecord_key: ("mean",)}
+        if self.weighted_average:
+            sums[WEIGHTED_THETA_RECORD] = ("mean",)
+        return sums
+
     def server_update(
         self,
         server_round: int,

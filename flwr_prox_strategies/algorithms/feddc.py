@@ -229,6 +229,12 @@ class FedDC(ValidatedFedAvg):
         expected[extra] = expected[self.arrayrecord_key]
         return expected
 
+    def secure_sums(self) -> dict[str, tuple[str, ...]]:
+        """Declare the model's mean and sum, the control sum (official), or means."""
+        if self.correction == "paper":
+            return {self.arrayrecord_key: ("mean",), LOCAL_UPDATE_RECORD: ("mean",)}
+        return {self.arrayrecord_key: ("mean", "sum"), CONTROL_DELTA_RECORD: ("sum",)}
+
     # -------------------------------------------------------- aggregation
     def grown_state(
         self, state: Mapping[str, Any], old: int, new: int

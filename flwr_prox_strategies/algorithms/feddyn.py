@@ -221,6 +221,13 @@ class FedDyn(ValidatedFedAvg):
             expected[MODEL_DELTA_RECORD] = expected[self.arrayrecord_key]
         return expected
 
+    def secure_sums(self) -> dict[str, tuple[str, ...]]:
+        r"""Declare the mean and the sum of the :math:`\theta_k`, the deltas' sum."""
+        sums: dict[str, tuple[str, ...]] = {self.arrayrecord_key: ("mean", "sum")}
+        if self.track_all_clients:
+            sums[MODEL_DELTA_RECORD] = ("sum",)
+        return sums
+
     def all_clients_model(self) -> ArrayRecord | None:
         r"""Return the mean of all clients' latest models.
 

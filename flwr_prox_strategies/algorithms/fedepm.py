@@ -341,6 +341,11 @@ class FedEPM(ValidatedFedAvg):
     rule_metric = FEDEPM_APPLIED_KEY
     rule_name = "FedEPM's local proximal iterations and noisy upload"
     state_fields = ("uploads", "slots")
+    secure_refusal = (
+        "its centre is an elastic-net problem over its table of every client's "
+        "latest upload, which needs each upload, not their sum; FedEPM protects "
+        "uploads with its own Laplace noise (epsilon per upload) instead"
+    )
     #: The iteration counter sent to clients is ``(round - 1) * k0``.
     resume_settings = ("k0", "table")
     settings = ("num_clients", "rho", "k0", "eta", "lam", "r0", "growth", "noise")

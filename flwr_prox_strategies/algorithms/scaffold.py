@@ -191,6 +191,10 @@ class Scaffold(ValidatedFedAvg):
         expected[CONTROL_DELTA_RECORD] = expected[self.arrayrecord_key]
         return expected
 
+    def secure_sums(self) -> dict[str, tuple[str, ...]]:
+        r"""Declare the mean of the :math:`y_i`, the sum of the :math:`\Delta c_i`."""
+        return {self.arrayrecord_key: ("mean",), CONTROL_DELTA_RECORD: ("sum",)}
+
     def grown_state(
         self, state: Mapping[str, Any], old: int, new: int
     ) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
+from ..secure.client import SecAggPlusMod
 from ..transport.flower import MOD_FAILED_PRECONDITION
 from ..transport.keys import NUM_EXAMPLES_KEY
 from ..transport.records import to_ndarrays, to_record
@@ -183,7 +184,10 @@ def handle_query(message: Message, context: Context) -> Message:
 
 
 def to_client_app(
-    client_fn: ClientFn, *, mods: list[Callable[..., Message]] | None = None
+    client_fn: ClientFn,
+    *,
+    mods: list[Callable[..., Message]] | None = None,
+    secure_aggregation: bool = True,
 ) -> ClientApp:
     """Mount a ``NumPyClient`` factory on a Message-API ``ClientApp``.
 
@@ -206,6 +210,11 @@ def to_client_app(
     mods : list | None (default: None)
         Flower mods wrapped around every message (e.g. Flower's ``LocalDpMod``
         or the pack's :class:`~flwr_prox_strategies.LaplaceUploadMod`).
+    secure_aggregation : bool (default: True)
+        Put :class:`~flwr_prox_strategies.SecAggPlusMod` first among the mods
+        (it masks the reply the others made), so the app answers a server
+        running :class:`~flwr_prox_strategies.SecAggPlus`; it lets every
+        other message pass untouched.
 
     Returns
     -------
@@ -230,6 +239,9 @@ def to_client_app(
     ...     return FedProxClient(Net(), load_train(pid), load_test(pid))
     >>> app = to_client_app(client_fn)
     """
+    if secure_aggregation:
+        # Outermost: it masks the reply the other mods (DP noise, clipping) made.
+        mods = [SecAggPlusMod(), *(mods or [])]
     app = ClientApp(mods=mods)  # type: ignore[arg-type]
     errors = ErrorLog()
 

@@ -72,10 +72,12 @@ from ..transport.keys import (
     ACCEPTED_ROUNDS_KEY,
     CLIENT_KEY_METRIC,
     LR_SCALE_KEY,
+    MISSING_MOD_HINT,
     NUM_EXAMPLES_KEY,
     RESET_KEYS_KEY,
     RESET_STATE_KEY,
     RUN_TAG_KEY,
+    SECAGG_RECORD,
     SERVER_ROUND_KEY,
     STATE_ROUND_METRIC,
     node_key,
@@ -250,6 +252,12 @@ class Received:
 def read_message(message: Message) -> Received:
     """Split a message into the model, its config and the extra ArrayRecords."""
     content = message.content
+    if SECAGG_RECORD in content.config_records:
+        # Only a ClientApp without the mod lets a protocol message reach here.
+        raise ProtocolError(
+            "the server runs secure aggregation (SecAggPlus) and this ClientApp "
+            f"does not answer it: {MISSING_MOD_HINT}"
+        )
     arrays: ArrayRecord = _single(dict(content.array_records), "ArrayRecord", "arrays")
     config: ConfigRecord = (
         _single(dict(content.config_records), "ConfigRecord", "config")

@@ -115,6 +115,16 @@ class AlgorithmHooks:
     #: warning when one does. None means nothing beyond the records uploaded
     #: besides the model, which are named without it.
     central_dp_caveat: ClassVar[str | None] = None
+    #: Why :meth:`secure_sums` returns None (the rule needs individual
+    #: replies), and what to use instead; said when secure aggregation is
+    #: refused.
+    secure_refusal: ClassVar[str] = (
+        "its server_update was overridden without declaring secure_sums(), so "
+        "nothing says it needs only sums of the replies"
+    )
+    # Set by secure aggregation while the rule runs: record -> the unmasked
+    # weighted mean, which weighted_mean returns instead of averaging replies.
+    _secure_means: dict[str, dict[str, NDArray]] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Make a rule of the subclass's own safe unless it declares otherwise.
@@ -138,6 +148,8 @@ class AlgorithmHooks:
                 cls.model_linear_in_replies = bool(own["linear_aggregate"])
         elif "server_update" in own and "model_linear_in_replies" not in own:
             cls.model_linear_in_replies = False
+        if "server_update" in own and "secure_sums" not in own:
+            cls.secure_sums = _no_secure_sums  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------- hooks
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -364,10 +376,15 @@ class AlgorithmHooks:
         dict[str, NDArray]
             Array key -> mean, in the replies' dtypes.
         """
+        name = record or self.arrayrecord_key
+        if self._secure_means is not None:  # secure aggregation unmasked it
+            return {
+                key: value.copy() for key, value in self._secure_means[name].items()
+            }
         weights = [self.reply_weight(reply) for reply in replies]
         mean = WeightedMean(total=sum(weights), accumulate_in=self._accumulate_in)
         for reply, weight in zip(replies, weights, strict=True):
-            mean.add(reply.arrays[record or self.arrayrecord_key], weight)
+            mean.add(reply.arrays[name], weight)
         return mean.result()
 
     def server_update(
@@ -402,6 +419,38 @@ class AlgorithmHooks:
         """
         return RoundUpdate(dict_to_record(self.weighted_mean(replies)))
 
+    def secure_sums(self) -> dict[str, tuple[str, ...]] | None:
+        """Declare what the server rule reads of the replies, for secure aggregation.
+
+        Under secure aggregation (:class:`~flwr_prox_strategies.SecAggPlus`)
+        the server never sees a reply's arrays, only sums over the round's
+        contributors; a rule that reads nothing else runs unchanged. Each
+        record the rule reads is declared with how it reads it:
+
+        * ``"mean"``: through :meth:`weighted_mean` (the clients mask their
+          weight and the weighted record; :meth:`weighted_mean` returns the
+          unmasked weighted mean);
+        * ``"sum"``: as a sum over the replies (``sum(r.arrays[name] for r in
+          replies)``, the drift and control sums); every reply the rule gets
+          then holds the contributors' plain mean, so the sum over them is
+          the unmasked sum.
+
+        Parameters
+        ----------
+        None
+
+        Returns
+        -------
+        dict[str, tuple[str, ...]] | None
+            Record name -> the ways the rule reads it (``("mean",)``,
+            ``("sum",)`` or both); None when the rule needs individual replies
+            (a median, FedEPM's elastic-net centre): secure aggregation is
+            then refused, with :attr:`secure_refusal`. The base (a weighted
+            mean of the model) declares ``{model: ("mean",)}``; a class that
+            overrides :meth:`server_update` without declaring it gets None.
+        """
+        return {self.arrayrecord_key: ("mean",)}
+
     def grown_state(
         self, state: Mapping[str, Any], old: int, new: int
     ) -> dict[str, Any]:
@@ -424,3 +473,8 @@ class AlgorithmHooks:
             The adjusted state.
         """
         return dict(state)
+
+
+def _no_secure_sums(self: AlgorithmHooks) -> dict[str, tuple[str, ...]] | None:
+    """Refuse secure aggregation: the rule was overridden without a declaration."""
+    return None

@@ -22,6 +22,7 @@ means, and how a bad value is refused, in :mod:`.options`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -85,6 +86,18 @@ from .sampling import (
 )
 
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
+
+
+@dataclass
+class ScreenedRound:
+    """A round's train replies after screening: the valid ones, the others counted."""
+
+    valid: list[ValidReply]
+    failed: int
+    rejected: int
+    absent: int
+    capped: int
+    k_before: int | None
 
 
 class ValidatedFedAvg(AlgorithmHooks, FedAvg):
@@ -600,6 +613,32 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate the replies, run the server rule on the valid ones, commit state."""
         server_round += self.round_offset
+        return self.aggregate_screened(
+            server_round, self.screen_train(server_round, replies)
+        )
+
+    def screen_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> ScreenedRound:
+        """Validate a round's train replies: the first half of :meth:`aggregate_train`.
+
+        Replies are checked against what was sent, sorted, reconciled with the
+        client states the server knows and their weights capped. Secure
+        aggregation screens the replies' plain parts here before it unmasks
+        their sum.
+
+        Parameters
+        ----------
+        server_round : int
+            The round, continuing after a resume (``round_offset`` added).
+        replies : Iterable[Message]
+            The round's train replies.
+
+        Returns
+        -------
+        ScreenedRound
+            The valid replies and the counts of the others.
+        """
         self.rounds_completed = server_round
         if self._global_spec is None:
             raise RuntimeError(
@@ -630,6 +669,27 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             )
             rejected += unusable
         capped = self.cap_claims(server_round, valid, "aggregate_train")
+        return ScreenedRound(valid, failed, rejected, absent, capped, k_before)
+
+    def aggregate_screened(
+        self, server_round: int, screened: ScreenedRound
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Run the rule on screened replies and commit: the rest of a round.
+
+        Parameters
+        ----------
+        server_round : int
+            The round, continuing after a resume (``round_offset`` added).
+        screened : ScreenedRound
+            What :meth:`screen_train` returned for the round.
+
+        Returns
+        -------
+        tuple[ArrayRecord | None, MetricRecord | None]
+            As :meth:`aggregate_train`.
+        """
+        valid, failed, rejected = screened.valid, screened.failed, screened.rejected
+        absent, capped, k_before = screened.absent, screened.capped, screened.k_before
 
         def rule(candidates: list[ValidReply], wide: bool) -> RoundUpdate:
             self._accumulate_in = np.float64 if wide else None

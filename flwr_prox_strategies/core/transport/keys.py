@@ -41,3 +41,13 @@ BUDGET_EXHAUSTED_REASON = "PrivacyBudgetExhausted"
 def node_key(node_id: int) -> int:
     """Return a node id made exact as a float metric (Flower's ids are 64-bit)."""
     return int(node_id) % (1 << 52)
+
+
+#: The ConfigRecord a secure-aggregation (SecAgg+) message carries: its stage
+#: and values. A train message without it passes the client mod untouched.
+SECAGG_RECORD = "secagg-plus"
+#: What a ClientApp without the secure-aggregation mod is told to add.
+MISSING_MOD_HINT = (
+    "add the pack's mod to the ClientApp: ClientApp(..., mods=[SecAggPlusMod()]) "
+    "(from flwr_prox_strategies import SecAggPlusMod)"
+)

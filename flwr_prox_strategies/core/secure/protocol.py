@@ -1,0 +1,277 @@
+"""SecAgg+ over the Message API: what both sides share, the wire and the arithmetic.
+
+Secure aggregation (Bell et al., 2020, "SecAgg+") lets the server learn the sum
+of the round's client vectors and nothing else about any one of them. Each
+client turns what the server rule sums into one integer vector (its weight,
+then each declared record, weighted or plain), quantises it, adds a private
+mask and one pairwise mask per neighbour, and sends only the result; the
+pairwise masks cancel in the sum, and the private masks (of clients that
+contributed) and the pairwise masks (of clients that dropped after sharing
+their keys) are rebuilt from Shamir shares the survivors hold.
+
+The cryptography is Flower's (:mod:`flwr.common.secure_aggregation`: Shamir
+sharing, key agreement, authenticated encryption, the share layout; the key
+pairs of :mod:`flwr.supercore.primitives.asymmetric`) with one exception: the
+masks. Flower's ``pseudo_rand_gen`` folds its 32-byte seed into a 32-bit seed
+of numpy's ``RandomState``, so a mask is one of about 4.3e9; :func:`expand_mask`
+expands the whole seed with AES-256 in counter mode (the ``cryptography``
+package Flower itself uses). Quantisation follows Flower's (clip to
+``[-c, c]``, scale to ``[0, T]``, stochastic rounding) but draws its rounding
+noise from a generator of its own, not numpy's global one (Flower's would
+change the user's seeded training in the same process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+from numpy.typing import NDArray
+
+from ..transport.keys import MISSING_MOD_HINT, SECAGG_RECORD
+
+#: Keys of that record beside Flower's :class:`Key` (``stage``, ``pk1``, ...).
+ROUND_KEY = "server-round"
+RECORDS_KEY = "records"  # the declared records, in the vector's order
+KINDS_KEY = "kinds"  # "mean" (weighted) or "sum" (plain), one per record
+SIZES_KEY = "sizes"  # each record's element count
+WEIGHT_KEY = "weight-key"  # the reply metric that weighs "mean" records ("" = 1)
+COMMITMENT_KEY = "seed-commitment"  # SHA-256 of the private mask seed
+CLIPPED_METRIC = "secagg-clipped"  # values the client clipped (a reply metric)
+__all__ = ["MISSING_MOD_HINT", "SECAGG_RECORD", "Key", "Stage"]
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """The fixed-point code of the masked vectors.
+
+    A value ``x`` is clipped to ``[-clipping_range, clipping_range]`` and
+    mapped to an integer in ``[0, quantization_range]``; sums of ``n`` codes
+    stay below ``modulus_range`` while ``n * quantization_range`` does.
+
+    Parameters
+    ----------
+    clipping_range : float
+        ``c``: the largest magnitude kept.
+    quantization_range : int
+        ``T``: the number of steps across ``[-c, c]``.
+    modulus_range : int
+        The modulus of the masked arithmetic (a power of 2, at most ``2**32``).
+    """
+
+    clipping_range: float
+    quantization_range: int
+    modulus_range: int
+
+    @property
+    def step(self) -> float:
+        """One quantum, ``2c / T``: the largest rounding error of one value."""
+        return 2.0 * self.clipping_range / self.quantization_range
+
+    def max_contributors(self) -> int:
+        """Return the most clients whose summed codes cannot wrap the modulus."""
+        return (self.modulus_range - 1) // self.quantization_range
+
+    def encode(self, values: NDArray, rng: np.random.Generator) -> NDArray[np.int64]:
+        """Return the codes of ``values`` (stochastic rounding: unbiased)."""
+        c = self.clipping_range
+        scaled = (np.clip(values, -c, c) + c) / self.step
+        floor = np.floor(scaled)
+        up = rng.random(scaled.shape) < (scaled - floor)
+        return (floor + up).astype(np.int64)
+
+    def decode_sum(self, codes: NDArray[np.int64], contributors: int) -> NDArray:
+        """Return the sum of ``contributors`` values from the sum of their codes."""
+        return codes.astype(np.float64) * self.step - contributors * self.clipping_range
+
+    def weight_code(self, weight: float, max_weight: float) -> int:
+        """Return a weight's code: ``round(T * weight / max_weight)``, at least 1."""
+        return max(1, round(self.quantization_range * weight / max_weight))
+
+    def mean_error_bound(self, contributors: int, weight_sum: float) -> float:
+        r"""Return the largest error of one unmasked weighted mean's entry.
+
+        With :math:`r_i` the coded weights (``weight_code / T``, at most 1), each
+        client's :math:`r_i x_i` is off by less than one quantum :math:`2c/T`,
+        and each :math:`r_i` by at most :math:`1/(2T)` from
+        ``weight / max_weight``: :math:`|\hat m - m| < n(2c/T)/\sum r_i +
+        n\,c/(T\sum r_i) = 3nc/(T\sum r_i)` for values within :math:`[-c, c]`.
+        Uniform weights (:math:`r_i = 1`, exact) leave :math:`2c/T`.
+
+        Parameters
+        ----------
+        contributors : int
+            ``n``, the clients in the sum.
+        weight_sum : float
+            :math:`\sum r_i`.
+        """
+        return (
+            3.0
+            * contributors
+            * self.clipping_range
+            / (self.quantization_range * weight_sum)
+        )
+
+
+def expand_mask(seed: bytes, size: int, modulus: int) -> NDArray[np.int64]:
+    """Return ``size`` pseudo-random integers in ``[0, modulus)`` from ``seed``.
+
+    AES-256 in counter mode keyed by SHA-256 of the seed: every bit of the
+    seed matters (Flower's ``pseudo_rand_gen`` keeps 32 of them). ``modulus``
+    is a power of 2 at most ``2**32``, so the low bits of each 32-bit word are
+    uniform.
+    """
+    key = hashlib.sha256(seed).digest()
+    stream = Cipher(algorithms.AES(key), modes.CTR(b"\0" * 16)).encryptor()
+    words = np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4")
+    return (words & np.uint32(modulus - 1)).astype(np.int64)
+
+
+def commitment(seed: bytes) -> bytes:
+    """Return the SHA-256 of a private mask seed (checked after reconstruction)."""
+    return hashlib.sha256(b"secagg-plus-seed" + seed).digest()
+
+
+def neighbours(
+    nodes: Sequence[int], num_shares: int, rng: np.random.Generator
+) -> dict[int, set[int]]:
+    """Return each node's neighbourhood: itself and ``num_shares - 1`` others.
+
+    SecAgg+'s ring: the nodes in a random order, each with the
+    ``num_shares // 2`` on either side (everyone, when ``num_shares`` covers
+    the sample). Symmetric: ``a`` is ``b``'s neighbour iff ``b`` is ``a``'s.
+    """
+    order = [int(n) for n in rng.permutation(np.asarray(sorted(nodes)))]
+    count = len(order)
+    if num_shares >= count:
+        return {node: set(order) for node in order}
+    half = num_shares // 2
+    return {
+        node: {order[(i + offset) % count] for offset in range(-half, half + 1)}
+        for i, node in enumerate(order)
+    }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one masked vector holds: the weight, then each declared record.
+
+    Parameters
+    ----------
+    records : tuple[str, ...]
+        Record names, in order (a record read both ways appears twice).
+    kinds : tuple[str, ...]
+        ``"mean"`` (the client sends ``r x``, ``r`` its coded weight) or
+        ``"sum"`` (``x``), one per record.
+    sizes : tuple[int, ...]
+        Each record's element count (all its arrays, flattened in key order).
+    keys : tuple[tuple[str, ...], ...]
+        Each record's array keys, in the order they are flattened.
+    """
+
+    records: tuple[str, ...]
+    kinds: tuple[str, ...]
+    sizes: tuple[int, ...]
+    keys: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def from_declaration(
+        cls,
+        sums: Mapping[str, Sequence[str]],
+        shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
+        uniform: bool,
+    ) -> Layout:
+        """Build the layout a strategy's ``secure_sums()`` declares.
+
+        Under uniform weights a weighted sum is the plain sum: a record read
+        both ways is masked once, as ``"sum"``.
+        """
+        records, kinds = [], []
+        for name, ways in sums.items():
+            wanted = {"sum"} if uniform else set(ways)
+            for kind in ("mean", "sum"):
+                if kind in wanted:
+                    records.append(name)
+                    kinds.append(kind)
+        return cls(
+            tuple(records),
+            tuple(kinds),
+            tuple(
+                sum(int(np.prod(shape)) for shape in shapes[r].values())
+                for r in records
+            ),
+            tuple(tuple(shapes[r]) for r in records),
+        )
+
+    @property
+    def length(self) -> int:
+        """The vector's length: one weight code, then every record's values."""
+        return 1 + sum(self.sizes)
+
+    def config(self) -> dict[str, list[str] | list[int]]:
+        """Return the layout as config values (lists)."""
+        config: dict[str, list[str] | list[int]] = {
+            RECORDS_KEY: list(self.records),
+            KINDS_KEY: list(self.kinds),
+            SIZES_KEY: list(self.sizes),
+        }
+        for index, keys in enumerate(self.keys):
+            config[f"keys-{index}"] = list(keys)
+        return config
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object]) -> Layout:
+        """Read a layout back from a config; raise ValueError if malformed."""
+        records, kinds, sizes = (
+            config.get(RECORDS_KEY),
+            config.get(KINDS_KEY),
+            config.get(SIZES_KEY),
+        )
+        if not (
+            isinstance(records, list)
+            and isinstance(kinds, list)
+            and isinstance(sizes, list)
+            and len(records) == len(kinds) == len(sizes)
+            and all(isinstance(r, str) for r in records)
+            and all(k in ("mean", "sum") for k in kinds)
+            and all(isinstance(n, int) and n >= 0 for n in sizes)
+        ):
+            raise ValueError("malformed secure-aggregation layout")
+        keys = [config.get(f"keys-{index}") for index in range(len(records))]
+        if not all(
+            isinstance(k, list) and all(isinstance(x, str) for x in k) for k in keys
+        ):
+            raise ValueError("malformed secure-aggregation layout (keys)")
+        return cls(
+            tuple(records),
+            tuple(kinds),
+            tuple(sizes),
+            tuple(tuple(cast(list[str], k)) for k in keys),
+        )
+
+    def split(self, vector: NDArray) -> list[NDArray]:
+        """Return the parts of a decoded vector after the weight, one per record."""
+        bounds = np.cumsum((1, *self.sizes))
+        return [vector[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def to_bytes(vector: NDArray[np.int64]) -> bytes:
+    """Return a masked vector (values below ``2**32``) as little-endian uint32."""
+    return vector.astype("<u4").tobytes()
+
+
+def from_bytes(data: bytes, length: int, modulus: int) -> NDArray[np.int64]:
+    """Read a masked vector; ValueError unless ``length`` codes below ``modulus``."""
+    if not isinstance(data, bytes) or len(data) != 4 * length:
+        got = len(data) if isinstance(data, bytes) else type(data).__name__
+        raise ValueError(f"masked vector of {got} bytes, expected {4 * length}")
+    vector = np.frombuffer(data, dtype="<u4").astype(np.int64)
+    if vector.size and int(vector.max()) >= modulus:
+        raise ValueError(f"masked vector holds values >= the modulus {modulus}")
+    return vector
