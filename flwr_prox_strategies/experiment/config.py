@@ -62,6 +62,7 @@ from ..algorithms import (
 )
 from ..core.client.dp import make_private_model
 from ..core.privacy.central import central_dp
+from ..core.secure.server import SecAggPlus
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -604,6 +605,30 @@ def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
         clipping_norm=float(node.clipping_norm),
         num_sampled_clients=sampled,
     )
+
+
+def wrap_secure_aggregation(
+    cfg: DictConfig, strategy: Any, largest_partition: Callable[[], int]
+) -> Any:
+    """Return ``strategy`` in :class:`~..SecAggPlus` when ``secure_aggregation`` is set.
+
+    ``max_weight: null`` becomes ``largest_partition()`` (no client's
+    ``num-examples`` exceeds it, and no larger bound costs precision).
+    """
+    node = cfg.get("secure_aggregation")
+    if node is None:
+        return strategy
+    if cfg.get("privacy", {}).get("central") is not None:
+        raise ValueError(
+            "secure_aggregation=secaggplus with privacy=central is not supported: "
+            "Flower's central-DP wrappers clip each reply on the server, which "
+            "secure aggregation hides; use privacy=dp-sgd (clients add the noise)"
+        )
+    options = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(options, dict)
+    if options.get("max_weight") is None:
+        options["max_weight"] = float(largest_partition())
+    return SecAggPlus(strategy, **options)
 
 
 def client_factory(cfg: DictConfig) -> Callable[..., Any]:

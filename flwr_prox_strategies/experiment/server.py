@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..core.client.client import ProtocolError
 from ..core.client.training import evaluate_model
 from ..core.contract.ledger import PER_CLIENT_LIMIT
+from ..core.secure.server import SecAggPlus
 from ..core.server.outcome import (
     AggregationStalledError,
     EveryClientRetiredError,
@@ -58,6 +59,7 @@ from .config import (
     compose_config,
     overrides_from_run_config,
     wrap_central_dp,
+    wrap_secure_aggregation,
 )
 from .data import (
     ArrayDataset,
@@ -313,11 +315,17 @@ def run_experiment(
         },
         tracker=tracker,
     )
-    # The wrapper (central DP) releases the model; the strategy keeps its state.
+    # The wrapper (central DP, secure aggregation) runs the rounds; the strategy
+    # keeps its state.
     released = wrap_central_dp(cfg, strategy)
     if released is not strategy:
         recorder.meta["central-dp"] = type(released).__name__
         log(INFO, "Central DP: %r around %r", released, strategy)
+    released = wrap_secure_aggregation(
+        cfg, released, lambda: max(partition_sizes(cfg, int(cfg["num_partitions"])))
+    )
+    if isinstance(released, SecAggPlus):
+        recorder.meta["secure-aggregation"] = repr(released)
     if resume is not None:  # last: building models above drew from torch's RNG
         restore_rng(resume.rng)
     failure: AggregationStalledError | None = None

@@ -377,6 +377,7 @@ class SecAggPlus(Strategy):
         if state is None:  # the strategy sampled nobody
             return inner.aggregate_train(server_round, replies)
         vectors: dict[int, NDArray[np.int64]] = {}
+        received: dict[int, int] = {}  # bytes of each masked vector
         passed: list[Message] = []
         length = state.layout.length if state.layout is not None else 0
         sent = {m.metadata.message_id: node for node, m in state.messages.items()}
@@ -389,6 +390,7 @@ class SecAggPlus(Strategy):
                 continue
             try:
                 vectors[node] = self._masked(reply, length)
+                received[node] = 4 * length
             except ValueError as err:
                 state.dropped[node] = f"collect_masked_vectors: {err}"
                 continue
@@ -435,7 +437,7 @@ class SecAggPlus(Strategy):
                 screened.k_before,
             )
             arrays, metrics = inner.aggregate_screened(round_, screened)
-            return arrays, self._metrics(metrics, state, [], None)
+            return arrays, self._metrics(metrics, state, [], None, received)
         assert sums is not None
         means, replies_hold, weight_sum = sums
         for valid_reply in screened.valid:
@@ -445,7 +447,9 @@ class SecAggPlus(Strategy):
             arrays, metrics = inner.aggregate_screened(round_, screened)
         finally:
             inner._secure_means = None
-        return arrays, self._metrics(metrics, state, screened.valid, weight_sum)
+        return arrays, self._metrics(
+            metrics, state, screened.valid, weight_sum, received
+        )
 
     # ------------------------------------------------------------- stages
     def _size_round(self, state: _Round, sampled: int) -> None:
@@ -839,9 +843,13 @@ class SecAggPlus(Strategy):
         state: _Round,
         valid: list[ValidReply],
         weight_sum: float | None,
+        received: Mapping[int, int],
     ) -> MetricRecord | None:
         if metrics is None or not self.strategy.pack_metrics:
             return metrics
+        # What came in: the contributors' masked vectors, not the plain records
+        # the strategy counted from its stand-ins.
+        metrics["bytes-received"] = sum(received[r.node_id] for r in valid)
         metrics["secagg-contributors"] = len(valid) if weight_sum is not None else 0
         metrics["secagg-dropped"] = len(state.dropped)
         clipped = [r.metrics.get(CLIPPED_METRIC, 0) for r in valid]
