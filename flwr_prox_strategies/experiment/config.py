@@ -624,8 +624,10 @@ def wrap_secure_aggregation(
             "Flower's central-DP wrappers clip each reply on the server, which "
             "secure aggregation hides; use privacy=dp-sgd (clients add the noise)"
         )
-    options = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(options, dict)
+    options = {
+        str(k): v
+        for k, v in OmegaConf.to_container(node, resolve=True).items()  # type: ignore[union-attr]
+    }
     if options.get("max_weight") is None:
         options["max_weight"] = float(largest_partition())
     return SecAggPlus(strategy, **options)

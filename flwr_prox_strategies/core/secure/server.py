@@ -163,17 +163,17 @@ class SecAggPlus(Strategy):
         declared = strategy.secure_sums()
         if declared is None:
             raise ValueError(f"SecAggPlus cannot run {name}: {strategy.secure_refusal}")
+        if strategy.monitor_dissimilarity:
+            raise ValueError(
+                "SecAggPlus cannot run monitor_dissimilarity=True: the dissimilarity "
+                "B needs each client's gradient, which secure aggregation hides"
+            )
         carried = set(strategy.expected_train_arrays(1))
         if set(declared) != carried:
             raise ValueError(
                 f"SecAggPlus cannot run {name}: its replies carry {sorted(carried)} "
                 f"but secure_sums() declares {sorted(declared)}; every record must "
                 "be declared (or not uploaded)"
-            )
-        if strategy.monitor_dissimilarity:
-            raise ValueError(
-                "SecAggPlus cannot run monitor_dissimilarity=True: the dissimilarity "
-                "B needs each client's gradient, which secure aggregation hides"
             )
         _check_fraction_or_count("num_shares", num_shares, 3)
         _check_fraction_or_count(
@@ -851,7 +851,8 @@ class SecAggPlus(Strategy):
         # the strategy counted from its stand-ins.
         metrics["bytes-received"] = sum(received[r.node_id] for r in valid)
         metrics["secagg-contributors"] = len(valid) if weight_sum is not None else 0
-        metrics["secagg-dropped"] = len(state.dropped)
+        contributed = len(valid) if weight_sum is not None else 0
+        metrics["secagg-dropped"] = len(state.messages) - contributed
         clipped = [r.metrics.get(CLIPPED_METRIC, 0) for r in valid]
         metrics["secagg-clipped"] = int(sum(c for c in clipped if isinstance(c, int)))
         if weight_sum is not None and valid:
