@@ -25,6 +25,7 @@ import numpy as np
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
+    Error,
     Message,
     MessageType,
     MetricRecord,
@@ -63,6 +64,8 @@ from .protocol import (
 )
 
 PHASE = "aggregate_train"
+#: The error code of the stand-in reply of a node the protocol dropped.
+SECAGG_DROPPED_CODE = 0
 
 
 def _check_fraction_or_count(name: str, value: object, least: int) -> None:
@@ -395,13 +398,21 @@ class SecAggPlus(Strategy):
                 state.dropped[node] = f"collect_masked_vectors: {err}"
                 continue
             passed.append(self._skeleton(reply, server_round))
-        if state.failure is None:
-            inner.train_nodes = (inner.train_nodes or set()) - set(state.dropped)
+        # Nodes the protocol lost, or a round it could not start, reach the
+        # strategy as error replies: counted and logged as failures, as always.
+        for node, message in sorted(state.messages.items()):
+            why = state.dropped.get(node)
+            if why is None and state.failure is not None and node not in vectors:
+                why = f"secure aggregation did not start: {state.failure}"
+            if why is not None:
+                reason = f"secure aggregation dropped the node at stage {why}"
+                passed.append(
+                    Message(
+                        Error(code=SECAGG_DROPPED_CODE, reason=reason), reply_to=message
+                    )
+                )
         round_ = server_round + inner.round_offset
         screened = inner.screen_train(round_, passed)
-        for node, why in sorted(state.dropped.items()):
-            self._count(node, "secagg-dropped", why, round_)
-            screened.failed += 1
         contributors = [r.node_id for r in screened.valid]
         sums = None
         before = set(state.dropped)
