@@ -502,3 +502,20 @@ def test_masks_use_every_bit_of_the_seed_and_neighbourhoods_are_symmetric():
     values = np.linspace(-8, 8, 1001)
     codes = q.encode(values, np.random.default_rng(0))
     assert np.abs(q.decode_sum(codes, 1) - values).max() < q.step
+
+
+def test_state_commits_only_for_clients_whose_vector_is_in_the_sum():
+    recorder = Recorder(ScaffoldClient)
+    recorder.tamper[(1002, Stage.COLLECT_MASKED_VECTORS)] = _short_vector
+    wrapped = secure(strategy(Scaffold, {"num_clients": NODES}))
+    recorder.run(wrapped, rounds=1)
+    # Client keys are partition ids: node 1002 holds partition 1.
+    assert wrapped.strategy.book.accepted == {0: 1, 2: 1, 3: 1, 4: 1}
+    # The server's c is SCAFFOLD's over the four others (node 1002 dead instead).
+    plain = Recorder(ScaffoldClient)
+    plain.kill = (1002, None)
+    inner = strategy(Scaffold, {"num_clients": NODES})
+    plain.run(inner, rounds=1)
+    assert inner.book.accepted == wrapped.strategy.book.accepted
+    for key, value in inner.control.items():
+        assert np.abs(wrapped.strategy.control[key] - value).max() <= 2 * CLIP / 2**22
