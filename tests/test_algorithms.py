@@ -91,7 +91,7 @@ USER_API = {
     "SFedRule", "PFedAvg", "PFedAvgServer", "ClientRule",  # FedAvg's rule
     "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError", "NoRoundAggregatedError",
     "EveryClientRetiredError", "AggregationStalledError",
-    "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod",
+    "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod", "SecAggPlus", "SecAggPlusMod",
     "ClientSideFixedClipping", "ServerSideFixedClipping",
 }  # fmt: skip
 

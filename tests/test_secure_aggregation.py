@@ -494,6 +494,9 @@ def test_masks_use_every_bit_of_the_seed_and_neighbourhoods_are_symmetric():
         expand_mask(b"\x01\x00\x00\x00\x01" + bytes(27), 10, 2**32),
         expand_mask(b"\x00\x00\x00\x00\x00" + bytes(27), 10, 2**32),
     )
+    # SuperNodes' ids are random 64-bit integers, some above 2**63.
+    ids = [5677760776906844991, 12345678901234567890, 42, 2**64 - 1, 7]
+    assert set(neighbours(ids, 3, np.random.default_rng(0))) == set(ids)
     ring = neighbours(list(range(1, 10)), 5, np.random.default_rng(0))
     assert all(len(ring[n]) == 5 and n in ring[n] for n in ring)
     assert all(m in ring[n] for n in ring for m in ring[n] if n in ring[m])

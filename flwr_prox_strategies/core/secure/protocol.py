@@ -147,7 +147,10 @@ def neighbours(
     ``num_shares // 2`` on either side (everyone, when ``num_shares`` covers
     the sample). Symmetric: ``a`` is ``b``'s neighbour iff ``b`` is ``a``'s.
     """
-    order = [int(n) for n in rng.permutation(np.asarray(sorted(nodes)))]
+    # Permute positions, not the ids: Flower's 64-bit node ids above 2**63 would
+    # turn a numpy array of them into float64 and round them.
+    ranked = [int(n) for n in sorted(nodes)]
+    order = [ranked[i] for i in rng.permutation(len(ranked))]
     count = len(order)
     if num_shares >= count:
         return {node: set(order) for node in order}

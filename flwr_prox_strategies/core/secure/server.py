@@ -788,8 +788,11 @@ class SecAggPlus(Strategy):
                 f"{len(holders)} share(s) of node {owner}'s secret came back, fewer "
                 f"than the threshold {t}"
             )
+        first = _combine([shares[h] for h in holders[:t]])
+        if first is not None and valid(first):
+            return first  # the usual case: one combination (Shamir is slow)
         good = None
-        for start in range(len(holders) - t + 1):
+        for start in range(1, len(holders) - t + 1):
             subset = holders[start : start + t]
             secret = _combine([shares[h] for h in subset])
             if secret is not None and valid(secret):
@@ -800,6 +803,7 @@ class SecAggPlus(Strategy):
                 f"no {t} of the {len(holders)} shares of node {owner}'s secret "
                 "rebuild it (corrupt shares)"
             )
+        # Some of the first t shares are corrupt: find whose, against a good set.
         subset, secret = good
         for holder in holders:
             if holder in subset:
