@@ -14,6 +14,7 @@ from flwr_prox_strategies import (
     FedDynRule,
     FedProxRule,
     ScaffoldRule,
+    SecAggPlusMod,
 )
 from pytorchexample.task import Net, load_data
 from pytorchexample.task import test as test_fn
@@ -29,7 +30,8 @@ RULES = {
 }
 
 # Flower ClientApp
-app = ClientApp()
+# (the mod answers a server running SecAggPlus, and passes everything else on)
+app = ClientApp(mods=[SecAggPlusMod()])
 
 
 @app.train()

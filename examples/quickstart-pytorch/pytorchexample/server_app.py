@@ -8,7 +8,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_prox_strategies import FedAvg, FedDC, FedDyn, FedProx, Scaffold
+from flwr_prox_strategies import FedAvg, FedDC, FedDyn, FedProx, Scaffold, SecAggPlus
 from pytorchexample.task import Net, load_centralized_dataset, test
 
 # Create ServerApp
@@ -53,6 +53,8 @@ def main(grid: Grid, context: Context) -> None:
 
     # Initialize the strategy the run config selects
     strategy = make_strategy(context, fraction_evaluate)
+    if context.run_config["secure-aggregation"]:
+        strategy = SecAggPlus(strategy)
 
     # Start strategy, run it for `num_rounds`
     result = strategy.start(
