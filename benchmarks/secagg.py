@@ -147,20 +147,20 @@ def instrumented() -> Iterator[None]:
         "flwr.server.workflow.secure_aggregation.secaggplus_workflow"
     )
 
-    from flwr_prox_strategies.core.secure import client as pack_client
-    from flwr_prox_strategies.core.secure import protocol as pack_protocol
-    from flwr_prox_strategies.core.secure import server as pack_server
+    from flwr_prox_strategies.core.client import secagg as pack_client
+    from flwr_prox_strategies.core.privacy import secagg as pack_server
+    from flwr_prox_strategies.core.transport import secagg as pack_protocol
 
     targets = [
         # module, attribute, label
-        (pack_client, "expand_mask", "client: mask expansion"),
+        (pack_client, "add_mask", "client: mask expansion"),
         (pack_client, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "generate_key_pairs", "client: key generation"),
         (pack_client, "create_shares", "client: Shamir split"),
         (pack_client, "encrypt", "client: share encryption"),
         (pack_client, "decrypt", "client: share decryption"),
         (pack_protocol.Quantizer, "encode", "client: quantisation"),
-        (pack_server, "expand_mask", "server: mask expansion"),
+        (pack_server, "add_mask", "server: mask expansion"),
         (pack_server, "combine_shares", "server: Shamir combine"),
         (pack_server, "pairwise_seed", "server: key agreement (ECDH+HKDF)"),
         (flower_mod, "pseudo_rand_gen", "client: mask expansion"),

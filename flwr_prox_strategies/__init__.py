@@ -29,9 +29,10 @@ from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient, S
 from .core.client.adapter import to_client_app
 from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
 from .core.client.rule import ClientRule, ProtocolError
+from .core.client.secagg import SecAggPlusMod
 from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
+from .core.privacy.secagg import SecAggPlus
 from .core.privacy.uploads import LaplaceUploadMod
-from .core.secure import SecAggPlus, SecAggPlusMod
 from .core.server.outcome import (
     AggregationStalledError,
     EveryClientRetiredError,

@@ -38,8 +38,12 @@ from flwr_prox_strategies import (
     SecAggPlusMod,
     to_client_app,
 )
-from flwr_prox_strategies.core.secure.client import SecureAggregationRefused
-from flwr_prox_strategies.core.secure.protocol import (
+from flwr_prox_strategies.core.client.secagg import SecureAggregationRefused
+from flwr_prox_strategies.core.transport.inprocess import (
+    InProcessGrid,
+    node_unavailable_reply,
+)
+from flwr_prox_strategies.core.transport.secagg import (
     SECAGG_RECORD,
     Key,
     Layout,
@@ -47,10 +51,6 @@ from flwr_prox_strategies.core.secure.protocol import (
     Stage,
     expand_mask,
     neighbours,
-)
-from flwr_prox_strategies.core.transport.inprocess import (
-    InProcessGrid,
-    node_unavailable_reply,
 )
 from flwr_prox_strategies.extend import RoundUpdate, ValidatedFedAvg
 from flwr_prox_strategies.testing.federation import LeastSquares
@@ -486,13 +486,13 @@ def test_the_mod_never_gives_both_shares_of_a_node():
 
 
 def test_masks_use_every_bit_of_the_seed_and_neighbourhoods_are_symmetric():
-    a = expand_mask(b"\x01" + bytes(31), 1000, 2**32)
-    b = expand_mask(bytes(32), 1000, 2**32)
+    a = expand_mask(b"\x01" + bytes(31), 1000)
+    b = expand_mask(bytes(32), 1000)
     assert a.min() >= 0 and a.max() < 2**32 and not np.array_equal(a, b)
     # Flower's generator folds the seed to 32 bits: these two collide there.
     assert not np.array_equal(
-        expand_mask(b"\x01\x00\x00\x00\x01" + bytes(27), 10, 2**32),
-        expand_mask(b"\x00\x00\x00\x00\x00" + bytes(27), 10, 2**32),
+        expand_mask(b"\x01\x00\x00\x00\x01" + bytes(27), 10),
+        expand_mask(b"\x00\x00\x00\x00\x00" + bytes(27), 10),
     )
     # SuperNodes' ids are random 64-bit integers, some above 2**63.
     ids = [5677760776906844991, 12345678901234567890, 42, 2**64 - 1, 7]

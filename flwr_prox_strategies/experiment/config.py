@@ -62,7 +62,7 @@ from ..algorithms import (
 )
 from ..core.client.dp import make_private_model
 from ..core.privacy.central import central_dp
-from ..core.secure.server import SecAggPlus
+from ..core.privacy.secagg import SecAggPlus
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..core.client.client import ProtocolError
 from ..core.client.training import evaluate_model
 from ..core.contract.ledger import PER_CLIENT_LIMIT
-from ..core.secure.server import SecAggPlus
+from ..core.privacy.secagg import SecAggPlus
 from ..core.server.outcome import (
     AggregationStalledError,
     EveryClientRetiredError,

@@ -37,12 +37,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
-from ..secure.client import SecAggPlusMod
 from ..transport.flower import MOD_FAILED_PRECONDITION
 from ..transport.keys import NUM_EXAMPLES_KEY
 from ..transport.records import to_ndarrays, to_record
 from .dp import PrivacyBudgetExhausted
 from .rule import ProtocolError, read_message
+from .secagg import SecAggPlusMod
 
 ClientFn = Callable[[Context], NumPyClient]
 

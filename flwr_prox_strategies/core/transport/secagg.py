@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 from numpy.typing import NDArray
 
-from ..transport.keys import MISSING_MOD_HINT, SECAGG_RECORD
+from .keys import MISSING_MOD_HINT, SECAGG_RECORD
 
 #: Keys of that record beside Flower's :class:`Key` (``stage``, ``pk1``, ...).
 ROUND_KEY = "server-round"
@@ -119,18 +119,37 @@ class Quantizer:
         )
 
 
-def expand_mask(seed: bytes, size: int, modulus: int) -> NDArray[np.int64]:
-    """Return ``size`` pseudo-random integers in ``[0, modulus)`` from ``seed``.
+def expand_mask(seed: bytes, size: int) -> NDArray[np.uint32]:
+    """Return ``size`` pseudo-random 32-bit words from ``seed``.
 
     AES-256 in counter mode keyed by SHA-256 of the seed: every bit of the
-    seed matters (Flower's ``pseudo_rand_gen`` keeps 32 of them). ``modulus``
-    is a power of 2 at most ``2**32``, so the low bits of each 32-bit word are
-    uniform.
+    seed matters (Flower's ``pseudo_rand_gen`` keeps 32 of them). Masked
+    arithmetic runs on these words modulo ``2**32`` (numpy's uint32 wraps);
+    any power-of-2 modulus up to ``2**32`` divides it, so the low bits are the
+    masks modulo that modulus (:func:`reduce`).
     """
     key = hashlib.sha256(seed).digest()
     stream = Cipher(algorithms.AES(key), modes.CTR(b"\0" * 16)).encryptor()
-    words = np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4")
-    return (words & np.uint32(modulus - 1)).astype(np.int64)
+    return np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4").astype(np.uint32)
+
+
+def add_mask(vector: NDArray[np.uint32], seed: bytes, sign: int) -> None:
+    """Add (``sign=1``) or subtract (``-1``) the mask of ``seed``, mod 2**32."""
+    mask = expand_mask(seed, vector.size)
+    if sign > 0:
+        vector += mask
+    else:
+        vector -= mask
+
+
+def pairwise_sign(node: int, other: int) -> int:
+    """Return the sign ``node`` adds its mask with ``other`` by (theirs: opposite)."""
+    return 1 if node > other else -1
+
+
+def reduce(vector: NDArray[np.uint32], modulus: int) -> NDArray[np.uint32]:
+    """Return ``vector`` modulo ``modulus`` (a power of 2 at most ``2**32``)."""
+    return vector & np.uint32(modulus - 1)
 
 
 def commitment(seed: bytes) -> bytes:
@@ -264,17 +283,17 @@ class Layout:
         return [vector[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def to_bytes(vector: NDArray[np.int64]) -> bytes:
-    """Return a masked vector (values below ``2**32``) as little-endian uint32."""
+def to_bytes(vector: NDArray[np.uint32]) -> bytes:
+    """Return a masked vector as little-endian uint32."""
     return vector.astype("<u4").tobytes()
 
 
-def from_bytes(data: bytes, length: int, modulus: int) -> NDArray[np.int64]:
+def from_bytes(data: bytes, length: int, modulus: int) -> NDArray[np.uint32]:
     """Read a masked vector; ValueError unless ``length`` codes below ``modulus``."""
     if not isinstance(data, bytes) or len(data) != 4 * length:
         got = len(data) if isinstance(data, bytes) else type(data).__name__
         raise ValueError(f"masked vector of {got} bytes, expected {4 * length}")
-    vector = np.frombuffer(data, dtype="<u4").astype(np.int64)
+    vector = np.frombuffer(data, dtype="<u4").astype(np.uint32)
     if vector.size and int(vector.max()) >= modulus:
         raise ValueError(f"masked vector holds values >= the modulus {modulus}")
     return vector

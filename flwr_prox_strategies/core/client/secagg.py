@@ -39,7 +39,7 @@ from flwr.supercore.primitives.asymmetric import (
 )
 from numpy.typing import NDArray
 
-from .protocol import (
+from ..transport.secagg import (
     CLIPPED_METRIC,
     COMMITMENT_KEY,
     ROUND_KEY,
@@ -49,8 +49,10 @@ from .protocol import (
     Layout,
     Quantizer,
     Stage,
+    add_mask,
     commitment,
-    expand_mask,
+    pairwise_sign,
+    reduce,
     to_bytes,
 )
 
@@ -74,18 +76,6 @@ def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
         bytes_to_private_key(own_sk1), bytes_to_public_key(their_pk1)
     )
     return base64.urlsafe_b64decode(key)
-
-
-def pairwise_mask(
-    node: int, other: int, seed: bytes, size: int, modulus: int
-) -> NDArray[np.int64]:
-    """Return the mask ``node`` adds for ``other`` (``-m`` when ``node < other``).
-
-    The two signs cancel in the sum; the server removes a dropped node's
-    masks with the opposite sign (:func:`.server.unmask`).
-    """
-    mask = expand_mask(seed, size, modulus)
-    return mask if node > other else -mask
 
 
 class SecAggPlusMod:
@@ -254,6 +244,7 @@ def _share_keys(config: ConfigRecord, state: _State, node_id: int) -> dict[str, 
         )
     seed = os.urandom(32)
     order = sorted(keys)
+    secrets: dict[int, bytes] = {}
     seed_shares = create_shares(seed, threshold, len(order))
     sk1_shares = create_shares(state["sk1"], threshold, len(order))
     dsts, ciphertexts = [], []
@@ -265,6 +256,7 @@ def _share_keys(config: ConfigRecord, state: _State, node_id: int) -> dict[str, 
         secret = generate_shared_key(
             bytes_to_private_key(state["sk2"]), bytes_to_public_key(keys[other][1])
         )
+        secrets[other] = secret
         plaintext = share_keys_plaintext_concat(
             node_id, other, seed_shares[index], sk1_shares[index]
         )
@@ -272,8 +264,12 @@ def _share_keys(config: ConfigRecord, state: _State, node_id: int) -> dict[str, 
         ciphertexts.append(encrypt(secret, plaintext))
     state["seed"] = seed
     state["nids"] = order
-    state["pk1s"] = [keys[n][0] for n in order]
-    state["pk2s"] = [keys[n][1] for n in order]
+    # Each neighbour's two shared secrets, agreed once: the key its shares are
+    # encrypted with (from the second key pairs) and its mask seed (the first).
+    state["share-keys"] = [secrets.get(n, b"") for n in order]
+    state["mask-seeds"] = [
+        b"" if n == node_id else pairwise_seed(state["sk1"], keys[n][0]) for n in order
+    ]
     return {
         Key.DESTINATION_LIST: dsts,
         Key.CIPHERTEXT_LIST: ciphertexts,
@@ -291,22 +287,19 @@ def _receive_shares(config: ConfigRecord, state: _State, node_id: int) -> None:
         raise SecureAggregationRefused(
             "secure aggregation collect: malformed forwarded shares"
         )
-    pk2s = dict(zip(state["nids"], state["pk2s"], strict=True))
+    share_keys = dict(zip(state["nids"], state["share-keys"], strict=True))
     owners, seed_shares, sk1_shares = (
         [node_id],
         [state["own-seed-share"]],
         [state["own-sk1-share"]],
     )
     for src, ciphertext in zip(srcs, ciphertexts, strict=True):
-        if src not in pk2s or src == node_id:
+        if src not in share_keys or src == node_id:
             raise SecureAggregationRefused(
                 f"secure aggregation collect: a share from node {src}, not a neighbour"
             )
-        secret = generate_shared_key(
-            bytes_to_private_key(state["sk2"]), bytes_to_public_key(pk2s[src])
-        )
         actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(
-            decrypt(secret, cast(bytes, ciphertext))
+            decrypt(share_keys[src], cast(bytes, ciphertext))
         )
         if (actual_src, dst) != (src, node_id):
             raise SecureAggregationRefused(
@@ -328,7 +321,7 @@ def _receive_shares(config: ConfigRecord, state: _State, node_id: int) -> None:
 
 def _masked_vector(
     content: RecordDict, config: ConfigRecord, state: _State, node_id: int
-) -> tuple[NDArray[np.int64], int]:
+) -> tuple[NDArray[np.uint32], int]:
     """Return the reply's masked vector and how many values were clipped."""
     try:
         layout = Layout.from_config(config)
@@ -386,15 +379,13 @@ def _masked_vector(
             values = values * ratio
         clipped += int((np.abs(values) > quantizer.clipping_range).sum())
         parts.append(quantizer.encode(values, rng))
-    vector = np.concatenate(parts)
-    modulus = quantizer.modulus_range
-    vector += expand_mask(state["seed"], vector.size, modulus)
-    pk1s = dict(zip(state["nids"], state["pk1s"], strict=True))
+    vector = np.concatenate(parts).astype(np.uint32)
+    add_mask(vector, state["seed"], 1)
+    seeds = dict(zip(state["nids"], state["mask-seeds"], strict=True))
     for other in state["share-owners"]:
         if other != node_id:
-            seed = pairwise_seed(state["sk1"], pk1s[other])
-            vector += pairwise_mask(node_id, other, seed, vector.size, modulus)
-    return np.mod(vector, modulus), clipped
+            add_mask(vector, seeds[other], pairwise_sign(node_id, other))
+    return reduce(vector, quantizer.modulus_range), clipped
 
 
 def _only_metrics(content: RecordDict) -> MetricRecord:

@@ -42,11 +42,11 @@ from flwr.supercore.primitives.asymmetric import (
 )
 from numpy.typing import NDArray
 
+from ..client.secagg import pairwise_seed
 from ..contract.validation import ReplyRejected, ValidReply, client_error_text
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
 from ..transport.records import dict_to_record
-from .client import pairwise_mask, pairwise_seed
-from .protocol import (
+from ..transport.secagg import (
     CLIPPED_METRIC,
     COMMITMENT_KEY,
     MISSING_MOD_HINT,
@@ -57,10 +57,12 @@ from .protocol import (
     Layout,
     Quantizer,
     Stage,
+    add_mask,
     commitment,
-    expand_mask,
     from_bytes,
     neighbours,
+    pairwise_sign,
+    reduce,
 )
 
 PHASE = "aggregate_train"
@@ -379,7 +381,7 @@ class SecAggPlus(Strategy):
         state = self._round
         if state is None:  # the strategy sampled nobody
             return inner.aggregate_train(server_round, replies)
-        vectors: dict[int, NDArray[np.int64]] = {}
+        vectors: dict[int, NDArray[np.uint32]] = {}
         received: dict[int, int] = {}  # bytes of each masked vector
         passed: list[Message] = []
         length = state.layout.length if state.layout is not None else 0
@@ -403,9 +405,9 @@ class SecAggPlus(Strategy):
         for node, message in sorted(state.messages.items()):
             why = state.dropped.get(node)
             if why is None and state.failure is not None and node not in vectors:
-                why = f"secure aggregation did not start: {state.failure}"
+                why = f"the round's protocol could not start ({state.failure})"
             if why is not None:
-                reason = f"secure aggregation dropped the node at stage {why}"
+                reason = f"secure aggregation dropped the node: {why}"
                 passed.append(
                     Message(
                         Error(code=SECAGG_DROPPED_CODE, reason=reason), reply_to=message
@@ -473,6 +475,8 @@ class SecAggPlus(Strategy):
                 round(shares * sampled) if isinstance(shares, float) else shares,
             )
         )
+        if count < 3:
+            count = sampled  # as Flower: too small a fraction means everyone
         if count < sampled and count % 2 == 0:
             count += 1  # a ring neighbourhood is the node and as many on each side
         threshold = self.reconstruction_threshold
@@ -671,7 +675,7 @@ class SecAggPlus(Strategy):
             )
 
     # ------------------------------------------------------------- unmask
-    def _masked(self, reply: Message, length: int) -> NDArray[np.int64]:
+    def _masked(self, reply: Message, length: int) -> NDArray[np.uint32]:
         record = reply.content.config_records.get(SECAGG_RECORD)
         if record is None:
             raise ValueError(
@@ -707,7 +711,7 @@ class SecAggPlus(Strategy):
         return reply
 
     def _unmask(
-        self, state: _Round, vectors: dict[int, NDArray[np.int64]]
+        self, state: _Round, vectors: dict[int, NDArray[np.uint32]]
     ) -> tuple[dict[str, dict[str, NDArray]], dict[str, dict[str, NDArray]], float]:
         """Run the unmask stage; return the means, what each reply holds, sum r."""
         assert self._grid is not None and state.layout is not None
@@ -748,10 +752,9 @@ class SecAggPlus(Strategy):
                 continue
             for owner, share in zip(nids, given, strict=True):
                 shares[cast(int, owner)][holder] = cast(bytes, share)
-        total = np.zeros(state.layout.length, dtype=np.int64)
+        total = np.zeros(state.layout.length, dtype=np.uint32)  # sums wrap mod 2**32
         for vector in vectors.values():
             total += vector
-        modulus = self.modulus_range
         for owner in sorted(contributors):
             seed = self._recover(
                 state,
@@ -759,7 +762,7 @@ class SecAggPlus(Strategy):
                 shares[owner],
                 _matches(commitment, state.commitments[owner]),
             )
-            total -= expand_mask(seed, total.size, modulus)
+            add_mask(total, seed, -1)
         for owner in sorted(dead):
             sk1 = self._recover(
                 state,
@@ -769,9 +772,10 @@ class SecAggPlus(Strategy):
             )
             for other in sorted(state.neighbours[owner] & contributors):
                 seed = pairwise_seed(sk1, state.public_keys[other][0])
-                total -= pairwise_mask(other, owner, seed, total.size, modulus)
-        total = np.mod(total, modulus)
-        return self._decode(state, total, len(contributors))
+                # ``other`` added its mask for ``owner``; take it out again.
+                add_mask(total, seed, -pairwise_sign(other, owner))
+        total = reduce(total, self.modulus_range)
+        return self._decode(state, total.astype(np.int64), len(contributors))
 
     def _recover(
         self,
