@@ -522,3 +522,22 @@ def test_state_commits_only_for_clients_whose_vector_is_in_the_sum():
     assert inner.book.accepted == wrapped.strategy.book.accepted
     for key, value in inner.control.items():
         assert np.abs(wrapped.strategy.control[key] - value).max() <= 2 * CLIP / 2**22
+
+
+def test_clipping_is_counted_and_warned(caplog):
+    recorder = Recorder(ScaffoldClient)
+    metrics = []
+    wrapped = SecAggPlus(strategy(Scaffold, {"num_clients": NODES}), clipping_range=8.0)
+    original = wrapped.aggregate_train
+
+    def spy(server_round, replies):
+        out = original(server_round, replies)
+        metrics.append(out[1])
+        return out
+
+    wrapped.aggregate_train = spy
+    with caplog.at_level(logging.WARNING):
+        recorder.run(wrapped, rounds=2)
+    assert metrics[0]["secagg-clipped"] > 0
+    warned = [r for r in caplog.records if "clipped" in r.getMessage()]
+    assert len(warned) == 1 and "raise clipping_range" in warned[0].getMessage()

@@ -247,6 +247,7 @@ class SecAggPlus(Strategy):
         self._forwarded: dict[int, tuple[list[int], list[bytes]]] = {}
         self._zeros: dict[str, ArrayRecord] = {}
         self._zeros_round: int | None = None
+        self._clip_warned = False
 
     clipping_range = property(lambda self: self.quantizer.clipping_range)
     quantization_range = property(lambda self: self.quantizer.quantization_range)
@@ -295,6 +296,7 @@ class SecAggPlus(Strategy):
         Same parameters and result as the wrapped strategy's ``start()``.
         """
         self.strategy.reset_run()
+        self._clip_warned = False
         self.strategy.stall.final_round = self.strategy.round_offset + num_rounds
         result = super().start(
             grid=grid,
@@ -873,7 +875,20 @@ class SecAggPlus(Strategy):
         contributed = len(valid) if weight_sum is not None else 0
         metrics["secagg-dropped"] = len(state.messages) - contributed
         clipped = [r.metrics.get(CLIPPED_METRIC, 0) for r in valid]
-        metrics["secagg-clipped"] = int(sum(c for c in clipped if isinstance(c, int)))
+        total_clipped = int(sum(c for c in clipped if isinstance(c, int)))
+        metrics["secagg-clipped"] = total_clipped
+        if total_clipped and not self._clip_warned:
+            self._clip_warned = True
+            log(
+                WARNING,
+                "SecAggPlus: round %d: the clients clipped %d values to "
+                "clipping_range=%g before masking, so the sums the rule got are not "
+                "the replies' sums; raise clipping_range (warned once per run; each "
+                "round's secagg-clipped metric counts them)",
+                state.server_round + self.strategy.round_offset,
+                total_clipped,
+                self.clipping_range,
+            )
         if weight_sum is not None and valid:
             uniform = self.strategy.weighting == "uniform"
             metrics["secagg-error-bound"] = (
