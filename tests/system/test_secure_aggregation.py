@@ -3,13 +3,15 @@
 One SuperLink and 5 SuperNodes on 127.0.0.1 run SCAFFOLD under secure
 aggregation (``secure_aggregation=secaggplus``: neighbourhoods of everyone,
 threshold 3 of 5). The run's log is streamed (``flwr log --stream``); as soon
-as the server logs that round 2's nodes shared their keys, the SuperNode with
+as the server logs that round 1's nodes shared their keys, the SuperNode with
 the largest partition (the slowest to train, so it is still training) is
 SIGKILLed: it holds its neighbours' shares and they hold its mask seeds, so the
 server must rebuild its pairwise masks from the 4 survivors' shares to unmask
-round 2. The node stays dead; round 3 runs on the 4 others (``quorum=3``).
+round 1. One round: each costs about a minute on 2 cores (every stage starts a
+ClientApp process on every node), and the SuperLink takes 40 s more to report
+the dead node.
 
-The run must complete with every round aggregated; round 2 must count the
+The run must complete with every round aggregated; round 1 must count the
 dead node (``secagg-dropped``) and unmask the 4 contributors' sum; the model
 must learn; and the server's log must show the protocol and no plaintext array.
 """
@@ -36,8 +38,8 @@ from .engine import REPO, Deployment, deployment, run_log, run_status
 pytestmark = pytest.mark.slow
 
 NODES = 5
-ROUNDS = 3
-KILL_ROUND = 2
+ROUNDS = 1
+KILL_ROUND = 1
 OVERRIDES = (
     f"strategy=scaffold secure_aggregation=secaggplus num_clients={NODES} "
     f"num_rounds={ROUNDS} model=logreg train.local_epochs=8 quorum=3 "
@@ -101,7 +103,7 @@ def test_secaggplus_survives_a_node_killed_after_sharing_keys(tmp_path: Path) ->
         run_id = dep.submit(f"overrides='{OVERRIDES}' output-dir='{output}'")
         watch = LogWatch(run_id, dep, SHARED)
         try:
-            assert watch.seen.wait(timeout=600), "round 2's key sharing not logged"
+            assert watch.seen.wait(timeout=600), "round 1's key sharing not logged"
             assert not watch.ended.is_set(), (
                 f"the run ended before round {KILL_ROUND}'s key sharing: "
                 + "".join(watch.lines)[-3000:]
@@ -138,23 +140,18 @@ def test_secaggplus_survives_a_node_killed_after_sharing_keys(tmp_path: Path) ->
     assert "cannot be unmasked" not in log, log[-3000:]
     assert "keeping the previous model" not in log, log[-3000:]
     train = {r["round"]: r["train"] for r in rounds[1:]}
-    assert train[1]["secagg-contributors"] == NODES
-    assert train[1]["secagg-dropped"] == 0
     # The round the node died in: it shared its keys, never sent its masked
     # vector; its masks were rebuilt from the 4 others' shares.
     assert train[KILL_ROUND]["secagg-contributors"] == NODES - 1, train[KILL_ROUND]
     assert train[KILL_ROUND]["secagg-dropped"] >= 1, train[KILL_ROUND]
     assert train[KILL_ROUND]["replies-valid"] == NODES - 1
-    # The dead node stays dead: round 3 samples the 4 others only.
-    assert train[ROUNDS]["secagg-contributors"] == NODES - 1, train[ROUNDS]
-    assert train[ROUNDS]["replies-valid"] == NODES - 1
     # Something was trained.
     accuracy = [r["central"]["accuracy"] for r in rounds]
-    assert accuracy[-1] > accuracy[1] > accuracy[0], accuracy
+    assert accuracy[1] > accuracy[0] + 0.5, accuracy
 
-    # The server's log: the protocol ran every round (4 of 4 in round 3) and
-    # round 2 was unmasked with the survivors; no line prints an array.
-    for rnd, shared in ((1, NODES), (KILL_ROUND, NODES), (ROUNDS, NODES - 1)):
+    # The server's log: the protocol ran, round 1 was unmasked with the
+    # survivors; no line prints an array.
+    for rnd, shared in ((KILL_ROUND, NODES),):
         assert (
             f"SecAggPlus: round {rnd}: {shared} of {shared} sampled nodes shared "
             "their keys" in log

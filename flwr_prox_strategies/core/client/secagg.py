@@ -30,15 +30,15 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_concat,
     share_keys_plaintext_separate,
 )
-from flwr.supercore.primitives.asymmetric import (
+from numpy.typing import NDArray
+
+from ..transport.flower import (
     bytes_to_private_key,
     bytes_to_public_key,
     generate_key_pairs,
     private_key_to_bytes,
     public_key_to_bytes,
 )
-from numpy.typing import NDArray
-
 from ..transport.secagg import (
     CLIPPED_METRIC,
     COMMITMENT_KEY,

@@ -35,16 +35,16 @@ from flwr.common.logger import log
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
-from flwr.supercore.primitives.asymmetric import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    public_key_to_bytes,
-)
 from numpy.typing import NDArray
 
 from ..client.secagg import pairwise_seed
 from ..contract.validation import ReplyRejected, ValidReply, client_error_text
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
+from ..transport.flower import (
+    bytes_to_private_key,
+    bytes_to_public_key,
+    public_key_to_bytes,
+)
 from ..transport.records import dict_to_record
 from ..transport.secagg import (
     CLIPPED_METRIC,
