@@ -344,7 +344,15 @@ class SecAggPlus(Strategy):
             self._setup(grid, state, nodes)
         if state.failure is None:
             self._share_keys(grid, state)
+        shown = server_round + self.strategy.round_offset
         if state.failure is not None:
+            log(
+                WARNING,
+                "SecAggPlus: round %d: the protocol could not start: %s; no node "
+                "trains this round",
+                shown,
+                state.failure,
+            )
             return []
         assert state.layout is not None
         outgoing = []
@@ -367,7 +375,7 @@ class SecAggPlus(Strategy):
             INFO,
             "SecAggPlus: round %d: %d of %d sampled nodes shared their keys "
             "(neighbourhoods of %d, threshold %d); collecting masked vectors",
-            server_round,
+            shown,
             len(state.shared),
             len(nodes),
             state.num_shares,
