@@ -898,6 +898,8 @@ class SecAggPlus(Strategy):
                 self.clipping_range,
             )
         if weight_sum is not None and valid:
+            # Each client's code is off by less than one step: n steps per sum.
+            metrics["secagg-sum-error-bound"] = len(valid) * self.quantizer.step
             uniform = self.strategy.weighting == "uniform"
             metrics["secagg-error-bound"] = (
                 self.quantizer.step
