@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -190,8 +191,22 @@ def test_only_the_plugin_s_strategy_is_an_option(nova: Path) -> None:
     # and among strategies only what a plugin registers.
     with pytest.raises(ConfigNotAllowedError, match="'evil' is not an option"):
         compose_config("dataset=evil")
-    with pytest.raises(ConfigNotAllowedError, match="installed plugins: nova"):
+    with pytest.raises(ConfigNotAllowedError, match="installed plugins: nova") as err:
         compose_config("strategy=helper")
+    # Plugin words: where each plugin comes from, and how a package adds one.
+    assert re.search(r"nova \(\S+ \S+\)", str(err.value)), err.value
+    assert "entry point in the group 'flwr_prox_strategies.algorithms'" in str(
+        err.value
+    )
+
+
+def test_an_unknown_strategy_says_how_a_plugin_registers_one() -> None:
+    with pytest.raises(ConfigNotAllowedError) as err:
+        compose_config("strategy=fedadmm")
+    text = str(err.value)
+    assert "'fedadmm' is not an option of strategy" in text
+    assert "installed plugins: " in text
+    assert "Registering an algorithm from your own package" in text
 
 
 def test_a_plugin_reusing_others_classes_opens_those_classes_only(

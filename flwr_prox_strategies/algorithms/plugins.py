@@ -208,6 +208,27 @@ def registered_algorithms(*, refresh: bool = False) -> dict[str, Algorithm]:
     return {**ALGORITHMS, **_registry().algorithms}
 
 
+def plugin_sources() -> dict[str, str]:
+    """Return each installed plugin's conf name and where it comes from.
+
+    Returns
+    -------
+    dict[str, str]
+        Conf name -> ``"<distribution> <version>"`` for the plugins that
+        registered, ``"<distribution> <version>, unavailable"`` for those that
+        could not (the log says why).
+    """
+    sources = {}
+    errors = _registry().errors
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(entry_point, "dist", None)
+        name = getattr(dist, "name", None) or "an unknown distribution"
+        version = getattr(dist, "version", None) or "?"
+        broken = ", unavailable" if entry_point.name in errors else ""
+        sources[entry_point.name] = f"{name} {version}{broken}"
+    return sources
+
+
 def registered_algorithm(name: str) -> Algorithm:
     """Return the algorithm registered under the conf name ``name``.
 

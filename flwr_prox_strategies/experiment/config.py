@@ -60,6 +60,7 @@ from ..algorithms import (
     registered_algorithm,
     registered_algorithms,
 )
+from ..algorithms.plugins import ENTRY_POINT_GROUP, plugin_sources
 from ..core.client.dp import make_private_model
 from ..core.privacy.central import central_dp
 from ..core.privacy.secagg import SecAggPlus
@@ -438,13 +439,24 @@ def check_overrides(overrides: Sequence[str]) -> None:
             ) or _plugin_option(key, option):
                 continue
             choices = sorted(p.stem for p in group_dir.glob("*.yaml"))
-            plugins = sorted(_plugins()) if key == "strategy" else []
             raise ConfigNotAllowedError(
                 f"override {text!r}: {option!r} is not an option of {key} "
                 f"(conf/{key}/: {', '.join(choices)}"
-                + (f"; installed plugins: {', '.join(plugins)}" if plugins else "")
-                + ")."
+                + (_plugin_words() if key == "strategy" else ")")
+                + "."
             )
+
+
+def _plugin_words() -> str:
+    """Say which plugins are installed and how a package adds a strategy."""
+    sources = plugin_sources()
+    installed = ", ".join(f"{n} ({sources[n]})" for n in sorted(sources)) or "none"
+    return (
+        f"; installed plugins: {installed}). A package adds a strategy with an "
+        f"entry point in the group {ENTRY_POINT_GROUP!r} (the documentation's "
+        "guide to adding an algorithm, 'Registering an algorithm from your own "
+        "package')"
+    )
 
 
 def split_overrides(overrides: str | Sequence[str]) -> list[str]:
