@@ -127,6 +127,12 @@ def plain_and_secure(name, rounds, **more):
         strategy(cls, options, **more), rounds
     )
     wrapped = secure(strategy(cls, options, **more))
+    metrics = round_metrics(wrapped)
+    return plain, Recorder(client).run(wrapped, rounds), metrics
+
+
+def round_metrics(wrapped):
+    """Return the list each ``aggregate_train`` of ``wrapped`` appends its metrics to."""
     metrics = []
     original = wrapped.aggregate_train
 
@@ -136,7 +142,7 @@ def plain_and_secure(name, rounds, **more):
         return out
 
     wrapped.aggregate_train = spy
-    return plain, Recorder(client).run(wrapped, rounds), metrics
+    return metrics
 
 
 # FedDyn's and FedDC's model adds the drift sum over K to the mean: its error
@@ -537,16 +543,8 @@ def test_state_commits_only_for_clients_whose_vector_is_in_the_sum():
 
 def test_clipping_is_counted_and_warned(caplog):
     recorder = Recorder(ScaffoldClient)
-    metrics = []
     wrapped = SecAggPlus(strategy(Scaffold, {"num_clients": NODES}), clipping_range=8.0)
-    original = wrapped.aggregate_train
-
-    def spy(server_round, replies):
-        out = original(server_round, replies)
-        metrics.append(out[1])
-        return out
-
-    wrapped.aggregate_train = spy
+    metrics = round_metrics(wrapped)
     with caplog.at_level(logging.WARNING):
         recorder.run(wrapped, rounds=2)
     assert metrics[0]["secagg-clipped"] > 0

@@ -524,8 +524,8 @@ def test_the_server_hears_when_the_term_missed_the_update(
         assert metrics["replies-valid"] == 4
 
 
-def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
-    """A reply without control-delta names rule.reply, as FedDyn's does."""
+def model_only_app() -> ClientApp:
+    """A ClientApp of the user's own that replies the model and num-examples only."""
     app = ClientApp()
 
     @app.train()
@@ -537,6 +537,13 @@ def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
             }
         )
         return Message(content, reply_to=msg)
+
+    return app
+
+
+def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
+    """A reply without control-delta names rule.reply, as FedDyn's does."""
+    app = model_only_app()
 
     with (
         caplog.at_level(logging.WARNING, logger="flwr"),
@@ -601,17 +608,7 @@ def test_a_reply_in_another_dtype_is_told_what_the_server_accepts(problem, caplo
 
 def test_an_own_reply_is_not_said_to_skip_the_term(problem, caplog):
     """Without rule.reply the server cannot know: it says so, not 'not applied'."""
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        content = RecordDict(
-            {
-                "arrays": msg.content["arrays"],
-                "metrics": MetricRecord({"num-examples": 5}),
-            }
-        )
-        return Message(content, reply_to=msg)
+    app = model_only_app()
 
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run(problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from logging import INFO
 from typing import Any, cast
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
@@ -159,8 +166,10 @@ class SecAggPlusMod:
         reply = call_next(message, context)
         if reply.has_error():
             return reply
-        vector, clipped = _masked_vector(reply.content, config, state, node_id)
         metrics = _only_metrics(reply.content)
+        vector, clipped = _masked_vector(
+            reply.content.array_records, metrics, config, state, node_id
+        )
         metrics[CLIPPED_METRIC] = clipped
         out = RecordDict(
             {
@@ -320,7 +329,11 @@ def _receive_shares(config: ConfigRecord, state: _State, node_id: int) -> None:
 
 
 def _masked_vector(
-    content: RecordDict, config: ConfigRecord, state: _State, node_id: int
+    records: Mapping[str, ArrayRecord],
+    metrics: MetricRecord,
+    config: ConfigRecord,
+    state: _State,
+    node_id: int,
 ) -> tuple[NDArray[np.uint32], int]:
     """Return the reply's masked vector and how many values were clipped."""
     try:
@@ -330,7 +343,6 @@ def _masked_vector(
     quantizer = Quantizer(
         state[Key.CLIPPING_RANGE], state[Key.TARGET_RANGE], state[Key.MOD_RANGE]
     )
-    metrics = _only_metrics(content)
     weight_key = config.get(WEIGHT_KEY)
     max_weight = float(state[Key.MAX_WEIGHT])
     if weight_key:
@@ -353,7 +365,6 @@ def _masked_vector(
     rng = np.random.default_rng()
     parts: list[NDArray[np.int64]] = [np.array([code], dtype=np.int64)]
     clipped = 0
-    records = content.array_records
     for name, kind, size, keys in zip(
         layout.records, layout.kinds, layout.sizes, layout.keys, strict=True
     ):

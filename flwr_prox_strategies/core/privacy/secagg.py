@@ -45,7 +45,7 @@ from ..transport.flower import (
     bytes_to_public_key,
     public_key_to_bytes,
 )
-from ..transport.records import dict_to_record
+from ..transport.records import RecordSpec, dict_to_record
 from ..transport.secagg import (
     CLIPPED_METRIC,
     COMMITMENT_KEY,
@@ -88,6 +88,8 @@ class _Round:
     num_shares: int = 0
     threshold: int = 0
     layout: Layout | None = None
+    spec: dict[str, RecordSpec] = field(default_factory=dict)  # the expected records
+    zeros: dict[str, ArrayRecord] = field(default_factory=dict)  # stand-ins, once
     neighbours: dict[int, set[int]] = field(default_factory=dict)
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     commitments: dict[int, bytes] = field(default_factory=dict)
@@ -245,8 +247,6 @@ class SecAggPlus(Strategy):
         self._grid: Grid | None = None
         self._round: _Round | None = None
         self._forwarded: dict[int, tuple[list[int], list[bytes]]] = {}
-        self._zeros: dict[str, ArrayRecord] = {}
-        self._zeros_round: int | None = None
         self._clip_warned = False
 
     clipping_range = property(lambda self: self.quantizer.clipping_range)
@@ -392,7 +392,6 @@ class SecAggPlus(Strategy):
         if state is None:  # the strategy sampled nobody
             return inner.aggregate_train(server_round, replies)
         vectors: dict[int, NDArray[np.uint32]] = {}
-        received: dict[int, int] = {}  # bytes of each masked vector
         passed: list[Message] = []
         length = state.layout.length if state.layout is not None else 0
         sent = {m.metadata.message_id: node for node, m in state.messages.items()}
@@ -405,11 +404,10 @@ class SecAggPlus(Strategy):
                 continue
             try:
                 vectors[node] = self._masked(reply, length)
-                received[node] = 4 * length
             except ValueError as err:
                 state.dropped[node] = f"collect_masked_vectors: {err}"
                 continue
-            passed.append(self._skeleton(reply, server_round))
+            passed.append(self._skeleton(reply, state))
         # Nodes the protocol lost, or a round it could not start, reach the
         # strategy as error replies: counted and logged as failures, as always.
         for node, message in sorted(state.messages.items()):
@@ -460,7 +458,7 @@ class SecAggPlus(Strategy):
                 screened.k_before,
             )
             arrays, metrics = inner.aggregate_screened(round_, screened)
-            return arrays, self._metrics(metrics, state, [], None, received)
+            return arrays, self._metrics(metrics, state, [], None)
         assert sums is not None
         means, replies_hold, weight_sum = sums
         for valid_reply in screened.valid:
@@ -470,9 +468,7 @@ class SecAggPlus(Strategy):
             arrays, metrics = inner.aggregate_screened(round_, screened)
         finally:
             inner._secure_means = None
-        return arrays, self._metrics(
-            metrics, state, screened.valid, weight_sum, received
-        )
+        return arrays, self._metrics(metrics, state, screened.valid, weight_sum)
 
     # ------------------------------------------------------------- stages
     def _size_round(self, state: _Round, sampled: int) -> None:
@@ -506,7 +502,7 @@ class SecAggPlus(Strategy):
                 f"{sampled} nodes sampled, more than modulus_range / "
                 f"quantization_range allows ({self.quantizer.max_contributors()})"
             )
-        spec = self.strategy.expected_train_arrays(
+        state.spec = spec = self.strategy.expected_train_arrays(
             state.server_round + self.strategy.round_offset
         )
         declared = self.strategy.secure_sums() or {}
@@ -703,20 +699,17 @@ class SecAggPlus(Strategy):
             self.modulus_range,  # type: ignore[arg-type]
         )
 
-    def _skeleton(self, reply: Message, server_round: int) -> Message:
+    def _skeleton(self, reply: Message, state: _Round) -> Message:
         """Return the reply as the strategy screens it: its metrics, zero arrays."""
-        inner = self.strategy
-        spec = inner.expected_train_arrays(server_round + inner.round_offset)
-        if self._zeros_round != server_round:
-            self._zeros = {
+        if not state.zeros:  # one set per round, shared by every stand-in
+            state.zeros = {
                 name: dict_to_record(
                     {k: np.zeros(a.shape, dtype=a.dtype) for k, a in layout.items()}
                 )
-                for name, layout in spec.items()
+                for name, layout in state.spec.items()
             }
-            self._zeros_round = server_round
         reply.content = RecordDict(
-            {**self._zeros, **dict(reply.content.metric_records)}
+            {**state.zeros, **dict(reply.content.metric_records)}
         )
         return reply
 
@@ -842,9 +835,7 @@ class SecAggPlus(Strategy):
                 "corrupt masked vector"
             )
         weight_sum = weight_code / q.quantization_range
-        spec = self.strategy.expected_train_arrays(
-            state.server_round + self.strategy.round_offset
-        )
+        spec = state.spec
         means: dict[str, dict[str, NDArray]] = {}
         holds: dict[str, dict[str, NDArray]] = {}
         for name, kind, keys, codes in zip(
@@ -872,13 +863,13 @@ class SecAggPlus(Strategy):
         state: _Round,
         valid: list[ValidReply],
         weight_sum: float | None,
-        received: Mapping[int, int],
     ) -> MetricRecord | None:
         if metrics is None or not self.strategy.pack_metrics:
             return metrics
         # What came in: the contributors' masked vectors, not the plain records
         # the strategy counted from its stand-ins.
-        metrics["bytes-received"] = sum(received[r.node_id] for r in valid)
+        assert state.layout is not None
+        metrics["bytes-received"] = 4 * state.layout.length * len(valid)
         metrics["secagg-contributors"] = len(valid) if weight_sum is not None else 0
         contributed = len(valid) if weight_sum is not None else 0
         metrics["secagg-dropped"] = len(state.messages) - contributed
