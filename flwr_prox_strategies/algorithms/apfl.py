@@ -515,6 +515,15 @@ class APFLRule(ClientRule):
 
     protocol = "APFL"
     applied_metric = APFL_APPLIED_KEY
+    # omega_k is the client's own: it advances with the client's training
+    # whether or not the server aggregates the reply (nothing on the server
+    # depends on it), so it is saved at once, not two-phase.
+    personal_state = (
+        PERSONAL_STATE,
+        PERSONAL_SUM_STATE,
+        f"scalar:{ALPHA_STATE}",
+        f"scalar:{LAST_STEP_STATE}",
+    )
 
     def __init__(
         self,

@@ -55,6 +55,15 @@ from .checks import (
     first_round,
     sampling_grid,
 )
+from .clients import CLIENT_CHECKS as _CLIENT_CHECKS
+from .clients import (
+    ClientRun,
+    buffered_model,
+    client_app_of,
+    initial_model,
+    run_clients,
+    runs_client,
+)
 from .federation import LeastSquares, half_sse
 from .replies import BAD_REPLIES as _BAD_REPLIES
 from .replies import (
@@ -74,6 +83,17 @@ Factory = _Factory
 
 STRATEGY_CHECKS = _STRATEGY_CHECKS
 """The checks of one configuration besides the bad replies, name -> ``check(make)``."""
+
+CLIENT_CHECKS = _CLIENT_CHECKS
+"""The checks of an algorithm's own client, name -> ``check(run)``.
+
+Each asserts on one :class:`ClientRun` (:func:`run_clients`): the client
+trained; its replies carry the records the strategy expects and pass its
+screening; a reply the server rejected left the client's committed state as
+it was; every committed state is recognised next round (nothing retired, K
+unchanged, nothing saved outside the two-phase commit); the rule's term
+reached every update.
+"""
 
 BAD_REPLIES = _BAD_REPLIES
 """Every kind of bad reply, name -> ``(strategy, message sent) -> reply``.
@@ -140,6 +160,12 @@ def conformance_checks(algorithm: Any) -> dict[str, Callable[[], None]]:
     cases = cases_of(algorithm)
     checks: dict[str, Callable[[], None]] = {}
     for case, make in cases.items():
+        if runs_client(algorithm):
+            # One run of the algorithm's own client per configuration, shared
+            # by its client checks (run by the first that needs it).
+            run = functools.cache(functools.partial(run_clients, algorithm, make))
+            for name, client_check in CLIENT_CHECKS.items():
+                checks[f"{case}/{name}"] = _on_run(client_check, run)
         kinds = bad_reply_kinds(make(NUM_NODES))
         for kind in kinds:
             checks[f"{case}/bad-reply/{kind}"] = functools.partial(
@@ -166,6 +192,12 @@ def conformance_checks(algorithm: Any) -> dict[str, Callable[[], None]]:
             check_client_refuses_another_strategys_message, client
         )
     return checks
+
+
+def _on_run(
+    check: Callable[[ClientRun], None], run: Callable[[], ClientRun]
+) -> Callable[[], None]:
+    return lambda: check(run())
 
 
 def check_algorithm(algorithm: Any) -> None:
@@ -240,12 +272,15 @@ def check_converges(
 
 __all__ = [
     "BAD_REPLIES",
+    "CLIENT_CHECKS",
     "NUM_NODES",
     "STRATEGY_CHECKS",
+    "ClientRun",
     "InProcessGrid",
     "LeastSquares",
     "assert_same_value",
     "bad_reply_kinds",
+    "buffered_model",
     "cases_of",
     "check_algorithm",
     "check_bad_reply",
@@ -253,15 +288,19 @@ __all__ = [
     "check_client_refuses_another_strategys_message",
     "check_converges",
     "check_rule_refuses_another_strategys_message",
+    "client_app_of",
     "conformance_checks",
     "default_case",
     "error_reply",
     "fedavg_message",
     "first_round",
     "half_sse",
+    "initial_model",
     "model_arrays",
     "record",
     "reply",
+    "run_clients",
+    "runs_client",
     "sampling_grid",
     "valid_reply",
 ]

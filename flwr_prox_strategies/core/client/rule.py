@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any, ClassVar
 
 import numpy as np
@@ -79,6 +79,7 @@ from ..transport.keys import (
     RUN_TAG_KEY,
     SECAGG_RECORD,
     SERVER_ROUND_KEY,
+    STATE_OUTSIDE_COMMIT_METRIC,
     STATE_ROUND_METRIC,
     node_key,
 )
@@ -343,6 +344,36 @@ class ClientRule:
     ProtocolError
         If the train config lacks a key, or the message an ArrayRecord, that
         the algorithm's strategy sends (naming the strategy needed).
+
+    Attributes
+    ----------
+    model : torch.nn.Module
+        The model being trained.
+    config : dict[str, Any]
+        This round's train config.
+    received : dict[str, Sequence[NDArray]]
+        The extra ArrayRecords the server sent, in ``state_dict`` order (read
+        them as tensors with :meth:`received_params`).
+    server_round : int
+        The round the server numbered this message with (``server-round``):
+        what :meth:`ClientState.set_pending
+        <flwr_prox_strategies.extend.ClientState.set_pending>` takes.
+    state : ~flwr_prox_strategies.extend.ClientState
+        The client's cross-round state; save with ``set_pending``, never
+        ``set``, what the server sums over.
+    params : list[torch.Tensor]
+        The model's trainable parameters, in ``model.parameters()`` order: the
+        layout of the rule's state, of :meth:`received_params` and of
+        :attr:`anchor`. A reply record is laid out otherwise (every
+        ``state_dict`` entry, buffers included): :meth:`reply_arrays`.
+    anchor : list[torch.Tensor]
+        The parameters at the received global model (float32 at least).
+    client_key : int
+        The client's stable id (the key of the server's per-client tables).
+    relative_size : float
+        ``n_k / mean_j n_j`` as given.
+    term : GradientTerm | None
+        What :meth:`setup` returned.
     """
 
     #: The strategy whose values the rule reads (named in protocol errors).
@@ -377,6 +408,11 @@ class ClientRule:
     #: The names of the state records the rule keeps in ``context.state``
     #: (what a reset forgets).
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: State records the client keeps for itself whatever the server does with
+    #: its reply (APFL's personal model): saved with ``state.set``, outside
+    #: the two-phase commit, because the server neither sums nor confirms
+    #: them. Everything else a rule keeps goes through ``set_pending``.
+    personal_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -413,6 +449,13 @@ class ClientRule:
             if must_reset(self.config, self.client_key):
                 self.state.reset(self.state_names)
             self.state.resolve(accepted_round(self.config, self.client_key))
+        # The state records as committed when the round began: a record the
+        # rule replaces before it replies was saved outside the two-phase
+        # commit (see metrics()).
+        self._committed_at_start = {
+            name: self.state.records.array_records.get(name)
+            for name in self.state_names
+        }
         self.params = trainable(model)
         # The received global model, the point every rule measures from (in
         # float32 at least: a half-precision model keeps a full-precision anchor).
@@ -426,6 +469,7 @@ class ClientRule:
         self._first: torch.Tensor | None = None
         self._first_device: torch.device | None = None
         self._warned_twice = False
+        self._warned_outside = False
         self._handles: list[Any] = []
         self._message: Message | None = None
         self._keys: list[str] = []
@@ -552,6 +596,111 @@ class ClientRule:
             )
         return params_from_arrays(self.model, self.received[name], like=self.anchor)
 
+    def reply_arrays(
+        self, tensors: Sequence[torch.Tensor], *, buffers: str = "zeros"
+    ) -> list[NDArray]:
+        """Lay out one tensor per trainable parameter as a reply record is laid out.
+
+        Reply records (the model's and every extra one) hold one array per
+        ``state_dict`` entry, buffers included (BatchNorm's running
+        statistics), in ``state_dict`` order and in the dtypes the server
+        sent; the rule's state, :attr:`anchor` and :meth:`received_params`
+        hold one per trainable parameter (:attr:`params`). Return a
+        :meth:`finish` record through this, so it never loses the buffers.
+
+        Parameters
+        ----------
+        tensors : Sequence[torch.Tensor]
+            One per trainable parameter, in :attr:`params` order.
+        buffers : {"zeros", "model"} (default: "zeros")
+            What the record holds at the entries that are not trainable
+            parameters (buffers, frozen parameters): zeros (a difference or a
+            control variate has none) or the model's current values.
+
+        Returns
+        -------
+        list[NDArray]
+            One array per ``state_dict`` entry, ready for :meth:`finish`'s
+            records.
+
+        Raises
+        ------
+        ValueError
+            If ``buffers`` is another value, or ``tensors`` does not have one
+            tensor of the right shape per trainable parameter.
+        """
+        if buffers not in ("zeros", "model"):
+            raise ValueError(f"buffers must be 'zeros' or 'model', got {buffers!r}")
+        tensors = list(tensors)
+        if len(tensors) != len(self.params) or any(
+            tuple(t.shape) != tuple(p.shape)
+            for t, p in zip(tensors, self.params, strict=True)
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.reply_arrays takes one tensor per trainable "
+                f"parameter ({len(self.params)}, shaped as rule.params), got "
+                f"{len(tensors)}"
+            )
+        dtypes = self._dtypes
+        entries = self.model.state_dict()
+        if dtypes is not None and len(dtypes) != len(entries):
+            dtypes = None
+        arrays = arrays_from_params(self.model, tensors, dtypes)
+        if buffers == "model":
+            ours = {id(p) for p in self.params}
+            trained = {n for n, p in self.model.named_parameters() if id(p) in ours}
+            for i, (name, value) in enumerate(entries.items()):
+                if name not in trained:
+                    arrays[i] = to_numpy(value, arrays[i].dtype)
+        return arrays
+
+    def param_tensors(self, arrays: Sequence[NDArray]) -> list[torch.Tensor]:
+        """Pick the trainable parameters' entries out of a record's arrays.
+
+        The inverse of :meth:`reply_arrays`: ``state_dict``-ordered arrays
+        (a received record's, a reply's) -> one tensor per trainable
+        parameter, on the device and in the dtype of :attr:`anchor`.
+
+        Parameters
+        ----------
+        arrays : Sequence[NDArray]
+            One array per ``state_dict`` entry.
+
+        Returns
+        -------
+        list[torch.Tensor]
+            One tensor per trainable parameter, in :attr:`params` order.
+
+        Raises
+        ------
+        ProtocolError
+            If the number of arrays is not the number of ``state_dict`` entries.
+        """
+        return params_from_arrays(self.model, arrays, like=self.anchor)
+
+    def saved_outside_commit(self) -> list[str]:
+        """Return the state records this round's rule saved outside the commit.
+
+        A record of :attr:`state_names` that is committed now but was not
+        when the round began (or was another) was written with
+        :meth:`ClientState.set <flwr_prox_strategies.extend.ClientState.set>`,
+        which commits at once: a reply the server then rejects would still
+        change the client's state, and the server cannot confirm it. Save it
+        with ``self.state.set_pending(name, arrays, self.server_round)``.
+
+        Returns
+        -------
+        list[str]
+            Their names (empty for a rule that uses ``set_pending``).
+        """
+        records = self.state.records.array_records
+        return [
+            name
+            for name in self.state_names
+            if records.get(name) is not None
+            and records.get(name) is not self._committed_at_start.get(name)
+        ]
+
     def metrics(self) -> dict[str, Any]:
         """Return the metrics every reply of this rule carries.
 
@@ -564,7 +713,9 @@ class ClientRule:
             ``term-lost-steps`` and ``term-missing-steps``, the steps that did
             not; ``client-key``;
             and, for a stateful rule, ``state-round`` (the round its committed
-            state comes from).
+            state comes from) and ``state-outside-commit`` (how many of its
+            state records it saved outside the two-phase commit, see
+            :meth:`saved_outside_commit`).
         """
         metrics: dict[str, Any] = {}
         if self.applied_metric is not None:
@@ -575,6 +726,20 @@ class ClientRule:
         metrics[CLIENT_KEY_METRIC] = self.client_key  # orders the server's sum
         if self.stateful:
             metrics[STATE_ROUND_METRIC] = self.state.committed_round()
+            outside = self.saved_outside_commit()
+            metrics[STATE_OUTSIDE_COMMIT_METRIC] = len(outside)
+            if outside and not self._warned_outside:
+                self._warned_outside = True
+                log(
+                    ERROR,
+                    "client %d: %s saved its state %s with state.set, which commits "
+                    "at once (a reply the server rejects would still change the "
+                    "client): save it with self.state.set_pending(name, arrays, "
+                    "self.server_round) in finish()",
+                    self.client_key,
+                    type(self).__name__,
+                    outside,
+                )
         return metrics
 
     # ------------------------------------------------------ what was measured

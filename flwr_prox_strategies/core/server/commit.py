@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Mapping
-from logging import WARNING
+from logging import ERROR, WARNING
 from typing import Any
 
 from flwr.common.logger import log
@@ -26,6 +26,7 @@ from ..transport.keys import (
     RESET_KEYS_KEY,
     RESET_STATE_KEY,
     RUN_TAG_KEY,
+    STATE_OUTSIDE_COMMIT_METRIC,
     STATE_ROUND_METRIC,
 )
 
@@ -33,6 +34,22 @@ from ..transport.keys import (
 def client_key(reply: ValidReply) -> int:
     """Return the client key of a reply (checked to be an int by the strategy)."""
     return int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
+
+
+def saved_outside_commit(reply: ValidReply) -> bool:
+    """Return True when the reply's rule saved state outside the two-phase commit."""
+    value = reply.metrics.get(STATE_OUTSIDE_COMMIT_METRIC)
+    return isinstance(value, (int, float)) and value > 0
+
+
+def held_state(reply: ValidReply) -> bool:
+    """Return True when the reply's client trained from committed state.
+
+    False for a client that held none (new to the run, restarted without a
+    ``state_dir``, or asked to start afresh): its state started at zero.
+    """
+    value = reply.metrics.get(STATE_ROUND_METRIC)
+    return isinstance(value, (int, float)) and int(value) >= 0
 
 
 class ClientBook:
@@ -62,6 +79,7 @@ class ClientBook:
         self.retired_states = 0
         self.reset_keys: set[int] = set()
         self.run_tag = secrets.token_hex(8)
+        self._outside_warned = False
 
     def node_config(self, node_id: int) -> dict[str, Any]:
         """Return what a node's train config must carry for its state.
@@ -98,6 +116,7 @@ class ClientBook:
         keeps_client_sums: bool,
         accept_lost_state: bool,
         count: Callable[[int, ReplyRejected], None],
+        strict: bool = False,
     ) -> tuple[list[ValidReply], int]:
         """Check each client's state against what the server committed.
 
@@ -116,12 +135,45 @@ class ClientBook:
           state (if any) is retired the same way, and it is asked to start
           afresh (``reset-state``).
 
+        A client whose rule saved its state outside the two-phase commit
+        (``state-outside-commit``) reports no committed round although it
+        holds state: that is a mistake in its client code, not a lost state.
+        One error per run says so; its state is not retired (K does not grow
+        from it) and its reply is used, or rejected with ``strict``.
+
         Returns the usable replies and the number rejected.
         """
         kept: list[ValidReply] = []
         rejected = 0
+        outside = [r for r in replies if saved_outside_commit(r)]
+        if outside and not self._outside_warned:
+            self._outside_warned = True
+            log(
+                ERROR,
+                "aggregate_train: round %d: clients %s save their state outside the "
+                "two-phase commit (their rule writes it with ClientState.set, which "
+                "commits at once): the server cannot confirm their state and a "
+                "rejected reply still changes it. Their client code must save it "
+                "with self.state.set_pending(name, arrays, self.server_round); "
+                "their replies are %s (K unchanged)",
+                server_round,
+                sorted(client_key(r) for r in outside),
+                "rejected (strict=True)" if strict else "used",
+            )
         for reply in replies:
             key = client_key(reply)
+            if saved_outside_commit(reply):
+                self.node_keys[reply.node_id] = key
+                if strict:
+                    why = ReplyRejected(
+                        "state-outside-commit",
+                        f"client {key} saved its state outside set_pending",
+                    )
+                    count(reply.node_id, why)
+                    rejected += 1
+                else:
+                    kept.append(reply)
+                continue
             held_value = reply.metrics.get(STATE_ROUND_METRIC)
             expected = self.accepted.get(key, -1)
             if not isinstance(held_value, (int, float)) or int(held_value) == expected:

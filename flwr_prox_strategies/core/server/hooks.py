@@ -26,6 +26,7 @@ from ..contract.validation import MetricSpec, ReplyRejected, ValidReply, check_w
 from ..transport import keys
 from ..transport.records import RecordSpec, dict_to_record
 from . import screening
+from .commit import held_state
 from .pieces import RoundPiece
 
 
@@ -354,6 +355,29 @@ class AlgorithmHooks:
         if self.weighting == "metric":  # checked finite and > 0 in check_reply
             return float(reply.metrics[self.weighted_by_key])  # type: ignore[arg-type]
         return reply.num_examples if self.weighting == "num-examples" else 1.0
+
+    def client_held_state(self, reply: ValidReply) -> bool:
+        """Return whether a reply's client trained from state the server committed.
+
+        For a server rule over client states (``stateful_clients``): False
+        when the client held none, so its state started at zero (its first
+        round, a node restarted without a ``state_dir``, a client asked to
+        start afresh). A sum over all clients that counts an unseen client
+        at a value of its own (the model :math:`\theta^0`, say) then knows
+        that the reply's difference is from zero, not from that value.
+
+        Parameters
+        ----------
+        reply : ValidReply
+            A reply of the round (reconciled: a client holding another round's
+            state never reaches the rule).
+
+        Returns
+        -------
+        bool
+            True when the reply's ``state-round`` names a committed round.
+        """
+        return held_state(reply)
 
     def weighted_mean(
         self, replies: list[ValidReply], record: str | None = None

@@ -27,6 +27,7 @@ from ..transport.keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
     NUM_EXAMPLES_KEY,
+    STATE_OUTSIDE_COMMIT_METRIC,
     STATE_ROUND_METRIC,
     node_key,
 )
@@ -69,6 +70,7 @@ def weighted_metric_mean(
                     NUM_EXAMPLES_KEY,
                     CLIENT_KEY_METRIC,
                     STATE_ROUND_METRIC,
+                    STATE_OUTSIDE_COMMIT_METRIC,
                 )
                 or key in exclude
                 or isinstance(value, (list, bool))

@@ -59,7 +59,7 @@ from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
 from ..transport.records import RecordSpec, spec_of
 from . import metrics, resume, screening
-from .commit import ClientBook
+from .commit import ClientBook, held_state, saved_outside_commit
 from .finite import finite_update
 from .hooks import AlgorithmHooks
 from .options import (
@@ -666,6 +666,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
                 keeps_client_sums=self.keeps_client_sums,
                 accept_lost_state=self.accept_lost_state,
                 count=lambda node, why: self.screen.count(node, why, "aggregate_train"),
+                strict=self.strict,
             )
             rejected += unusable
         capped = self.cap_claims(server_round, valid, "aggregate_train")
@@ -723,6 +724,10 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         if self.rule_metric is not None:
             counts["replies-rule-missing"] = lacking
             counts["replies-term-incomplete"] = short
+        if self.stateful_clients:
+            counts["replies-state-outside-commit"] = sum(
+                saved_outside_commit(r) for r in valid
+            )
         # Privacy spent is spent, even in a round whose model is not kept.
         counts.update(
             record_privacy(

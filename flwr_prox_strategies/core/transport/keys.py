@@ -27,6 +27,10 @@ CLIENT_KEY_METRIC = "client-key"
 # so the server can tell a client that lost its state, or holds another run's or
 # another round's, from one in step with what the server committed.
 STATE_ROUND_METRIC = "state-round"
+# A stateful client also reports how many of its state records its rule saved
+# outside the two-phase commit this round (ClientState.set instead of
+# set_pending): their state-round says -1 although they hold state.
+STATE_OUTSIDE_COMMIT_METRIC = "state-outside-commit"
 # The server asks a client whose state it cannot use to start afresh.
 RESET_STATE_KEY = "reset-state"
 RESET_KEYS_KEY = "reset-keys"
