@@ -33,6 +33,7 @@ extensions = [
     "sphinx-mathjax-offline",
     "confref",
     "packagemap",
+    "attrtable",
 ]
 
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]

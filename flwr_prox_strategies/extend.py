@@ -21,7 +21,8 @@ Eight names do the work:
 ``check_reply`` and
 ``grown_state``; a rule reads ``self.global_arrays`` (the model this round
 sent), ``self.num_clients`` (K) and may call ``self.weighted_mean(replies,
-record)``. Override only the hooks you need, and extend the base's
+record)`` and, with stateful clients, ``self.client_held_state(reply)`` (False
+when the client held no committed state: its ``STATE_ROUND_METRIC`` was -1). Override only the hooks you need, and extend the base's
 (``super()``) where it does work:
 
 ``train_config(server_round) -> dict``
@@ -153,7 +154,13 @@ round's values (``self.required(key)``, ``self.received_params(name)``,
 ``self.state``, a :class:`ClientState`) and returns a :class:`GradientTerm`
 (an object whose ``add_(params)`` adds its gradient to each ``p.grad`` in
 place) or None; ``finish(steps, lr)`` advances the state and returns the extra
-reply records and metrics. The base counts the optimiser steps and whether
+reply records and metrics. State the server sums over is saved with
+``self.state.set_pending(name, arrays, self.server_round)`` (committed once
+the server aggregates the reply; ``personal_state`` names what the client
+keeps whatever the server does); reply records hold one array per
+``state_dict`` entry, buffers included: build them with
+``self.to_reply_layout(tensors)`` and read them with
+``self.from_reply_layout(arrays)``. The base counts the optimiser steps and whether
 each update held the term (``rule.counts``, a :class:`StepCounts`; the
 reply's ``applied_metric`` is its ``applied``); a rule that computes its own
 update calls ``took_steps(n)``. A :class:`TorchClient` subclass runs it in the
@@ -174,10 +181,13 @@ stragglers are the sampler's :class:`Stragglers` (``drop_percent``).
 Registering it
 --------------
 One line in :data:`ALGORITHMS` (an :class:`Algorithm` of strategy, client and
-rule), ``conf/strategy/<name>.yaml``, the exports of ``flwr_prox_strategies``,
-a case in ``tests/test_contract.py`` and a README row: ``tests/test_algorithms.py``
+rule, with the configurations the conformance kit checks as ``cases``),
+``conf/strategy/<name>.yaml``, the exports of ``flwr_prox_strategies``, a test
+of the algorithm's mathematics and a README row: ``tests/test_algorithms.py``
 fails until they agree (the documentation's guide to adding an algorithm walks
-through the five places).
+through the five places). A package of its own registers it through an entry
+point instead, and runs :func:`flwr_prox_strategies.testing.conformance_checks`
+in its tests: the strategy's checks and its own client's against it.
 """
 
 from __future__ import annotations
@@ -195,6 +205,7 @@ from .core.server.outcome import NoRoundAggregatedError, ReplyTally
 from .core.server.pieces import DissimilarityMonitor, LearningRateDecay, RoundPiece
 from .core.server.sampling import Stragglers
 from .core.server.strategy import ValidatedFedAvg
+from .core.transport.keys import STATE_ROUND_METRIC as _STATE_ROUND_METRIC
 from .core.transport.records import ArraySpec, dict_to_record, record_to_dict
 from .core.transport.records import RecordSpec as _RecordSpec
 from .ops.checks import (
@@ -213,6 +224,14 @@ command line). The conf tree, the exports of ``flwr_prox_strategies`` and the
 tests are checked against this table.
 """
 
+STATE_ROUND_METRIC = _STATE_ROUND_METRIC
+"""The metric of a stateful rule's reply that names the round of its committed state.
+
+-1 when the client holds none (:meth:`ValidatedFedAvg.client_held_state`
+reads it). Declare it in ``expected_train_metrics`` when the server rule
+depends on it.
+"""
+
 RecordSpec = _RecordSpec
 """The layout a reply's ArrayRecord must have, array key -> :class:`ArraySpec`.
 
@@ -224,6 +243,7 @@ presence only (the model's before the first round).
 
 __all__ = [
     "ALGORITHMS",
+    "STATE_ROUND_METRIC",
     "Algorithm",
     "ArraySpec",
     "ClientRule",

@@ -96,6 +96,7 @@ USER_API = {
 }  # fmt: skip
 
 EXTEND_API = {
+    "STATE_ROUND_METRIC": "flwr_prox_strategies.core.transport.keys",
     "ValidatedFedAvg": "flwr_prox_strategies.core.server.strategy",
     "RoundUpdate": "flwr_prox_strategies.core.contract.fields",
     "ClientRule": "flwr_prox_strategies.core.client.rule",

@@ -10,7 +10,9 @@ never drift from the base's.
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
+import textwrap
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -73,6 +75,122 @@ def inherit_parameters(base: type) -> Callable[[T], T]:
         merged: dict[str, str] = {**first, **own}
         parts = [summary]
         for title, body in merged.items():
+            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
+        cls.__doc__ = "\n\n".join(parts) + "\n"
+        return cls
+
+    return decorate
+
+
+def attribute_comments(cls: type) -> dict[str, tuple[str, str]]:
+    """Return the class attributes a class documents with ``#:`` comments.
+
+    The documentation of an algorithm's declarations lives once, in the
+    ``#:`` comment above each (what Sphinx's autodoc reads);
+    :func:`with_class_attributes` puts it in ``help()`` and the
+    documentation's tables are built from it.
+
+    Parameters
+    ----------
+    cls : type
+        A class defined in a source file.
+
+    Returns
+    -------
+    dict[str, tuple[str, str]]
+        Attribute name -> (its default, as written; its comment's text), in
+        source order; empty when the source cannot be read.
+    """
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    comment: list[str] = []
+    body = textwrap.dedent("".join(lines)).splitlines()
+    for index, line in enumerate(body):
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            comment.append(stripped[2:].strip())
+            continue
+        match = _ATTRIBUTE.match(line)
+        if comment and match:
+            default = match.group("default").strip()
+            if default.endswith("("):  # a value over several lines
+                rest = itertools.takewhile(
+                    lambda text: not text.startswith("    )"), body[index + 1 :]
+                )
+                default += " ".join(part.strip() for part in rest) + ")"
+            found[match.group("name")] = (default, " ".join(comment))
+        comment = []
+    return found
+
+
+# A cross-reference role (``:meth:`~a.b.name```, ``:attr:`Text <target>```).
+_ROLE = re.compile(r":(?!math:)[a-z:]+:`~?(?P<target>[^`<]+?)(?:\s*<[^>]+>)?`")
+
+
+def plain_roles(text: str) -> str:
+    """Return ``text`` with its cross-references as literals.
+
+    ``:meth:`~a.b.name``` becomes ````name````, ``:attr:`Text <target>```
+    becomes ````Text````: the text reads the same wherever it is placed
+    (where a reference would not resolve).
+    """
+
+    def literal(match: re.Match[str]) -> str:
+        target = match.group("target").strip()
+        if match.group(0).split("`", 1)[1].startswith("~"):
+            target = target.rsplit(".", 1)[-1]
+        return f"``{target}``"
+
+    return _ROLE.sub(literal, text)
+
+
+def _short(default: str) -> str:
+    """Return a default as written, cut to a table cell's length."""
+    return default if len(default) <= 40 else default[:36].rstrip() + " ..."
+
+
+# A class-level assignment: ``    name: type = default`` or ``    name = default``.
+_ATTRIBUTE = re.compile(
+    r"^    (?P<name>[a-z_][a-z0-9_]*)(?:\s*:\s*[^=]+)?\s*=\s*(?P<default>.+)$"
+)
+
+
+def with_class_attributes(*sources: type) -> Callable[[T], T]:
+    """Append the ``#:``-documented class attributes of ``sources`` to a docstring.
+
+    So ``help()`` lists what an algorithm declares, with the text the API
+    reference shows, as a definition list after the class's sections.
+
+    Parameters
+    ----------
+    *sources : type
+        The classes whose attributes to list (:func:`attribute_comments`);
+        none: the decorated class's own.
+
+    Returns
+    -------
+    Callable[[type], type]
+        The class decorator.
+    """
+
+    def decorate(cls: T) -> T:
+        entries = {}
+        for source in sources or (cls,):
+            entries.update(attribute_comments(source))
+        if not entries:
+            return cls
+        items = "\n".join(
+            f"``{name}`` (default ``{_short(default)}``)\n"
+            + textwrap.indent(textwrap.fill(plain_roles(text), 72), "    ")
+            for name, (default, text) in entries.items()
+        )
+        # Before the numpydoc sections, which would take it in otherwise.
+        summary, own = sections(cls.__doc__)
+        parts = [summary, f"The class attributes a subclass declares:\n\n{items}"]
+        for title, body in own.items():
             parts.append(f"{title}\n{'-' * len(title)}\n{body}")
         cls.__doc__ = "\n\n".join(parts) + "\n"
         return cls

@@ -1,4 +1,4 @@
-r"""The client half of the conformance kit: an algorithm's own client against its strategy.
+r"""The conformance kit's client half: an algorithm's own client against its strategy.
 
 The strategy checks (:mod:`.checks`) build every reply by hand from what the
 *strategy* declares. These run the algorithm's *own* client (its
@@ -58,21 +58,25 @@ _LR = 0.05
 
 
 def buffered_model() -> nn.Module:
-    """Return the kit's model: ``Linear(3, 4)``, ``BatchNorm1d(4)``, ``ReLU``, ``Linear(4, 1)``.
+    """Return the kit's model: Linear(3, 4), BatchNorm1d(4), ReLU, Linear(4, 1).
 
-    Its ``state_dict`` has 9 entries, 3 of them buffers
-    (BatchNorm's running mean and variance and its int64 batch counter).
+    Returns
+    -------
+    torch.nn.Module
+        A fresh model; its ``state_dict`` has 9 entries, 3 of them buffers
+        (BatchNorm's running mean and variance and its int64 batch counter).
     """
-    return nn.Sequential(
-        nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)
-    )
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
 
 
 def initial_model() -> ArrayRecord:
     r"""Return :math:`\theta^0` for :func:`buffered_model`: no entry is zero.
 
-    Parameters drawn with a fixed seed; BatchNorm's running mean 0.5, running
-    variance 2.0, and 3 batches counted.
+    Returns
+    -------
+    ArrayRecord
+        Parameters drawn with a fixed seed (all >= 0.5); BatchNorm's running
+        mean 0.5, running variance 2.0, and 3 batches counted.
     """
     generator = torch.Generator().manual_seed(7)
     arrays = []
@@ -107,11 +111,19 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def client_app_of(algorithm: Any) -> Callable[[Message, Context], Message]:
     """Return the ``ClientApp`` that runs an algorithm's own client on the kit's data.
 
-    Its ``TorchClient`` when the :class:`~flwr_prox_strategies.extend.Algorithm`
-    names one, built as ``client(model, train_loader, loss_fn=...,
-    learning_rate=0.05, local_epochs=1)``; else its rule, in the loop of a
-    Message-API ``ClientApp`` (``from_message``, plain SGD ``attach``-ed,
-    ``reply``).
+    Parameters
+    ----------
+    algorithm : Algorithm
+        Its ``client`` (a ``TorchClient``), built as ``client(model,
+        train_loader, loss_fn=..., learning_rate=0.05, local_epochs=1)``; when
+        None, its ``rule``, in the loop of a Message-API ``ClientApp``
+        (``from_message``, plain SGD ``attach``-ed, ``reply``).
+
+    Returns
+    -------
+    Callable[[Message, Context], Message]
+        What :class:`~flwr_prox_strategies.testing.InProcessGrid` runs on
+        every node (node ``1001 + k`` holds partition ``k``).
     """
     client_cls = algorithm.client
     if client_cls is not None:
@@ -160,7 +172,7 @@ class _Grid(InProcessGrid):
 
 
 def _committed(context: Context) -> dict[str, list[np.ndarray]]:
-    """A node's state records as the next round reads them, with pending committed."""
+    """Return a node's state records as the next round reads them."""
     records = context.state.array_records
     resolved: dict[str, list[np.ndarray]] = {}
     for name, record in records.items():
@@ -173,7 +185,7 @@ def _committed(context: Context) -> dict[str, list[np.ndarray]]:
 
 
 def _held(context: Context) -> dict[str, list[np.ndarray]]:
-    """A node's committed state records (pending ones left out)."""
+    """Return a node's committed state records (pending ones left out)."""
     return {
         name: [a.numpy().copy() for a in record.values()]
         for name, record in context.state.array_records.items()
@@ -183,10 +195,19 @@ def _held(context: Context) -> dict[str, list[np.ndarray]]:
 
 @dataclass
 class ClientRun:
-    """What :func:`run_clients` saw: the inputs of the client checks."""
+    """What :func:`run_clients` saw: the inputs of the client checks.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The strategy that ran.
+    rule : type | None (default: None)
+        The client rule that ran (its class), when known.
+    metrics, record_problems, errors, rejected, state_before, state_after, k_before, k_after, log, sampled
+        What the run recorded (each field's comment says what).
+    """
 
     strategy: Any
-    #: The client rule that ran (its class), when known.
     rule: type | None = None
     #: Round -> the round's metrics (None when nothing was returned).
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -199,7 +220,7 @@ class ClientRun:
     #: The rejected node's state before and after its rejected round.
     state_before: dict[str, list[np.ndarray]] = field(default_factory=dict)
     state_after: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    #: K before the run and after it (None: the rule does not use K).
+    #: K after round 1 and after the run (None: the rule does not use K).
     k_before: int | None = None
     k_after: int | None = None
     #: Flower log lines at WARNING and above.
@@ -266,7 +287,7 @@ def _record_problems(
                 f"round {server_round}, node {node}: the ArrayRecord '{name}' holds "
                 f"{len(sent[name])} arrays, the model's state_dict {entries} entries "
                 "(buffers such as BatchNorm's running statistics included): lay it "
-                f"out with rule.reply_arrays(tensors) in {client_side}"
+                f"out with rule.to_reply_layout(tensors) in {client_side}"
             )
     return problems
 
@@ -274,10 +295,10 @@ def _record_problems(
 def run_clients(algorithm: Any, make: Callable[[int], Any]) -> ClientRun:
     """Run an algorithm's own client against one configuration of its strategy.
 
-    Three rounds on :data:`CLIENT_NODES` nodes with :func:`buffered_model`
-    from :func:`initial_model`; node :data:`ABSENT_NODE` is not listed in
-    round 2; node :data:`REJECTED_NODE`'s round-2 reply gets
-    ``num-examples`` 0 on its way to the server (which rejects it).
+    Three rounds on 5 nodes with :func:`buffered_model` from
+    :func:`initial_model`; node 1005 is not listed in round 2; node 1002's
+    round-2 reply gets ``num-examples`` 0 on its way to the server (which
+    rejects it).
 
     Parameters
     ----------
@@ -301,19 +322,16 @@ def run_clients(algorithm: Any, make: Callable[[int], Any]) -> ClientRun:
     if algorithm.client is not None:
         rule_cls = getattr(algorithm.client, "rule_class", rule_cls)
     grid = _Grid(client_app_of(algorithm))
-    run = ClientRun(
-        strategy, rule_cls, k_before=getattr(servers[0], "num_clients", None)
-    )
+    run = ClientRun(strategy, rule_cls)
     arrays = initial_model()
     with _flower_log() as lines:
         for rnd in range(1, CLIENT_ROUNDS + 1):
             grid.unlisted = {ABSENT_NODE} if rnd == _ABSENT_ROUND else set()
             minimums = [server.min_train_nodes for server in servers]
+            listed = len(grid.get_node_ids())
             for server in servers:  # a sample of all (FedEPM's rho = 1) goes on
-                server.min_train_nodes = min(server.min_train_nodes, len(grid.get_node_ids()))
-            messages = list(
-                strategy.configure_train(rnd, arrays, ConfigRecord(), grid)
-            )
+                server.min_train_nodes = min(server.min_train_nodes, listed)
+            messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(), grid))
             for server, minimum in zip(servers, minimums, strict=True):
                 server.min_train_nodes = minimum
             run.sampled[rnd] = [m.metadata.dst_node_id for m in messages]
@@ -324,11 +342,11 @@ def run_clients(algorithm: Any, make: Callable[[int], Any]) -> ClientRun:
             for reply in replies:
                 node = reply.metadata.src_node_id
                 if reply.has_error():
-                    run.errors[(rnd, node)] = reply.error.reason
+                    run.errors[(rnd, node)] = str(reply.error.reason)
                     continue
                 run.record_problems += _record_problems(strategy, rule_cls, reply, rnd)
                 if rnd == _REJECTED_ROUND and node == REJECTED_NODE:
-                    reply.content["metrics"][NUM_EXAMPLES_KEY] = 0
+                    reply.content.metric_records["metrics"][NUM_EXAMPLES_KEY] = 0
             if rnd == _REJECTED_ROUND:
                 run.state_after = _held(context)
             before = sum(strategy.rejections.values())
@@ -339,6 +357,8 @@ def run_clients(algorithm: Any, make: Callable[[int], Any]) -> ClientRun:
                 run.rejected.append(f"round {rnd}: {dict(strategy.rejections)}")
             if new is not None:
                 arrays = new
+            if rnd == 1:  # K as the first round set it (learned, when not given)
+                run.k_before = getattr(servers[0], "num_clients", None)
     run.log = lines
     run.k_after = getattr(servers[0], "num_clients", None)
     return run
@@ -453,7 +473,18 @@ CLIENT_CHECKS: dict[str, Callable[[ClientRun], None]] = {
 
 
 def runs_client(algorithm: Any) -> bool:
-    """Return whether the algorithm names a client the kit can run (client or rule)."""
+    """Return whether the algorithm names a client the kit can run.
+
+    Parameters
+    ----------
+    algorithm : Algorithm
+        The algorithm.
+
+    Returns
+    -------
+    bool
+        True when it names a ``client``, or a ``rule`` other than FedAvg's.
+    """
     return algorithm.client is not None or (
         algorithm.rule is not None and algorithm.rule is not ClientRule
     )

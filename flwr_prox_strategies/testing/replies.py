@@ -23,7 +23,9 @@ from flwr.app import (
     RecordDict,
 )
 
+from ..core.client.rule import accepted_round
 from ..core.transport.inprocess import node_unavailable_reply
+from ..core.transport.keys import STATE_ROUND_METRIC
 
 #: The model every check sends: two arrays, so a bad reply can miss one.
 MODEL_KEYS = ("w", "b")
@@ -171,7 +173,9 @@ def valid_metrics(strategy: Any, to: Message) -> dict[str, Any]:
     """Return the metrics a valid reply to ``to`` carries.
 
     A train loss, the client key (node id minus 1000), the rule metric the
-    strategy's clients report, and each declared metric at its example value.
+    strategy's clients report, for a strategy with stateful clients the
+    ``state-round`` of a client in step with it (the round the message
+    confirms), and each declared metric at its example value.
 
     Parameters
     ----------
@@ -185,12 +189,17 @@ def valid_metrics(strategy: Any, to: Message) -> dict[str, Any]:
     dict[str, Any]
         Metric name -> value (``num-examples`` not included).
     """
-    values: dict[str, Any] = {
-        "train-loss": 1.0,
-        "client-key": to.metadata.dst_node_id - 1000,
-    }
-    if (rule := getattr(servers_of(strategy)[0], "rule_metric", None)) is not None:
+    key = to.metadata.dst_node_id - 1000
+    values: dict[str, Any] = {"train-loss": 1.0, "client-key": key}
+    server = servers_of(strategy)[0]
+    if (rule := getattr(server, "rule_metric", None)) is not None:
         values[rule] = 1
+    if getattr(server, "stateful_clients", False):
+        # A client in step with the server: its committed state is from the
+        # last round the server confirmed to it.
+        config = dict(to.content.config_records.get(server.configrecord_key, {}))
+        confirmed = accepted_round(config, key)
+        values[STATE_ROUND_METRIC] = -1 if confirmed is None else confirmed
     values.update({name: spec.example() for name, spec in _declared(strategy).items()})
     return values
 

@@ -66,6 +66,7 @@ from flwr.common.logger import log
 from numpy.typing import NDArray
 from torch import nn
 
+from ..docstrings import with_class_attributes
 from ..transport.keys import (
     ACCEPTED_KEYS_KEY,
     ACCEPTED_ROUND_KEY,
@@ -276,6 +277,7 @@ def read_message(message: Message) -> Received:
     )
 
 
+@with_class_attributes()
 class ClientRule:
     """One algorithm's client side: read, add the gradient term, reply.
 
@@ -353,7 +355,7 @@ class ClientRule:
         This round's train config.
     received : dict[str, Sequence[NDArray]]
         The extra ArrayRecords the server sent, in ``state_dict`` order (read
-        them as tensors with :meth:`received_params`).
+        them as tensors with ``received_params``).
     server_round : int
         The round the server numbered this message with (``server-round``):
         what :meth:`ClientState.set_pending
@@ -363,9 +365,9 @@ class ClientRule:
         ``set``, what the server sums over.
     params : list[torch.Tensor]
         The model's trainable parameters, in ``model.parameters()`` order: the
-        layout of the rule's state, of :meth:`received_params` and of
-        :attr:`anchor`. A reply record is laid out otherwise (every
-        ``state_dict`` entry, buffers included): :meth:`reply_arrays`.
+        layout of the rule's state, of ``received_params`` and of ``anchor``.
+        A reply record is laid out otherwise (every ``state_dict`` entry,
+        buffers included): ``to_reply_layout``.
     anchor : list[torch.Tensor]
         The parameters at the received global model (float32 at least).
     client_key : int
@@ -373,7 +375,7 @@ class ClientRule:
     relative_size : float
         ``n_k / mean_j n_j`` as given.
     term : GradientTerm | None
-        What :meth:`setup` returned.
+        What ``setup`` returned.
     """
 
     #: The strategy whose values the rule reads (named in protocol errors).
@@ -596,7 +598,7 @@ class ClientRule:
             )
         return params_from_arrays(self.model, self.received[name], like=self.anchor)
 
-    def reply_arrays(
+    def to_reply_layout(
         self, tensors: Sequence[torch.Tensor], *, buffers: str = "zeros"
     ) -> list[NDArray]:
         """Lay out one tensor per trainable parameter as a reply record is laid out.
@@ -604,15 +606,17 @@ class ClientRule:
         Reply records (the model's and every extra one) hold one array per
         ``state_dict`` entry, buffers included (BatchNorm's running
         statistics), in ``state_dict`` order and in the dtypes the server
-        sent; the rule's state, :attr:`anchor` and :meth:`received_params`
-        hold one per trainable parameter (:attr:`params`). Return a
+        sent (a rule built by
+        :meth:`~flwr_prox_strategies.ClientRule.from_message`; else the
+        model's); the rule's state, its ``anchor`` and ``received_params``
+        hold one per trainable parameter (its ``params``). Return a
         :meth:`finish` record through this, so it never loses the buffers.
 
         Parameters
         ----------
         tensors : Sequence[torch.Tensor]
-            One per trainable parameter, in :attr:`params` order.
-        buffers : {"zeros", "model"} (default: "zeros")
+            One per trainable parameter, in the rule's ``params`` order.
+        buffers : str (default: "zeros")
             What the record holds at the entries that are not trainable
             parameters (buffers, frozen parameters): zeros (a difference or a
             control variate has none) or the model's current values.
@@ -637,7 +641,7 @@ class ClientRule:
             for t, p in zip(tensors, self.params, strict=True)
         ):
             raise ValueError(
-                f"{type(self).__name__}.reply_arrays takes one tensor per trainable "
+                f"{type(self).__name__}.to_reply_layout takes one tensor per trainable "
                 f"parameter ({len(self.params)}, shaped as rule.params), got "
                 f"{len(tensors)}"
             )
@@ -654,12 +658,12 @@ class ClientRule:
                     arrays[i] = to_numpy(value, arrays[i].dtype)
         return arrays
 
-    def param_tensors(self, arrays: Sequence[NDArray]) -> list[torch.Tensor]:
+    def from_reply_layout(self, arrays: Sequence[NDArray]) -> list[torch.Tensor]:
         """Pick the trainable parameters' entries out of a record's arrays.
 
-        The inverse of :meth:`reply_arrays`: ``state_dict``-ordered arrays
+        The inverse of :meth:`to_reply_layout`: ``state_dict``-ordered arrays
         (a received record's, a reply's) -> one tensor per trainable
-        parameter, on the device and in the dtype of :attr:`anchor`.
+        parameter, on the device and in the dtype of the rule's ``anchor``.
 
         Parameters
         ----------
@@ -669,7 +673,7 @@ class ClientRule:
         Returns
         -------
         list[torch.Tensor]
-            One tensor per trainable parameter, in :attr:`params` order.
+            One tensor per trainable parameter, in the rule's ``params`` order.
 
         Raises
         ------

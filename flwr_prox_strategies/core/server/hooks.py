@@ -116,7 +116,7 @@ class AlgorithmHooks:
     #: warning when one does. None means nothing beyond the records uploaded
     #: besides the model, which are named without it.
     central_dp_caveat: ClassVar[str | None] = None
-    #: Why :meth:`secure_sums` returns None (the rule needs individual
+    #: Why ``secure_sums()`` returns None (the rule needs individual
     #: replies), and what to use instead; said when secure aggregation is
     #: refused.
     secure_refusal: ClassVar[str] = (
@@ -357,7 +357,7 @@ class AlgorithmHooks:
         return reply.num_examples if self.weighting == "num-examples" else 1.0
 
     def client_held_state(self, reply: ValidReply) -> bool:
-        """Return whether a reply's client trained from state the server committed.
+        r"""Return whether a reply's client trained from state the server committed.
 
         For a server rule over client states (``stateful_clients``): False
         when the client held none, so its state started at zero (its first
@@ -375,7 +375,11 @@ class AlgorithmHooks:
         Returns
         -------
         bool
-            True when the reply's ``state-round`` names a committed round.
+            True when the reply's ``state-round`` metric
+            (:data:`~flwr_prox_strategies.extend.STATE_ROUND_METRIC`) names a
+            committed round; False also when the reply carries none (a client
+            that does not run the algorithm's rule): declare it in
+            :meth:`expected_train_metrics` to reject such replies instead.
         """
         return held_state(reply)
 

@@ -112,6 +112,8 @@ class Population:
         if self.requires and None in (saved_k, self.size):
             if saved_k is not None and self.size is None:
                 self.adopt(int(saved_k))
-                self.source = "from the checkpoint"
+                # Where the checkpoint's K came from stays true of it.
+                saved = state.get("num-clients-source", "from the checkpoint")
+                self.source = str(saved)
             saved_k = self.size
         return saved_k

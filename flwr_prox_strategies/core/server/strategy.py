@@ -55,11 +55,12 @@ from ..contract.validation import (
     init_keywords,
     reject_unknown_kwargs,
 )
+from ..docstrings import with_class_attributes
 from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
 from ..transport.records import RecordSpec, spec_of
 from . import metrics, resume, screening
-from .commit import ClientBook, held_state, saved_outside_commit
+from .commit import ClientBook, saved_outside_commit
 from .finite import finite_update
 from .hooks import AlgorithmHooks
 from .options import (
@@ -908,3 +909,5 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
 # What each keyword means is written beside its check (options.py); the class's
 # documentation (help(), the API reference) is the whole.
 ValidatedFedAvg.__doc__ = f"{ValidatedFedAvg.__doc__}{PARAMETERS}"
+# help() lists what a subclass declares, from the comments in AlgorithmHooks.
+with_class_attributes(AlgorithmHooks)(ValidatedFedAvg)

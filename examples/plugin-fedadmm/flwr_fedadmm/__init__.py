@@ -1,0 +1,44 @@
+"""FedADMM for flwr-prox-strategies: an algorithm installed as a plugin.
+
+Registered through the entry point ``fedadmm = "flwr_fedadmm:FEDADMM"`` of the
+group ``flwr_prox_strategies.algorithms``: once installed,
+``strategy=fedadmm`` selects it in the pack's experiment and Flower app, and
+:data:`FEDADMM` runs the pack's conformance checks
+(``flwr_prox_strategies.testing.conformance_checks(FEDADMM)``).
+"""
+
+from flwr_prox_strategies.extend import Algorithm
+
+from .fedadmm import (
+    CASES,
+    FEDADMM_APPLIED_KEY,
+    FEDADMM_DELTA_RECORD,
+    FEDADMM_FRESH_METRIC,
+    FEDADMM_RHO_KEY,
+    AugmentedLagrangianGradient,
+    FedADMM,
+    FedADMMClient,
+    FedADMMRule,
+)
+
+#: The algorithm the entry point names: strategy, client, rule, the conformance
+#: cases and the package holding ``strategy/fedadmm.yaml``.
+FEDADMM = Algorithm(
+    strategy=FedADMM,
+    client=FedADMMClient,
+    rule=FedADMMRule,
+    cases=CASES,
+    conf="flwr_fedadmm.conf",
+)
+
+__all__ = [
+    "FEDADMM",
+    "FEDADMM_APPLIED_KEY",
+    "FEDADMM_DELTA_RECORD",
+    "FEDADMM_FRESH_METRIC",
+    "FEDADMM_RHO_KEY",
+    "AugmentedLagrangianGradient",
+    "FedADMM",
+    "FedADMMClient",
+    "FedADMMRule",
+]

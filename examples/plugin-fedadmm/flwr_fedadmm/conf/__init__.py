@@ -1,0 +1,1 @@
+"""FedADMM's Hydra tree: ``strategy/fedadmm.yaml``, joined to the pack's search path."""
