@@ -58,6 +58,7 @@ import torch
 from numpy.typing import NDArray
 
 from flwr_prox_strategies.extend import (
+    STATE_ROUND_METRIC,
     ClientRule,
     MetricSpec,
     RecordSpec,
@@ -78,9 +79,6 @@ FEDADMM_DELTA_RECORD = "fedadmm-delta"
 FEDADMM_APPLIED_KEY = "fedadmm-applied"
 #: Round metric: the replies whose client held no state (counted from zero).
 FEDADMM_FRESH_METRIC = "fedadmm-fresh-replies"
-#: The metric every stateful rule of the pack reports: the round its committed
-#: state comes from (-1: none). FedADMM's sum cannot do without it.
-STATE_ROUND_METRIC = "state-round"
 #: The client's state records: its dual variable (one tensor per trainable
 #: parameter) and its :math:`u_i` (the model's full layout, buffers included).
 DUAL_STATE = "fedadmm-dual"
