@@ -22,8 +22,9 @@ Eight names do the work:
 ``grown_state``; a rule reads ``self.global_arrays`` (the model this round
 sent), ``self.num_clients`` (K) and may call ``self.weighted_mean(replies,
 record)`` and, with stateful clients, ``self.client_held_state(reply)`` (False
-when the client held no committed state: its ``STATE_ROUND_METRIC`` was -1). Override only the hooks you need, and extend the base's
-(``super()``) where it does work:
+when the client held no committed state: its ``STATE_ROUND_METRIC`` was -1).
+Override only the hooks you need, and extend the base's (``super()``) where it
+does work:
 
 ``train_config(server_round) -> dict``
     Values added to every sampled node's train ``ConfigRecord`` this round,

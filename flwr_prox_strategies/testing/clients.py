@@ -203,8 +203,16 @@ class ClientRun:
         The strategy that ran.
     rule : type | None (default: None)
         The client rule that ran (its class), when known.
-    metrics, record_problems, errors, rejected, state_before, state_after, k_before, k_after, log, sampled
-        What the run recorded (each field's comment says what).
+    metrics, record_problems, errors, rejected : dict | list
+        What the replies gave (each field's comment says what).
+    state_before, state_after : dict[str, list[numpy.ndarray]]
+        Node 1002's committed state around its rejected round.
+    k_before, k_after : int | None
+        K after round 1 and after the run.
+    log : list[str]
+        Flower's log lines at WARNING and above.
+    sampled : dict[int, list[int]]
+        The nodes sampled in each round.
     """
 
     strategy: Any
