@@ -210,3 +210,21 @@ def test_a_lost_state_still_retires_and_grows_k() -> None:
         count=lambda node, why: None,
     )
     assert len(kept) == 1 and book.retired_states == 1
+
+
+def test_state_committed_at_once_is_one_error_in_a_run_and_k_stays() -> None:
+    """End to end: every client commits at once for three rounds; K stays at 5."""
+    run = testing.run_clients(
+        with_rule(CommitsAtOnce), lambda n: Scaffold(num_clients=n)
+    )
+    assert run.k_before == run.k_after == 5
+    errors = [line for line in run.log if "outside the two-phase commit" in line]
+    assert len(errors) == 1 and "set_pending" in errors[0]
+    assert not [line for line in run.log if "holds no state" in line]
+    # Every valid reply says so, from round 1 on (node 1002's round-2 reply is
+    # rejected, node 1005 is not sampled in round 2).
+    assert [m["replies-state-outside-commit"] for m in run.metrics.values()] == [
+        5,
+        3,
+        5,
+    ]
