@@ -36,6 +36,10 @@ extensions = [
     "attrtable",
 ]
 
+# Commands must copy as written: no "--" turned into an en dash, no curly quotes
+# (the configuration tables render YAML comments as text, not code).
+smartquotes = False
+
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

@@ -234,3 +234,24 @@ def test_no_docstring_or_comment_cites_internal_documents() -> None:
         if INTERNAL.search(text)
     ]
     assert not cited, "cite the papers instead:\n" + "\n".join(cited)
+
+
+#: A numpydoc entry line: ``name``, ``a, b`` or ``*args``, then `` : type``.
+ENTRY = re.compile(r"^\*{0,2}[A-Za-z_]\w*(, \*{0,2}[A-Za-z_]\w*)*( : .+)?$")
+
+
+@pytest.mark.parametrize(("namespace", "name"), PUBLIC)
+def test_every_section_entry_is_a_name(namespace: str, name: str) -> None:
+    """A paragraph left after a Parameters or Attributes section renders as
+    bogus entries (its first line in bold, as if it named an attribute)."""
+    obj = getattr(importlib.import_module(namespace), name)
+    if not documented(obj) or not obj.__doc__:
+        return
+    for title in ("Parameters", "Attributes", "Other Parameters"):
+        body = section(obj.__doc__, title) or ""
+        bogus = [
+            line
+            for line in body.splitlines()
+            if line and not line[0].isspace() and not ENTRY.match(line)
+        ]
+        assert not bogus, f"{namespace}.{name}: {title} entries {bogus}"

@@ -14,6 +14,7 @@ import json
 import logging
 import struct
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
         if length == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
@@ -182,7 +185,21 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
-def read_wandb_run(folder: Path) -> dict[str, Any]:
+def read_wandb_run(folder: Path, timeout: float = 60.0) -> dict[str, Any]:
+    """Read an offline run once W&B's service has written its exit record.
+
+    ``run.finish()`` returns before W&B's service process has flushed the run
+    file; reading it at once finds no exit record on a loaded machine.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        run = _read_wandb_run(folder)
+        if run["exit"] is not None or time.monotonic() > deadline:
+            return run
+        time.sleep(0.1)
+
+
+def _read_wandb_run(folder: Path) -> dict[str, Any]:
     (path,) = glob.glob(str(folder / "run-*.wandb"))
     run: dict[str, Any] = {"config": {}, "history": {}, "exit": None}
     for record in wandb_records(Path(path)):

@@ -51,6 +51,9 @@ def node_unavailable_reply(message: Message) -> Message:
 class InProcessGrid(Grid):
     """Deliver messages to a ``ClientApp`` in this process.
 
+    Like Flower's grids, pushing a message sets its ``metadata.message_id``
+    (the ``Message`` objects the strategy built carry it afterwards).
+
     Parameters
     ----------
     client_app : ClientApp | Callable[[Message, Context], Message]
@@ -72,9 +75,6 @@ class InProcessGrid(Grid):
         a message to one is answered as the SuperLink answers it, with
         Flower's own "node unavailable" error reply from the SuperLink's node
         id (1), replying to the message's id.
-
-    Like Flower's grids, pushing a message sets its ``metadata.message_id``
-    (the ``Message`` objects the strategy built carry it afterwards).
     """
 
     def __init__(
