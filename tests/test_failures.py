@@ -8,6 +8,7 @@ they did, and rejects them with ``strict=True``.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -373,3 +374,59 @@ def test_the_packs_app_records_the_failure_then_raises(tmp_path) -> None:
     assert results["rounds-without-valid-reply"] == [1, 2]
     assert f"6 x '{reason}'" in results["failure"]
     assert (tmp_path / "metrics.png").stat().st_size > 1000
+
+
+def _train_only_app() -> Any:
+    """A ClientApp with a train function only, as the algorithm pages show."""
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        (w,) = msg.content["arrays"].to_numpy_ndarrays()
+        metrics = MetricRecord({"num-examples": 10})
+        content = RecordDict({"arrays": ArrayRecord([w + 1.0]), "metrics": metrics})
+        return Message(content, reply_to=msg)
+
+    return app
+
+
+def test_a_client_app_without_evaluate_is_said_once_and_evaluation_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ClientApp with only @app.train under a strategy that evaluates: one
+    error naming both fixes, then no evaluate message for the rest of the run."""
+    strategy = FedAvg(min_available_nodes=3, fraction_evaluate=1.0)
+    grid = InProcessGrid(_train_only_app(), num_nodes=3)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        result = strategy.start(
+            grid=grid, initial_arrays=ArrayRecord([np.zeros(2)]), num_rounds=3
+        )
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    said = [m for m in errors if "no evaluate function" in m]
+    assert len(said) == 1
+    assert "fraction_evaluate=0.0" in said[0] and "@app.evaluate()" in said[0]
+    assert grid.messages_sent == 3 * 3 + 3  # train every round, evaluate once
+    np.testing.assert_array_equal(result.arrays.to_numpy_ndarrays()[0], [3.0, 3.0])
+
+
+def test_evaluation_goes_on_when_one_node_can_evaluate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a round in which every node lacks the function turns evaluation off."""
+    app = _train_only_app()
+
+    def mixed(message: Message, context: Context) -> Message:
+        if message.metadata.message_type == "evaluate" and context.node_id == 1001:
+            metrics = MetricRecord({"eval_loss": 1.0, "num-examples": 10})
+            return Message(RecordDict({"metrics": metrics}), reply_to=message)
+        return app(message, context)
+
+    grid = InProcessGrid(mixed, num_nodes=3)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        FedAvg(min_available_nodes=3, fraction_evaluate=1.0).start(
+            grid=grid, initial_arrays=ArrayRecord([np.zeros(2)]), num_rounds=3
+        )
+    assert not [r for r in caplog.records if "no evaluate function" in r.getMessage()]
+    assert grid.messages_sent == 3 * 3 + 3 * 3

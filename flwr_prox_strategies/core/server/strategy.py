@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -236,6 +236,9 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self.retired_nodes: set[int] = set()
         self._rule_warned = False
         self._shortfall_warned = False
+        # Set when the nodes' ClientApp has no evaluate function: evaluation
+        # stops for the run (said once) instead of failing on every node.
+        self._evaluate_off = False
         self._bytes_sent = 0
         # The run's first model: what Result.arrays holds if nothing is aggregated.
         self._run_initial: ArrayRecord | None = None
@@ -404,6 +407,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self._rule_warned = False
         self._shortfall_warned = False
         self._run_initial = None
+        self._evaluate_off = False
 
     def sample_nodes(
         self, grid: Grid, server_round: int, **draw: Any
@@ -853,7 +857,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     ) -> Iterable[Message]:
         """Sample nodes for federated evaluation, one fresh message per node."""
         server_round += self.round_offset
-        if self.fraction_evaluate == 0.0:
+        if self.fraction_evaluate == 0.0 or self._evaluate_off:
             self.evaluate_nodes = set()
             return []
         node_ids, num_connected = self.sample_nodes(
@@ -887,6 +891,21 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     ) -> MetricRecord | None:
         """Validate evaluation replies and average their metrics."""
         server_round += self.round_offset
+        replies = list(replies)
+        if replies and all(map(_no_evaluate_function, replies)):
+            self._evaluate_off = True
+            log(
+                ERROR,
+                "aggregate_evaluate: round %d: the ClientApp of every node sampled "
+                "for evaluation has no evaluate function (Flower: 'No evaluate "
+                "function registered'), while %s evaluates (fraction_evaluate=%g). "
+                "Build the strategy with fraction_evaluate=0.0, or register one "
+                "with @app.evaluate(); federated evaluation is off for the rest "
+                "of this run",
+                server_round,
+                type(self).__name__,
+                self.fraction_evaluate,
+            )
         valid, *_ = self.collect_replies(
             server_round,
             replies,
@@ -904,6 +923,13 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             pack_metrics=self.pack_metrics,
             per_client=self.per_client_metrics,
         )
+
+
+def _no_evaluate_function(reply: Message) -> bool:
+    """Return True for the error reply of a ClientApp without an evaluate function."""
+    return reply.has_error() and "No evaluate function registered" in str(
+        reply.error.reason
+    )
 
 
 # What each keyword means is written beside its check (options.py); the class's
