@@ -8,8 +8,8 @@ ServerApp, wrap any strategy, the pack's or Flower's, in :class:`Tracked`:
 
     strategy = Tracked(FedProx(proximal_mu=0.1), TensorBoardTracker("runs/a"))
 
-Each backend needs its library: ``pip install "flwr-prox-strategies[tensorboard]"``
-(or ``[mlflow]``, ``[wandb]``).
+Each backend needs its library: ``pip install -e ".[tensorboard]"`` from the
+root of the pack's clone (or ``[mlflow]``, ``[wandb]``).
 """
 
 from .backends import MLflowTracker, TensorBoardTracker, WandbTracker
