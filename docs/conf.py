@@ -168,6 +168,7 @@ nitpick_ignore_regex = [
 html_theme = "furo"
 html_title = "flwr-prox-strategies"
 html_static_path = ["_static"]
+html_css_files = ["tables.css"]
 copybutton_prompt_text = r"\$ "
 copybutton_prompt_is_regexp = True
 

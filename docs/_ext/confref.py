@@ -438,6 +438,53 @@ def toml_text(value: Any) -> str:
 
 
 # -------------------------------------------------------------- the directive
+def parameter_text(target: str, name: str) -> str | None:
+    """Return what the docstring of ``target`` says of its parameter ``name``.
+
+    ``target`` is a ``_target_`` (a class or a function, dotted); the text is
+    its numpydoc ``Parameters`` entry, with literals in single backticks and
+    cross-references as literals, or None when it documents no such entry.
+    """
+    from flwr_prox_strategies.core.docstrings import plain_roles, sections
+
+    module, _, attribute = target.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    # A class's own docstring, then its bases' (the keywords it passes on); a
+    # classmethod target's class.
+    owner = getattr(obj, "__self__", None)
+    candidates = [obj, *(getattr(obj, "__mro__", ())[1:]), owner]
+    for candidate in candidates:
+        body = sections(getattr(candidate, "__doc__", None))[1].get("Parameters", "")
+        text = _entry(body, name)
+        if text:
+            text = re.sub(r":math:`([^`]+)`", r"`\1`", plain_roles(text))
+            return re.sub(r"``([^`]+)``", r"`\1`", text)
+    return None
+
+
+def _entry(body: str, name: str) -> str | None:
+    """Return the description of ``name`` in a numpydoc Parameters body."""
+    lines = body.splitlines()
+    for index, line in enumerate(lines):
+        if line[:1].isspace() or not line.strip():
+            continue
+        names = [n.strip().lstrip("*") for n in line.split(" : ")[0].split(",")]
+        if name in names:
+            described = []
+            for following in lines[index + 1 :]:
+                if following.strip() and not following[:1].isspace():
+                    break
+                described.append(following.strip())
+            text = " ".join(part for part in described if part)
+            return text or None
+    return None
+
+
 def _setup_sphinx(app: Any) -> dict[str, Any]:
     from docutils import nodes
     from docutils.parsers.rst import directives
@@ -537,11 +584,18 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
             if not row.comment and row.leaf and not name.startswith("_"):
                 target = targets.get(parent)
                 if target:
-                    meaning += nodes.Text("Keyword argument ")
-                    meaning += nodes.literal(name, name)
-                    meaning += nodes.Text(" of ")
-                    meaning += target_xref(target)
-                    meaning += nodes.Text(".")
+                    documented = parameter_text(target, name)
+                    if documented:
+                        meaning += inline(documented)
+                        meaning += nodes.Text(" (")
+                        meaning += target_xref(target)
+                        meaning += nodes.Text(")")
+                    else:
+                        meaning += nodes.Text("Keyword argument ")
+                        meaning += nodes.literal(name, name)
+                        meaning += nodes.Text(" of ")
+                        meaning += target_xref(target)
+                        meaning += nodes.Text(".")
             trow += nodes.entry("", meaning)
             body += trow
         return tbl
