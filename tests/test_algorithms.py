@@ -130,7 +130,7 @@ def test_the_top_level_is_the_users_api_exactly() -> None:
     exported, listed = set(pack.__all__), USER_API
     assert not exported - listed, (
         f"flwr_prox_strategies exports {sorted(exported - listed)}: add them to "
-        "USER_API in tests/test_algorithms.py (and to docs/reference/api.md)"
+        "USER_API in tests/test_algorithms.py (and to docs/reference/api/)"
     )
     assert not listed - exported, (
         f"USER_API in tests/test_algorithms.py lists {sorted(listed - exported)}: "
