@@ -228,3 +228,15 @@ def test_state_committed_at_once_is_one_error_in_a_run_and_k_stays() -> None:
         3,
         5,
     ]
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1.5, -2, float("inf")])
+@pytest.mark.parametrize("name", [STATE_ROUND_METRIC, STATE_OUTSIDE_COMMIT_METRIC])
+def test_a_hostile_state_metric_is_rejected_not_a_crash(name: str, value: Any) -> None:
+    strategy, _, replies = testing.first_round(
+        lambda n: Scaffold(num_clients=n, server_learning_rate=0.5)
+    )
+    replies[0].content["metrics"][name] = value
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics["replies-rejected"] == 1
+    assert strategy.rejections[f"aggregate_train:{name}"] == 1

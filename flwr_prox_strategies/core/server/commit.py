@@ -10,6 +10,7 @@ server's sums, so K grows by one), and which clients must start afresh.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable, Mapping
 from logging import ERROR, WARNING
@@ -49,7 +50,7 @@ def held_state(reply: ValidReply) -> bool:
     ``state_dir``, or asked to start afresh): its state started at zero.
     """
     value = reply.metrics.get(STATE_ROUND_METRIC)
-    return isinstance(value, (int, float)) and int(value) >= 0
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
 class ClientBook:

@@ -315,6 +315,14 @@ class AlgorithmHooks:
                     f"{screening.pack_class(type(self)).__name__} needs to keep "
                     f"each client's state: {screening.protocol_problem(self, reply)}",
                 )
+            for name in (keys.STATE_ROUND_METRIC, keys.STATE_OUTSIDE_COMMIT_METRIC):
+                value = reply.metrics.get(name)
+                if value is not None and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < -1
+                ):
+                    raise ReplyRejected(
+                        name, f"'{name}' is {value!r}, not an integer >= -1"
+                    )
 
     def expected_train_metrics(self, server_round: int) -> dict[str, MetricSpec]:
         """Return the metrics a train reply must carry, name -> :class:`MetricSpec`.
