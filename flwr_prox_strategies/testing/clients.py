@@ -27,9 +27,7 @@ step.
 from __future__ import annotations
 
 import inspect
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +41,7 @@ from ..core.client.adapter import to_client_app
 from ..core.client.rule import ClientRule
 from ..core.transport.inprocess import InProcessGrid
 from ..core.transport.keys import NUM_EXAMPLES_KEY
+from .checks import _flower_log
 from .replies import servers_of
 
 #: Nodes of the client federation (ids ``1001 .. 1005``).
@@ -235,23 +234,6 @@ class ClientRun:
     log: list[str] = field(default_factory=list)
     #: Nodes sampled per round.
     sampled: dict[int, list[int]] = field(default_factory=dict)
-
-
-@contextmanager
-def _flower_log() -> Iterator[list[str]]:
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Keep(logging.WARNING)
-    logger = logging.getLogger("flwr")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def _where(cls: Any, method: str) -> str:

@@ -645,11 +645,8 @@ class ClientRule:
                 f"parameter ({len(self.params)}, shaped as rule.params), got "
                 f"{len(tensors)}"
             )
-        dtypes = self._dtypes
         entries = self.model.state_dict()
-        if dtypes is not None and len(dtypes) != len(entries):
-            dtypes = None
-        arrays = arrays_from_params(self.model, tensors, dtypes)
+        arrays = arrays_from_params(self.model, tensors, self._server_dtypes())
         if buffers == "model":
             ours = {id(p) for p in self.params}
             trained = {n for n, p in self.model.named_parameters() if id(p) in ours}
@@ -657,6 +654,13 @@ class ClientRule:
                 if name not in trained:
                     arrays[i] = to_numpy(value, arrays[i].dtype)
         return arrays
+
+    def _server_dtypes(self) -> list[np.dtype[Any]] | None:
+        """Return the dtypes the server sent, one per ``state_dict`` entry, or None."""
+        dtypes = self._dtypes
+        if not dtypes or len(dtypes) != len(self.model.state_dict()):
+            return None
+        return dtypes
 
     def from_reply_layout(self, arrays: Sequence[NDArray]) -> list[torch.Tensor]:
         """Pick the trainable parameters' entries out of a record's arrays.
@@ -1278,9 +1282,7 @@ class ClientRule:
         record[NUM_EXAMPLES_KEY] = int(num_examples)
         values = list(self.model.state_dict().values())
         # In the dtypes the server sent (a half-precision model replies in them).
-        dtypes = (
-            self._dtypes if self._dtypes and len(self._dtypes) == len(values) else None
-        )
+        dtypes = self._server_dtypes()
         state = [
             to_numpy(v, None if dtypes is None else dtypes[i])
             for i, v in enumerate(values)
