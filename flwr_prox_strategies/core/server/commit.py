@@ -82,6 +82,10 @@ class ClientBook:
         self.run_tag = secrets.token_hex(8)
         self._outside_warned = False
 
+    def reset_run(self) -> None:
+        """Start a new run's diagnostics (the once-per-run error)."""
+        self._outside_warned = False
+
     def node_config(self, node_id: int) -> dict[str, Any]:
         """Return what a node's train config must carry for its state.
 

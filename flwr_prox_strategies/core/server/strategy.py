@@ -403,6 +403,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     def reset_run(self) -> None:
         """Start a new run's diagnostics (reasons tally, the once-per-run warning)."""
         self.screen.reset_run()
+        self.book.reset_run()
         self.stall.reset()
         self._rule_warned = False
         self._shortfall_warned = False
