@@ -637,3 +637,39 @@ def test_every_pack_metric_key_is_documented() -> None:
     }
     missing = sorted(key for key in keys if f"`{key}`" not in page)
     assert not missing
+
+
+def test_a_hydra_default_that_is_not_pythons_says_why(confref) -> None:
+    """The option tables show Python's default beside Hydra's where they differ,
+    and a literal that differs must carry the comment saying why (the build
+    fails otherwise)."""
+    assert confref.python_default("flwr_prox_strategies.FedDyn", "min_train_nodes") == 2
+    assert confref.python_default("flwr_prox_strategies.FedDyn", "nosuch") is (
+        confref._NO_DEFAULT
+    )
+    assert confref.differs_from_python(1, 2)
+    assert confref.differs_from_python("${num_clients}", None)
+    assert not confref.differs_from_python([200, 200], (200, 200))
+    assert confref.differs_from_python(True, 1)  # a flag is not a count
+    missing = []
+    for name in all_conf_files():
+        rows = confref.resolve(confref.parse_file(name))
+        targets = {
+            r.key.removesuffix("._target_"): str(r.value)
+            for r in rows
+            if r.key.endswith("._target_") and isinstance(r.value, str)
+        }
+        for row in rows:
+            parent, _, key = row.key.rpartition(".")
+            if not (row.leaf and parent in targets):
+                continue
+            default = confref.python_default(targets[parent], key)
+            literal = "${" not in str(row.value)
+            differs = confref.differs_from_python(row.value, default)
+            if differs and literal and not row.comment:
+                missing.append((name, row.key))
+    assert not missing
+    common = {
+        r.key: r for r in confref.resolve(confref.parse_file("strategy/_base/sgd"))
+    }
+    assert "Flower's 2" in common["strategy.min_train_nodes"].comment

@@ -467,6 +467,51 @@ def parameter_text(target: str, name: str) -> str | None:
     return None
 
 
+_NO_DEFAULT = object()
+
+
+def python_default(target: str, name: str) -> Any:
+    """Return the default of keyword ``name`` of ``target`` in Python.
+
+    ``target`` is a ``_target_``; a class's keyword passed on through
+    ``**kwargs`` is looked up in its bases' ``__init__``. Returns ``_NO_DEFAULT``
+    when the target cannot be imported or has no such keyword with a default.
+    """
+    module, _, attribute = target.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError):
+        return _NO_DEFAULT
+    callables = (
+        [klass.__init__ for klass in obj.__mro__] if isinstance(obj, type) else [obj]
+    )
+    for function in callables:
+        try:
+            parameter = inspect.signature(function).parameters.get(name)
+        except (TypeError, ValueError):
+            continue
+        if parameter is not None:
+            if parameter.default is inspect.Parameter.empty:
+                return _NO_DEFAULT
+            return parameter.default
+    return _NO_DEFAULT
+
+
+def differs_from_python(value: Any, default: Any) -> bool:
+    """Whether a Hydra default differs from the Python one (interpolations do)."""
+    if default is _NO_DEFAULT:
+        return False
+    if isinstance(value, str) and "${" in value:
+        return True
+    if isinstance(default, tuple):  # YAML has lists only
+        default = list(default)
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is not default
+    return bool(value != default)
+
+
 def _entry(body: str, name: str) -> str | None:
     """Return the description of ``name`` in a numpydoc Parameters body."""
     lines = body.splitlines()
@@ -563,8 +608,25 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
                 "", nodes.paragraph("", "", nodes.literal(row.key, row.key))
             )
             value = nodes.paragraph()
+            parent, _, name = row.key.rpartition(".")
             if row.leaf:
                 value += nodes.literal(row.text, row.text)
+                target = targets.get(parent)
+                default = python_default(target, name) if target else _NO_DEFAULT
+                if differs_from_python(row.value, default):
+                    # `${num_clients}` says where its value comes from; a
+                    # literal that differs from Python's must say why.
+                    interpolation = re.fullmatch(r"\$\{[^}]+\}", str(row.value))
+                    if not row.comment and not interpolation:
+                        raise ConfRefError(
+                            f"conf/{row.source}.yaml: {row.key} defaults to "
+                            f"{row.text} here and to {default!r} in Python: say "
+                            "why in a comment above the key"
+                        )
+                    value += nodes.Text(" (Python: ")
+                    python = repr(default)
+                    value += nodes.literal(python, python)
+                    value += nodes.Text(")")
             trow += nodes.entry("", value)
             if with_source:
                 source = nodes.paragraph()
@@ -580,7 +642,6 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
                     source += nodes.Text(")")
                 trow += nodes.entry("", source)
             meaning = paragraph(row.comment)
-            parent, _, name = row.key.rpartition(".")
             if not row.comment and row.leaf and not name.startswith("_"):
                 target = targets.get(parent)
                 if target:
@@ -655,7 +716,17 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
                 out.append(items)
             rows = resolve(conf)
             if rows:
-                out.append(table(rows, conf))
+                built = table(rows, conf)
+                if "(Python: " in built.astext():
+                    out.append(
+                        paragraph(
+                            "Where the Hydra default is not the Python default, "
+                            "the Python one follows in brackets; the Meaning "
+                            "column says why, or the default is another key's "
+                            "value (`${...}`) so that one setting drives both."
+                        )
+                    )
+                out.append(built)
             return out
 
         def run(self) -> list[nodes.Node]:
