@@ -20,7 +20,7 @@ Eight names do the work:
 ``node_train_records``, ``expected_train_arrays``, ``expected_train_metrics``,
 ``check_reply`` and
 ``grown_state``; a rule reads ``self.global_arrays`` (the model this round
-sent), ``self.num_clients`` (K) and may call ``self.weighted_mean(replies,
+sent), ``self.num_clients`` (N) and may call ``self.weighted_mean(replies,
 record)`` and, with stateful clients, ``self.client_held_state(reply)`` (False
 when the client held no committed state: its ``STATE_ROUND_METRIC`` was -1).
 Override only the hooks you need, and extend the base's (``super()``) where it
@@ -57,9 +57,9 @@ does work:
     the arguments only (and ``self.global_arrays``, the model this round sent,
     :math:`\theta^t`). Default: ``self.weighted_mean(replies)``.
 ``grown_state(state, old, new) -> dict``
-    ``state`` adjusted to the number of all clients K growing ``old`` -> ``new``
-    (a new client holds zero state: sums need nothing, a mean over K is
-    rescaled). Called before ``server_update`` in a round where K grows.
+    ``state`` adjusted to the number of all clients N growing ``old`` -> ``new``
+    (a new client holds zero state: sums need nothing, a mean over N is
+    rescaled). Called before ``server_update`` in a round where N grows.
 
 Class attributes declare the rest:
 
@@ -90,8 +90,8 @@ Class attributes declare the rest:
     commit (a client commits its pending state once told its reply was
     aggregated) and rejects replies without an integer client key.
 ``requires_num_clients``
-    The rule divides by K, the number of all clients: ``num_clients=None``
-    means "learn K from the grid at the first round" (then checked).
+    The rule divides by N, the number of all clients: ``num_clients=None``
+    means "learn N from the grid at the first round" (then checked).
 ``central_dp_caveat``
     What Flower's central-DP wrappers leave uncovered when they wrap the
     strategy (server state built from un-noised aggregates), logged as a

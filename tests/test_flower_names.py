@@ -189,7 +189,7 @@ def test_num_clients_is_learned_at_round_one_and_checked_later(
         configure(strategy, model_arrays(), sampling_grid(6), server_round=2)
     assert strategy.num_clients == 5
     assert any(
-        "6 node(s) connected, K=5 clients (learned from the grid at round 1)"
+        "6 node(s) connected, N=5 clients (learned from the grid at round 1)"
         in r.getMessage()
         for r in caplog.records
     )
@@ -216,7 +216,7 @@ def test_an_explicit_num_clients_is_kept_when_nodes_are_missing(caplog) -> None:
         configure(strategy, model_arrays(), sampling_grid(4))
     assert strategy.num_clients == 5
     assert any(
-        "4 node(s) connected, K=5 clients (given)" in r.getMessage()
+        "4 node(s) connected, N=5 clients (given)" in r.getMessage()
         for r in caplog.records
     )
 

@@ -2,39 +2,40 @@ r"""Per-round traffic and wall-clock time of FedAvg against P-FedAvg.
 
 Setting
 -------
-A model of size :math:`s` (bits, MB, parameters: any unit) and :math:`K`
+A model of size :math:`s` (bits, MB, parameters: any unit) and :math:`\lvert S\rvert`
 clients per round. FedAvg has one server: every client downloads and uploads
 the model through the server's link. P-FedAvg has :math:`M` servers on a graph
-with degrees :math:`d_i`; server :math:`i` serves :math:`K_i` clients
-(:math:`\sum_i K_i = K`; by default as evenly as possible, :math:`K/M` each
-when :math:`M` divides :math:`K`) and then sends its model to its :math:`d_i`
-neighbours. FedAvg is the special case :math:`M = 1`, :math:`d_1 = 0`.
+with degrees :math:`d_i`; server :math:`i` serves :math:`\lvert S_i\rvert`
+clients (:math:`\sum_i \lvert S_i\rvert = \lvert S\rvert`; by default as evenly
+as possible, :math:`\lvert S\rvert/M` each when :math:`M` divides
+:math:`\lvert S\rvert`) and then sends its model to its :math:`d_i` neighbours.
+FedAvg is the special case :math:`M = 1`, :math:`d_1 = 0`.
 
 Volume per round
 ----------------
 .. math::
     V^{\mathrm{FedAvg}}_{\mathrm{total}} = V^{\mathrm{FedAvg}}_{\mathrm{peak}}
-    = 2Ks, \qquad
-    V^{\mathrm{P}}_{\mathrm{total}} = 2Ks + \sum_i d_i s, \qquad
-    V^{\mathrm{P}}_{\mathrm{peak}} = \max_i\,(2K_i + d_i)\,s,
+    = 2\lvert S\rvert s, \qquad
+    V^{\mathrm{P}}_{\mathrm{total}} = 2\lvert S\rvert s + \sum_i d_i s, \qquad
+    V^{\mathrm{P}}_{\mathrm{peak}} = \max_i\,(2\lvert S_i\rvert + d_i)\,s,
 
 the peak being the busiest server's link; with an even split it is
-:math:`2(K/M)s + \max_i d_i s`.
+:math:`2(\lvert S\rvert/M)s + \max_i d_i s`.
 
 Time per round
 --------------
-Server :math:`i` has a link of bandwidth :math:`B_i` (size units per second),
+Server :math:`i` has a link of bandwidth :math:`b_i` (size units per second),
 its clients compute for :math:`\beta` seconds, and client :math:`k` suffers a
 random delay :math:`\delta_k \ge 0`. The server waits for its slowest client,
 moves its clients' traffic and then its mixing traffic through its own link:
 
 .. math::
-    T_i = \frac{2K_i s}{B_i} + \beta + \max_{k \in S_i} \delta_k
-          + \frac{d_i s}{B_i},
+    T_i = \frac{2\lvert S_i\rvert s}{b_i} + \beta + \max_{k \in S_i} \delta_k
+          + \frac{d_i s}{b_i},
     \qquad T^{\mathrm{P}} = \max_i T_i
 
 (rounds are synchronous: the slowest server sets the pace), and
-:math:`T^{\mathrm{FedAvg}} = 2Ks/B + \beta + \max_k \delta_k`. Taking
+:math:`T^{\mathrm{FedAvg}} = 2\lvert S\rvert s/b + \beta + \max_k \delta_k`. Taking
 :math:`\max_i T_i` ignores that a server mixes only after its neighbours have
 aggregated; for servers of equal degree and bandwidth it coincides with the
 aggregate-then-mix barrier, delays included.
@@ -43,20 +44,20 @@ Delays (``DELAYS``): ``"none"``, or ``"exponential"``: :math:`\delta_k` i.i.d.
 with mean :math:`\mu`. The slowest of :math:`n` such clients has CDF
 :math:`(1 - e^{-x/\mu})^n`, so it is drawn exactly by inversion,
 :math:`-\mu\log(1 - U^{1/n})`, with one uniform per server and round whatever
-:math:`K`. FedAvg's slowest client is the slowest of the servers' slowest
+:math:`\lvert S\rvert`. FedAvg's slowest client is the slowest of the servers' slowest
 clients (the same clients in both systems, which also lowers the variance of
-the ratio). The expected speed-up is
+the ratio). The expected speed-up :math:`R` is
 
 .. math::
-    S = \mathbb E[T^{\mathrm{FedAvg}}] / \mathbb E[T^{\mathrm{P}}],
+    R = \mathbb E[T^{\mathrm{FedAvg}}] / \mathbb E[T^{\mathrm{P}}],
 
-by Monte Carlo over rounds. As :math:`K` grows the transfer terms dominate and
-:math:`S \to M` (equal bandwidths); the compute time :math:`\beta` and the
-delays add about the same to both times and pull :math:`S` toward 1.
+by Monte Carlo over rounds. As :math:`\lvert S\rvert` grows the transfer terms
+dominate and :math:`R \to M` (equal bandwidths); the compute time :math:`\beta` and the
+delays add about the same to both times and pull :math:`R` toward 1.
 
-Example: :math:`K = 100`, :math:`s = 50` Mb, :math:`B = 10` Mb/s, five servers
-on a ring with 20 clients each, no compute or delay: FedAvg takes 1000 s per
-round, P-FedAvg :math:`200 + 10 = 210` s, a speed-up of 4.76.
+Example: :math:`\lvert S\rvert = 100`, :math:`s = 50` Mb, :math:`b = 10` Mb/s,
+five servers on a ring with 20 clients each, no compute or delay: FedAvg takes
+1000 s per round, P-FedAvg :math:`200 + 10 = 210` s, a speed-up of 4.76.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from numpy.typing import ArrayLike, NDArray
 
 DELAYS = ("none", "exponential")
 
-# A total K (split evenly over the servers) or one count K_i per server.
+# A total |S| (split evenly over the servers) or one count |S_i| per server.
 ClientCounts = int | Sequence[int] | NDArray[np.integer]
 
 
@@ -102,14 +103,15 @@ def split_clients(clients: int, servers: int) -> NDArray[np.int_]:
     Parameters
     ----------
     clients : int
-        Total :math:`K \ge` ``servers`` (every server needs a client).
+        Total :math:`\lvert S\rvert \ge` ``servers`` (every server needs a client).
     servers : int
         Number of servers :math:`M \ge 1`.
 
     Returns
     -------
     ndarray of int, shape (servers,)
-        :math:`K_i`, the first ``K mod M`` servers taking one extra client.
+        :math:`\lvert S_i\rvert`, the first ``clients mod M`` servers taking one
+        extra client.
     """
     if not (isinstance(servers, int | np.integer) and servers >= 1):
         raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
@@ -160,17 +162,18 @@ def volumes(
     model_size : float
         Model size :math:`s > 0`.
     clients : int or sequence of int
-        Total :math:`K` (split evenly by :func:`split_clients`) or the
-        per-server counts :math:`K_i`.
+        Total :math:`\lvert S\rvert` (split evenly by :func:`split_clients`) or the
+        per-server counts :math:`\lvert S_i\rvert`.
     degrees : array_like of int, shape (M,)
         Degrees :math:`d_i` of the servers in the overlay graph.
 
     Returns
     -------
     dict
-        ``"fedavg-total"``, ``"fedavg-peak"`` (both :math:`2Ks`),
-        ``"pfedavg-total"`` (:math:`2Ks + \sum_i d_i s`) and ``"pfedavg-peak"``
-        (:math:`\max_i (2K_i + d_i) s`).
+        ``"fedavg-total"``, ``"fedavg-peak"`` (both :math:`2\lvert S\rvert s`),
+        ``"pfedavg-total"`` (:math:`2\lvert S\rvert s + \sum_i d_i s`) and
+        ``"pfedavg-peak"``
+        (:math:`\max_i (2\lvert S_i\rvert + d_i) s`).
     """
     size = _positive(model_size, "model_size")
     degree = _degrees(degrees)
@@ -191,18 +194,18 @@ def server_times(
     bandwidth: float | ArrayLike,
     beta: float = 0.0,
 ) -> NDArray[np.float64]:
-    r"""Each server's round time without delays, :math:`(2K_i + d_i)s/B_i + \beta`.
+    r"""Each server's round time without delays, :math:`(2|S_i| + d_i)s/b_i + \beta`.
 
     Parameters
     ----------
     model_size : float
         Model size :math:`s > 0`.
     clients : int or sequence of int
-        Total :math:`K` or per-server counts :math:`K_i`.
+        Total :math:`\lvert S\rvert` or per-server counts :math:`\lvert S_i\rvert`.
     degrees : array_like of int, shape (M,)
         Server degrees :math:`d_i`.
     bandwidth : float or array_like, shape (M,)
-        Link bandwidth :math:`B_i > 0` of every server (or one for all).
+        Link bandwidth :math:`b_i > 0` of every server (or one for all).
     beta : float
         Client compute time per round, :math:`\beta \ge 0` seconds.
 
@@ -259,16 +262,16 @@ def fedavg_round_time(
     beta: float = 0.0,
     delay: float = 0.0,
 ) -> float:
-    r"""FedAvg's round time :math:`2Ks/B + \beta + \delta` (one server).
+    r"""FedAvg's round time :math:`2\lvert S\rvert s/B + \beta + \delta` (one server).
 
     Parameters
     ----------
     model_size : float
         Model size :math:`s > 0`.
     clients : int
-        Number of clients :math:`K \ge 1`.
+        Number of clients :math:`\lvert S\rvert \ge 1`.
     bandwidth : float
-        The server's bandwidth :math:`B > 0`.
+        The server's bandwidth :math:`b > 0`.
     beta : float
         Client compute time :math:`\beta \ge 0`.
     delay : float
@@ -296,7 +299,7 @@ def slowest_client_delays(
     Parameters
     ----------
     clients_per_server : array_like of int, shape (M,)
-        :math:`K_i \ge 1`.
+        :math:`\lvert S_i\rvert \ge 1`.
     mean : float
         Mean delay :math:`\mu > 0` of one client.
     rounds : int
@@ -336,8 +339,8 @@ def expected_round_times(
     Parameters
     ----------
     model_size, clients, degrees, bandwidth, beta
-        As in :func:`server_times`; FedAvg serves all :math:`K = \sum_i K_i`
-        clients.
+        As in :func:`server_times`; FedAvg serves all
+        :math:`\lvert S\rvert = \sum_i \lvert S_i\rvert` clients.
     delay : {None, "none", "exponential"}
         Law of the client delays (see the module docstring).
     delay_mean : float

@@ -4,7 +4,7 @@ Both algorithms keep, instead of one drift per client, the running sum over
 **all** clients :math:`\Lambda = \sum_k \lambda_k`, advanced by the round's
 participants: :math:`\Lambda^{t+1} = \Lambda^t + \sum_{k\in S_t}(\theta_k -
 \theta^t)` (a client outside :math:`S_t` keeps its drift, so the sum keeps
-it too), and send :math:`\mathrm{mean}_{S_t}\theta_k + \Lambda^{t+1}/K`.
+it too), and send :math:`\mathrm{mean}_{S_t}\theta_k + \Lambda^{t+1}/N`.
 Pure numpy on name -> array mappings; only the floating arrays take part.
 """
 
@@ -41,7 +41,7 @@ def drift_sum(
 def drift_corrected(
     average: Mapping[str, NDArray], drift: Mapping[str, NDArray], num_clients: int
 ) -> dict[str, NDArray]:
-    r"""Return :math:`\bar\theta + \Lambda/K`, in the dtypes of ``average``."""
+    r"""Return :math:`\bar\theta + \Lambda/N`, in the dtypes of ``average``."""
     model = dict(average)
     for key, value in drift.items():
         model[key] = model[key] + (value / num_clients).astype(model[key].dtype)

@@ -90,7 +90,7 @@ CLIENT_CHECKS = _CLIENT_CHECKS
 Each asserts on one :class:`ClientRun` (:func:`run_clients`): the client
 trained; its replies carry the records the strategy expects and pass its
 screening; a reply the server rejected left the client's committed state as
-it was; every committed state is recognised next round (nothing retired, K
+it was; every committed state is recognised next round (nothing retired, N
 unchanged, nothing saved outside the two-phase commit); the rule's term
 reached every update.
 """
@@ -115,7 +115,7 @@ def default_case(strategy_cls: type) -> Factory:
     -------
     Callable[[int], Any]
         ``num_nodes -> strategy_cls(num_clients=num_nodes)`` when the rule
-        divides by K (``requires_num_clients``), else
+        divides by N (``requires_num_clients``), else
         ``strategy_cls(min_available_nodes=num_nodes)``.
     """
     if getattr(strategy_cls, "requires_num_clients", False):

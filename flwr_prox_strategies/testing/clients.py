@@ -19,7 +19,7 @@ One run of three rounds per configuration (:func:`run_clients`) feeds the
 checks of :data:`CLIENT_CHECKS`: every reply passes the strategy's screening
 (a missing or unexpected record names the side to fix), the rejected reply
 left its client's committed state as it was (the two-phase commit), every
-client's state is recognised next time (no state retired, K unchanged, no
+client's state is recognised next time (no state retired, N unchanged, no
 state saved outside the commit) and every reply applied the rule at every
 step.
 """
@@ -207,7 +207,7 @@ class ClientRun:
     state_before, state_after : dict[str, list[numpy.ndarray]]
         Node 1002's committed state around its rejected round.
     k_before, k_after : int | None
-        K after round 1 and after the run.
+        N after round 1 and after the run.
     log : list[str]
         Flower's log lines at WARNING and above.
     sampled : dict[int, list[int]]
@@ -227,7 +227,7 @@ class ClientRun:
     #: The rejected node's state before and after its rejected round.
     state_before: dict[str, list[np.ndarray]] = field(default_factory=dict)
     state_after: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    #: K after round 1 and after the run (None: the rule does not use K).
+    #: N after round 1 and after the run (None: the rule does not use N).
     k_before: int | None = None
     k_after: int | None = None
     #: Flower log lines at WARNING and above.
@@ -347,7 +347,7 @@ def run_clients(algorithm: Any, make: Callable[[int], Any]) -> ClientRun:
                 run.rejected.append(f"round {rnd}: {dict(strategy.rejections)}")
             if new is not None:
                 arrays = new
-            if rnd == 1:  # K as the first round set it (learned, when not given)
+            if rnd == 1:  # N as the first round set it (learned, when not given)
                 run.k_before = getattr(servers[0], "num_clients", None)
     run.log = lines
     run.k_after = getattr(servers[0], "num_clients", None)
@@ -417,7 +417,7 @@ def check_rejected_reply_keeps_state(run: ClientRun) -> None:
 def check_state_recognised(run: ClientRun) -> None:
     """Check that every client's committed state is recognised next round.
 
-    No state retired, K unchanged, no state saved outside the commit.
+    No state retired, N unchanged, no state saved outside the commit.
     """
     outside = sum(
         int(m.get("replies-state-outside-commit", 0)) for m in run.metrics.values()
@@ -435,7 +435,7 @@ def check_state_recognised(run: ClientRun) -> None:
         "committed state (stateful = True, state saved with set_pending)"
     )
     assert run.k_before == run.k_after, (
-        f"K grew {run.k_before} -> {run.k_after} over a run of the same clients"
+        f"N grew {run.k_before} -> {run.k_after} over a run of the same clients"
     )
 
 

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--rows", type=int, help="rows of grid/torus")
     graph.add_argument("--mixing", choices=MIXINGS, default="metropolis")
     model = parser.add_argument_group("communication model")
-    model.add_argument("--clients", type=int, default=100, help="K (default 100)")
+    model.add_argument(
+        "--clients", type=int, default=100, help="clients per round (default 100)"
+    )
     model.add_argument(
         "--model-size", type=float, default=50.0, help="s, e.g. Mb (default 50)"
     )
@@ -107,7 +109,7 @@ def plot_speedup(
     axes = figure.add_subplot()
     axes.plot(clients, speedups, marker=".", label="expected speed-up")
     axes.axhline(servers, color="grey", linestyle="--", label=f"M = {servers}")
-    axes.set_xlabel("clients per round K")
+    axes.set_xlabel("clients per round")
     axes.set_ylabel("E[T FedAvg] / E[T P-FedAvg]")
     axes.set_title(title)
     axes.set_ylim(bottom=0.0)
@@ -156,14 +158,17 @@ def run(args: argparse.Namespace) -> None:
     with np.printoptions(precision=3, suppress=True, linewidth=120):
         print(f"W =\n{mixing}")
     print(f"rho(W) = ||W - 11^T/M||_2 = {rate:.4f}")
-    print(f"per-round volume (model-size units), K = {args.clients}:")
+    print(f"per-round volume (model-size units), {args.clients} clients a round:")
     for name, value in traffic.items():
         print(f"  {name:14s} {value:.6g}")
     print(f"expected round time: FedAvg {fedavg:.6g} s, P-FedAvg {pfedavg:.6g} s")
     print(f"expected speed-up: {fedavg / pfedavg:.3f}")
     title = f"{args.topology}, M = {args.servers}, {args.mixing} (rho = {rate:.3f})"
     plot_speedup(args.plot, curve_clients, curve, args.servers, title)
-    print(f"speed-up curve (K = {curve_clients[0]}..{curve_clients[-1]}): {args.plot}")
+    print(
+        f"speed-up curve ({curve_clients[0]}..{curve_clients[-1]} clients a round): "
+        f"{args.plot}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

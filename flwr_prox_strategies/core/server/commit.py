@@ -160,7 +160,7 @@ class ClientBook:
                 "commits at once): the server cannot confirm their state and a "
                 "rejected reply still changes it. Their client code must save it "
                 "with self.state.set_pending(name, arrays, self.server_round); "
-                "their replies are %s (K unchanged)",
+                "their replies are %s (N unchanged)",
                 server_round,
                 sorted(client_key(r) for r in outside),
                 "rejected (strict=True)" if strict else "used",

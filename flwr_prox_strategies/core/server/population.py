@@ -72,7 +72,7 @@ class Population:
         if not self.requires or self.size is None or num_connected == self.size:
             return None
         return (
-            f"{num_connected} node(s) connected, K={self.size} clients "
+            f"{num_connected} node(s) connected, N={self.size} clients "
             f"({self.source}): absent clients keep their state in the sums; new "
             "ones join K when they first reply"
         )
@@ -104,7 +104,7 @@ class Population:
         if grown and self.size is not None and saved_k is not None:
             if int(saved_k) < self.size:
                 raise ValueError(
-                    f"checkpoint has K={saved_k} after growth, below the "
+                    f"checkpoint has N={saved_k} after growth, below the "
                     f"strategy's num_clients={self.size}"
                 )
             self.adopt(int(saved_k))
