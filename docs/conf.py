@@ -34,6 +34,7 @@ extensions = [
     "confref",
     "packagemap",
     "attrtable",
+    "repofiles",
 ]
 
 # Commands must copy as written: no "--" turned into an en dash, no curly quotes

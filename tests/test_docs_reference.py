@@ -673,3 +673,57 @@ def test_a_hydra_default_that_is_not_pythons_says_why(confref) -> None:
         r.key: r for r in confref.resolve(confref.parse_file("strategy/_base/sgd"))
     }
     assert "Flower's 2" in common["strategy.min_train_nodes"].comment
+
+
+@pytest.fixture(scope="module")
+def repofiles():
+    spec = importlib.util.spec_from_file_location(
+        "repofiles", REPO / "docs" / "_ext" / "repofiles.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_cited_script_or_test_links_to_its_section(repofiles) -> None:
+    files = repofiles.documented_files()
+    examples = repofiles.example_pages()
+    assert files["benchmarks/privacy.py"] == "benchmarks/scripts"
+    assert files["tests/system/test_faults.py"] == "reference/tests"
+    assert repofiles.link_target(
+        "python benchmarks/privacy.py --rounds 30", files, examples
+    ) == (
+        "benchmarks/scripts",
+        "file-benchmarks-privacy-py",
+    )
+    assert repofiles.link_target("examples/plugin-fedadmm/", files, examples) == (
+        "examples/plugin-fedadmm",
+        "",
+    )
+    assert (
+        repofiles.link_target(
+            "benchmarks/results/privacy/privacy.csv", files, examples
+        )[0]
+        == "benchmarks/index"
+    )
+    # A file of an example's own tests is not the pack's.
+    assert repofiles.link_target(
+        "examples/plugin-fednova/tests/test_fednova.py", files, examples
+    ) == ("examples/plugin-fednova", "")
+    assert repofiles.link_target("my_tests/test_x.py", files, examples) == ("", "")
+
+
+def test_every_script_and_test_file_a_page_cites_exists(repofiles) -> None:
+    """A mention of a file that was renamed or removed would link nowhere."""
+    files = repofiles.documented_files()
+    cited = set()
+    for path in (REPO / "docs").rglob("*.md"):
+        if "_build" in path.parts:
+            continue
+        for match in re.finditer(r"`([^`\n]+)`", path.read_text(encoding="utf-8")):
+            found = repofiles._FILE.search(match.group(1))
+            if found and "<" not in found.group(1):
+                cited.add((path.relative_to(REPO).as_posix(), found.group(1)))
+    missing = sorted((page, f) for page, f in cited if f not in files)
+    assert cited and not missing
