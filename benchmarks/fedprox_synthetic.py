@@ -34,15 +34,26 @@ parallel (``--worker 0/2`` and ``--worker 1/2`` in two shells); ``--settings`` a
 
 Writes into ``--out``: ``fedprox_synthetic.csv`` (every round of every run),
 ``fedprox_synthetic.md`` (the table), ``loss.png`` and ``accuracy.png`` (rows:
-straggler levels, columns: federations, as the paper's Figure 1) and
+straggler levels, columns: federations, as the paper's Figure 1),
 ``dissimilarity.png`` (Figure 2: training loss, B(theta) and the variance of the
-local gradients without stragglers).
+local gradients without stragglers), and the same curves at a size a page shows:
+``federation-iid.png``, ``federation-0-0.png``, ``federation-0.5-0.5.png`` and
+``federation-1-1.png`` (one federation each: training loss and test accuracy,
+columns 0%, 50%, 90% stragglers) and ``dissimilarity-overview.png`` (B(theta) and
+the variance of the local gradients of the four federations on two panels).
+
+``--plot-only`` runs nothing: it tabulates and plots the finished runs of
+``--seeds`` and ``--rounds`` under ``--out/runs`` (rewriting the CSV) or, when
+there are none (the runs are not committed), the committed
+``fedprox_synthetic.csv`` (left as it is). The committed figures are redrawn by
+the last command below.
 
 Run (100 rounds, one seed of the whole grid: about 1.5 h on 2 cores, two runs at a
 time, measured 2026-12-04; the paper's 200 rounds and 3 seeds: about 9 h)::
 
     python benchmarks/fedprox_synthetic.py --seeds 0 1 2
     python benchmarks/fedprox_synthetic.py --plot-only   # tables and plots of what ran
+    python benchmarks/fedprox_synthetic.py --rounds 100 --seeds 0 1 2 --plot-only
 """
 
 from __future__ import annotations
@@ -331,6 +342,198 @@ def dissimilarity_plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def slug(setting: str) -> str:
+    """File-name part of a federation: synthetic(0.5,0.5) -> 0.5-0.5."""
+    name = setting.removeprefix("synthetic").strip("-()")
+    return name.replace(",", "-")
+
+
+def read_csv(path: Path, seeds: list[int], rounds: int) -> list[dict]:
+    """The rows of ``fedprox_synthetic.csv`` of ``seeds``, typed as written."""
+    rows = []
+    with open(path, newline="") as handle:
+        for raw in csv.DictReader(handle):
+            if int(raw["seed"]) not in seeds:
+                continue
+            row: dict = dict(raw)
+            row["stragglers"] = float(raw["stragglers"])
+            row["seed"] = int(raw["seed"])
+            row["round"] = int(raw["round"])
+            for key in (
+                "train-loss",
+                "test-accuracy",
+                "dissimilarity-b",
+                "grad-variance",
+            ):
+                row[key] = float(raw[key]) if raw[key] != "" else None
+            rows.append(row)
+    held = max((r["round"] for r in rows), default=None)
+    if held != rounds:
+        raise SystemExit(f"{path} holds runs of {held} rounds, not --rounds {rounds}")
+    return rows
+
+
+PAGE_LABELS = {
+    "FedAvg": "FedAvg",
+    "FedProx (mu=0)": "FedProx, μ = 0",
+    "FedProx (mu=1)": "FedProx, μ = 1",
+}
+
+
+def plain_log_axis(ax) -> None:
+    """A log y-axis labelled 0.3, 1, 2 rather than 3 x 10^-1 (page figures).
+
+    Call it after plotting: over more than two decades only the decades are
+    labelled, over less than one 0.7 too.
+    """
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    ratio = high / low
+    steps = (1,) if ratio > 100 else (1, 2, 3, 5) if ratio > 10 else (1, 2, 3, 5, 7)
+    ticks = [
+        step * 10.0**exponent
+        for exponent in range(math.floor(math.log10(low)), math.ceil(math.log10(high)))
+        for step in steps
+    ]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(low, high)
+
+
+def band(ax, per_round: dict[int, list[float]], colour: str, style: str = "-") -> None:
+    """Mean over the seeds, and their min-max band when there are several."""
+    xs = sorted(per_round)
+    ax.plot(xs, [statistics.fmean(per_round[r]) for r in xs], style, color=colour)
+    if min(len(per_round[r]) for r in xs) > 1:
+        ax.fill_between(
+            xs,
+            [min(per_round[r]) for r in xs],
+            [max(per_round[r]) for r in xs],
+            color=colour,
+            alpha=0.15,
+            linewidth=0,
+        )
+
+
+def federation_plot(rows: list[dict], setting: str, path: Path) -> None:
+    """One federation: training loss and test accuracy, a column per straggler level.
+
+    The same curves as the federation's column of ``loss.png`` and
+    ``accuracy.png``, at a size that reads at a page's width; a row shares its
+    y-axis, so the straggler levels compare at a glance.
+    """
+    loss, acc = curves(rows, "train-loss"), curves(rows, "test-accuracy")
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 10}):
+        fig, axes = plt.subplots(2, len(DROPS), figsize=(10, 6.5), sharey="row")
+        for j, drop in enumerate(DROPS):
+            seeds = 0
+            for method in METHODS:
+                same = drop == 0.0 and method == SAME_AS_FEDAVG
+                for i, data in enumerate((loss, acc)):
+                    per_round = data.get((setting, drop, method))
+                    if per_round:
+                        band(
+                            axes[i][j], per_round, COLOURS[method], ":" if same else "-"
+                        )
+                        seeds = max(seeds, min(len(v) for v in per_round.values()))
+            plural = "s" if seeds != 1 else ""
+            axes[0][j].set_title(f"{drop:.0%} stragglers ({seeds} seed{plural})")
+            axes[1][j].set_xlabel("round")
+            for ax in axes[:, j]:
+                ax.grid(alpha=0.3)
+        plain_log_axis(axes[0][0])  # the row shares it
+        axes[0][0].set_ylabel("training loss (log)")
+        axes[1][0].set_ylabel("test accuracy")
+        from matplotlib.lines import Line2D
+
+        handles = [
+            Line2D([], [], color=COLOURS[m], label=PAGE_LABELS[m]) for m in METHODS
+        ]
+        fig.legend(
+            handles=handles,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.955),
+            ncol=3,
+            frameon=False,
+        )
+        fig.suptitle(
+            f"{setting}: mean over the seeds (band: lowest to highest seed)",
+            y=0.99,
+            fontsize=11,
+        )
+        fig.tight_layout(rect=(0, 0, 1, 0.93))
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+
+
+def dissimilarity_overview(rows: list[dict], path: Path) -> None:
+    """Without stragglers: B(theta) and the local gradients' variance, 2 panels.
+
+    Colour: the federation; solid FedAvg, dashed FedProx (mu = 1); each line
+    the 10-round moving mean of the mean over the seeds (as the thick lines of
+    ``dissimilarity.png``).
+    """
+    keys = ("dissimilarity-b", "grad-variance")
+    data = {key: curves(rows, key) for key in keys}
+    shade = dict(
+        zip(SETTINGS, ("tab:blue", "tab:green", "tab:orange", "tab:red"), strict=True)
+    )
+    styles = {"FedAvg": "-", "FedProx (mu=1)": "--"}
+    from matplotlib.lines import Line2D
+
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 10}):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.4))
+        for ax, key in zip(axes, keys, strict=True):
+            for setting in SETTINGS:
+                for method, style in styles.items():
+                    per_round = data[key].get((setting, 0.0, method))
+                    if not per_round:
+                        continue
+                    xs = sorted(per_round)
+                    ys = moving_mean([statistics.fmean(per_round[r]) for r in xs])
+                    ax.plot(xs, ys, style, color=shade[setting], linewidth=1.6)
+            plain_log_axis(ax)
+            ax.set_xlabel("round")
+            ax.grid(alpha=0.3)
+        axes[0].set(
+            ylabel="B(θ), 10 sampled clients",
+            title="dissimilarity B(θ) (grows as ||∇f|| shrinks)",
+        )
+        axes[1].set(
+            ylabel="variance of the local gradients",
+            title="variance of the local gradients (paper's Fig. 2)",
+        )
+        handles = [
+            Line2D([], [], color=shade[s], linewidth=2, label=s) for s in SETTINGS
+        ] + [
+            Line2D([], [], color="black", linestyle=st, label=PAGE_LABELS[m])
+            for m, st in styles.items()
+        ]
+        fig.legend(
+            handles=handles,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.94),
+            ncol=6,
+            fontsize=9,
+            frameon=False,
+            columnspacing=1.2,
+            handlelength=1.8,
+        )
+        fig.suptitle(
+            "No stragglers: 10-round moving mean of the mean over the seeds",
+            y=0.99,
+            fontsize=11,
+        )
+        fig.tight_layout(rect=(0, 0, 1, 0.9))
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -361,17 +564,25 @@ def main() -> None:
         for job in jobs(args.seeds, args.settings, args.drops)[index::count]:
             run(args.out, job, args.rounds)
     rows = collect(args.out, args.seeds, args.rounds)
+    committed = args.out / "fedprox_synthetic.csv"
+    if rows:
+        with open(committed, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif args.plot_only and committed.is_file():
+        print(f"no finished run under {args.out / 'runs'}: plotting {committed}")
+        rows = read_csv(committed, args.seeds, args.rounds)
     if not rows:
         raise SystemExit(f"no finished run of {args.rounds} rounds in {args.out}")
-    with open(args.out / "fedprox_synthetic.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     grid_plot(rows, "train-loss", "training loss", args.out / "loss.png", log=True)
     grid_plot(
         rows, "test-accuracy", "test accuracy", args.out / "accuracy.png", log=False
     )
     dissimilarity_plot(rows, args.out / "dissimilarity.png")
+    for setting in SETTINGS:
+        federation_plot(rows, setting, args.out / f"federation-{slug(setting)}.png")
+    dissimilarity_overview(rows, args.out / "dissimilarity-overview.png")
     text = table(rows)
     (args.out / "fedprox_synthetic.md").write_text(
         f"{args.rounds} rounds; mean ± standard deviation over seeds.\n\n{text}\n"

@@ -16,13 +16,19 @@ one after another, so a round takes about as long as through Ray's two workers o
 
 Reports, per strategy over the seeds (mean and spread): the mean central accuracy
 of the last 10 rounds, the best, rounds to 80% and 85%, seconds per round and
-array bytes sent + received per round; writes ``non_iid.csv``, ``non_iid.md``
-(the table) and ``non_iid.png`` into ``--out``. Finished runs (a complete
+array bytes sent + received per round; writes into ``--out`` ``non_iid.csv`` (one
+line per run), ``non_iid_curves.csv`` (every run's central accuracy per round),
+``non_iid.md`` (the table) and ``non_iid.png``: per partition, the last-10-round
+mean accuracy and the rounds to 85% of every strategy (each seed a dot, the mean ±
+sd over the seeds, the papers' official codes' figure where known) and, when the
+curves file exists, the mean accuracy per round over the seeds (5-round moving
+mean, band: the seeds' smoothed min to max). Finished runs (a complete
 ``results.json``) are reused, so an interrupted benchmark continues.
 
 Run (the full setting: 15 runs of 200 rounds)::
 
     python benchmarks/non_iid.py --engine inprocess
+    python benchmarks/non_iid.py --plot-only   # redraw from the CSVs, run nothing
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 
 from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
 
@@ -63,6 +70,16 @@ REFERENCE = {
     "feddyn": (0.879, None, None),
     "feddc": (0.869, None, None),
 }
+LABELS = {
+    "fedavg": "FedAvg",
+    "fedprox": "FedProx",
+    "scaffold": "SCAFFOLD",
+    "feddyn": "FedDyn",
+    "feddc": "FedDC",
+}
+# Integer columns of non_iid.csv; the others but partition, strategy and engine
+# are floats (an empty cell: a run that never reached the target).
+INTEGER_COLUMNS = ("seed", "to-80", "to-85")
 
 
 def rounds_to(rounds: list[dict], target: float) -> int | None:
@@ -138,6 +155,253 @@ def table(rows: list[dict], partitions: list[str], strategies: list[str]) -> str
     return "\n".join(lines)
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The runs of ``non_iid.csv``, typed as :func:`main` wrote them."""
+    rows = []
+    with open(path, newline="") as handle:
+        for raw in csv.DictReader(handle):
+            row: dict = {}
+            for key, text in raw.items():
+                if key in ("partition", "strategy", "engine"):
+                    row[key] = text
+                elif text == "":
+                    row[key] = None
+                elif key in INTEGER_COLUMNS:
+                    row[key] = int(text)
+                else:
+                    row[key] = float(text)
+            rows.append(row)
+    return rows
+
+
+def write_curves(path: Path, curves: dict) -> None:
+    """``non_iid_curves.csv``: partition, strategy, seed, round, accuracy."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["partition", "strategy", "seed", "round", "accuracy"])
+        for (partition, name, seed), points in curves.items():
+            for round_, accuracy in points:
+                writer.writerow([partition, name, seed, round_, accuracy])
+
+
+def read_curves(path: Path) -> dict:
+    """{(partition, strategy, seed): [(round, accuracy), ...]} of ``write_curves``."""
+    curves: dict = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            key = (row["partition"], row["strategy"], int(row["seed"]))
+            curves.setdefault(key, []).append(
+                (int(row["round"]), float(row["accuracy"]))
+            )
+    return curves
+
+
+def moving_mean(values: list[float], width: int = 5) -> list[float]:
+    """Mean of each value and the ``width - 1`` before it (fewer at the start)."""
+    return [
+        statistics.fmean(values[max(0, i - width + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
+def seed_panel(
+    ax,
+    values: dict[str, list],
+    reference: dict[str, float | None],
+    colours: dict[str, tuple],
+    digits: int,
+) -> None:
+    """Per strategy: the seeds as dots, mean ± sd, the official code's value."""
+    for i, name in enumerate(values):
+        reached = [v for v in values[name] if v is not None]
+        if reached:
+            step = 0.06
+            xs = [
+                i - 0.12 + step * (k - (len(reached) - 1) / 2)
+                for k in range(len(reached))
+            ]
+            ax.scatter(xs, reached, s=30, color=colours[name], alpha=0.85, zorder=3)
+            mean = statistics.fmean(reached)
+            sd = statistics.stdev(reached) if len(reached) > 1 else 0.0
+            ax.errorbar(
+                i + 0.1,
+                mean,
+                yerr=sd,
+                fmt="_",
+                markersize=14,
+                color="black",
+                capsize=4,
+                elinewidth=1.2,
+                zorder=4,
+            )
+            ax.annotate(
+                f"{mean:.{digits}f}",
+                (i + 0.28, mean),
+                fontsize=9,
+                va="center",
+                ha="left",
+            )
+        missed = len(values[name]) - len(reached)
+        if missed:
+            ax.annotate(
+                f"{missed} never",
+                (i, 0.02),
+                xycoords=("data", "axes fraction"),
+                fontsize=9,
+                ha="center",
+            )
+        if reference.get(name) is not None:
+            ax.scatter(
+                i - 0.32,
+                reference[name],
+                marker="D",
+                s=36,
+                facecolor="white",
+                edgecolor="black",
+                linewidth=1.2,
+                zorder=4,
+            )
+    ax.set_xticks(range(len(values)), [LABELS.get(n, n) for n in values])
+    ax.set_xlim(-0.6, len(values) - 0.1)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot(rows: list[dict], curves: dict, path: Path) -> None:
+    """``non_iid.png``: per partition, last-10 accuracy and rounds to 85% by seed.
+
+    A row of two panels per partition (each strategy: a dot per seed, the mean ±
+    sd over the seeds, the official code's figure as a white diamond where the
+    REFERENCE has one) and, when per-round curves are given, a panel of the mean
+    accuracy per round over the seeds below it (5-round moving mean; the band
+    runs from the lowest to the highest seed's moving mean).
+    """
+    partitions = list(dict.fromkeys(r["partition"] for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    colours = dict(zip(STRATEGIES, plt.cm.tab10.colors, strict=False))
+    with_curves = any(key[0] in partitions for key in curves)
+    panel_rows = len(partitions) * (2 if with_curves else 1)
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 10}):
+        fig = plt.figure(figsize=(10, 4 * panel_rows - 0.3 * (panel_rows - 1)))
+        grid = fig.add_gridspec(panel_rows, 2)
+        row_index = 0
+        for partition in partitions:
+            runs = [r for r in rows if r["partition"] == partition]
+            seeds = sorted({r["seed"] for r in runs})
+            official = partition == "official-dirichlet"
+            prefix = f"{partition}: " if len(partitions) > 1 else ""
+            by = {
+                key: {
+                    name: [r[key] for r in runs if r["strategy"] == name]
+                    for name in strategies
+                    if any(r["strategy"] == name for r in runs)
+                }
+                for key in ("last10", "to-85")
+            }
+            left = fig.add_subplot(grid[row_index, 0])
+            seed_panel(
+                left,
+                by["last10"],
+                {n: REFERENCE[n][0] for n in strategies} if official else {},
+                colours,
+                digits=3,
+            )
+            left.set(
+                ylabel="mean test accuracy, last 10 rounds",
+                title=f"{prefix}accuracy at the end (higher is better)",
+            )
+            right = fig.add_subplot(grid[row_index, 1])
+            seed_panel(
+                right,
+                by["to-85"],
+                {n: REFERENCE[n][2] for n in strategies} if official else {},
+                colours,
+                digits=1,
+            )
+            right.set(
+                ylabel="rounds to 85% test accuracy",
+                title=f"{prefix}rounds to 85% (lower is faster)",
+            )
+            row_index += 1
+            if with_curves:
+                ax = fig.add_subplot(grid[row_index, :])
+                shown: list[float] = []  # the means after the first rounds
+                for name in strategies:
+                    per_seed = [
+                        dict(curves[(partition, name, seed)])
+                        for seed in seeds
+                        if (partition, name, seed) in curves
+                    ]
+                    if not per_seed:
+                        continue
+                    xs = sorted(set.intersection(*(set(c) for c in per_seed)))
+                    smooth = [moving_mean([c[x] for x in xs]) for c in per_seed]
+                    mean = [statistics.fmean(v) for v in zip(*smooth, strict=True)]
+                    shown += mean[10:] or mean
+                    ax.plot(xs, mean, color=colours[name], label=LABELS.get(name, name))
+                    if len(smooth) > 1:
+                        ax.fill_between(
+                            xs,
+                            [min(v) for v in zip(*smooth, strict=True)],
+                            [max(v) for v in zip(*smooth, strict=True)],
+                            color=colours[name],
+                            alpha=0.15,
+                            linewidth=0,
+                        )
+                for level in (0.80, 0.85):
+                    ax.axhline(level, color="grey", linewidth=0.6, linestyle="--")
+                ax.set(
+                    xlabel="round",
+                    ylabel="test accuracy (5-round moving mean)",
+                    ylim=(
+                        min([0.75] + [v - 0.01 for v in shown]),
+                        max([0.9] + [v + 0.01 for v in shown]),
+                    ),
+                    title=f"{prefix}mean over seeds "
+                    f"{' '.join(map(str, seeds))}, band: lowest to highest seed",
+                )
+                ax.grid(alpha=0.3)
+                ax.legend(loc="lower right", ncol=len(strategies), fontsize=9)
+                row_index += 1
+        seeds = sorted({r["seed"] for r in rows})
+        mean_sd = fig.axes[0].errorbar(
+            [], [], yerr=[], fmt="_", markersize=12, color="black", capsize=4
+        )
+        fig.legend(
+            handles=[
+                Line2D(
+                    [], [], marker="o", color="grey", linestyle="", label="one seed"
+                ),
+                mean_sd,
+                Line2D(
+                    [],
+                    [],
+                    marker="D",
+                    markerfacecolor="white",
+                    markeredgecolor="black",
+                    color="black",
+                    linestyle="",
+                    label="papers' official code (one run)",
+                ),
+            ],
+            labels=[
+                "one seed",
+                "mean ± sd over the seeds",
+                "papers' official code (one run)",
+            ],
+            loc="lower center",
+            ncol=3,
+            fontsize=9,
+            frameon=False,
+        )
+        where = f", {partitions[0]} partition" if len(partitions) == 1 else ""
+        fig.suptitle(
+            f"Fashion-MNIST{where}, seeds {' '.join(map(str, seeds))}", fontsize=11
+        )
+        fig.tight_layout(rect=(0, 0.06 / panel_rows, 1, 1))
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,7 +422,24 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/non_iid-official")
     )
+    parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="run nothing: redraw non_iid.png and non_iid.md from --out's "
+        "non_iid.csv (and non_iid_curves.csv, if there)",
+    )
     args = parser.parse_args()
+    if args.plot_only:
+        rows = read_rows(args.out / "non_iid.csv")
+        curves_path = args.out / "non_iid_curves.csv"
+        curves = read_curves(curves_path) if curves_path.is_file() else {}
+        partitions = list(dict.fromkeys(r["partition"] for r in rows))
+        strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+        plot(rows, curves, args.out / "non_iid.png")
+        text = table(rows, partitions, strategies)
+        (args.out / "non_iid.md").write_text(text + "\n")
+        print(text)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
     for partition in args.partitions:
@@ -202,35 +483,8 @@ def main() -> None:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    fig, axes = plt.subplots(
-        1, len(args.partitions), figsize=(8 * len(args.partitions), 5), squeeze=False
-    )
-    colours = dict(zip(args.strategies, plt.cm.tab10.colors, strict=False))
-    for ax, partition in zip(axes[0], args.partitions, strict=True):
-        for name in args.strategies:
-            for seed in args.seeds:
-                xs, ys = zip(*curves[(partition, name, seed)], strict=True)
-                ax.plot(
-                    xs,
-                    ys,
-                    color=colours[name],
-                    label=name if seed == args.seeds[0] else None,
-                    linewidth=0.8,
-                    alpha=0.8,
-                )
-        ax.set(
-            title=f"Fashion-MNIST, {partition}, {args.clients} clients, p = 0.1, "
-            f"seeds {' '.join(map(str, args.seeds))}",
-            xlabel="round",
-            ylabel="central test accuracy",
-            ylim=(0.5, 0.92),
-        )
-        for level in (0.80, 0.85):
-            ax.axhline(level, color="grey", linewidth=0.5, linestyle="--")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "non_iid.png", dpi=120)
+    write_curves(args.out / "non_iid_curves.csv", curves)
+    plot(rows, curves, args.out / "non_iid.png")
     text = table(rows, args.partitions, args.strategies)
     (args.out / "non_iid.md").write_text(text + "\n")
     print(text)

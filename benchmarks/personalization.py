@@ -13,13 +13,18 @@ for 10 local steps before each evaluation, from the same FedAvg run).
 
 Reports, per setting and method, the personalised accuracy over clients (mean
 and worst client) at the last round, the global model's on the same splits, and
-seconds per round; writes ``personalization.csv`` and ``personalization.png``.
+seconds per round; writes ``personalization.csv``, ``personalization_curves.csv``
+(the mean over clients at every round of every method), ``personalization.png``
+(a 2 x 2 grid, one panel per setting: the mean and the worst client's accuracy of
+each method at the last round, from the first CSV) and, from the curves file,
+``personalization-curves.png`` (the mean over clients per round, per setting).
 
 Run (the 20 runs of the defaults, 50 rounds each: about 65 min, measured with
 another benchmark sharing the 2 cores)::
 
     python benchmarks/personalization.py
     python benchmarks/personalization.py --engine flwr   # through `flwr run`
+    python benchmarks/personalization.py --plot-only     # redraw from the CSVs
 """
 
 from __future__ import annotations
@@ -53,6 +58,27 @@ PARTITIONS = {
 }
 # clients -> participation (FedTorch's README runs 10 clients at k = 1.0)
 FEDERATIONS = {10: 1.0, 100: 0.1}
+PARTITION_LABELS = {
+    "2-class": "2 classes per client",
+    "dirichlet-0.3": "Dirichlet(0.3)",
+}
+METHOD_LABELS = {
+    "fedavg (global)": "FedAvg\nglobal",
+    "fedavg + fine-tuning": "FedAvg +\nfine-tune",
+    "apfl-0.25": "APFL\nα = 0.25",
+    "apfl-0.5": "APFL\nα = 0.5",
+    "apfl-0.75": "APFL\nα = 0.75",
+    "apfl-adaptive": "APFL\nadaptive α",
+}
+FLOAT_COLUMNS = (
+    "personal-mean",
+    "personal-worst",
+    "personal-std",
+    "global-on-clients-mean",
+    "weighted-avg-personal-mean",
+    "central-accuracy",
+    "s-per-round",
+)
 
 
 def methods_of(run: str) -> dict[str, str]:
@@ -73,6 +99,161 @@ def curve(results: dict, prefix: str) -> list[tuple[int, float]]:
     ]
 
 
+def setting_title(clients: int, partition: str) -> str:
+    share = FEDERATIONS.get(clients, 1.0)
+    joined = "all every round" if share >= 1 else f"{share:.0%} a round"
+    return f"{clients} clients ({joined}), {PARTITION_LABELS.get(partition, partition)}"
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of ``personalization.csv``, typed as :func:`main` wrote them."""
+    rows = []
+    with open(path, newline="") as handle:
+        for raw in csv.DictReader(handle):
+            row: dict = dict(raw)
+            row["clients"] = int(raw["clients"])
+            for key in FLOAT_COLUMNS:
+                row[key] = float(raw[key]) if raw[key] != "" else None
+            rows.append(row)
+    return rows
+
+
+def write_curves(path: Path, curves: dict) -> None:
+    """``personalization_curves.csv``: clients, partition, method, round, accuracy."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["clients", "partition", "method", "round", "accuracy"])
+        for (clients, partition, method), points in curves.items():
+            for round_, accuracy in points:
+                writer.writerow([clients, partition, method, round_, accuracy])
+
+
+def read_curves(path: Path) -> dict:
+    """{(clients, partition, method): [(round, accuracy), ...]}."""
+    curves: dict = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            key = (int(row["clients"]), row["partition"], row["method"])
+            curves.setdefault(key, []).append(
+                (int(row["round"]), float(row["accuracy"]))
+            )
+    return curves
+
+
+def grid_of(settings: list[tuple[int, str]]):
+    """A figure with a panel per (clients, partition): rows clients, columns partitions."""
+    clients = list(dict.fromkeys(c for c, _ in settings))
+    partitions = list(dict.fromkeys(p for _, p in settings))
+    fig, axes = plt.subplots(
+        len(clients),
+        len(partitions),
+        figsize=(max(5 * len(partitions), 8), 4 * len(clients)),
+        squeeze=False,
+    )
+    panels = {
+        (c, p): axes[i][j]
+        for i, c in enumerate(clients)
+        for j, p in enumerate(partitions)
+    }
+    for key, ax in panels.items():
+        if key not in settings:
+            ax.set_visible(False)
+    return fig, panels
+
+
+def plot_bars(rows: list[dict], path: Path) -> None:
+    """Per setting, each method's mean and worst-client accuracy at the last round."""
+    settings = list(dict.fromkeys((r["clients"], r["partition"]) for r in rows))
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 10}):
+        fig, panels = grid_of(settings)
+        width = 0.4
+        for (clients, partition), ax in panels.items():
+            runs = [
+                r
+                for r in rows
+                if (r["clients"], r["partition"]) == (clients, partition)
+            ]
+            for k, (key, colour, label) in enumerate(
+                (
+                    ("personal-mean", "tab:blue", "mean over clients"),
+                    ("personal-worst", "tab:orange", "worst client"),
+                )
+            ):
+                xs = [i + (k - 0.5) * width for i in range(len(runs))]
+                ys = [r[key] for r in runs]
+                ax.bar(xs, ys, width, color=colour, label=label)
+                for x, y in zip(xs, ys, strict=True):
+                    inside = y >= 0.15  # else the label goes above the bar
+                    ax.annotate(
+                        f"{y:.3f}",
+                        (x, y - 0.02 if inside else y + 0.02),
+                        rotation=90,
+                        ha="center",
+                        va="top" if inside else "bottom",
+                        fontsize=9,
+                        color="white" if inside else "black",
+                    )
+            ax.set_xticks(
+                range(len(runs)),
+                [METHOD_LABELS.get(r["method"], r["method"]) for r in runs],
+                fontsize=9,
+            )
+            ax.set(
+                title=setting_title(clients, partition),
+                ylabel="accuracy, last round",
+                ylim=(0, 1),
+            )
+            ax.grid(axis="y", alpha=0.3)
+            ax.set_axisbelow(True)
+        handles, labels = next(iter(panels.values())).get_legend_handles_labels()
+        fig.suptitle(
+            "Fashion-MNIST: personalised accuracy on the clients' held-out splits",
+            y=0.985,
+            fontsize=11,
+        )
+        fig.legend(
+            handles,
+            labels,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.955),
+            ncol=2,
+            frameon=False,
+        )
+        fig.tight_layout(rect=(0, 0, 1, 0.925))
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+
+
+def plot_curves(curves: dict, path: Path) -> None:
+    """Per setting, each method's mean accuracy over clients per round."""
+    settings = list(dict.fromkeys((c, p) for c, p, _ in curves))
+    methods = list(dict.fromkeys(m for _, _, m in curves))
+    colours = dict(zip(methods, plt.cm.tab10.colors, strict=False))
+    with plt.rc_context({"font.size": 10, "axes.titlesize": 10}):
+        fig, panels = grid_of(settings)
+        for (clients, partition, method), points in curves.items():
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            style = "--" if method == "fedavg (global)" else "-"
+            panels[(clients, partition)].plot(
+                xs, ys, style, color=colours[method], label=method, linewidth=1.2
+            )
+        for (clients, partition), ax in panels.items():
+            ax.set(
+                title=setting_title(clients, partition),
+                xlabel="round",
+                ylabel="accuracy, mean over clients",
+                ylim=(0, 1),
+            )
+            ax.grid(alpha=0.3)
+        handles, labels = next(iter(panels.values())).get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=3, frameon=False)
+        fig.tight_layout(rect=(0, 0, 1, 0.92))
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,12 +272,28 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/personalization")
     )
+    parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="run nothing: redraw the figures from --out's personalization.csv "
+        "(and personalization_curves.csv, if there)",
+    )
     args = parser.parse_args()
+    if args.plot_only:
+        plot_bars(
+            read_rows(args.out / "personalization.csv"),
+            args.out / "personalization.png",
+        )
+        curves_path = args.out / "personalization_curves.csv"
+        if curves_path.is_file():
+            plot_curves(
+                read_curves(curves_path), args.out / "personalization-curves.png"
+            )
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
     for clients in args.clients:
         for partition in args.partitions:
-            setting = f"{clients} clients, {partition}"
             for run in args.runs:
                 job = args.out / f"{clients}-{partition}-{run}-seed{args.seed}"
                 overrides = [
@@ -150,33 +347,15 @@ def main() -> None:
                             / max(len(elapsed) - 1, 1),
                         }
                     )
-                    curves[(setting, method)] = curve(results, prefix)
+                    curves[(clients, partition, method)] = curve(results, prefix)
                     print(json.dumps(rows[-1]), flush=True)
     with open(args.out / "personalization.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    settings = list(dict.fromkeys(setting for setting, _ in curves))
-    fig, axes = plt.subplots(
-        1, len(settings), figsize=(5.5 * len(settings), 4.5), squeeze=False
-    )
-    for ax, setting in zip(axes[0], settings, strict=True):
-        for (where, method), points in curves.items():
-            if where != setting or not points:
-                continue
-            xs, ys = zip(*points, strict=True)
-            style = "--" if method == "fedavg (global)" else "-"
-            ax.plot(xs, ys, style, label=method, linewidth=1.2)
-        ax.set(
-            title=f"Fashion-MNIST, {setting}",
-            xlabel="round",
-            ylabel="accuracy on clients' held-out splits (mean)",
-            ylim=(0, 1),
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(args.out / "personalization.png", dpi=120)
+    write_curves(args.out / "personalization_curves.csv", curves)
+    plot_bars(rows, args.out / "personalization.png")
+    plot_curves(curves, args.out / "personalization-curves.png")
     header = (
         f"{'setting':<28}{'method':<22}{'pers.mean':>10}{'pers.worst':>11}"
         f"{'global':>8}{'w.avg':>7}{'alpha':>13}{'s/rnd':>7}"

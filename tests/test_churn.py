@@ -1,10 +1,10 @@
 """Nodes come and go, and the stateful algorithms' sums stay right.
 
-SCAFFOLD's server keeps c = (1/K) sum_i c_i and FedDyn's keeps
+SCAFFOLD's server keeps c = (1/N) sum_i c_i and FedDyn's keeps
 Lambda = sum_k lambda_k over *all* clients. After a node is lost, restarted
 with empty state, replaced by one holding a stale state, or joined by a new
 client, the server's sums must still equal the sums of what the clients hold
-(plus the retired states the server announced), and K must count them.
+(plus the retired states the server announced), and N must count them.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def test_num_clients_is_learned_at_round_one_and_checked_later(
         in r.getMessage()
         for r in caplog.records
     )
-    # K is not "the nodes connected now": a sixth node is logged, and K grows
+    # N is not "the nodes connected now": a sixth node is logged, and N grows
     # only when a sixth client replies (tests/test_churn.py).
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="flwr"):
@@ -240,12 +240,12 @@ def test_a_learned_num_clients_is_saved_and_adopted_on_resume(
         configure(resumed, model_arrays(), sampling_grid(5), server_round=1)
     assert not any("num_clients not given" in r.getMessage() for r in caplog.records)
     configure(resumed, model_arrays(), sampling_grid(4), server_round=2)
-    assert resumed.num_clients == 5  # a lost node does not change K
+    assert resumed.num_clients == 5  # a lost node does not change N
 
     LEARNERS[name](num_clients=5).load_state_dict(state)  # agrees: fine
     with pytest.raises(ValueError, match="num-clients=5"):
         LEARNERS[name](num_clients=4).load_state_dict(state)
-    # A checkpoint made before K was learned resumes into a strategy given K.
+    # A checkpoint made before N was learned resumes into a strategy given N.
     LEARNERS[name](num_clients=4).load_state_dict(LEARNERS[name]().state_dict())
 
 
@@ -271,7 +271,7 @@ def test_a_whole_run_learns_num_clients_from_the_grid() -> None:
     )
     assert strategy.num_clients == 4
     assert result.train_metrics_clientapp[2]["replies-valid"] == 2
-    # K = 4 entered the update: theta <- mean_S theta_k + Lambda / K, where every
+    # N = 4 entered the update: theta <- mean_S theta_k + Lambda / N, where every
     # client adds 1 and Lambda sums the drifts (2 per round): +1.5, then +2.
     assert strategy.drift_sum is not None
     for value in strategy.drift_sum.values():

@@ -159,7 +159,7 @@ def test_control_update_without_replies_is_a_copy() -> None:
 
 
 def test_rescaled_multiplies_the_floating_arrays_only() -> None:
-    # K grows 2 -> 4: c is a mean over K, so c * 2/4 = [0.25, -0.5]; counter kept.
+    # N grows 2 -> 4: c is a mean over N, so c * 2/4 = [0.25, -0.5]; counter kept.
     new = rescaled(C, 2 / 4)
     assert_identical(
         new, {"w": f32(0.25, -0.5), "count": np.array([3], dtype=np.int64)}

@@ -462,7 +462,7 @@ def parameter_text(target: str, name: str) -> str | None:
         body = sections(getattr(candidate, "__doc__", None))[1].get("Parameters", "")
         text = _entry(body, name)
         if text:
-            text = re.sub(r":math:`([^`]+)`", r"`\1`", plain_roles(text))
+            text = re.sub(r":math:`([^`$]+)`", r"$\1$", plain_roles(text))
             return re.sub(r"``([^`]+)``", r"`\1`", text)
     return None
 
@@ -538,12 +538,17 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
     from sphinx.util.docutils import SphinxDirective
 
     def inline(text: str) -> list[nodes.Node]:
-        """Text with `backticks` as literals."""
+        """Text with `backticks` as literals and $...$ (a docstring's math) as math."""
         out: list[nodes.Node] = []
         for i, part in enumerate(re.split(r"`([^`]+)`", text)):
             if not part:
                 continue
-            out.append(nodes.literal(part, part) if i % 2 else nodes.Text(part))
+            if i % 2:
+                out.append(nodes.literal(part, part))
+                continue
+            for j, piece in enumerate(re.split(r"\$([^$`]+)\$", part)):
+                if piece:
+                    out.append(nodes.math(piece, piece) if j % 2 else nodes.Text(piece))
         return out
 
     def paragraph(text: str) -> nodes.paragraph:
@@ -588,8 +593,8 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
         }
         with_source = any(r.source != conf.name or r.overrides for r in rows)
         headers = ["Key", "Default", *(["From"] if with_source else []), "Meaning"]
-        widths = [30, 18, *([14] if with_source else []), 38]
-        tbl = nodes.table(classes=["conf-table"])
+        widths = [26, 18, *([14] if with_source else []), 42]
+        tbl = nodes.table(classes=["conf-table", "colwidths-given"])
         group = nodes.tgroup(cols=len(headers))
         tbl += group
         for width in widths:
@@ -781,7 +786,7 @@ def _setup_sphinx(app: Any) -> dict[str, Any]:
 
         def run(self) -> list[nodes.Node]:
             self.env.note_dependency(str(PYPROJECT))
-            tbl = nodes.table(classes=["conf-table"])
+            tbl = nodes.table(classes=["conf-table", "colwidths-given"])
             group = nodes.tgroup(cols=3)
             tbl += group
             for width in (20, 15, 65):

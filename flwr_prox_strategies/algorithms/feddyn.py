@@ -11,7 +11,7 @@ Client :math:`k \in S_t` solves (approximately, by local SGD)
     + \frac{\alpha}{2}\lVert\theta - \theta^t\rVert^2,
     \qquad g_k^{t+1} = g_k^t - \alpha(\theta_k^{t+1} - \theta^t)
 
-and the server, with :math:`K` the number of **all** clients,
+and the server, with :math:`N` the number of **all** clients,
 
 .. math::
     h^{t+1} = h^t - \frac{\alpha}{K}\sum_{k\in S_t}(\theta_k^{t+1} - \theta^t),
@@ -24,8 +24,8 @@ paper's Algorithm 1 and the official code.)
 Representation. The client stores :math:`\lambda_k = -g_k/\alpha`, its accumulated
 drift :math:`\sum_\tau(\theta_k^{\tau+1} - \theta^\tau)`, so its gradient term is
 :math:`\alpha(\theta - \theta^t + \lambda_k)`. The server stores
-:math:`\Lambda = \sum_{k=1}^K \lambda_k = -K h/\alpha` and sets
-:math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/K`, which is the
+:math:`\Lambda = \sum_{k=1}^N \lambda_k = -N h/\alpha` and sets
+:math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/N`, which is the
 update above exactly. This is also the official code's bookkeeping
 (alpemreacar/FedDyn: ``local_param_list`` and ``np.mean(local_param_list)``).
 
@@ -41,7 +41,7 @@ Options that match the official code (off by default: the paper's form):
 * ``track_all_clients=True`` on the strategy: the official code also evaluates
   the mean of **all** clients' latest models. The server keeps their running sum
   (one model, plus :math:`\theta^0`); each client keeps its latest accepted model
-  and uploads the change since it (``model-delta``), so the server never holds K
+  and uploads the change since it (``model-delta``), so the server never holds N
   models. A node the server has not yet identified in this run receives
   :math:`\theta^0` (``initial-model``) once, for its first delta.
   :meth:`FedDyn.all_clients_model` returns the mean.
@@ -49,7 +49,7 @@ Options that match the official code (off by default: the paper's form):
 Memory: each client holds :math:`\lambda_k` (one model; plus its latest model
 with ``track_all_clients``) and the anchor during training; the server holds
 :math:`\Lambda` (one model; plus the sum of latest models and :math:`\theta^0`
-with ``track_all_clients``), independent of K.
+with ``track_all_clients``), independent of N.
 
 Wire keys: ``feddyn-alpha`` in the train config.
 """
@@ -99,10 +99,10 @@ class FedDyn(ValidatedFedAvg):
     + \frac{\alpha}{2}\lVert\theta - \theta^t\rVert^2` and updates its
     :math:`g_k`; the server keeps
     :math:`h^{t+1} = h^t - \frac{\alpha}{K}\sum_{k\in S_t}(\theta_k^{t+1} -
-    \theta^t)` over **all** :math:`K` clients and sends
+    \theta^t)` over **all** :math:`N` clients and sends
     :math:`\theta^{t+1} = \frac{1}{|S_t|}\sum_{k\in S_t}\theta_k^{t+1}
     - \frac{1}{\alpha}h^{t+1}` (Acar et al., 2021, Algorithm 1). The server
-    holds one model-sized drift sum, not K models; clients keep their own
+    holds one model-sized drift sum, not N models; clients keep their own
     state in ``context.state`` (committed once the server confirms their reply
     was aggregated). Its clients are :class:`FedDynClient` or your own loop
     with :class:`FedDynRule`.
@@ -112,7 +112,7 @@ class FedDyn(ValidatedFedAvg):
     alpha : float (default: 0.01)
         The penalty :math:`\alpha > 0`.
     num_clients : int | None (default: None)
-        :math:`K`, the number of all clients, checked every round. None: the
+        :math:`N`, the number of all clients, checked every round. None: the
         number of nodes connected at the first round (logged).
     track_all_clients : bool (default: False)
         Keep the mean of all clients' latest models (the official code's second
@@ -234,7 +234,7 @@ class FedDyn(ValidatedFedAvg):
         Returns
         -------
         ArrayRecord | None
-            The mean over all :math:`K` clients (a client that never trained
+            The mean over all :math:`N` clients (a client that never trained
             counts with :math:`\theta^0`); None unless ``track_all_clients``
             (or before the first round).
         """
@@ -266,7 +266,7 @@ class FedDyn(ValidatedFedAvg):
         state: Mapping[str, Any],
         replies: list[ValidReply],
     ) -> RoundUpdate:
-        r"""Return :math:`\mathrm{mean}_S\theta_k + \Lambda^{t+1}/K` and the new sums.
+        r"""Return :math:`\mathrm{mean}_S\theta_k + \Lambda^{t+1}/N` and the new sums.
 
         :math:`\Lambda^{t+1} = \Lambda + \sum_S(\theta_k - \theta^t)`.
         """

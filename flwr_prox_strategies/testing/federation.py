@@ -39,12 +39,12 @@ def half_sse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class LeastSquares:
-    r"""K clients, :math:`f_k(\theta) = \frac12\lVert A_k\theta - b_k\rVert^2`.
+    r"""N clients, :math:`f_k(\theta) = \frac12\lVert A_k\theta - b_k\rVert^2`.
 
     Parameters
     ----------
     num_clients : int (default: 4)
-        K; client ``k`` is the node whose ``partition-id`` is ``k``.
+        N; client ``k`` is the node whose ``partition-id`` is ``k``.
     dim : int (default: 5)
         The dimension of :math:`\theta` (a ``Linear(dim, 1, bias=False)``).
     rows : int (default: 20)
@@ -143,7 +143,7 @@ class LeastSquares:
     def run(
         self, strategy: Any, client_cls: type, rounds: int, **client_kwargs: Any
     ) -> np.ndarray:
-        r"""Run ``strategy.start`` over an :class:`InProcessGrid` of the K clients.
+        r"""Run ``strategy.start`` over an :class:`InProcessGrid` of the N clients.
 
         Parameters
         ----------

@@ -5,7 +5,7 @@ Framework with Adaptivity to System Heterogeneity", ICDE 2022
 (arXiv:2204.03529).
 
 The federation solves :math:`\min \sum_i f_i(w_i)` subject to the consensus
-:math:`w_i = \theta` by the augmented Lagrangian, each of the :math:`K`
+:math:`w_i = \theta` by the augmented Lagrangian, each of the :math:`N`
 clients keeping its own dual variable :math:`\lambda_i`. This module
 implements the following form of it. Every client :math:`i` holds
 :math:`\lambda_i` (initially 0) and
@@ -24,19 +24,19 @@ gradient; then
     \lambda_i \leftarrow \lambda_i + \rho(w_i - \theta^t), \qquad
     u_i \leftarrow w_i + \lambda_i/\rho .
 
-The server keeps :math:`S = \sum_{i=1}^K u_i`, over **all** clients, and
-sends :math:`\theta^{t+1} = S/K`. It never sees :math:`u_i`, only its
+The server keeps :math:`S = \sum_{i=1}^N u_i`, over **all** clients, and
+sends :math:`\theta^{t+1} = S/N`. It never sees :math:`u_i`, only its
 change: each reply carries ``fedadmm-delta`` :math:`= u_i^{new} - u_i^{old}`.
 A client knows no :math:`\theta^0`, so one without committed state sends
 :math:`u_i^{new} - 0`; the server, which counted it at :math:`\theta^0`,
 subtracts :math:`\theta^0` for it (it asks
 :meth:`~flwr_prox_strategies.extend.ValidatedFedAvg.client_held_state`). A
-client the server has never seen joins :math:`K` at :math:`\theta^0`
+client the server has never seen joins :math:`N` at :math:`\theta^0`
 (:meth:`FedADMM.grown_state`).
 
 Buffers (BatchNorm's running statistics and its ``num_batches_tracked``)
 take part too: at a ``state_dict`` entry that is not a trainable parameter,
-:math:`u_i` is the client's buffer after training, so :math:`S/K` there is the
+:math:`u_i` is the client's buffer after training, so :math:`S/N` there is the
 mean of all clients' latest buffers (:math:`\theta^0`'s for a client never
 sampled). Integer buffers are summed exactly and their mean rounded.
 
@@ -124,7 +124,7 @@ def mean_over(total: NDArray, count: int, dtype: np.dtype[Any]) -> NDArray:
     """
     if np.issubdtype(total.dtype, np.floating):
         return (total / count).astype(dtype)
-    # s = qK + r with 0 <= r < K: round(s / K) half up is q + (2r >= K), exact
+    # s = qK + r with 0 <= r < N: round(s / N) half up is q + (2r >= N), exact
     # for every int64 (no float, and 2r < 2K cannot overflow).
     quotient, remainder = np.divmod(total, count)
     return (quotient + (2 * remainder >= count)).astype(dtype)
@@ -150,9 +150,9 @@ def difference(new: NDArray, old: NDArray) -> NDArray:
 class FedADMM(ValidatedFedAvg):
     r"""FedADMM strategy: the mean of all clients' :math:`u_i = w_i + \lambda_i/\rho`.
 
-    The server keeps :math:`S = \sum_{i=1}^K u_i` over all :math:`K`
+    The server keeps :math:`S = \sum_{i=1}^N u_i` over all :math:`N`
     clients (a client never sampled counts at :math:`\theta^0`) and sends
-    :math:`\theta^{t+1} = S/K`. Each valid reply's ``fedadmm-delta``,
+    :math:`\theta^{t+1} = S/N`. Each valid reply's ``fedadmm-delta``,
     :math:`u_i^{new} - u_i^{old}`, is added to :math:`S`, less
     :math:`\theta^0` when its client held no state (it measured its change
     from zero). Its clients are :class:`FedADMMClient` or your own loop with
@@ -164,14 +164,14 @@ class FedADMM(ValidatedFedAvg):
     rho : float (default: 0.1)
         The penalty :math:`\rho > 0` of the augmented Lagrangian.
     num_clients : int | None (default: None)
-        :math:`K`, the number of all clients, checked every round. None: the
+        :math:`N`, the number of all clients, checked every round. None: the
         number of nodes connected at the first round (logged). It grows when
         a client not yet counted replies.
     **kwargs
         Keyword arguments of
         :class:`~flwr_prox_strategies.extend.ValidatedFedAvg`
         (``fraction_train``, ``local_epochs``, ``local_steps``,
-        ``drop_percent``, ``seed``, ...). The model is :math:`S/K` whatever
+        ``drop_percent``, ``seed``, ...). The model is :math:`S/N` whatever
         the ``weighting``, which weights the reported metrics only.
 
     Raises
@@ -216,7 +216,7 @@ class FedADMM(ValidatedFedAvg):
     stateful_clients = True
     keeps_client_sums = True
     requires_num_clients = True
-    # theta = S/K: every client counts once, whatever its data size.
+    # theta = S/N: every client counts once, whatever its data size.
     default_weighting = "uniform"
     rule_metric = FEDADMM_APPLIED_KEY
     rule_name = "FedADMM's augmented Lagrangian"
@@ -227,7 +227,7 @@ class FedADMM(ValidatedFedAvg):
     resume_settings = ("rho",)
     settings = ("rho", "num_clients", "fraction_train", "seed")
     central_dp_caveat = (
-        "FedADMM's model is S/K, S the server's sum of the clients' "
+        "FedADMM's model is S/N, S the server's sum of the clients' "
         "un-noised u_i built from their fedadmm-delta records: the noise added "
         "to one round's model never enters S, and every later model releases "
         "the sum again, so the wrapper's epsilon does not cover FedADMM's models"
@@ -243,7 +243,7 @@ class FedADMM(ValidatedFedAvg):
         check_positive("rho", rho)
         super().__init__(num_clients=num_clients, **kwargs)
         self.rho = float(rho)
-        self.u_sum: dict[str, NDArray] | None = None  # S = sum_i u_i, all K
+        self.u_sum: dict[str, NDArray] | None = None  # S = sum_i u_i, all N
         self.initial: dict[str, NDArray] | None = None  # theta^0
 
     def train_config(self, server_round: int) -> dict[str, Any]:
@@ -267,9 +267,9 @@ class FedADMM(ValidatedFedAvg):
     def grown_state(
         self, state: Mapping[str, Any], old: int, new: int
     ) -> dict[str, Any]:
-        r"""Count each of the ``new - old`` clients joining K at :math:`\theta^0`."""
+        r"""Count each of the ``new - old`` clients joining N at :math:`\theta^0`."""
         total, theta0 = state["u_sum"], state["initial"]
-        if total is None:  # S is built at the first aggregated round, at that K
+        if total is None:  # S is built at the first aggregated round, at that N
             return dict(state)
         grown = {
             key: value + (new - old) * wide(theta0[key]) for key, value in total.items()
@@ -282,7 +282,7 @@ class FedADMM(ValidatedFedAvg):
         state: Mapping[str, Any],
         replies: list[ValidReply],
     ) -> RoundUpdate:
-        r"""Add the replies' deltas to :math:`S`; return :math:`S/K`."""
+        r"""Add the replies' deltas to :math:`S`; return :math:`S/N`."""
         assert self.num_clients is not None and self.global_arrays is not None
         k = self.num_clients
         new_state: dict[str, Any] = {}
@@ -533,6 +533,6 @@ CASES = {
     "stragglers": lambda n: FedADMM(
         rho=1.0, num_clients=n, local_epochs=3, drop_percent=0.5, seed=1
     ),
-    # K learned from the grid at round 1 (num_clients=None).
+    # N learned from the grid at round 1 (num_clients=None).
     "learned-k": lambda n: FedADMM(rho=1.0, min_available_nodes=n),
 }

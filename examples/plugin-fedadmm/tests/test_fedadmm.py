@@ -125,7 +125,7 @@ def by_hand(
 
     Written from the algorithm, not from the wire: every client keeps
     lambda_i and u_i (u_i = theta^0 before its first round) and the model is
-    the mean of all K u_i. The deltas are what each client must upload:
+    the mean of all N u_i. The deltas are what each client must upload:
     u_new - u_old, from zero for a client without state.
     """
     a_mats = [a.astype(np.float64) for a in problem.a]
@@ -148,7 +148,7 @@ def by_hand(
             uploaded[i] = u_new - (u[i] if i in seen else np.zeros_like(u_new))
             u[i] = u_new
             seen.add(i)
-        theta = np.mean(u, axis=0)  # over all K clients, unseen ones at theta^0
+        theta = np.mean(u, axis=0)  # over all N clients, unseen ones at theta^0
         models.append(theta)
         deltas.append(uploaded)
     return models, deltas
@@ -157,7 +157,7 @@ def by_hand(
 def test_two_rounds_match_numpy() -> None:
     """Two rounds, partial participation, theta^0 != 0: the strategy's model is numpy's.
 
-    K = 3; round 1 samples clients {0, 1}, round 2 {1, 2}: client 2 is new in
+    N = 3; round 1 samples clients {0, 1}, round 2 {1, 2}: client 2 is new in
     round 2 (its delta is from zero; the server counted it at theta^0) and
     client 1 comes back with state committed in round 1. Clients take 2, 3
     and 5 local steps.
@@ -224,11 +224,11 @@ def bn_client(context: Any) -> FedADMMClient:
 
 
 def test_buffers_are_the_mean_of_all_clients_latest() -> None:
-    """At every entry, buffers included, the model is the mean of all K clients' u_i.
+    """At every entry, buffers included, the model is the mean of all N clients' u_i.
 
     A client's u_i is the sum of its uploaded deltas (the first is from zero);
     a client never sampled counts at theta^0. At a buffer, u_i is the buffer
-    the client's model ended with, so the model averages the K clients'
+    the client's model ended with, so the model averages the N clients'
     latest running statistics; the int64 counter is summed exactly and its
     mean rounded half up.
     """
@@ -280,7 +280,7 @@ def test_buffers_are_the_mean_of_all_clients_latest() -> None:
 
 
 def test_integer_mean_rounds_half_up() -> None:
-    """An integer buffer's mean over K is rounded half up, exactly."""
+    """An integer buffer's mean over N is rounded half up, exactly."""
     total = np.asarray([7, -7, 6, 2**62 + 1], dtype=np.int64)
     got = mean_over(total, 2, np.dtype(np.int64))
     assert got.tolist() == [4, -3, 3, 2**61 + 1]

@@ -5,7 +5,7 @@ and keeps it only once the server confirms that its reply was aggregated
 (:mod:`.state`). The server's half is here: which round of each client it
 last aggregated (sent back each round as ``accepted-round``), which clients it
 has seen, which states it retired (lost or stale on the client, still in the
-server's sums, so K grows by one), and which clients must start afresh.
+server's sums, so N grows by one), and which clients must start afresh.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class ClientBook:
         * the client holds **no** state (a restarted node, no ``state_dir``):
           its last committed state is *retired* (with ``keeps_client_sums``):
           it stays in the server's sums, as an absent client's does, and the
-          client goes on as a new client from zero state, so K grows by one.
+          client goes on as a new client from zero state, so N grows by one.
           Its reply, computed from zero state, is used (unless
           ``accept_lost_state`` is False);
         * the client holds **another** round's or run's state (a stale
@@ -143,7 +143,7 @@ class ClientBook:
         A client whose rule saved its state outside the two-phase commit
         (``state-outside-commit``) reports no committed round although it
         holds state: that is a mistake in its client code, not a lost state.
-        One error per run says so; its state is not retired (K does not grow
+        One error per run says so; its state is not retired (N does not grow
         from it) and its reply is used, or rejected with ``strict``.
 
         Returns the usable replies and the number rejected.
@@ -206,7 +206,7 @@ class ClientBook:
                 what,
                 expected if expected >= 0 else "(none)",
                 "its committed state stays in the sums as a retired client's and "
-                "it goes on as a new client (K + 1); "
+                "it goes on as a new client (N + 1); "
                 if expected >= 0 and keeps_client_sums
                 else "",
                 "reply used (computed from zero state)"
@@ -227,7 +227,7 @@ class ClientBook:
         return kept, rejected
 
     def clients_needed(self, replies: list[ValidReply]) -> int:
-        """Return the K that covers every client key seen and retired state."""
+        """Return the N that covers every client key seen and retired state."""
         keys = {client_key(r) for r in replies}
         return len(self.client_keys_seen | keys) + self.retired_states
 

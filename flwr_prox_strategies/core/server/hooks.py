@@ -70,8 +70,8 @@ class AlgorithmHooks:
     #: The pack's ``(client, rule)`` class names that apply the rule, in that
     #: warning; None means ``<Class>Client`` and ``<Class>Rule``.
     rule_pieces: ClassVar[tuple[str, str] | None] = None
-    #: Whether the server rule divides by K, the number of all clients. Then
-    #: ``num_clients=None`` means "learn K from the grid at the first round"
+    #: Whether the server rule divides by N, the number of all clients. Then
+    #: ``num_clients=None`` means "learn N from the grid at the first round"
     #: (then checked every round, grown when a new client replies).
     requires_num_clients: ClassVar[bool] = False
     #: Whether the server keeps sums over all clients' states. Then a state
@@ -442,7 +442,7 @@ class AlgorithmHooks:
             The round being aggregated.
         state : dict[str, Any]
             The current values of :attr:`state_fields` (as :meth:`grown_state`
-            left them when K grows this round). Do not mutate it.
+            left them when N grows this round). Do not mutate it.
         replies : list[ValidReply]
             The round's valid replies, in a fixed order (client key, else node
             id): ``reply.arrays[record][key]`` are read-only arrays.
@@ -490,10 +490,10 @@ class AlgorithmHooks:
     def grown_state(
         self, state: Mapping[str, Any], old: int, new: int
     ) -> dict[str, Any]:
-        """Return ``state`` adjusted to K growing from ``old`` to ``new``.
+        """Return ``state`` adjusted to N growing from ``old`` to ``new``.
 
-        Called before :meth:`server_update` in a round where K grows. Sums over
-        all clients need nothing (a new client holds zero state); a mean over K
+        Called before :meth:`server_update` in a round where N grows. Sums over
+        all clients need nothing (a new client holds zero state); a mean over N
         (SCAFFOLD's c) is rescaled. The base returns ``state`` unchanged.
 
         Parameters
@@ -501,7 +501,7 @@ class AlgorithmHooks:
         state : dict[str, Any]
             The current values of :attr:`state_fields`; do not mutate it.
         old, new : int
-            K before and after this round.
+            N before and after this round.
 
         Returns
         -------

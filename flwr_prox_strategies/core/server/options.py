@@ -68,10 +68,10 @@ PARAMETERS = """
         Round ``t`` sends ``lr-scale = lr_decay ** (t - 1)``, which clients
         multiply into their step size (the official FedDyn/FedDC codes: 0.998).
     num_clients : int | None (default: None)
-        ``K``, the federation's size, checked every round. Rules that divide by
+        ``N``, the federation's size, checked every round. Rules that divide by
         all clients
         (:attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.requires_num_clients`)
-        take None as "the nodes connected at the first round"; K grows when a
+        take None as "the nodes connected at the first round"; N grows when a
         new client first replies.
     seed : int (default: 0)
         Seeds node sampling and straggler draws, per round.

@@ -3,9 +3,9 @@
 Sampling is seeded per round, so no RNG state is saved, only the rounds done:
 after a restore, ``start()``'s round 1 continues as round ``rounds-completed + 1``.
 Besides the algorithm's declared fields (:mod:`..contract.fields`), a checkpoint
-holds the base's own parts: K and its source (:class:`.population.Population`),
+holds the base's own parts: N and its source (:class:`.population.Population`),
 the epsilon ledger and the retired nodes, the two-phase commit
-(:class:`.commit.ClientBook`). A checkpoint of another strategy, seed, K or
+(:class:`.commit.ClientBook`). A checkpoint of another strategy, seed, N or
 resume setting is refused, naming the difference: the run would not resume
 identically.
 """
@@ -66,7 +66,7 @@ def restore(
     """Restore ``population`` and ``book`` from :func:`checkpoint`'s, or refuse it.
 
     ``check_settings(state)`` refuses a checkpoint made under other resume
-    settings (after the strategy's name, before K and the seed).
+    settings (after the strategy's name, before N and the seed).
     """
     if state.get("strategy") != strategy:
         raise ValueError(f"checkpoint is for {state.get('strategy')!r}, not {strategy}")

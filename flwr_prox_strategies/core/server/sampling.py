@@ -229,7 +229,7 @@ def training_sample(
     (:class:`.outcome.EveryClientRetiredError`, with ``arrays``, the last
     aggregated model). Stragglers are dropped or kept with partial work, as
     ``stragglers`` says. ``population_note(num_connected)`` says how the
-    connected nodes relate to K, when it matters.
+    connected nodes relate to N, when it matters.
     """
     node_ids, num_connected = sample(
         server_round,

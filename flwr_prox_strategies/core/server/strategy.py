@@ -4,7 +4,7 @@ It keeps Flower's ``FedAvg`` interface (so ``strategy.start(...)`` and Flower's 
 wrappers work unchanged) and runs a round, holding a part for each job:
 
 * a :class:`.sampling.Sampler` (seeded per round, quorum-checked, its
-  :class:`.sampling.Stragglers`), a :class:`.population.Population` (K: given,
+  :class:`.sampling.Stragglers`), a :class:`.population.Population` (N: given,
   learned, grown, restored), a :class:`.commit.ClientBook` (the server's half of
   the two-phase commit of client state), a :class:`.screening.ReplyScreen`
   (replies checked against what was sent) and a :class:`.outcome.StallGuard`
@@ -246,7 +246,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     rejections = property(lambda self: self.screen.rejections)
     run_tally = property(lambda self: self.screen.run_tally)
     round_tally = property(lambda self: self.screen.round_tally)
-    # The settings the parts own, read (and K also set) as the strategy's own.
+    # The settings the parts own, read (and N also set) as the strategy's own.
     seed = property(lambda self: self.sampler.seed)
     participation = property(lambda self: self.sampler.participation)
     drop_percent = property(lambda self: self.sampler.stragglers.drop_percent)
@@ -428,14 +428,14 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         )
 
     def learn_num_clients(self, num_clients: int) -> None:
-        """Adopt K learned from the grid, grown, or from a checkpoint.
+        """Adopt N learned from the grid, grown, or from a checkpoint.
 
         Subclasses that derive settings from it (FedEPM's sampling) extend this.
 
         Parameters
         ----------
         num_clients : int
-            The number of all clients, K.
+            The number of all clients, N.
 
         Raises
         ------
@@ -455,7 +455,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.state_fields`
             (kebab-case keys), the
             :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.resume_settings`,
-            the rounds completed, K, ``seed``, the privacy ledger and the
+            the rounds completed, N, ``seed``, the privacy ledger and the
             clients' commit bookkeeping: pass it to
             :meth:`load_state_dict` of a strategy built the same way.
         """
@@ -486,7 +486,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         ValueError
             If the state was saved by another strategy class, or under other
             :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.resume_settings`,
-            another seed or another K, naming the difference (the run would
+            another seed or another N, naming the difference (the run would
             not resume identically).
         """
         restored = resume.restore(
@@ -801,9 +801,9 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     def _round_state(
         self, k_base: int | None, replies: list[ValidReply]
     ) -> dict[str, Any]:
-        """Return the declared state the round's rule starts from, K set for it.
+        """Return the declared state the round's rule starts from, N set for it.
 
-        K counts every client seen, these repliers included; when that grows it,
+        N counts every client seen, these repliers included; when that grows it,
         the state is the strategy's ``grown_state`` (not yet committed).
         """
         state = {name: getattr(self, name) for name in self.state_fields}
