@@ -124,7 +124,7 @@ def mean_over(total: NDArray, count: int, dtype: np.dtype[Any]) -> NDArray:
     """
     if np.issubdtype(total.dtype, np.floating):
         return (total / count).astype(dtype)
-    # s = qK + r with 0 <= r < N: round(s / N) half up is q + (2r >= N), exact
+    # s = qN + r with 0 <= r < N: round(s / N) half up is q + (2r >= N), exact
     # for every int64 (no float, and 2r < 2K cannot overflow).
     quotient, remainder = np.divmod(total, count)
     return (quotient + (2 * remainder >= count)).astype(dtype)

@@ -8,7 +8,7 @@ clients are unchanged and a mean over N is rescaled by the strategy's
 ``grown_state``. A round whose model is kept leaves N as it was. A checkpoint
 carries N and where it came from (``num-clients-source``).
 
-:class:`Population` is the part the strategy holds. A N it adopts goes through
+:class:`Population` is the part the strategy holds. An N it adopts goes through
 the strategy's ``learn_num_clients`` hook (``adopt``), which FedEPM extends: its
 sample size and step sizes follow from N.
 """
@@ -95,7 +95,7 @@ class Population:
     def restore(self, state: Mapping[str, Any]) -> Any:
         """Adopt a checkpoint's N where it grew or was learned; return the N to match.
 
-        A N that grew during the run (new clients, retired states) is adopted; a
+        An N that grew during the run (new clients, retired states) is adopted; a
         N learned from the grid is adopted by a strategy built without one, and a
         strategy built with N resumes a checkpoint made before N was learned.
         """
