@@ -343,3 +343,11 @@ def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
     assert "consensus-distance" in last["train"]
     assert all(f"server-{i}" in last for i in range(4))
     assert last["central"]["accuracy"] > results["rounds"][0]["central"]["accuracy"]
+
+
+def test_a_failed_engine_run_is_named_by_the_run_id_flwr_printed() -> None:
+    from flwr_prox_strategies.experiment.superlink import started_run_id
+
+    log = "Using SuperLink: job (127.0.0.1:31011)\n🎊 Successfully started run 4242\n"
+    assert started_run_id(log) == "4242"
+    assert started_run_id("Connection to the SuperLink is unavailable") is None

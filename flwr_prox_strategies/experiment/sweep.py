@@ -3,7 +3,8 @@
 Each job runs the same ServerApp/ClientApp code as ``flwr run .``:
 
 * ``engine=flwr`` (default) starts ``flwr run <app> --stream`` with the job's
-  overrides: Flower's own engine (managed SuperLink, Ray simulation);
+  overrides on a SuperLink of the job's own: Flower's own engine (a simulation
+  SuperLink, Ray), so that jobs can run side by side;
 * ``engine=inprocess`` runs :func:`~.server.run_experiment` on an
   :class:`~flwr_prox_strategies.core.transport.inprocess.InProcessGrid` with the same
   ClientApp, with no engine start-up cost (quick sweeps, tests).
@@ -46,6 +47,7 @@ from .._executables import flower_env, flower_executable
 from .appdir import make_client_app, write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
 from .results import RESULTS_FILE, pyplot
+from .superlink import CONNECTION, PrivateSuperLink, started_run_id
 from .track import sweep_overrides, where_for_sweep
 
 JOB_SUMMARY = "job.json"
@@ -117,26 +119,20 @@ def flwr_run(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
 ) -> Path:
-    """Run one experiment with ``flwr run . --stream``; return its ``results.json``.
+    """Run one experiment with ``flwr run --stream``; return its ``results.json``.
 
+    The run goes to a SuperLink of its own (:class:`.superlink.PrivateSuperLink`:
+    a free port, its own Flower home, ``output_dir`` as its working folder), not
+    to Flower's managed one on fixed ports, so that jobs can run side by side.
     ``flwr run --stream`` exits 0 even when the ServerApp fails, so success is
-    judged by the results file the ServerApp writes last.
+    judged by the results file the ServerApp writes last, and a failure reports
+    the run's status as Flower records it.
     """
     override_str = shlex.join(overrides)
     whole = float(cpus_per_client).is_integer()
     cpus = int(cpus_per_client) if whole else cpus_per_client
     if "'" in override_str:
         raise ValueError(f"overrides cannot contain single quotes: {override_str}")
-    command = [
-        flower_executable("flwr"),
-        "run",
-        str(app_dir()),
-        "--stream",
-        "--federation-config",
-        f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus:g}",
-        "--run-config",
-        f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
-    ]
     run_env = {
         **flower_env(),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -144,28 +140,46 @@ def flwr_run(
     }
     log_file = log_file or output_dir / "flwr.log"
     output_dir.mkdir(parents=True, exist_ok=True)
-    log(INFO, "Running: %s", shlex.join(command))
-    with open(log_file, "w") as sink:
-        proc = subprocess.run(
-            command,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=run_env,
-            timeout=timeout,
-            check=False,
-        )
-    results = output_dir / RESULTS_FILE
-    done = results.is_file() and json.loads(results.read_text()).get("summary", {}).get(
-        "complete"
+    with PrivateSuperLink(
+        cwd=output_dir, env=run_env, log_file=output_dir / "superlink.log"
+    ) as link:
+        command = [
+            flower_executable("flwr"),
+            "run",
+            str(app_dir()),
+            CONNECTION,
+            "--stream",
+            "--federation-config",
+            f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus:g}",
+            "--run-config",
+            f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
+        ]
+        log(INFO, "On its own SuperLink (port %d): %s", link.port, shlex.join(command))
+        with open(log_file, "w") as sink:
+            proc = subprocess.run(
+                command,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=link.env,
+                timeout=timeout,
+                check=False,
+            )
+        results = output_dir / RESULTS_FILE
+        done = results.is_file() and json.loads(results.read_text()).get(
+            "summary", {}
+        ).get("complete")
+        if proc.returncode == 0 and done:
+            return results
+        run_id = started_run_id(log_file.read_text())
+        record = link.run_status(run_id) if run_id else {}
+    tail = "".join(log_file.read_text().splitlines(keepends=True)[-30:])
+    status = record.get("status", "unknown")
+    details = record.get("status-details") or ""
+    raise RuntimeError(
+        f"flwr run failed (exit {proc.returncode}, run {run_id}: {status}"
+        f"{' - ' + details if details else ''}; results complete: {bool(done)}); "
+        f"log {log_file}:\n{tail}"
     )
-    if proc.returncode != 0 or not done:
-        tail = "".join(log_file.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(
-            f"flwr run failed (exit {proc.returncode}, "
-            f"results complete: {bool(done)}); "
-            f"log {log_file}:\n{tail}"
-        )
-    return results
 
 
 def run_inprocess(

@@ -22,12 +22,8 @@ from pathlib import Path
 
 from flwr_prox_strategies._executables import flower_env, flower_executable
 
-# The launcher's process helpers: one implementation of listing and killing groups.
-from flwr_prox_strategies.pfedavg_deploy.deployment import (
-    free_port,
-    kill_groups,
-    process_cmdlines,
-)
+# The pack's process helpers: one implementation of listing and killing groups.
+from flwr_prox_strategies._processes import free_port, kill_groups, process_cmdlines
 
 REPO = Path(__file__).resolve().parents[2]
 

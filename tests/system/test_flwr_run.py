@@ -1,8 +1,8 @@
 """System tests: the pack's app through `flwr run` on Flower's simulation engine.
 
 Slow (each run starts Ray and the app's ClientApps). The runs share one managed
-local SuperLink (the ``engine`` fixture); every process is killed by process
-group at the end. The fast suite runs the main job the same way
+local SuperLink (the ``engine`` fixture), except a sweep's jobs, which start
+SuperLinks of their own; every process is killed by process group at the end. The fast suite runs the main job the same way
 (``tests/test_main_job.py``); real SuperLinks with SuperNodes are in
 ``test_faults.py`` and ``test_tls.py``.
 """
@@ -108,7 +108,7 @@ def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"flwr run {app} --stream" in out.stdout + out.stderr, out.stderr[-2000:]
+    assert f"flwr run {app} job --stream" in out.stdout + out.stderr, out.stderr[-2000:]
     with open(sweep_dir / "summary.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [r["strategy"] for r in rows] == ["FedProx"]
@@ -128,3 +128,46 @@ def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
     for run, row in zip(sorted(runs, key=lambda r: r.info.run_name), rows, strict=True):
         assert run.info.status == "FINISHED"
         assert run.data.metrics["central/accuracy"] == float(row["final-accuracy"])
+
+
+def test_two_engine_jobs_run_side_by_side_on_their_own_superlinks(
+    tmp_path: Path,
+) -> None:
+    """Two `engine=flwr` jobs at once: Flower's managed SuperLink listens on
+    fixed ports, so the second job failed to start one ("Failed to start local
+    SuperLink"). Each job now runs on a SuperLink of its own (its port, its
+    Flower home, the job folder as its working folder), both finish, and no
+    process of theirs is left once they return."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flwr_prox_strategies._processes import process_cmdlines
+    from flwr_prox_strategies.experiment.sweep import flwr_run as job_run
+
+    small = ["num_clients=2", "num_rounds=2", "model=logreg", "train.local_epochs=1"]
+    jobs = {
+        "fedavg": tmp_path / "fedavg",
+        "fedprox": tmp_path / "fedprox",
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(
+                job_run, [f"strategy={name}", *small], folder, num_supernodes=2
+            )
+            for name, folder in jobs.items()
+        }
+        results = {name: future.result(timeout=600) for name, future in futures.items()}
+    ports = set()
+    for name, path in results.items():
+        summary = json.loads(path.read_text())
+        assert summary["summary"]["complete"], name
+        assert summary["strategy"] == {"fedavg": "FedAvg", "fedprox": "FedProx"}[name]
+        log = (jobs[name] / "flwr.log").read_text()
+        assert "Successfully started run" in log
+        ports |= {
+            line.split("SuperLink: job (")[1].split(")")[0]
+            for line in log.splitlines()
+            if "SuperLink: job (" in line
+        }
+        assert (jobs[name] / "superlink.log").is_file()
+    assert len(ports) == 2, ports  # two SuperLinks, not one shared
+    assert not [c for c in process_cmdlines().values() if "flwr-prox-superlink-" in c]
