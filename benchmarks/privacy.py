@@ -268,65 +268,111 @@ def read_rows(out: Path) -> list[dict]:
     return rows
 
 
+NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "feddyn": "FedDyn"}
+
+
 def plot(rows: list[dict], path: Path) -> None:
-    """Left: the trade-off (accuracy against final epsilon); right: every run."""
-    fig, (ax_trade, ax_rounds) = plt.subplots(1, 2, figsize=(12, 4.5))
+    """Top: the trade-off (accuracy against final epsilon); below: each strategy's runs.
+
+    Laid out to read at a page's width (about 800 px): one wide panel over one
+    panel per strategy, fonts of 10-11 pt, a legend outside the trade-off panel.
+    """
+    from matplotlib.lines import Line2D
+
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     colours = dict(zip(strategies, ["C0", "C1", "C2", "C3", "C4"], strict=False))
-    styles = ["-", (0, (1, 1)), "--", ":", "-."]
-    for strategy in strategies:
-        runs = [r for r in rows if r["strategy"] == strategy]
-        private = [r for r in runs if r["sigma"] != "none" and r["eps-max"]]
-        ax_trade.plot(
-            [r["eps-max"] for r in private],
-            [r["last5"] for r in private],
-            marker="o",
-            color=colours[strategy],
-            label=f"{strategy} (DP-SGD)",
-        )
-        for r in private:
-            ax_trade.annotate(
-                f"σ={r['sigma']}",
-                (r["eps-max"], r["last5"]),
-                fontsize=7,
-                textcoords="offset points",
-                xytext=(4, -10),
-            )
-        for r in runs:
-            reference = {"none": ("--", "no privacy"), "0": (":", "clipping only")}
-            if r["sigma"] in reference:
-                style, what = reference[r["sigma"]]
-                ax_trade.axhline(
-                    r["last5"],
-                    color=colours[strategy],
-                    linestyle=style,
-                    linewidth=0.8,
-                    label=f"{strategy}, {what}",
-                )
-        for style, r in zip(styles, runs, strict=False):
-            xs = [rnd for rnd, _, _ in r["curve"]]
-            ys = [a for _, a, _ in r["curve"]]
-            ax_rounds.plot(
-                xs,
-                ys,
-                color=colours[strategy],
-                linestyle=style,
-                linewidth=0.9,
-                label=f"{strategy} σ={r['sigma']}",
-            )
-    ax_trade.set(
-        xlabel="epsilon at the end (largest client, delta = 1e-5)",
-        ylabel="central accuracy (mean of the last 5 rounds)",
-        title="accuracy against epsilon",
+    levels = list(dict.fromkeys(r["sigma"] for r in rows))
+    noisy = [s for s in levels if s not in ("none", "0")]
+    shades = plt.get_cmap("viridis")(
+        [0.15 + 0.7 * i / max(len(noisy) - 1, 1) for i in range(len(noisy))]
     )
-    ax_rounds.set(xlabel="round", ylabel="central accuracy", title="every run")
-    for ax in (ax_trade, ax_rounds):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.suptitle("DP-SGD on every client: Fashion-MNIST, 100 clients, Dirichlet(0.3)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    sigma_colour = {
+        "none": "black",
+        "0": "0.6",
+        **dict(zip(noisy, shades, strict=True)),
+    }
+    with plt.rc_context({"font.size": 11, "legend.fontsize": 10}):
+        fig = plt.figure(figsize=(9, 8.5), layout="constrained")
+        grid = fig.add_gridspec(2, len(strategies), height_ratios=[1.15, 1])
+        ax_trade = fig.add_subplot(grid[0, :])
+        epsilons: dict[str, float] = {}
+        for strategy in strategies:
+            runs = [r for r in rows if r["strategy"] == strategy]
+            private = [r for r in runs if r["sigma"] != "none" and r["eps-max"]]
+            epsilons.update({r["sigma"]: r["eps-max"] for r in private})
+            ax_trade.plot(
+                [r["eps-max"] for r in private],
+                [r["last5"] for r in private],
+                marker="o",
+                color=colours[strategy],
+            )
+            for r in runs:
+                style = {"none": "--", "0": ":"}.get(r["sigma"])
+                if style:
+                    ax_trade.axhline(
+                        r["last5"],
+                        color=colours[strategy],
+                        linestyle=style,
+                        linewidth=1,
+                    )
+        handles = [
+            Line2D([], [], color=colours[s], marker="o", label=NAMES.get(s, s))
+            for s in strategies
+        ]
+        handles += [
+            Line2D([], [], color="0.3", marker="o", label="DP-SGD (σ above)"),
+            Line2D([], [], color="0.3", linestyle="--", label="no privacy"),
+            Line2D([], [], color="0.3", linestyle=":", label="clipping only (σ = 0)"),
+        ]
+        ax_trade.legend(
+            handles=handles,
+            loc="center left",
+            bbox_to_anchor=(1.01, 0.5),
+            frameon=False,
+        )
+        ax_trade.set(
+            xlabel="ε at the end (largest client, δ = 1e-5)",
+            ylabel="accuracy, mean of rounds 26-30",
+        )
+        ax_trade.set_title("accuracy against ε", loc="left", pad=24)
+        if epsilons:
+            ax_sigma = ax_trade.twiny()
+            ax_sigma.set_xlim(ax_trade.get_xlim())
+            ax_sigma.set_xticks(list(epsilons.values()), [f"σ = {s}" for s in epsilons])
+            ax_sigma.tick_params(length=0)
+        ax_trade.grid(alpha=0.3)
+        first = None
+        for column, strategy in enumerate(strategies):
+            ax = fig.add_subplot(grid[1, column], sharey=first)
+            first = first or ax
+            for r in (r for r in rows if r["strategy"] == strategy):
+                label = {"none": "no privacy", "0": "σ = 0 (clipping only)"}
+                ax.plot(
+                    [rnd for rnd, _, _ in r["curve"]],
+                    [a for _, a, _ in r["curve"]],
+                    color=sigma_colour[r["sigma"]],
+                    linewidth=1.2,
+                    label=label.get(r["sigma"], f"σ = {r['sigma']}"),
+                )
+            ax.set_title(NAMES.get(strategy, strategy))
+            ax.set_xlabel("round")
+            ax.grid(alpha=0.3)
+            if column:
+                ax.tick_params(labelleft=False)
+            else:
+                ax.set_ylabel("central accuracy")
+        fig.legend(
+            *first.get_legend_handles_labels(),
+            loc="outside lower center",
+            ncols=len(levels),
+            frameon=False,
+            fontsize=9.5,
+        )
+        fig.suptitle(
+            "DP-SGD on every client: Fashion-MNIST, 100 clients, Dirichlet(0.3)"
+        )
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
 
 
 if __name__ == "__main__":
