@@ -171,3 +171,23 @@ def test_two_engine_jobs_run_side_by_side_on_their_own_superlinks(
         assert (jobs[name] / "superlink.log").is_file()
     assert len(ports) == 2, ports  # two SuperLinks, not one shared
     assert not [c for c in process_cmdlines().values() if "flwr-prox-superlink-" in c]
+
+
+def test_a_failed_engine_job_names_flowers_status_of_its_run(tmp_path: Path) -> None:
+    """`flwr run --stream` exits 0 when the ServerApp fails; the job's error
+    says the run failed as Flower recorded it (its status and details, read
+    from the job's own SuperLink before it stops), and no process is left."""
+    from flwr_prox_strategies._processes import process_cmdlines
+    from flwr_prox_strategies.experiment.sweep import flwr_run as job_run
+
+    with pytest.raises(RuntimeError) as failed:
+        job_run(
+            ["strategy=nosuchstrategy", "num_clients=2", "num_rounds=1"],
+            tmp_path / "job",
+            num_supernodes=2,
+            timeout=600,
+        )
+    message = str(failed.value)
+    assert "finished:failed" in message, message[:2000]
+    assert "nosuchstrategy" in message, message[:2000]
+    assert not [c for c in process_cmdlines().values() if "flwr-prox-superlink-" in c]
