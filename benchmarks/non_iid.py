@@ -297,30 +297,36 @@ def plot(rows: list[dict], curves: dict, path: Path) -> None:
                 }
                 for key in ("last10", "to-85")
             }
-            left = fig.add_subplot(grid[row_index, 0])
-            seed_panel(
-                left,
-                by["last10"],
-                {n: REFERENCE[n][0] for n in strategies} if official else {},
-                colours,
-                digits=3,
+            panels = (  # (column, key, REFERENCE index, digits, y label, title)
+                (
+                    0,
+                    "last10",
+                    0,
+                    3,
+                    "mean test accuracy, last 10 rounds",
+                    "accuracy at the end (higher is better)",
+                ),
+                (
+                    1,
+                    "to-85",
+                    2,
+                    1,
+                    "rounds to 85% test accuracy",
+                    "rounds to 85% (lower is faster)",
+                ),
             )
-            left.set(
-                ylabel="mean test accuracy, last 10 rounds",
-                title=f"{prefix}accuracy at the end (higher is better)",
-            )
-            right = fig.add_subplot(grid[row_index, 1])
-            seed_panel(
-                right,
-                by["to-85"],
-                {n: REFERENCE[n][2] for n in strategies} if official else {},
-                colours,
-                digits=1,
-            )
-            right.set(
-                ylabel="rounds to 85% test accuracy",
-                title=f"{prefix}rounds to 85% (lower is faster)",
-            )
+            for column, key, reference, digits, ylabel, title in panels:
+                ax = fig.add_subplot(grid[row_index, column])
+                seed_panel(
+                    ax,
+                    by[key],
+                    {n: REFERENCE[n][reference] for n in strategies}
+                    if official
+                    else {},
+                    colours,
+                    digits=digits,
+                )
+                ax.set(ylabel=ylabel, title=f"{prefix}{title}")
             row_index += 1
             if with_curves:
                 ax = fig.add_subplot(grid[row_index, :])

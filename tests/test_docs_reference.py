@@ -28,16 +28,21 @@ CONF = REPO / "conf"
 PAGES = REPO / "docs" / "reference"
 
 
-@pytest.fixture(scope="module")
-def confref():
+def docs_extension(name: str):
+    """Import the docs site's extension ``docs/_ext/<name>.py``."""
     spec = importlib.util.spec_from_file_location(
-        "confref", REPO / "docs" / "_ext" / "confref.py"
+        name, REPO / "docs" / "_ext" / f"{name}.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    sys.modules["confref"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def confref():
+    return docs_extension("confref")
 
 
 def page(name: str) -> str:
@@ -677,13 +682,7 @@ def test_a_hydra_default_that_is_not_pythons_says_why(confref) -> None:
 
 @pytest.fixture(scope="module")
 def repofiles():
-    spec = importlib.util.spec_from_file_location(
-        "repofiles", REPO / "docs" / "_ext" / "repofiles.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_extension("repofiles")
 
 
 def test_a_cited_script_or_test_links_to_its_section(repofiles) -> None:
