@@ -43,6 +43,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from curves import read_curves, write_curves
 from matplotlib.lines import Line2D
 
 from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
@@ -172,28 +173,6 @@ def read_rows(path: Path) -> list[dict]:
                     row[key] = float(text)
             rows.append(row)
     return rows
-
-
-def write_curves(path: Path, curves: dict) -> None:
-    """``non_iid_curves.csv``: partition, strategy, seed, round, accuracy."""
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["partition", "strategy", "seed", "round", "accuracy"])
-        for (partition, name, seed), points in curves.items():
-            for round_, accuracy in points:
-                writer.writerow([partition, name, seed, round_, accuracy])
-
-
-def read_curves(path: Path) -> dict:
-    """{(partition, strategy, seed): [(round, accuracy), ...]} of ``write_curves``."""
-    curves: dict = {}
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            key = (row["partition"], row["strategy"], int(row["seed"]))
-            curves.setdefault(key, []).append(
-                (int(row["round"]), float(row["accuracy"]))
-            )
-    return curves
 
 
 def moving_mean(values: list[float], width: int = 5) -> list[float]:
@@ -438,7 +417,11 @@ def main() -> None:
     if args.plot_only:
         rows = read_rows(args.out / "non_iid.csv")
         curves_path = args.out / "non_iid_curves.csv"
-        curves = read_curves(curves_path) if curves_path.is_file() else {}
+        curves = (
+            read_curves(curves_path, {"partition": str, "strategy": str, "seed": int})
+            if curves_path.is_file()
+            else {}
+        )
         partitions = list(dict.fromkeys(r["partition"] for r in rows))
         strategies = list(dict.fromkeys(r["strategy"] for r in rows))
         plot(rows, curves, args.out / "non_iid.png")
@@ -489,7 +472,9 @@ def main() -> None:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    write_curves(args.out / "non_iid_curves.csv", curves)
+    write_curves(
+        args.out / "non_iid_curves.csv", ("partition", "strategy", "seed"), curves
+    )
     plot(rows, curves, args.out / "non_iid.png")
     text = table(rows, args.partitions, args.strategies)
     (args.out / "non_iid.md").write_text(text + "\n")

@@ -38,6 +38,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from curves import read_curves, write_curves
 
 from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
 
@@ -116,28 +117,6 @@ def read_rows(path: Path) -> list[dict]:
                 row[key] = float(raw[key]) if raw[key] != "" else None
             rows.append(row)
     return rows
-
-
-def write_curves(path: Path, curves: dict) -> None:
-    """``personalization_curves.csv``: clients, partition, method, round, accuracy."""
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["clients", "partition", "method", "round", "accuracy"])
-        for (clients, partition, method), points in curves.items():
-            for round_, accuracy in points:
-                writer.writerow([clients, partition, method, round_, accuracy])
-
-
-def read_curves(path: Path) -> dict:
-    """{(clients, partition, method): [(round, accuracy), ...]}."""
-    curves: dict = {}
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            key = (int(row["clients"]), row["partition"], row["method"])
-            curves.setdefault(key, []).append(
-                (int(row["round"]), float(row["accuracy"]))
-            )
-    return curves
 
 
 def grid_of(settings: list[tuple[int, str]]):
@@ -287,7 +266,10 @@ def main() -> None:
         curves_path = args.out / "personalization_curves.csv"
         if curves_path.is_file():
             plot_curves(
-                read_curves(curves_path), args.out / "personalization-curves.png"
+                read_curves(
+                    curves_path, {"clients": int, "partition": str, "method": str}
+                ),
+                args.out / "personalization-curves.png",
             )
         return
     args.out.mkdir(parents=True, exist_ok=True)
@@ -353,7 +335,11 @@ def main() -> None:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    write_curves(args.out / "personalization_curves.csv", curves)
+    write_curves(
+        args.out / "personalization_curves.csv",
+        ("clients", "partition", "method"),
+        curves,
+    )
     plot_bars(rows, args.out / "personalization.png")
     plot_curves(curves, args.out / "personalization-curves.png")
     header = (
