@@ -222,6 +222,7 @@ RESUME_FREE_KEYS = frozenset(
         "round_timeout",
         "engine",
         "num_cpus_per_client",
+        "cpus_per_job",
         "target_accuracy",
         "hydra",
     }

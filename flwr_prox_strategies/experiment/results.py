@@ -121,20 +121,35 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: A run's summary figures a search can optimise, and which way is better.
+OBJECTIVES = {
+    "final-accuracy": "maximize",
+    "best-accuracy": "maximize",
+    "rounds-to-target": "minimize",
+    "final-loss": "minimize",
+}
+
+
 def summarise(rounds: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """Final/best central accuracy and the first round reaching ``target``."""
+    """Final/best central accuracy, final loss, the first round reaching ``target``.
+
+    ``rounds-evaluated`` counts the rounds with a central accuracy.
+    """
     accs = [
         (r["round"], r["central"]["accuracy"])
         for r in rounds
         if r.get("central") and r["central"].get("accuracy") is not None
     ]
     if not accs:
-        return {"final-accuracy": None, "best-accuracy": None, "rounds-to-target": None}
+        return {**dict.fromkeys(OBJECTIVES), "rounds-evaluated": 0}
     reached = [rnd for rnd, acc in accs if acc >= target]
+    losses = [r["central"]["loss"] for r in rounds if "loss" in r.get("central", {})]
     return {
         "final-accuracy": accs[-1][1],
         "best-accuracy": max(acc for _, acc in accs),
         "rounds-to-target": reached[0] if reached else None,
+        "final-loss": losses[-1] if losses else None,
+        "rounds-evaluated": len(accs),
         "target-accuracy": target,
         **summarise_clients(rounds),
         **summarise_privacy(rounds),

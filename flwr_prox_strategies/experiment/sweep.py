@@ -29,7 +29,8 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator, Sequence
-from logging import INFO
+from dataclasses import dataclass
+from logging import ERROR, INFO
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,13 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .._executables import flower_env, flower_executable
 from .appdir import make_client_app, write_app_dir
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
-from .results import RESULTS_FILE, pyplot
+from .launchers import CPUS_PER_JOB, available_cpus, job_cpus
+from .results import OBJECTIVES, RESULTS_FILE, pyplot
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
 from .track import sweep_overrides, where_for_sweep
 
@@ -115,6 +117,7 @@ def flwr_run(
     *,
     num_supernodes: int,
     cpus_per_client: float = 1,
+    job_cpus: int | None = None,
     log_file: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
@@ -127,15 +130,22 @@ def flwr_run(
     ``flwr run --stream`` exits 0 even when the ServerApp fails, so success is
     judged by the results file the ServerApp writes last, and a failure reports
     the run's status as Flower records it.
+
+    ``job_cpus`` (None: every CPU) bounds the run's Ray (``init-args-num-cpus``)
+    and a client's CPUs, so that jobs side by side share the cores instead of
+    each starting a Ray of all of them; the ServerApp and the clients get
+    ``OMP_NUM_THREADS`` = a client's CPUs unless it is set.
     """
     override_str = shlex.join(overrides)
-    whole = float(cpus_per_client).is_integer()
-    cpus = int(cpus_per_client) if whole else cpus_per_client
     if "'" in override_str:
         raise ValueError(f"overrides cannot contain single quotes: {override_str}")
+    ray_cpus = job_cpus or available_cpus()
+    client_cpus = min(float(cpus_per_client), ray_cpus)
+    threads = max(math.floor(client_cpus), 1)
     run_env = {
         **flower_env(),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
         **(env or {}),
     }
     log_file = log_file or output_dir / "flwr.log"
@@ -150,7 +160,8 @@ def flwr_run(
             CONNECTION,
             "--stream",
             "--federation-config",
-            f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus:g}",
+            f"num-supernodes={num_supernodes} client-resources-num-cpus="
+            f"{client_cpus:g} init-args-num-cpus={ray_cpus}",
             "--run-config",
             f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
         ]
@@ -230,7 +241,13 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
 
 
 def run_job(cfg: DictConfig) -> float:
-    """Run the current Hydra job; return its final accuracy (for optimisers)."""
+    """Run the current Hydra job; return its final accuracy (for optimisers).
+
+    The job writes ``job.json`` (its summary) in its folder. In a multirun, a
+    job that fails records ``status: failed`` and its error there and returns
+    NaN instead of raising, so that the summary lists it and the sweep's end
+    (:class:`SweepSummary`) fails the sweep naming it; a single run raises.
+    """
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("engine=")]
@@ -238,42 +255,76 @@ def run_job(cfg: DictConfig) -> float:
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     ran = overrides
-    if hydra_cfg.mode == RunMode.MULTIRUN:
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    explicit = cfg.get(CPUS_PER_JOB)
+    share = job_cpus(
+        hydra_cfg.launcher,
+        jobs=_sweep_size_now() if multirun else None,
+        explicit=None if explicit is None else int(explicit),
+    )
+    if multirun:
         sweep_dir = Path(hydra_cfg.sweep.dir)
         swept = swept_keys(sys.argv[1:])
         ran = [*overrides, *sweep_overrides(cfg, sweep_dir, swept)]
-        log_progress(sweep_dir, int(hydra_cfg.job.num), overrides)
+        log_progress(
+            sweep_dir, int(hydra_cfg.job.num), overrides, at_once=share.at_once
+        )
+    log(INFO, "Job CPUs: %d (%s)", share.cpus, share.reason)
+    record: dict[str, Any] = {
+        "overrides": " ".join(overrides),
+        "engine": engine,
+        "cpus": share.cpus,
+    }
     start = time.monotonic()
+    try:
+        results_path = _run_engine(cfg, engine, ran, job_dir, share.cpus)
+    except Exception as err:
+        if not multirun:
+            raise
+        record.update(
+            status="failed",
+            # One line: the summary's row and the log's record.
+            error=" ".join(f"{type(err).__name__}: {err}".split())[:2000],
+            **{"wall-time-s": round(time.monotonic() - start, 2)},
+        )
+        (job_dir / JOB_SUMMARY).write_text(json.dumps(record, indent=2))
+        log(ERROR, "Sweep: job %s failed: %s", job_dir.name, record["error"])
+        return float("nan")
+    results = json.loads(results_path.read_text())
+    record.update(
+        status="completed",
+        **{k: results["summary"].get(k) for k in (*OBJECTIVES, "rounds-evaluated")},
+        **{"wall-time-s": round(time.monotonic() - start, 2)},
+        strategy=results.get("strategy"),
+    )
+    (job_dir / JOB_SUMMARY).write_text(json.dumps(record, indent=2))
+    final = record["final-accuracy"]
+    return float(final) if final is not None else float("nan")
+
+
+def _run_engine(
+    cfg: DictConfig, engine: str, overrides: list[str], job_dir: Path, cpus: int
+) -> Path:
+    """Run the job on its engine within ``cpus`` CPUs; return its results file."""
     if engine == "flwr":
-        results_path = flwr_run(
-            ran,
+        return flwr_run(
+            overrides,
             job_dir,
             num_supernodes=int(cfg["num_clients"]),
             cpus_per_client=float(cfg["num_cpus_per_client"]),
+            job_cpus=cpus,
         )
-    else:
-        threads = (
-            None
-            if os.environ.get("OMP_NUM_THREADS")
-            else math.ceil(float(cfg["num_cpus_per_client"]))
-        )
-        results_path = run_inprocess(
-            ran, job_dir, int(cfg["num_clients"]), threads=threads
-        )
-    results = json.loads(results_path.read_text())
-    summary = {
-        "overrides": " ".join(overrides),
-        **{
-            k: results["summary"].get(k)
-            for k in ("final-accuracy", "best-accuracy", "rounds-to-target")
-        },
-        "wall-time-s": round(time.monotonic() - start, 2),
-        "strategy": results.get("strategy"),
-        "engine": engine,
-    }
-    (job_dir / JOB_SUMMARY).write_text(json.dumps(summary, indent=2))
-    final = summary["final-accuracy"]
-    return float(final) if final is not None else float("nan")
+    threads = (
+        None
+        if os.environ.get("OMP_NUM_THREADS")
+        else min(math.ceil(float(cfg["num_cpus_per_client"])), cpus)
+    )
+    return run_inprocess(overrides, job_dir, int(cfg["num_clients"]), threads=threads)
+
+
+def _sweep_size_now() -> int | None:
+    """Return the current multirun's number of jobs (None: cannot tell)."""
+    return sweep_size(sys.argv[1:], str(HydraConfig.get().sweeper.get("_target_")))
 
 
 def sweep_size(argv: Sequence[str], sweeper: str) -> int | None:
@@ -332,11 +383,16 @@ def _sweeps_of(argv: Sequence[str]) -> list[Override] | None:
     return [o for o in parsed if o.is_sweep_override()]
 
 
-def log_progress(sweep_dir: Path, job: int, overrides: Sequence[str]) -> None:
+def log_progress(
+    sweep_dir: Path, job: int, overrides: Sequence[str], *, at_once: int = 1
+) -> None:
     """Log which job of how many starts, the time so far and an estimate of the rest.
 
-    The estimate is the finished jobs' mean wall time (their ``job.json``)
-    times the jobs left, this one included.
+    Jobs may finish out of order (side by side, on a cluster): the line counts
+    the jobs that wrote their ``job.json`` (failed ones apart), the time since
+    the sweep started (its ``multirun.yaml``), and estimates the rest as the
+    finished jobs' mean wall time times the jobs left, this one included,
+    divided by the jobs that run at a time.
 
     Parameters
     ----------
@@ -346,19 +402,24 @@ def log_progress(sweep_dir: Path, job: int, overrides: Sequence[str]) -> None:
         The job's number (from 0, Hydra's ``job.num``).
     overrides : Sequence[str]
         The job's overrides, for the line.
+    at_once : int (default: 1)
+        How many jobs run at a time.
     """
-    total = sweep_size(sys.argv[1:], str(HydraConfig.get().sweeper.get("_target_")))
-    times = [
-        float(json.loads(path.read_text()).get("wall-time-s") or 0.0)
-        for path in sweep_dir.glob(f"*/{JOB_SUMMARY}")
-    ]
-    done = sum(times)
+    total = _sweep_size_now()
+    records = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_SUMMARY}")]
+    times = [float(r.get("wall-time-s") or 0.0) for r in records]
+    failed = sum(r.get("status") == "failed" for r in records)
+    started = sweep_dir / "multirun.yaml"
     text = f"job {job + 1} of {total}" if total else f"job {job + 1}"
-    if times:
-        text += f", {len(times)} done in {_duration(done)}"
+    if records:
+        text += f", {len(records)} done"
+        if failed:
+            text += f" ({failed} failed)"
+        if started.is_file():
+            text += f" in {_duration(time.time() - started.stat().st_mtime)}"
         if total:
-            left = max(total - len(times), 1) * done / len(times)
-            text += f", about {_duration(left)} left"
+            left = max(total - len(records), 1) * sum(times) / len(times)
+            text += f", about {_duration(left / max(at_once, 1))} left"
     log(INFO, "Sweep: %s: %s", text, " ".join(overrides) or "(no overrides)")
 
 
@@ -370,35 +431,82 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
 
 
-def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
-    """Write ``summary.csv`` and ``comparison.png`` for the jobs under ``sweep_dir``."""
-    jobs = sorted(
-        (p.parent for p in sweep_dir.glob(f"*/{JOB_SUMMARY}")),
-        key=lambda p: int(p.name) if p.name.isdigit() else p.name,
+@dataclass(frozen=True)
+class SweepOutcome:
+    """What :func:`summarise_sweep` wrote and which jobs did not complete.
+
+    Attributes
+    ----------
+    csv : Path
+        ``summary.csv``: one row per job, failed and unfinished ones included.
+    plot : Path | None
+        ``comparison.png`` (None when no job completed).
+    not_completed : list[dict[str, Any]]
+        The rows of the jobs that failed (with their ``error``) or never wrote
+        their ``job.json`` (``status: unfinished``: killed, pre-empted).
+    """
+
+    csv: Path
+    plot: Path | None
+    not_completed: list[dict[str, Any]]
+
+
+def _job_folders(sweep_dir: Path) -> list[Path]:
+    """Return the sweep's job folders in order (``.hydra/`` is written at start)."""
+    found = {p.parent for p in sweep_dir.glob(f"*/{JOB_SUMMARY}")}
+    found |= {p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")}
+    return sorted(found, key=lambda p: (len(p.name), p.name))
+
+
+def _job_row(job: Path) -> dict[str, Any]:
+    """Return a job's ``job.json``, or an ``unfinished`` row from its overrides."""
+    summary = job / JOB_SUMMARY
+    if summary.is_file():
+        row = json.loads(summary.read_text())
+        row.setdefault("status", "completed")  # written before statuses existed
+        return {"job": job.name, **row}
+    overrides_file = job / ".hydra" / "overrides.yaml"
+    overrides: list[Any] = (
+        list(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
     )
+    return {
+        "job": job.name,
+        "overrides": " ".join(
+            str(o) for o in overrides if not str(o).startswith("engine=")
+        ),
+        "status": "unfinished",
+        "error": f"no {JOB_SUMMARY}: the job stopped before it ended (see its log)",
+    }
+
+
+def summarise_sweep(sweep_dir: Path) -> SweepOutcome | None:
+    """Write ``summary.csv`` and ``comparison.png`` for the jobs under ``sweep_dir``.
+
+    Jobs may have finished in any order: rows are sorted by job number. A job
+    that failed keeps its row, with its ``status`` and ``error``; a job folder
+    without ``job.json`` is ``unfinished``. The plot draws the completed jobs.
+
+    Returns
+    -------
+    SweepOutcome | None
+        What was written (None: no job folder under ``sweep_dir``).
+    """
+    jobs = _job_folders(sweep_dir)
     if not jobs:
-        log(INFO, "Sweep summary: no finished job under %s", sweep_dir)
+        log(INFO, "Sweep summary: no job under %s", sweep_dir)
         return None
-    rows = [
-        {"job": job.name, **json.loads((job / JOB_SUMMARY).read_text())} for job in jobs
-    ]
+    rows = [_job_row(job) for job in jobs]
     csv_path = sweep_dir / "summary.csv"
-    fields = [
-        "job",
-        "overrides",
-        "final-accuracy",
-        "best-accuracy",
-        "rounds-to-target",
-        "wall-time-s",
-        "strategy",
-        "engine",
-    ]
     with open(csv_path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer = csv.DictWriter(
+            handle, fieldnames=SUMMARY_FIELDS, extrasaction="ignore"
+        )
         writer.writeheader()
         writer.writerows(rows)
     curves: list[tuple[dict[str, str], dict[int, float]]] = []
     for job, row in zip(jobs, rows, strict=True):
+        if row["status"] != "completed":
+            continue
         results = json.loads((job / RESULTS_FILE).read_text())
         curve = {
             r["round"]: r["central"]["accuracy"]
@@ -406,15 +514,43 @@ def summarise_sweep(sweep_dir: Path) -> tuple[Path, Path] | None:
             if r.get("central", {}).get("accuracy") is not None
         }
         curves.append((_setting(str(row["overrides"])), curve))
-    fig = plot_comparison(
-        curves, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}"
+    png_path: Path | None = None
+    if curves:
+        fig = plot_comparison(
+            curves, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}"
+        )
+        png_path = sweep_dir / "comparison.png"
+        fig.savefig(png_path, dpi=120)
+        pyplot().close(fig)
+    not_completed = [row for row in rows if row["status"] != "completed"]
+    log(
+        INFO,
+        "Sweep summary: %d of %d jobs completed: %s%s",
+        len(rows) - len(not_completed),
+        len(rows),
+        csv_path,
+        f" and {png_path}" if png_path else "",
     )
-    png_path = sweep_dir / "comparison.png"
-    fig.savefig(png_path, dpi=120)
-    pyplot().close(fig)
-    log(INFO, "Sweep summary: %s and %s", csv_path, png_path)
-    print(f"Sweep summary: {csv_path}\nComparison plot: {png_path}", file=sys.stderr)
-    return csv_path, png_path
+    print(
+        f"Sweep summary: {csv_path}"
+        + (f"\nComparison plot: {png_path}" if png_path else ""),
+        file=sys.stderr,
+    )
+    return SweepOutcome(csv_path, png_path, not_completed)
+
+
+#: summary.csv's columns.
+SUMMARY_FIELDS = [
+    "job",
+    "overrides",
+    "status",
+    *OBJECTIVES,
+    "wall-time-s",
+    "strategy",
+    "engine",
+    "cpus",
+    "error",
+]
 
 
 # Overrides that tell jobs of one configuration apart without changing it.
@@ -550,12 +686,38 @@ class PrintedByFlower(logging.Filter):
         return not (record.name == "flwr" or record.name.startswith("flwr."))
 
 
+class SweepFailed(SystemExit):
+    """Some jobs of a sweep failed or never ended (the others ran to their end).
+
+    A :class:`SystemExit` with the message: Hydra turns a callback's
+    exceptions into warnings, and the sweep's exit status must say it failed
+    (1, with the message on stderr).
+    """
+
+
 class SweepSummary(Callback):
-    """Hydra callback: summarise a multirun when it ends."""
+    """Hydra callback: summarise a multirun when it ends.
+
+    When a job failed or never ended, it raises :class:`SweepFailed` after the
+    summary is written, naming those jobs and their errors: the sweep exits
+    with status 1 and that message.
+    """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
         sweep_dir = Path(config.hydra.sweep.dir)
-        summarise_sweep(sweep_dir)
+        outcome = summarise_sweep(sweep_dir)
         where = where_for_sweep(config, sweep_dir)
         if where:
             log(INFO, "Sweep tracked; to look: %s", where)
+        if outcome and outcome.not_completed:
+            lines = [
+                f"job {row['job']} ({row['overrides'] or 'no overrides'}): "
+                f"{row['status']}: {row.get('error')}"
+                for row in outcome.not_completed
+            ]
+            for line in lines:
+                log(ERROR, "Sweep: %s", line)
+            raise SweepFailed(
+                f"{len(lines)} job(s) of the sweep did not complete (the others "
+                f"did; see {outcome.csv}):\n" + "\n".join(lines)
+            )

@@ -28,7 +28,14 @@ from ..tracking import InBackground, Tracker, flat_params, summary_metrics
 from .config import instantiate
 
 #: Overrides left out of a run's name: how it ran, not what it is.
-UNNAMED = ("logger", "engine", "hydra", "num_cpus_per_client", "node_wait_timeout")
+UNNAMED = (
+    "logger",
+    "engine",
+    "hydra",
+    "num_cpus_per_client",
+    "cpus_per_job",
+    "node_wait_timeout",
+)
 
 
 def _key(override: str) -> str:

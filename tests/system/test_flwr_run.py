@@ -130,64 +130,62 @@ def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
         assert run.data.metrics["central/accuracy"] == float(row["final-accuracy"])
 
 
-def test_two_engine_jobs_run_side_by_side_on_their_own_superlinks(
+def test_a_parallel_sweep_runs_engine_jobs_side_by_side_and_names_the_failed_one(
     tmp_path: Path,
 ) -> None:
-    """Two `engine=flwr` jobs at once: Flower's managed SuperLink listens on
-    fixed ports, so the second job failed to start one ("Failed to start local
-    SuperLink"). Each job now runs on a SuperLink of its own (its port, its
-    Flower home, the job folder as its working folder), both finish, and no
-    process of theirs is left once they return."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Two `engine=flwr` jobs at once through Hydra's joblib launcher: Flower's
+    managed SuperLink listens on fixed ports, so the second job failed to
+    start one ("Failed to start local SuperLink"). Each job now runs on a
+    SuperLink of its own (its port, Flower home and working folder) with a
+    Ray of its share of the CPUs (2 jobs on 2 cores: 1 each). One job fails in
+    its ServerApp (FedProx's mu = -1): the other still completes, the summary
+    keeps the failed job's row with Flower's status of its run
+    (`flwr run --stream` exits 0 when the ServerApp fails), the sweep exits 1
+    naming it, and no process of theirs is left."""
     from flwr_prox_strategies._processes import process_cmdlines
-    from flwr_prox_strategies.experiment.sweep import flwr_run as job_run
 
-    small = ["num_clients=2", "num_rounds=2", "model=logreg", "train.local_epochs=1"]
-    jobs = {
-        "fedavg": tmp_path / "fedavg",
-        "fedprox": tmp_path / "fedprox",
-    }
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(
-                job_run, [f"strategy={name}", *small], folder, num_supernodes=2
-            )
-            for name, folder in jobs.items()
-        }
-        results = {name: future.result(timeout=600) for name, future in futures.items()}
-    ports = set()
-    for name, path in results.items():
-        summary = json.loads(path.read_text())
-        assert summary["summary"]["complete"], name
-        assert summary["strategy"] == {"fedavg": "FedAvg", "fedprox": "FedProx"}[name]
-        log = (jobs[name] / "flwr.log").read_text()
-        assert "Successfully started run" in log
+    sweep = tmp_path / "sweep"
+    command = [
+        sys.executable,
+        "-m",
+        "flwr_prox_strategies.experiment",
+        "-m",
+        "engine=flwr",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "strategy=fedprox",
+        "strategy.mu=0.5,-1",
+        "num_clients=2",
+        "num_rounds=2",
+        "model=logreg",
+        "train.local_epochs=1",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    out = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "1 job(s) of the sweep did not complete" in out.stderr, out.stderr[-3000:]
+    with open(sweep / "summary.csv") as handle:
+        rows = {r["job"]: r for r in csv.DictReader(handle)}
+    assert (
+        rows["0"]["status"] == "completed" and float(rows["0"]["final-accuracy"]) > 0.5
+    )
+    assert rows["1"]["status"] == "failed"
+    assert "finished:failed" in rows["1"]["error"] and "mu" in rows["1"]["error"]
+    assert {r["cpus"] for r in rows.values()} == {"1"}
+    ports, starts, ends = set(), [], []
+    for job in ("0", "1"):
+        log = (sweep / job / "flwr.log").read_text()
         ports |= {
             line.split("SuperLink: job (")[1].split(")")[0]
             for line in log.splitlines()
             if "SuperLink: job (" in line
         }
-        assert (jobs[name] / "superlink.log").is_file()
+        starts.append((sweep / job / ".hydra" / "config.yaml").stat().st_mtime)
+        ends.append((sweep / job / "job.json").stat().st_mtime)
     assert len(ports) == 2, ports  # two SuperLinks, not one shared
-    assert not [c for c in process_cmdlines().values() if "flwr-prox-superlink-" in c]
-
-
-def test_a_failed_engine_job_names_flowers_status_of_its_run(tmp_path: Path) -> None:
-    """`flwr run --stream` exits 0 when the ServerApp fails; the job's error
-    says the run failed as Flower recorded it (its status and details, read
-    from the job's own SuperLink before it stops), and no process is left."""
-    from flwr_prox_strategies._processes import process_cmdlines
-    from flwr_prox_strategies.experiment.sweep import flwr_run as job_run
-
-    with pytest.raises(RuntimeError) as failed:
-        job_run(
-            ["strategy=nosuchstrategy", "num_clients=2", "num_rounds=1"],
-            tmp_path / "job",
-            num_supernodes=2,
-            timeout=600,
-        )
-    message = str(failed.value)
-    assert "finished:failed" in message, message[:2000]
-    assert "nosuchstrategy" in message, message[:2000]
+    assert max(starts) < min(ends)  # both ran at once
+    assert "init-args-num-cpus=1" in out.stderr
+    assert (sweep / "comparison.png").is_file()
     assert not [c for c in process_cmdlines().values() if "flwr-prox-superlink-" in c]

@@ -1,0 +1,157 @@
+"""Sweeps beyond one job at a time: each job's share of the CPUs, failed jobs.
+
+A job reads its launcher's config (joblib's ``n_jobs``, submitit's
+``cpus_per_task``, the Ray task's ``num_cpus``) to know how many CPUs it may
+use; a job that fails in a sweep leaves the others running, keeps its row in
+``summary.csv`` with its error, and the sweep exits 1 naming it. The same
+through Flower's engine, two SuperLinks at once, is in
+``tests/system/test_flwr_run.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flwr_prox_strategies.experiment import launchers
+from flwr_prox_strategies.experiment.launchers import job_cpus
+from flwr_prox_strategies.experiment.sweep import SweepFailed, summarise_sweep
+
+JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+RAY = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
+BASIC = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+@pytest.fixture
+def four_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launchers, "available_cpus", lambda: 4)
+
+
+@pytest.mark.parametrize(
+    ("n_jobs", "jobs", "cpus", "at_once"),
+    [
+        (2, 8, 2, 2),  # 4 CPUs, 2 at a time
+        (4, 8, 1, 4),
+        (-1, 8, 1, 4),  # joblib: -1 is every CPU
+        (-2, 8, 1, 3),  # all but one: 4 // 3
+        (4, 2, 2, 2),  # 2 jobs under n_jobs=4 run 2 at a time
+        (8, None, 1, 8),  # more jobs at once than CPUs: 1 each, never 0
+    ],
+)
+def test_joblib_jobs_share_the_cpus(four_cpus, n_jobs, jobs, cpus, at_once) -> None:
+    share = job_cpus({"_target_": JOBLIB, "n_jobs": n_jobs}, jobs=jobs, explicit=None)
+    assert (share.cpus, share.at_once) == (cpus, at_once)
+    assert f"{at_once} jobs at a time (joblib) on 4 CPUs" == share.reason
+
+
+def test_a_cluster_job_uses_what_it_asked_for(
+    four_cpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    slurm = {"_target_": SLURM, "cpus_per_task": 3}
+    assert job_cpus(slurm, jobs=8, explicit=None).cpus == 3
+    assert job_cpus({"_target_": SLURM}, jobs=8, explicit=None).cpus == 4
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")
+    assert job_cpus({"_target_": SLURM}, jobs=8, explicit=None).cpus == 2
+    ray = {"_target_": RAY, "ray": {"remote": {"num_cpus": 2.5}}}
+    assert job_cpus(ray, jobs=8, explicit=None).cpus == 2
+    assert job_cpus({"_target_": RAY, "ray": {}}, jobs=8, explicit=None).cpus == 1
+
+
+def test_one_job_at_a_time_uses_every_cpu_and_the_config_wins(four_cpus) -> None:
+    basic = {"_target_": BASIC}
+    assert job_cpus(basic, jobs=8, explicit=None).cpus == 4
+    joblib = {"_target_": JOBLIB, "n_jobs": 2}
+    assert job_cpus(joblib, jobs=8, explicit=3).cpus == 3
+    with pytest.raises(ValueError, match="cpus_per_job"):
+        job_cpus(basic, jobs=8, explicit=0)
+
+
+def _job(folder: Path, overrides: list[str], record: dict | None) -> None:
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text(
+        "".join(f"- {o}\n" for o in overrides)
+    )
+    if record is None:
+        return
+    (folder / "job.json").write_text(json.dumps(record))
+    rounds = [{"round": r, "central": {"accuracy": 0.5 + 0.1 * r}} for r in (0, 1)]
+    (folder / "results.json").write_text(json.dumps({"rounds": rounds}))
+
+
+def test_the_summary_keeps_failed_and_unfinished_jobs_in_job_order(
+    tmp_path: Path,
+) -> None:
+    # Written out of order, as parallel jobs finish; job 10 sorts after job 9.
+    _job(tmp_path / "10", ["seed=10"], {"overrides": "seed=10", "status": "completed"})
+    _job(tmp_path / "2", ["seed=2"], None)  # killed before its end
+    _job(
+        tmp_path / "9",
+        ["seed=9", "engine=flwr"],
+        {"overrides": "seed=9", "status": "failed", "error": "RuntimeError: boom"},
+    )
+    outcome = summarise_sweep(tmp_path)
+    assert outcome is not None
+    with open(outcome.csv) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["job"], r["status"]) for r in rows] == [
+        ("2", "unfinished"),
+        ("9", "failed"),
+        ("10", "completed"),
+    ]
+    assert rows[0]["overrides"] == "seed=2" and "job.json" in rows[0]["error"]
+    assert rows[1]["error"] == "RuntimeError: boom"
+    assert outcome.plot is not None and outcome.plot.is_file()
+    assert [r["job"] for r in outcome.not_completed] == ["2", "9"]
+
+
+def test_a_sweep_whose_jobs_all_failed_writes_its_summary_without_a_plot(
+    tmp_path: Path,
+) -> None:
+    _job(tmp_path / "0", ["seed=0"], {"overrides": "seed=0", "status": "failed"})
+    outcome = summarise_sweep(tmp_path)
+    assert outcome is not None and outcome.plot is None and outcome.csv.is_file()
+    assert issubclass(SweepFailed, SystemExit)  # Hydra warns on other exceptions
+
+
+@pytest.mark.long
+def test_a_parallel_sweep_with_a_failed_job_finishes_the_others_and_exits_1(
+    tmp_path: Path,
+) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "flwr_prox_strategies.experiment",
+        "-m",
+        "engine=inprocess",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "num_clients=3",
+        "num_rounds=2",
+        "model=logreg",
+        "strategy=fedprox",
+        "strategy.mu=0.01,-1,1.0",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    out = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-2:]
+    assert "1 job(s) of the sweep did not complete" in last[0]
+    assert last[1].startswith("job 1 (") and "mu must be a finite number" in last[1]
+    printed = out.stdout + out.stderr
+    assert printed.count("(2 jobs at a time (joblib) on") == 3
+    with open(tmp_path / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["status"] for r in rows] == ["completed", "failed", "completed"]
+    assert all(float(rows[i]["final-accuracy"]) > 0.5 for i in (0, 2))
+    assert rows[1]["final-accuracy"] == "" and "mu" in rows[1]["error"]
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000
