@@ -323,8 +323,15 @@ def _run_engine(
 
 
 def _sweep_size_now() -> int | None:
-    """Return the current multirun's number of jobs (None: cannot tell)."""
-    return sweep_size(sys.argv[1:], str(HydraConfig.get().sweeper.get("_target_")))
+    """Return the current multirun's number of jobs (None: cannot tell).
+
+    A search (``hydra/sweeper=search``) runs ``n_trials`` jobs in all.
+    """
+    sweeper = HydraConfig.get().sweeper
+    target = str(sweeper.get("_target_"))
+    if target.endswith(".SearchSweeper"):
+        return int(sweeper.n_trials)
+    return sweep_size(sys.argv[1:], target)
 
 
 def sweep_size(argv: Sequence[str], sweeper: str) -> int | None:

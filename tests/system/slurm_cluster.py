@@ -24,7 +24,10 @@ from flwr_prox_strategies._processes import free_port
 
 # Debian installs the daemons in /usr/sbin, which a non-root PATH may lack.
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-BINARIES = ("mungekey", "munged", "slurmctld", "slurmd", "sinfo", "squeue", "scancel")
+BINARIES = (
+    *("mungekey", "munged", "slurmctld", "slurmd"),
+    *("sinfo", "squeue", "scancel", "scontrol"),
+)
 # submitit learns of a job that died without a result (cancelled, timed out)
 # from `sacct`, which needs an accounting database (slurmdbd, MySQL) this
 # cluster has not: without an answer it waits for ever. This stand-in answers
@@ -148,7 +151,8 @@ def single_node_slurm(folder: Path, timeout: float = 60) -> Iterator[dict[str, s
     SlurmUnavailable
         When SLURM or MUNGE is not installed, or this is not root.
     TimeoutError
-        When the node is not idle in time; the message holds the daemons' logs.
+        When the node is not idle in time or a daemon ended; the message holds
+        the daemons' logs.
     """
     binaries = _binaries()
     folder.mkdir(parents=True, exist_ok=True)
@@ -157,81 +161,81 @@ def single_node_slurm(folder: Path, timeout: float = 60) -> Iterator[dict[str, s
     socket_dir.chmod(0o755)  # munged wants every user able to reach its socket
     munge_socket = socket_dir / "socket"
     conf = write_conf(folder, munge_socket)
+    sacct = folder / "bin" / "sacct"
+    sacct.parent.mkdir(exist_ok=True)
+    sacct.write_text(SACCT)
+    sacct.chmod(0o755)
+    # Run inside a SLURM job (a CI runner on a cluster), the test's own job
+    # variables would tell sbatch and submitit about the wrong job.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    (folder / "bin").mkdir(exist_ok=True)
-    (folder / "bin" / "sacct").write_text(SACCT)
-    (folder / "bin" / "sacct").chmod(0o755)
-    env.update(SLURM_CONF=str(conf), PATH=f"{folder / 'bin'}{os.pathsep}{SEARCH_PATH}")
-    daemons: list[subprocess.Popen[bytes]] = []
+    env.update(SLURM_CONF=str(conf), PATH=f"{sacct.parent}{os.pathsep}{SEARCH_PATH}")
+    daemons: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(*command: str, log: str) -> None:
+    def start(name: str, *args: str) -> None:
         # Own sessions: a Ctrl-C of the test reaches them only through us.
-        with open(folder / log, "wb") as sink:
-            daemons.append(
-                subprocess.Popen(
-                    command,
-                    env=env,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+        with open(folder / f"{name}.out", "wb") as sink:
+            daemons[name] = subprocess.Popen(
+                [binaries[name], *args],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+
+    def wait(what: str, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            ended = [n for n, daemon in daemons.items() if daemon.poll() is not None]
+            if ended or time.monotonic() > deadline:
+                why = f"{', '.join(ended)} ended" if ended else f"{timeout:g} s"
+                raise TimeoutError(f"no {what} ({why}); logs:\n{_logs(folder)}")
+            time.sleep(0.2)
 
     try:
         key = folder / "munge.key"
         subprocess.run(
             [binaries["mungekey"], "--create", f"--keyfile={key}"], check=True
         )
-        # --force: munged refuses a key and a socket in folders others can write
-        # to (/tmp, pytest's), which a test's throw-away cluster is happy with.
+        # --force: munged refuses to start when a folder above its key or socket
+        # is writable by others (umask 002, a /tmp without sticky bit), a care
+        # a throw-away key does not need.
         start(
-            binaries["munged"],
+            "munged",
             "--foreground",
             "--force",
             f"--key-file={key}",
             f"--socket={munge_socket}",
             f"--pid-file={folder / 'munged.pid'}",
             f"--seed-file={folder / 'munged.seed'}",
-            log="munged.out",
         )
-        _wait(lambda: munge_socket.exists(), timeout, "munged's socket", folder)
-        start(binaries["slurmctld"], "-D", "-f", str(conf), log="slurmctld.out")
-        start(binaries["slurmd"], "-D", "-f", str(conf), log="slurmd.out")
-        _wait(lambda: _idle(binaries, env), timeout, "an idle node", folder)
+        wait("munged socket", munge_socket.exists)
+        start("slurmctld", "-D", "-f", str(conf))
+        start("slurmd", "-D", "-f", str(conf))
+        sinfo = (binaries["sinfo"], "--noheader", "--format=%t")
+        wait("idle node", lambda: _output(*sinfo, env=env) == "idle")
         yield env
     finally:
         _stop(binaries, env, daemons, conf)
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-def _idle(binaries: dict[str, str], env: dict[str, str]) -> bool:
-    out = subprocess.run(
-        [binaries["sinfo"], "--noheader", "--format=%t"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+def _output(*command: str, env: dict[str, str]) -> str:
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    return out.stdout.strip()
+
+
+def _logs(folder: Path) -> str:
+    """The end of each daemon's stderr (all it logs, failures to start too)."""
+    return "\n".join(
+        f"--- {path.name}:\n{path.read_text(errors='replace')[-3000:]}"
+        for path in sorted(folder.glob("*.out"))
     )
-    return out.stdout.strip() == "idle"
-
-
-def _wait(ready: Callable[[], bool], timeout: float, what: str, folder: Path) -> None:
-    """Poll ``ready()`` until true; else a TimeoutError with the daemons' logs."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            logs = "\n".join(
-                f"--- {path.name}:\n{path.read_text(errors='replace')[-3000:]}"
-                for path in sorted(folder.glob("*.out"))  # the daemons' stderr
-            )
-            raise TimeoutError(f"no {what} after {timeout:g} s; logs:\n{logs}")
-        time.sleep(0.2)
 
 
 def _stop(
     binaries: dict[str, str],
     env: dict[str, str],
-    daemons: list[subprocess.Popen[bytes]],
+    daemons: dict[str, subprocess.Popen[bytes]],
     conf: Path,
 ) -> None:
     """Cancel the jobs, stop the daemons, kill whatever of the cluster is left.
@@ -241,21 +245,17 @@ def _stop(
     remains is found by the ``SLURM_CONF`` every process of the cluster
     inherits (the daemons from us, the jobs from their submitter).
     """
-    if daemons and daemons[-1].poll() is None:
+    if "slurmd" in daemons and daemons["slurmctld"].poll() is None:
         user = f"--user={os.geteuid()}"
         subprocess.run([binaries["scancel"], user], env=env, check=False)
-        _wait_quietly(
-            lambda: not subprocess.run(
-                [binaries["squeue"], "--noheader"],
-                env=env,
-                capture_output=True,
-                check=False,
-            ).stdout.strip(),
-            10,
-        )
-    for daemon in reversed(daemons):  # slurmd first, munged last
+        deadline = time.monotonic() + 10
+        while _output(binaries["squeue"], "--noheader", env=env):
+            if time.monotonic() > deadline:
+                break  # what is left is killed below
+            time.sleep(0.2)
+    for daemon in reversed(daemons.values()):  # slurmd first, munged last
         daemon.terminate()
-    for daemon in reversed(daemons):
+    for daemon in reversed(daemons.values()):
         try:
             daemon.wait(10)
         except subprocess.TimeoutExpired:
@@ -265,12 +265,6 @@ def _stop(
     for pid in _pids_with_env(marker):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _wait_quietly(ready: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready() and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def _pids_with_env(marker: bytes) -> list[int]:

@@ -1,0 +1,40 @@
+"""flwr-prox-strategies' Hydra sweeper: Optuna search (``hydra/sweeper=search``).
+
+Hydra finds sweepers only under the ``hydra_plugins`` namespace, and imports
+every module there whenever a Hydra app starts: this one imports Hydra alone,
+and the search itself (:mod:`flwr_prox_strategies.experiment.search`, Optuna)
+only when a sweep asks for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+
+class SearchSweeper(Sweeper):
+    """Optuna's study over a sweep's jobs; see :class:`~flwr_prox_strategies.experiment.search.Search`."""
+
+    def __init__(self, **options: Any) -> None:
+        from flwr_prox_strategies.experiment.search import Search
+
+        self.search = Search(**options)
+
+    def setup(
+        self,
+        *,
+        hydra_context: HydraContext,
+        task_function: TaskFunction,
+        config: DictConfig,
+    ) -> None:
+        """Build the launcher the trials run on."""
+        self.search.setup(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def sweep(self, arguments: list[str]) -> Any:
+        """Run the study's trials; return the best."""
+        return self.search.sweep(arguments)
