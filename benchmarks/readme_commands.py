@@ -229,6 +229,8 @@ METRICS = {
     "min-final-accuracy-fedavg": "lowest final accuracy over a sweep's FedAvg jobs",
     "consensus-distance": "P-FedAvg launcher: sum_i ||x_i - mean||^2 after the last round",
     "speed-up": "the communication model's expected speed-up (topology command)",
+    "search-best": "a search's best objective value (search.json)",
+    "search-trials": "a search's trials (search.json)",
 }
 _NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
 
@@ -358,6 +360,12 @@ def measure(command: Command, log_file: Path) -> Outcome:
         )
     elif summary:  # before results: in-process jobs print their own 'Results:'
         outcome.metrics = sweep_metrics(ROOT / summary)  # relative to the run's cwd
+        searched = last_match(r"(\S+search\.json)", output)
+        if searched:
+            found = json.loads((ROOT / searched).read_text())
+            outcome.metrics["search-trials"] = float(len(found["trials"]))
+            if found["best"]:
+                outcome.metrics["search-best"] = float(found["best"]["value"])
     elif results:
         data = json.loads(Path(results).read_text())
         if not data["summary"].get("complete") and not data["summary"].get(

@@ -143,12 +143,20 @@ def test_conf_tree_is_package_data_when_installed_else_the_checkouts(
 
 def test_the_wheel_holds_one_package_with_the_hydra_tree_inside(wheel: Path) -> None:
     """What ``pip install flwr-prox-strategies`` unpacks: the package and its
-    ``conf/`` (package data), nothing else at the top (no apps/, tests/)."""
+    ``conf/`` (package data), and the search sweeper's shim in Hydra's plugin
+    namespace (a portion of it: no ``hydra_plugins/__init__.py``, which would
+    hide every other Hydra plugin); nothing else at the top (no apps/, tests/)."""
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
-    assert tops == {"flwr_prox_strategies", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert tops == {
+        "flwr_prox_strategies",
+        "hydra_plugins",
+        wheel.name.split("-py3")[0] + ".dist-info",
+    }
+    plugins = [name for name in names if name.startswith("hydra_plugins/")]
+    assert plugins == ["hydra_plugins/flwr_prox_search/__init__.py"]
     conf = sorted(
         p.relative_to(REPO).as_posix() for p in (REPO / "conf").rglob("*.yaml")
     )

@@ -46,7 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .._executables import flower_env, flower_executable
 from .appdir import make_client_app, write_app_dir
-from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES
+from .checkpoint import CHECKPOINT_FILE
+from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
 from .launchers import CPUS_PER_JOB, available_cpus, job_cpus
 from .results import OBJECTIVES, RESULTS_FILE, pyplot
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
@@ -118,6 +119,7 @@ def flwr_run(
     num_supernodes: int,
     cpus_per_client: float = 1,
     job_cpus: int | None = None,
+    resume: bool = False,
     log_file: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
@@ -134,7 +136,8 @@ def flwr_run(
     ``job_cpus`` (None: every CPU) bounds the run's Ray (``init-args-num-cpus``)
     and a client's CPUs, so that jobs side by side share the cores instead of
     each starting a Ray of all of them; the ServerApp and the clients get
-    ``OMP_NUM_THREADS`` = a client's CPUs unless it is set.
+    ``OMP_NUM_THREADS`` = a client's CPUs unless it is set. ``resume``
+    continues the run from the checkpoint in ``output_dir``.
     """
     override_str = shlex.join(overrides)
     if "'" in override_str:
@@ -163,7 +166,8 @@ def flwr_run(
             f"num-supernodes={num_supernodes} client-resources-num-cpus="
             f"{client_cpus:g} init-args-num-cpus={ray_cpus}",
             "--run-config",
-            f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'",
+            f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'"
+            + (f" {RUN_RESUME}='{output_dir}'" if resume else ""),
         ]
         log(INFO, "On its own SuperLink (port %d): %s", link.port, shlex.join(command))
         with open(log_file, "w") as sink:
@@ -199,8 +203,11 @@ def run_inprocess(
     num_clients: int,
     *,
     threads: int | None = None,
+    resume: bool = False,
 ) -> Path:
     """Run one experiment on an in-process grid with the app's ClientApp.
+
+    ``resume`` continues the run from the checkpoint in ``output_dir``.
 
     ``threads``: torch's intra-op threads while it runs (None: leave them as
     they are). The sweep gives ``num_cpus_per_client``, what a client gets under
@@ -215,6 +222,7 @@ def run_inprocess(
     run_config: dict[str, int | float | str | bool] = {
         RUN_OVERRIDES: shlex.join(overrides),
         RUN_OUTPUT_DIR: str(output_dir),
+        **({RUN_RESUME: str(output_dir)} if resume else {}),
     }
     grid = InProcessGrid(
         make_client_app(), num_nodes=num_clients, run_config=run_config
@@ -259,12 +267,12 @@ def run_job(cfg: DictConfig) -> float:
     explicit = cfg.get(CPUS_PER_JOB)
     share = job_cpus(
         hydra_cfg.launcher,
-        jobs=_sweep_size_now() if multirun else None,
+        jobs=_sweep_size_now(Path(hydra_cfg.sweep.dir)) if multirun else None,
         explicit=None if explicit is None else int(explicit),
     )
     if multirun:
         sweep_dir = Path(hydra_cfg.sweep.dir)
-        swept = swept_keys(sys.argv[1:])
+        swept = swept_keys(_sweep_arguments(sweep_dir))
         ran = [*overrides, *sweep_overrides(cfg, sweep_dir, swept)]
         log_progress(
             sweep_dir, int(hydra_cfg.job.num), overrides, at_once=share.at_once
@@ -306,6 +314,7 @@ def _run_engine(
     cfg: DictConfig, engine: str, overrides: list[str], job_dir: Path, cpus: int
 ) -> Path:
     """Run the job on its engine within ``cpus`` CPUs; return its results file."""
+    resume = requeued_with_checkpoint(job_dir)
     if engine == "flwr":
         return flwr_run(
             overrides,
@@ -313,16 +322,39 @@ def _run_engine(
             num_supernodes=int(cfg["num_clients"]),
             cpus_per_client=float(cfg["num_cpus_per_client"]),
             job_cpus=cpus,
+            resume=resume,
         )
     threads = (
         None
         if os.environ.get("OMP_NUM_THREADS")
         else min(math.ceil(float(cfg["num_cpus_per_client"])), cpus)
     )
-    return run_inprocess(overrides, job_dir, int(cfg["num_clients"]), threads=threads)
+    return run_inprocess(
+        overrides, job_dir, int(cfg["num_clients"]), threads=threads, resume=resume
+    )
 
 
-def _sweep_size_now() -> int | None:
+def requeued_with_checkpoint(job_dir: Path) -> bool:
+    """Return True when SLURM restarted this job and its folder has a checkpoint.
+
+    A pre-empted (or timed-out, with submitit's ``max_num_timeout``) job is
+    requeued by SLURM into the same folder (``SLURM_RESTART_COUNT`` > 0): it
+    continues from its last checkpoint (run config ``resume``) instead of
+    failing on the folder that already holds its run.
+    """
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if restarts < 1 or not (job_dir / CHECKPOINT_FILE).is_file():
+        return False
+    log(
+        INFO,
+        "Job: SLURM restarted it (%d time(s)): resuming from %s",
+        restarts,
+        job_dir / CHECKPOINT_FILE,
+    )
+    return True
+
+
+def _sweep_size_now(sweep_dir: Path) -> int | None:
     """Return the current multirun's number of jobs (None: cannot tell).
 
     A search (``hydra/sweeper=search``) runs ``n_trials`` jobs in all.
@@ -331,7 +363,22 @@ def _sweep_size_now() -> int | None:
     target = str(sweeper.get("_target_"))
     if target.endswith(".SearchSweeper"):
         return int(sweeper.n_trials)
-    return sweep_size(sys.argv[1:], target)
+    return sweep_size(_sweep_arguments(sweep_dir), target)
+
+
+def _sweep_arguments(sweep_dir: Path) -> list[str]:
+    """Return the multirun's command-line overrides (``seed=0,1``, not ``seed=0``).
+
+    Read from the ``multirun.yaml`` the sweeper writes before any job starts:
+    a job a launcher runs elsewhere has another command line (submitit's is
+    ``python -m submitit.core._submit <folder>``).
+    """
+    saved = sweep_dir / "multirun.yaml"
+    if saved.is_file():
+        task = OmegaConf.select(OmegaConf.load(saved), "hydra.overrides.task")
+        if task is not None:
+            return [str(o) for o in task]
+    return sys.argv[1:]
 
 
 def sweep_size(argv: Sequence[str], sweeper: str) -> int | None:
@@ -412,7 +459,7 @@ def log_progress(
     at_once : int (default: 1)
         How many jobs run at a time.
     """
-    total = _sweep_size_now()
+    total = _sweep_size_now(sweep_dir)
     records = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_SUMMARY}")]
     times = [float(r.get("wall-time-s") or 0.0) for r in records]
     failed = sum(r.get("status") == "failed" for r in records)

@@ -150,9 +150,11 @@ def single_node_slurm(folder: Path, timeout: float = 60) -> Iterator[dict[str, s
     ------
     SlurmUnavailable
         When SLURM or MUNGE is not installed, or this is not root.
+    RuntimeError
+        When a daemon ends before the node is idle; the message holds the
+        daemons' logs.
     TimeoutError
-        When the node is not idle in time or a daemon ended; the message holds
-        the daemons' logs.
+        When the node is not idle in time; the message holds the logs too.
     """
     binaries = _binaries()
     folder.mkdir(parents=True, exist_ok=True)
@@ -186,9 +188,14 @@ def single_node_slurm(folder: Path, timeout: float = 60) -> Iterator[dict[str, s
         deadline = time.monotonic() + timeout
         while not ready():
             ended = [n for n, daemon in daemons.items() if daemon.poll() is not None]
-            if ended or time.monotonic() > deadline:
-                why = f"{', '.join(ended)} ended" if ended else f"{timeout:g} s"
-                raise TimeoutError(f"no {what} ({why}); logs:\n{_logs(folder)}")
+            if ended:
+                raise RuntimeError(
+                    f"{' and '.join(ended)} ended; logs:\n{_logs(folder)}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no {what} in {timeout:g} s; logs:\n{_logs(folder)}"
+                )
             time.sleep(0.2)
 
     try:

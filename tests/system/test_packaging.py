@@ -1,6 +1,6 @@
-"""The wheel, installed with no extras into a clean venv.
+"""The wheel, installed with no extras into a clean venv, then with ``[sweeps]``.
 
-Slow (creates a venv, installs torch and flwr into it). The wheel's contents are
+Slow (creates a venv, installs torch and flwr into it, then the launchers). The wheel's contents are
 checked in the fast suite (``tests/test_packaging.py``) on the same ``wheel``
 fixture; the sweep of a pip-installed pack (its own written app) runs in
 ``test_flwr_run.py``.
@@ -87,6 +87,29 @@ assert 1 in result.train_metrics_clientapp, result.train_metrics_clientapp
 print("VENV OK", sorted(result.train_metrics_clientapp[1]))
 """
 
+# Runs inside the venv after the [sweeps] extra: every launcher and the search
+# sweeper are Hydra plugins, Optuna is current, flwr's pins hold.
+SWEEPS_SCRIPT = r"""
+from importlib.metadata import version
+
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+
+import flwr_prox_strategies.experiment.search
+import optuna
+import submitit
+
+launchers = {c.__name__ for c in Plugins.instance().discover(Launcher)}
+assert {"JoblibLauncher", "SlurmLauncher", "RayLauncher"} <= launchers, launchers
+sweepers = {c.__name__ for c in Plugins.instance().discover(Sweeper)}
+assert "SearchSweeper" in sweepers, sweepers
+assert int(optuna.__version__.split(".")[0]) >= 4, optuna.__version__
+assert int(version("rich").split(".")[0]) < 15, version("rich")
+assert version("flwr").startswith("1.4"), version("flwr")
+print("SWEEPS OK", optuna.__version__, version("flwr"), version("ray"))
+"""
+
 HEAVY_DISTRIBUTIONS = (
     "opacus",
     "cvxpy",
@@ -134,3 +157,14 @@ def test_wheel_with_no_extras_in_a_clean_venv(tmp_path: Path, wheel: Path) -> No
     script.write_text(textwrap.dedent(VENV_SCRIPT))
     out = run([python, str(script)], cwd=tmp_path, timeout=600)
     assert "VENV OK" in out.stdout, out.stdout + out.stderr
+
+    # Then the [sweeps] extra in the same venv: Hydra's launchers and Optuna
+    # resolve with flwr's pins (pip check), and Hydra finds every plugin.
+    start = time.monotonic()
+    run([*pip, f"{wheel}[sweeps]"], timeout=900)
+    print(f"[sweeps] extra install: {time.monotonic() - start:.1f} s")
+    run([python, "-m", "pip", "check"])
+    script = tmp_path / "check_sweeps.py"
+    script.write_text(textwrap.dedent(SWEEPS_SCRIPT))
+    out = run([python, str(script)], cwd=tmp_path, timeout=600)
+    assert "SWEEPS OK" in out.stdout, out.stdout + out.stderr

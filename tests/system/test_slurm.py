@@ -100,8 +100,14 @@ def test_each_job_of_a_submitit_sweep_runs_as_a_slurm_job_and_is_summarised(
         assert "JobState=COMPLETED" in record and "Partition=debug" in record
         log = sweep / ".submitit" / job_id / f"{job_id}_0_log.out"
         assert f"JobEnvironment(job_id={job_id}," in log.read_text()
+        # The job's own lines: its place in the sweep (read from the sweep's
+        # multirun.yaml, not the job's command line) and the CPUs it asked for.
+        printed = log.with_suffix(".err").read_text()
+        assert f"Sweep: job {int(job_id[-1]) + 1} of 2" in printed, printed[-2000:]
+        assert "Job CPUs: 1 (the launcher's cpus_per_task)" in printed
 
     with open(sweep / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["job"] for row in rows] == ["0", "1"]
     assert all(float(row["final-accuracy"]) > 0.5 for row in rows)
+    assert {row["cpus"] for row in rows} == {"1"}

@@ -1,0 +1,369 @@
+"""A throw-away Ray cluster on this machine for system tests.
+
+:func:`ray_cluster` starts a Ray head node with ``ray start`` (and, when asked,
+worker nodes: more raylets on the same machine joined with
+``ray start --address``, the closest one machine gets to a multi-node
+cluster), on ports free at the time, with its own temporary folder, and stops
+every process of it afterwards, and only those: ``ray stop`` would stop every
+Ray of the machine (other tests' clusters, the Rays of concurrent Flower
+simulations). Every process of the cluster inherits a marker variable
+(:data:`MARKER`) from ``ray start``: the daemons, the workers and actors the
+raylets start, and what those start in turn (a job's SuperLink); teardown
+kills exactly the processes whose environment holds this cluster's marker.
+
+The cluster's own records prove what ran on it: :func:`cluster_jobs` lists
+its GCS's jobs (one per driver that connected: a Hydra sweep's launcher, a
+Flower simulation), and :func:`worker_logs` finds its workers' log files
+(``session_latest/logs`` under the cluster's temporary folder), which name the
+job each worker served and, for an actor, its class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from flwr_prox_strategies._executables import flower_env
+from flwr_prox_strategies._processes import free_port
+
+from .engine import REPO
+
+#: The variable every process of a cluster inherits; its value is the cluster's
+#: temporary folder (unique), so teardown finds that cluster's processes only.
+MARKER = "FLWR_PROX_TEST_RAY_CLUSTER"
+#: Where ``ray_cluster(folder)`` puts the cluster's temporary folder (or a
+#: link to it): ``folder / TEMP_LINK / "session_latest" / "logs"``.
+TEMP_LINK = "ray"
+# Ray puts Unix sockets at <temp>/session_<date>_<time>_<usec>_<pid>/sockets/
+# plasma_store: the temp folder plus 64 bytes or so, and a socket path has at
+# most 107. Longer than this, the folder goes under /tmp instead.
+_MAX_TEMP_DIR = 40
+# Attempts at free ports: another process may take one between our finding it
+# and Ray binding it.
+_START_ATTEMPTS = 3
+
+
+def ray_missing() -> str | None:
+    """Return why Ray cannot run here (a skip reason), or None when it can.
+
+    Only looked up, not imported: importing Ray takes a second, and the fast
+    suite collects this module too.
+
+    Returns
+    -------
+    str | None
+        The reason, or None.
+    """
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not installed (pip install 'flwr[simulation]')"
+    if shutil.which("ray", path=flower_env()["PATH"]) is None:
+        return "Ray's command `ray` is neither beside this Python nor on PATH"
+    return None
+
+
+#: :func:`ray_missing` at import: ``pytest.mark.skipif(RAY_MISSING is not None,
+#: reason=str(RAY_MISSING))``.
+RAY_MISSING = ray_missing()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterJob:
+    """One job of a cluster's GCS: a driver that connected to it.
+
+    Attributes
+    ----------
+    job_id : str
+        Its id in hex (``"02000000"``), as in its workers' log file names.
+    entrypoint : str
+        The driver's command line.
+    finished : bool
+        Whether the driver has disconnected (``ray.shutdown``, or it exited).
+    driver_pid : int
+        The driver's process id.
+    """
+
+    job_id: str
+    entrypoint: str
+    finished: bool
+    driver_pid: int
+
+
+def cluster_jobs(address: str) -> list[ClusterJob]:
+    """Return the jobs the cluster's GCS knows, running and finished, in order.
+
+    Ray's public state API (``ray.util.state.list_jobs``) asks the dashboard,
+    which the test clusters leave out (it doubles their start-up time); this
+    asks the GCS directly, through the client Ray's own tools use, without
+    connecting a driver (which would be a job of its own).
+
+    Parameters
+    ----------
+    address : str
+        The cluster's address (``127.0.0.1:PORT``).
+
+    Returns
+    -------
+    list[ClusterJob]
+        Its jobs, oldest first.
+    """
+    from ray._raylet import GcsClient
+
+    table = GcsClient(address=address).get_all_job_info(timeout=30)
+    jobs = [
+        ClusterJob(
+            job_id=job_id.hex(),
+            entrypoint=info.entrypoint,
+            finished=info.is_dead,
+            driver_pid=info.driver_pid,
+        )
+        for job_id, info in table.items()
+    ]
+    # A job id is a little-endian counter: in order of connection.
+    return sorted(
+        jobs, key=lambda job: int.from_bytes(bytes.fromhex(job.job_id), "little")
+    )
+
+
+def alive_nodes(address: str) -> int:
+    """Return how many nodes of the cluster are alive.
+
+    Parameters
+    ----------
+    address : str
+        The cluster's address.
+
+    Returns
+    -------
+    int
+        Its live nodes (the head counts).
+    """
+    from ray._raylet import GcsClient
+
+    nodes = GcsClient(address=address).get_all_node_info(timeout=30)
+    return sum(1 for info in nodes.values() if info.state == 0)  # 0: ALIVE
+
+
+def worker_logs(folder: Path, job_id: str) -> dict[Path, str]:
+    """Return the log files (and texts) of the cluster's workers for one job.
+
+    Ray names a worker's stdout and stderr ``worker-<worker id>-<job id>-<pid>``
+    (``.out``, ``.err``); an actor's ``.out`` starts with
+    ``:actor_name:<class>``.
+
+    Parameters
+    ----------
+    folder : Path
+        The folder given to :func:`ray_cluster`.
+    job_id : str
+        The job's id in hex (:attr:`ClusterJob.job_id`).
+
+    Returns
+    -------
+    dict[Path, str]
+        Each file and its text.
+    """
+    logs = folder / TEMP_LINK / "session_latest" / "logs"
+    return {
+        path: path.read_text(errors="replace")
+        for path in sorted(logs.glob(f"worker-*-{job_id}-*.*"))
+    }
+
+
+@contextlib.contextmanager
+def ray_cluster(
+    folder: Path, num_cpus: int = 2, *, worker_nodes: int = 0
+) -> Iterator[str]:
+    """Run a Ray cluster on this machine for the block; yield its address.
+
+    The head node listens on a free port (Ray binds every interface and
+    advertises the machine's own address even for ``--node-ip-address
+    127.0.0.1``; ``127.0.0.1:PORT`` reaches it). No dashboard (half of the
+    start-up time): :func:`cluster_jobs` reads the GCS instead.
+
+    Parameters
+    ----------
+    folder : Path
+        Holds the output of ``ray start`` and the cluster's temporary folder
+        (``folder / "ray"``: sessions, sockets, logs), or a link to it under
+        /tmp when ``folder`` is too long a path for Ray's sockets. It is also
+        the working folder of the cluster's workers: a relative path in a
+        job lands here.
+    num_cpus : int, default 2
+        The CPUs each node offers (Ray does not check them against the
+        machine's).
+    worker_nodes : int, default 0
+        Nodes to join to the head, each with ``num_cpus`` CPUs (their own
+        raylets and agents on their own ports, the head's temporary folder).
+
+    Yields
+    ------
+    str
+        The address to give ``ray.init(address=...)``, ``RAY_ADDRESS`` or
+        ``ray start --address``: ``127.0.0.1:PORT``.
+
+    Raises
+    ------
+    RuntimeError
+        When a node does not start; the message holds ``ray start``'s output.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    temp_dir, link = _temp_dir(folder)
+    # The cluster's processes inherit this environment: the marker, and this
+    # checkout first on the path, so that workers import the code under test
+    # (a Hydra job's function is unpickled there).
+    base = flower_env()
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), base.get("PYTHONPATH")]))
+    env = {
+        **base,
+        MARKER: str(temp_dir),
+        "PYTHONPATH": pythonpath,
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    # A RAY_ADDRESS of the test's environment must not send the cluster's own
+    # drivers (a job's Flower simulation) to another cluster.
+    env.pop("RAY_ADDRESS", None)
+    try:
+        address = _start_node(folder, env, num_cpus, head_of=None, temp_dir=temp_dir)
+        for index in range(worker_nodes):
+            _start_node(folder, env, num_cpus, head_of=address, index=index + 1)
+        _wait_nodes(address, 1 + worker_nodes)
+        yield address
+    finally:
+        _kill_marked(str(temp_dir))
+        if link is not None:
+            link.unlink(missing_ok=True)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _temp_dir(folder: Path) -> tuple[Path, Path | None]:
+    """Return the cluster's temporary folder, and the link to it (if any).
+
+    ``folder / "ray"`` when short enough for Ray's socket paths; otherwise a
+    new folder under /tmp, linked from ``folder / "ray"`` (removed at the end).
+    """
+    inside = folder.resolve() / TEMP_LINK
+    if len(str(inside)) <= _MAX_TEMP_DIR:
+        inside.mkdir(exist_ok=True)
+        return inside, None
+    outside = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    inside.symlink_to(outside, target_is_directory=True)
+    return outside, inside
+
+
+def _start_node(
+    folder: Path,
+    env: dict[str, str],
+    num_cpus: int,
+    *,
+    head_of: str | None,
+    temp_dir: Path | None = None,
+    index: int = 0,
+) -> str:
+    """Start the head (``head_of`` None) or a node joining it; return the address."""
+    ray = shutil.which("ray", path=env["PATH"]) or "ray"
+    log = folder / f"ray-start-{index}.log"
+    failures = []
+    for _ in range(_START_ATTEMPTS):
+        # Every listening port of a node is its own, free now: the defaults
+        # (6379, 10001, 52365, ...) collide with any other Ray of the machine,
+        # and two nodes on one machine collide with each other.
+        ports = [
+            *("--dashboard-agent-listen-port", str(free_port())),
+            *("--dashboard-agent-grpc-port", str(free_port())),
+            *("--metrics-export-port", str(free_port())),
+            *("--runtime-env-agent-port", str(free_port())),
+        ]
+        if head_of is None:
+            port = free_port()
+            address = f"127.0.0.1:{port}"
+            role = [
+                *("--head", "--node-ip-address", "127.0.0.1", "--port", str(port)),
+                *("--ray-client-server-port", str(free_port())),
+                *("--include-dashboard", "false"),
+                *("--temp-dir", str(temp_dir)),
+            ]
+        else:
+            address = head_of
+            role = ["--address", head_of]
+        with open(log, "a") as sink:
+            done = subprocess.run(
+                [
+                    ray,
+                    "start",
+                    *role,
+                    *("--num-cpus", str(num_cpus)),
+                    "--disable-usage-stats",
+                    *ports,
+                ],
+                env=env,
+                cwd=folder,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                # Its daemons outlive it: in a session of their own, a Ctrl-C
+                # of the test reaches them only through our teardown.
+                start_new_session=True,
+                timeout=180,
+                check=False,
+            )
+        if done.returncode == 0:
+            return address
+        failures.append(f"exit {done.returncode}")
+        _kill_marked(env[MARKER])  # what a failed start left
+    tail = log.read_text(errors="replace")[-3000:]
+    raise RuntimeError(
+        f"`ray start` of node {index} failed ({', '.join(failures)}); {log}:\n{tail}"
+    )
+
+
+def _wait_nodes(address: str, count: int, timeout: float = 60) -> None:
+    """Wait until ``count`` nodes are alive (a joining node registers late)."""
+    deadline = time.monotonic() + timeout
+    while (alive := alive_nodes(address)) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{alive} of {count} Ray nodes alive after {timeout} s")
+        time.sleep(0.2)
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGTERM, then SIGKILL, every process whose environment holds ``marker``.
+
+    Ray's daemons and workers inherit it from ``ray start``; some ignore
+    SIGTERM (gRPC threads), hence the second signal.
+    """
+    wanted = f"{MARKER}={marker}".encode()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _pids_with(wanted)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 5
+        while pids and time.monotonic() < deadline:
+            pids = _pids_with(wanted)
+            time.sleep(0.2)
+        if not pids:
+            return
+
+
+def _pids_with(entry: bytes) -> list[int]:
+    """Live processes (this one excepted) whose environment holds ``entry``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if entry in (proc / "environ").read_bytes().split(b"\0"):
+                # A zombie keeps its environment until its parent reaps it:
+                # it is dead already.
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(proc.name))
+    return pids
