@@ -434,29 +434,38 @@ class Search:
         return best
 
     def _plot(self, trials: list[dict[str, Any]]) -> None:
-        """Each trial's objective and the best so far, in trial order."""
+        """Each trial's objective and the best so far; against the first parameter."""
         plt = pyplot()
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (by_trial, by_value) = plt.subplots(1, 2, figsize=(11, 4))
         done = [t for t in trials if t["state"] == "complete"]
         failed = [t["trial"] for t in trials if t["state"] == "fail"]
+        label = f"{self.objective} ({self.direction})"
         if done:
             numbers = [t["trial"] for t in done]
             values = [t["value"] for t in done]
             pick = max if self.direction == "maximize" else min
             best = [pick(values[: i + 1]) for i in range(len(values))]
-            ax.plot(numbers, values, "o", label="trial")
-            ax.step(numbers, best, where="post", label="best so far")
+            by_trial.plot(numbers, values, "o", label="trial")
+            by_trial.step(numbers, best, where="post", label="best so far")
+            by_trial.legend(fontsize=8)
         for number in failed:
-            ax.axvline(number, color="red", alpha=0.3, linewidth=1)
-        ax.set(
+            by_trial.axvline(number, color="red", alpha=0.3, linewidth=1)
+        by_trial.set(
             xlabel="trial",
-            ylabel=f"{self.objective} ({self.direction})",
-            title=f"{self.study_name}: {len(done)} trials"
-            + (f", {len(failed)} failed (red)" if failed else ""),
+            ylabel=label,
+            title=f"{len(done)} trials"
+            + (f", {len(failed)} failed (red lines)" if failed else ""),
         )
-        ax.grid(alpha=0.3)
-        if done:
-            ax.legend(fontsize=8)
+        by_trial.grid(alpha=0.3)
+        name = next(iter(done[0]["params"]), None) if done else None
+        if name is not None:
+            xs = [t["params"].get(name) for t in done]
+            numeric = all(isinstance(x, int | float) for x in xs)
+            by_value.plot(xs if numeric else [str(x) for x in xs], values, "o")
+            if numeric and min(xs) > 0 and max(xs) > 10 * min(xs):
+                by_value.set_xscale("log")
+            by_value.set(xlabel=name, ylabel=label, title=f"{label} against {name}")
+            by_value.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.sweep_dir / SEARCH_PLOT, dpi=120)
         plt.close(fig)
