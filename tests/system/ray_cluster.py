@@ -6,10 +6,14 @@ worker nodes: more raylets on the same machine joined with
 cluster), on ports free at the time, with its own temporary folder, and stops
 every process of it afterwards, and only those: ``ray stop`` would stop every
 Ray of the machine (other tests' clusters, the Rays of concurrent Flower
-simulations). Every process of the cluster inherits a marker variable
-(:data:`MARKER`) from ``ray start``: the daemons, the workers and actors the
-raylets start, and what those start in turn (a job's SuperLink); teardown
-kills exactly the processes whose environment holds this cluster's marker.
+simulations). Each ``ray start`` runs in a process group of its own, which
+its daemons, workers and actors keep; and every process of the cluster
+inherits a marker variable (:data:`MARKER`), which also finds what a job
+started in groups of its own (a job's SuperLink, Flower's processes).
+Teardown kills those groups and the processes with this cluster's marker,
+nothing else. (The marker alone would miss Ray's workers and agents:
+``setproctitle`` (``ray::IDLE``) overwrites the memory that
+``/proc/PID/environ`` shows.)
 
 The cluster's own records prove what ran on it: :func:`cluster_jobs` lists
 its GCS's jobs (one per driver that connected: a Hydra sweep's launcher, a
@@ -231,14 +235,17 @@ def ray_cluster(
     # A RAY_ADDRESS of the test's environment must not send the cluster's own
     # drivers (a job's Flower simulation) to another cluster.
     env.pop("RAY_ADDRESS", None)
+    groups: set[int] = set()
     try:
-        address = _start_node(folder, env, num_cpus, head_of=None, temp_dir=temp_dir)
+        address = _start_node(
+            folder, env, num_cpus, groups, head_of=None, temp_dir=temp_dir
+        )
         for index in range(worker_nodes):
-            _start_node(folder, env, num_cpus, head_of=address, index=index + 1)
+            _start_node(folder, env, num_cpus, groups, head_of=address, index=index + 1)
         _wait_nodes(address, 1 + worker_nodes)
         yield address
     finally:
-        _kill_marked(str(temp_dir))
+        _kill(groups, str(temp_dir))
         if link is not None:
             link.unlink(missing_ok=True)
             shutil.rmtree(temp_dir, ignore_errors=True)
@@ -263,12 +270,17 @@ def _start_node(
     folder: Path,
     env: dict[str, str],
     num_cpus: int,
+    groups: set[int],
     *,
     head_of: str | None,
     temp_dir: Path | None = None,
     index: int = 0,
 ) -> str:
-    """Start the head (``head_of`` None) or a node joining it; return the address."""
+    """Start the head (``head_of`` None) or a node joining it; return the address.
+
+    The process group of each ``ray start`` goes into ``groups``, even when it
+    fails (what it started is killed with the cluster).
+    """
     ray = shutil.which("ray", path=env["PATH"]) or "ray"
     log = folder / f"ray-start-{index}.log"
     failures = []
@@ -295,7 +307,7 @@ def _start_node(
             address = head_of
             role = ["--address", head_of]
         with open(log, "a") as sink:
-            done = subprocess.run(
+            start = subprocess.Popen(
                 [
                     ray,
                     "start",
@@ -308,16 +320,20 @@ def _start_node(
                 cwd=folder,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
-                # Its daemons outlive it: in a session of their own, a Ctrl-C
-                # of the test reaches them only through our teardown.
+                # Its daemons outlive it in its group (the group of a new
+                # session, whose id is its pid); a Ctrl-C of the test reaches
+                # them only through our teardown.
                 start_new_session=True,
-                timeout=180,
-                check=False,
             )
-        if done.returncode == 0:
+        groups.add(start.pid)
+        try:
+            code = start.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code == 0:
             return address
-        failures.append(f"exit {done.returncode}")
-        _kill_marked(env[MARKER])  # what a failed start left
+        failures.append(f"exit {code}" if code is not None else "no answer in 180 s")
+        _kill({start.pid}, env[MARKER])  # what a failed start left
     tail = log.read_text(errors="replace")[-3000:]
     raise RuntimeError(
         f"`ray start` of node {index} failed ({', '.join(failures)}); {log}:\n{tail}"
@@ -333,37 +349,46 @@ def _wait_nodes(address: str, count: int, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-def _kill_marked(marker: str) -> None:
-    """SIGTERM, then SIGKILL, every process whose environment holds ``marker``.
+def _kill(groups: set[int], marker: str) -> None:
+    """SIGTERM, then SIGKILL, the cluster: its groups and its marked processes.
 
-    Ray's daemons and workers inherit it from ``ray start``; some ignore
-    SIGTERM (gRPC threads), hence the second signal.
+    The GCS, the raylet and the autoscaler's monitor ignore SIGTERM (``ray
+    stop`` waits 16 s for them, then kills): a throw-away cluster gets 1 s to
+    flush its workers' logs, then SIGKILL, as ``ray stop --force``.
     """
     wanted = f"{MARKER}={marker}".encode()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _pids_with(wanted)
+    groups = groups - {os.getpgid(0)}  # never the test's own group
+    for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
+        pids = _members(groups, wanted)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + grace
         while pids and time.monotonic() < deadline:
-            pids = _pids_with(wanted)
             time.sleep(0.2)
+            pids = _members(groups, wanted)
         if not pids:
             return
 
 
-def _pids_with(entry: bytes) -> list[int]:
-    """Live processes (this one excepted) whose environment holds ``entry``."""
+def _members(groups: set[int], marker: bytes) -> list[int]:
+    """Live processes (this one excepted) in ``groups`` or with ``marker``.
+
+    A zombie is dead already (its parent has yet to reap it): left out.
+    """
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
-        with contextlib.suppress(OSError):
-            if entry in (proc / "environ").read_bytes().split(b"\0"):
-                # A zombie keeps its environment until its parent reaps it:
-                # it is dead already.
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    pids.append(int(proc.name))
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            if int(fields[2]) in groups or marker in (
+                (proc / "environ").read_bytes().split(b"\0")
+            ):
+                pids.append(int(proc.name))
     return pids
