@@ -198,3 +198,21 @@ def test_a_job_slurm_restarted_resumes_from_its_checkpoint(tmp_path: Path) -> No
     results = json.loads((sweep / "0" / "results.json").read_text())
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3]
     assert results["summary"]["complete"]
+
+
+def test_a_ray_address_where_nothing_listens_fails_at_once() -> None:
+    """Flower's Ray backend would wait for the cluster without end."""
+    import socket
+
+    from flwr_prox_strategies._processes import free_port
+    from flwr_prox_strategies.experiment.sweep import check_ray_address
+
+    with pytest.raises(ValueError, match="host:port"):
+        check_ray_address("10.0.0.1")
+    with pytest.raises(ConnectionError, match="no Ray cluster at ray_address="):
+        check_ray_address(f"127.0.0.1:{free_port()}", timeout=2)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_ray_address(f"127.0.0.1:{listening.getsockname()[1]}")
+    check_ray_address("auto")  # left to Ray

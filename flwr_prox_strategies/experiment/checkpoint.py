@@ -223,6 +223,7 @@ RESUME_FREE_KEYS = frozenset(
         "engine",
         "num_cpus_per_client",
         "cpus_per_job",
+        "ray_address",
         "target_accuracy",
         "hydra",
     }

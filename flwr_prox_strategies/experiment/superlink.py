@@ -48,6 +48,12 @@ class PrivateSuperLink:
         Where the SuperLink logs (kept when the job ends).
     startup_timeout : float, default 120
         Seconds to wait for its health endpoint.
+    ray_address : str, default ""
+        A running Ray cluster (``host:port``) for its simulations' ClientApps:
+        ``RAY_ADDRESS`` in its environment, which Flower's Ray backend
+        (``ray.init()``) reads. Empty: each simulation starts a Ray of its own
+        (``RAY_ADDRESS=local``), even on a node of a running cluster and
+        whatever ``RAY_ADDRESS`` ``env`` holds.
 
     Attributes
     ----------
@@ -65,14 +71,19 @@ class PrivateSuperLink:
         env: dict[str, str],
         log_file: Path,
         startup_timeout: float = 120.0,
+        ray_address: str = "",
     ) -> None:
         self.cwd = cwd
         self.log_file = log_file
         self.startup_timeout = startup_timeout
         self.home = Path(tempfile.mkdtemp(prefix="flwr-prox-superlink-"))
         self.env = {**env, "FLWR_HOME": str(self.home)}
-        # A RAY_ADDRESS would attach the job's simulation to a shared cluster.
-        self.env.pop("RAY_ADDRESS", None)
+        # Flower's Ray backend calls ray.init() without an address: Ray then
+        # attaches to the cluster RAY_ADDRESS names, else to the one the last
+        # `ray start` on this machine recorded (<temp dir>/ray_current_cluster,
+        # written on every node of a cluster). Only the one asked for: "local"
+        # starts a Ray of the run's own, whatever this machine runs.
+        self.env["RAY_ADDRESS"] = ray_address or "local"
         self.env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def flwr_run(
     cpus_per_client: float = 1,
     job_cpus: int | None = None,
     resume: bool = False,
+    ray_address: str = "",
     log_file: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
@@ -138,12 +140,24 @@ def flwr_run(
     each starting a Ray of all of them; the ServerApp and the clients get
     ``OMP_NUM_THREADS`` = a client's CPUs unless it is set. ``resume``
     continues the run from the checkpoint in ``output_dir``.
+
+    ``ray_address`` (``host:port`` of a running Ray cluster) runs the
+    simulation's ClientApps on that cluster instead (``RAY_ADDRESS`` in the
+    SuperLink's environment): its nodes' CPUs, not ``job_cpus``, bound the
+    actors, and Ray refuses ``init-args-num-cpus`` when it attaches. Flower
+    disconnects when the run ends; the cluster stays up.
     """
     override_str = shlex.join(overrides)
     if "'" in override_str:
         raise ValueError(f"overrides cannot contain single quotes: {override_str}")
-    ray_cpus = job_cpus or available_cpus()
-    client_cpus = min(float(cpus_per_client), ray_cpus)
+    if ray_address:
+        check_ray_address(ray_address)
+        client_cpus = float(cpus_per_client)
+        ray_init = ""
+    else:
+        ray_cpus = job_cpus or available_cpus()
+        client_cpus = min(float(cpus_per_client), ray_cpus)
+        ray_init = f" init-args-num-cpus={ray_cpus}"
     threads = max(math.floor(client_cpus), 1)
     run_env = {
         **flower_env(),
@@ -154,7 +168,10 @@ def flwr_run(
     log_file = log_file or output_dir / "flwr.log"
     output_dir.mkdir(parents=True, exist_ok=True)
     with PrivateSuperLink(
-        cwd=output_dir, env=run_env, log_file=output_dir / "superlink.log"
+        cwd=output_dir,
+        env=run_env,
+        log_file=output_dir / "superlink.log",
+        ray_address=ray_address,
     ) as link:
         command = [
             flower_executable("flwr"),
@@ -164,7 +181,7 @@ def flwr_run(
             "--stream",
             "--federation-config",
             f"num-supernodes={num_supernodes} client-resources-num-cpus="
-            f"{client_cpus:g} init-args-num-cpus={ray_cpus}",
+            f"{client_cpus:g}{ray_init}",
             "--run-config",
             f"{RUN_OVERRIDES}='{override_str}' {RUN_OUTPUT_DIR}='{output_dir}'"
             + (f" {RUN_RESUME}='{output_dir}'" if resume else ""),
@@ -195,6 +212,42 @@ def flwr_run(
         f"{' - ' + details if details else ''}; results complete: {bool(done)}); "
         f"log {log_file}:\n{tail}"
     )
+
+
+def check_ray_address(address: str, timeout: float = 10.0) -> None:
+    """Fail at once when nothing listens at a Ray cluster's address.
+
+    Flower's Ray backend would wait for the cluster without end: the run
+    hangs in its first round, not failing before ``round_timeout``.
+
+    Parameters
+    ----------
+    address : str
+        ``host:port`` of the cluster's head (its GCS). ``auto`` and Ray Client
+        addresses (``ray://...``) are left to Ray.
+    timeout : float, default 10
+        Seconds to wait for the connection.
+
+    Raises
+    ------
+    ValueError
+        When ``address`` is not ``host:port``.
+    ConnectionError
+        When nothing accepts a connection there.
+    """
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"ray_address must be host:port, got {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout):
+            pass
+    except OSError as err:
+        raise ConnectionError(
+            f"no Ray cluster at ray_address={address} ({err}): start one with "
+            f"`ray start --head --port {port}`, or leave ray_address empty"
+        ) from err
 
 
 def run_inprocess(
@@ -248,6 +301,18 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+#: Config keys for the job's runner, not the experiment: left out of the
+#: overrides the ServerApp gets and of the summary. (A multirun's job gets
+#: ``ray_address=127.0.0.1\:6379``, Hydra's escape of the colon, which the
+#: shell line of ``flwr run`` would quote.)
+_RUNNER_KEYS = ("engine", "ray_address")
+
+
+def _runner_only(override: str) -> bool:
+    """Whether an override sets a key of :data:`_RUNNER_KEYS`."""
+    return override.split("=", 1)[0].lstrip("+~") in _RUNNER_KEYS
+
+
 def run_job(cfg: DictConfig) -> float:
     """Run the current Hydra job; return its final accuracy (for optimisers).
 
@@ -258,7 +323,7 @@ def run_job(cfg: DictConfig) -> float:
     """
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
-    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("engine=")]
+    overrides = [o for o in hydra_cfg.overrides.task if not _runner_only(o)]
     engine = str(cfg.engine)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -323,6 +388,7 @@ def _run_engine(
             cpus_per_client=float(cfg["num_cpus_per_client"]),
             job_cpus=cpus,
             resume=resume,
+            ray_address=str(cfg.get("ray_address") or ""),
         )
     threads = (
         None
@@ -525,9 +591,7 @@ def _job_row(job: Path) -> dict[str, Any]:
     )
     return {
         "job": job.name,
-        "overrides": " ".join(
-            str(o) for o in overrides if not str(o).startswith("engine=")
-        ),
+        "overrides": " ".join(str(o) for o in overrides if not _runner_only(str(o))),
         "status": "unfinished",
         "error": f"no {JOB_SUMMARY}: the job stopped before it ended (see its log)",
     }

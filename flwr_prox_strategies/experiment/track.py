@@ -34,6 +34,7 @@ UNNAMED = (
     "hydra",
     "num_cpus_per_client",
     "cpus_per_job",
+    "ray_address",
     "node_wait_timeout",
 )
 

@@ -16,7 +16,10 @@ from omegaconf import DictConfig
 
 
 class SearchSweeper(Sweeper):
-    """Optuna's study over a sweep's jobs; see :class:`~flwr_prox_strategies.experiment.search.Search`."""
+    """Optuna's study over a sweep's jobs.
+
+    See :class:`flwr_prox_strategies.experiment.search.Search` for the options.
+    """
 
     def __init__(self, **options: Any) -> None:
         from flwr_prox_strategies.experiment.search import Search

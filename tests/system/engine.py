@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -219,6 +220,21 @@ def simulate(env: dict[str, str], overrides: str, output: Path) -> Path:
     )
     assert status["status"] == "finished:completed", log[-3000:]
     return output
+
+
+def hydra_entry(
+    *arguments: str, env: dict[str, str], cwd: Path, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run ``python -m flwr_prox_strategies.experiment ARGUMENTS`` (output captured)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flwr_prox_strategies.experiment", *arguments],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def check_results(output: Path, rounds: int, strategy: str) -> dict:

@@ -86,7 +86,7 @@ class ClusterJob:
     Attributes
     ----------
     job_id : str
-        Its id in hex (``"02000000"``), as in its workers' log file names.
+        Its id in hex (``"02000000"``), as in its workers' logs.
     entrypoint : str
         The driver's command line.
     finished : bool
@@ -119,7 +119,7 @@ def cluster_jobs(address: str) -> list[ClusterJob]:
     list[ClusterJob]
         Its jobs, oldest first.
     """
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # no stub
 
     table = GcsClient(address=address).get_all_job_info(timeout=30)
     jobs = [
@@ -150,7 +150,7 @@ def alive_nodes(address: str) -> int:
     int
         Its live nodes (the head counts).
     """
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # no stub
 
     nodes = GcsClient(address=address).get_all_node_info(timeout=30)
     return sum(1 for info in nodes.values() if info.state == 0)  # 0: ALIVE
@@ -159,9 +159,12 @@ def alive_nodes(address: str) -> int:
 def worker_logs(folder: Path, job_id: str) -> dict[Path, str]:
     """Return the log files (and texts) of the cluster's workers for one job.
 
-    Ray names a worker's stdout and stderr ``worker-<worker id>-<job id>-<pid>``
-    (``.out``, ``.err``); an actor's ``.out`` starts with
-    ``:actor_name:<class>``.
+    Ray writes a worker's stdout and stderr to
+    ``worker-<worker id>-<job id>-<pid>.out`` and ``.err``, and each time the
+    worker starts serving a job, a line ``:job_id:<job id>`` in both, then
+    ``:task_name:<function>`` or ``:actor_name:<class>``. Workers Ray starts
+    ahead of demand have no job yet (``ffffffff`` in the name): the line
+    tells which job they served.
 
     Parameters
     ----------
@@ -176,10 +179,12 @@ def worker_logs(folder: Path, job_id: str) -> dict[Path, str]:
         Each file and its text.
     """
     logs = folder / TEMP_LINK / "session_latest" / "logs"
-    return {
-        path: path.read_text(errors="replace")
-        for path in sorted(logs.glob(f"worker-*-{job_id}-*.*"))
-    }
+    found = {}
+    for path in sorted(logs.glob("worker-*")):
+        text = path.read_text(errors="replace")
+        if f"-{job_id}-" in path.name or f":job_id:{job_id}\n" in text:
+            found[path] = text
+    return found
 
 
 @contextlib.contextmanager

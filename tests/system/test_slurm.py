@@ -17,14 +17,13 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from .engine import REPO
+from .engine import REPO, hydra_entry
 from .slurm_cluster import SlurmUnavailable, single_node_slurm
 
 pytestmark = pytest.mark.slow
@@ -60,18 +59,12 @@ def test_each_job_of_a_submitit_sweep_runs_as_a_slurm_job_and_is_summarised(
     # The jobs start `python -m submitit.core._submit` in this working folder
     # with this environment (sbatch exports it): they import this checkout.
     pythonpath = os.pathsep.join(filter(None, [str(REPO), slurm.get("PYTHONPATH")]))
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "flwr_prox_strategies.experiment", "-m"),
-            *SWEEP,
-            f"hydra.sweep.dir={sweep}",
-        ],
+    out = hydra_entry(
+        "-m",
+        *SWEEP,
+        f"hydra.sweep.dir={sweep}",
         env={**slurm, "PYTHONPATH": pythonpath},
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
