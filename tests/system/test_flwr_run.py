@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,74 +77,26 @@ def test_node_count_mismatch_fails_fast_with_the_fix(
     assert "num-supernodes=4" in log and "num_clients=4" in log
 
 
-def test_a_sweep_outside_a_checkout_runs_its_job_through_flwr_run(
-    engine: dict[str, str], tmp_path: Path
-) -> None:
-    """A Hydra multirun whose job is a real `flwr run`, started outside any
-    checkout: it runs the Flower app the pack writes for itself (a folder
-    holding only a pyproject.toml whose components are the package's), as a
-    pip-installed pack does. The job's ServerApp logs to the sweep's MLflow
-    experiment, a run named by its swept key, and Flower's lines are in the
-    job's log once. (The comparison of several settings is the same code in
-    process, tests/test_experiment.py.)"""
-    app = write_app_dir(tmp_path / "app")
-    assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
-    sweep_dir = tmp_path / "sweep"
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "flwr_prox_strategies.experiment", "-m"),
-            "strategy=fedprox",
-            "num_clients=3",
-            "num_rounds=2",
-            "model=logreg",
-            "seed=choice(0)",  # one job, its swept key names its run
-            "logger=mlflow",
-            f"hydra.sweep.dir={sweep_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        env={**engine, "FLWR_PROX_APP_DIR": str(app)},
-        cwd=tmp_path,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"flwr run {app} job --stream" in out.stdout + out.stderr, out.stderr[-2000:]
-    with open(sweep_dir / "summary.csv") as handle:
-        rows = list(csv.DictReader(handle))
-    assert [r["strategy"] for r in rows] == ["FedProx"]
-    assert all(r["engine"] == "flwr" and float(r["final-accuracy"]) > 0.3 for r in rows)
-    assert (sweep_dir / "comparison.png").is_file()
-    # Each of Flower's records once in a flwr run's log, in Flower's format.
-    log = (sweep_dir / "0" / "flwr.log").read_text().splitlines()
-    assert len([line for line in log if "configure_train: sampled" in line]) == 2
-    assert not [line for line in log if "][flwr][" in line]
-    # The ServerApp of each flwr run logged to the sweep's MLflow experiment.
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{sweep_dir.resolve() / 'mlflow.db'}")
-    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
-    runs = client.search_runs([experiment.experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["seed=0"]
-    for run, row in zip(sorted(runs, key=lambda r: r.info.run_name), rows, strict=True):
-        assert run.info.status == "FINISHED"
-        assert run.data.metrics["central/accuracy"] == float(row["final-accuracy"])
-
-
-def test_a_parallel_sweep_runs_engine_jobs_side_by_side_and_names_the_failed_one(
+def test_a_parallel_sweep_outside_a_checkout_runs_engine_jobs_side_by_side(
     tmp_path: Path,
 ) -> None:
-    """Two `engine=flwr` jobs at once through Hydra's joblib launcher: Flower's
-    managed SuperLink listens on fixed ports, so the second job failed to
-    start one ("Failed to start local SuperLink"). Each job now runs on a
-    SuperLink of its own (its port, Flower home and working folder) with a
-    Ray of its share of the CPUs (2 jobs on 2 cores: 1 each). One job fails in
-    its ServerApp (FedProx's mu = -1): the other still completes, the summary
-    keeps the failed job's row with Flower's status of its run
+    """Two `engine=flwr` jobs at once through Hydra's joblib launcher, started
+    outside any checkout: each runs the Flower app the pack writes for itself
+    (a folder holding only a pyproject.toml whose components are the
+    package's), as a pip-installed pack does. Flower's managed SuperLink
+    listens on fixed ports, so the second job failed to start one ("Failed to
+    start local SuperLink"): each job now runs on a SuperLink of its own (its
+    port, Flower home and working folder) with a Ray of its share of the CPUs
+    (2 jobs on 2 cores: 1 each). One job fails in its ServerApp (FedProx's
+    mu = -1): the other still completes and logs to the sweep's MLflow
+    experiment, a run named by its swept key, Flower's lines in its log once;
+    the summary keeps the failed job's row with Flower's status of its run
     (`flwr run --stream` exits 0 when the ServerApp fails), the sweep exits 1
     naming it, and no process of theirs is left."""
     from flwr_prox_strategies._processes import process_cmdlines
 
+    app = write_app_dir(tmp_path / "app")
+    assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
     sweep = tmp_path / "sweep"
     command = [
         sys.executable,
@@ -159,13 +112,21 @@ def test_a_parallel_sweep_runs_engine_jobs_side_by_side_and_names_the_failed_one
         "num_rounds=2",
         "model=logreg",
         "train.local_epochs=1",
+        "logger=mlflow",
         f"hydra.sweep.dir={sweep}",
     ]
     out = subprocess.run(
-        command, capture_output=True, text=True, cwd=tmp_path, timeout=600
+        command,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "FLWR_PROX_APP_DIR": str(app)},
+        timeout=600,
     )
     assert out.returncode == 1, out.stderr[-3000:]
+    printed = out.stdout + out.stderr
     assert "1 job(s) of the sweep did not complete" in out.stderr, out.stderr[-3000:]
+    assert f"flwr run {app} job --stream" in printed, printed[-2000:]
     with open(sweep / "summary.csv") as handle:
         rows = {r["job"]: r for r in csv.DictReader(handle)}
     assert (
@@ -174,6 +135,7 @@ def test_a_parallel_sweep_runs_engine_jobs_side_by_side_and_names_the_failed_one
     assert rows["1"]["status"] == "failed"
     assert "finished:failed" in rows["1"]["error"] and "mu" in rows["1"]["error"]
     assert {r["cpus"] for r in rows.values()} == {"1"}
+    assert {r["engine"] for r in rows.values()} == {"flwr"}
     ports, starts, ends = set(), [], []
     for job in ("0", "1"):
         log = (sweep / job / "flwr.log").read_text()
@@ -186,6 +148,19 @@ def test_a_parallel_sweep_runs_engine_jobs_side_by_side_and_names_the_failed_one
         ends.append((sweep / job / "job.json").stat().st_mtime)
     assert len(ports) == 2, ports  # two SuperLinks, not one shared
     assert max(starts) < min(ends)  # both ran at once
-    assert "init-args-num-cpus=1" in out.stderr
+    assert "init-args-num-cpus=1" in printed
     assert (sweep / "comparison.png").is_file()
+    # Each of Flower's records once in a flwr run's log, in Flower's format.
+    log = (sweep / "0" / "flwr.log").read_text().splitlines()
+    assert len([line for line in log if "configure_train: sampled" in line]) == 2
+    assert not [line for line in log if "][flwr][" in line]
+    # The completed job's ServerApp logged to the sweep's MLflow experiment.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{sweep.resolve() / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert runs["strategy.mu=0.5"].info.status == "FINISHED", sorted(runs)
+    accuracy = runs["strategy.mu=0.5"].data.metrics["central/accuracy"]
+    assert accuracy == float(rows["0"]["final-accuracy"])
     assert not [c for c in process_cmdlines().values() if "flwr-prox-superlink-" in c]
