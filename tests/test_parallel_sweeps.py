@@ -216,3 +216,15 @@ def test_a_ray_address_where_nothing_listens_fails_at_once() -> None:
         listening.listen()
         check_ray_address(f"127.0.0.1:{listening.getsockname()[1]}")
     check_ray_address("auto")  # left to Ray
+
+
+def test_a_sweep_whose_jobs_wrote_nothing_here_fails(tmp_path: Path) -> None:
+    """A Ray worker resolves a relative sweep folder in its own working
+    folder: the sweep's process finds no job and must not end as a success."""
+    from omegaconf import OmegaConf
+
+    from flwr_prox_strategies.experiment.sweep import SweepSummary
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.raises(SweepFailed, match=r"absolute hydra\.sweep\.dir"):
+        SweepSummary().on_multirun_end(config)

@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 from optuna.distributions import (
     CategoricalDistribution,
     FloatDistribution,
@@ -166,3 +167,75 @@ def test_a_three_trial_study_reports_the_best_and_resumes(tmp_path: Path) -> Non
     # Resuming with another objective is refused: the stored values would mix.
     out = _search(sweep, 6, "hydra.sweeper.objective=best-accuracy")
     assert out.returncode != 0 and "optimises final-loss" in out.stderr
+
+
+class _Jobs:
+    """Hydra's launcher protocol, each job's summary written as ``record`` says.
+
+    The objective is read from the jobs' ``job.json`` files, so a launcher that
+    writes them stands for every real one (joblib, SLURM, Ray) here.
+    """
+
+    def __init__(self, sweep: Path, record) -> None:
+        self.sweep, self.record, self.launched = sweep, record, []
+
+    def launch(self, batch, initial_job_idx):
+        from hydra.core.utils import JobReturn
+        from omegaconf import OmegaConf
+
+        returns = []
+        for offset, overrides in enumerate(batch):
+            job = self.sweep / str(initial_job_idx + offset)
+            job.mkdir(parents=True, exist_ok=True)
+            self.launched.append((job.name, list(overrides)))
+            mu = float(
+                next(o for o in overrides if o.startswith("strategy.mu=")).split("=")[1]
+            )
+            (job / "job.json").write_text(json.dumps(self.record(mu)))
+            ret = JobReturn()
+            ret.hydra_cfg = OmegaConf.create(
+                {"hydra": {"runtime": {"output_dir": str(job)}}}
+            )
+            ret.cfg = OmegaConf.create({"num_rounds": 30})
+            returns.append(ret)
+        return returns
+
+
+def _study(tmp_path: Path, record, **options) -> tuple[Search, _Jobs]:
+    search = Search(**options)
+    search.sweep_dir = tmp_path
+    search.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    search.launcher = _Jobs(tmp_path, record)  # type: ignore[assignment]
+    return search, search.launcher
+
+
+def test_a_failed_trial_is_failed_in_the_study_and_a_missed_target_counts_more_rounds(
+    tmp_path: Path,
+) -> None:
+    def record(mu: float) -> dict:
+        if mu > 0.3:  # the job raised: its summary says so
+            return {"status": "failed", "error": "ValueError: boom"}
+        # rounds-to-target None: the target was never reached in 30 rounds
+        return {"status": "completed", "rounds-to-target": None if mu < 0.01 else 7}
+
+    search, jobs = _study(
+        tmp_path, record, objective="rounds-to-target", n_trials=8, n_jobs=3, seed=3
+    )
+    best = search.sweep(["strategy=fedprox", "strategy.mu=tag(log,interval(0.001,1))"])
+    found = json.loads((tmp_path / "search.json").read_text())
+    assert found["direction"] == "minimize" and len(found["trials"]) == 8
+    # Jobs 0..7 in batches of 3, 3, 2; every trial gets the fixed override.
+    assert [name for name, _ in jobs.launched] == [str(n) for n in range(8)]
+    assert all(overrides[0] == "strategy=fedprox" for _, overrides in jobs.launched)
+    for trial in found["trials"]:
+        mu = trial["params"]["strategy.mu"]
+        if mu > 0.3:
+            assert trial["state"] == "fail" and trial["value"] is None
+        else:
+            assert trial["state"] == "complete"
+            assert trial["value"] == (31 if mu < 0.01 else 7)  # num_rounds + 1
+    assert best["value"] == 7 and found["best"] == best
+    # The seeded sampler drew each case: a failed job, a missed target, a hit.
+    values = [t["value"] for t in found["trials"]]
+    assert None in values and 31 in values and 7 in values, found["trials"]
+    assert (tmp_path / "search.png").stat().st_size > 5_000

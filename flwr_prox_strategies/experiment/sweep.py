@@ -818,7 +818,7 @@ class SweepSummary(Callback):
 
     When a job failed or never ended, it raises :class:`SweepFailed` after the
     summary is written, naming those jobs and their errors: the sweep exits
-    with status 1 and that message.
+    with status 1 and that message. So it does when no job folder is there.
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
@@ -827,7 +827,15 @@ class SweepSummary(Callback):
         where = where_for_sweep(config, sweep_dir)
         if where:
             log(INFO, "Sweep tracked; to look: %s", where)
-        if outcome and outcome.not_completed:
+        if outcome is None:
+            # Jobs a launcher ran elsewhere resolve a relative sweep folder in
+            # their own working folder (a Ray worker's): nothing came back here.
+            raise SweepFailed(
+                f"no job folder under {sweep_dir}: with a launcher that runs "
+                "jobs on other processes or machines (Ray, SLURM), give an "
+                "absolute hydra.sweep.dir that every node sees"
+            )
+        if outcome.not_completed:
             lines = [
                 f"job {row['job']} ({row['overrides'] or 'no overrides'}): "
                 f"{row['status']}: {row.get('error')}"
