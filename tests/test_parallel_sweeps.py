@@ -157,45 +157,33 @@ def test_a_parallel_sweep_with_a_failed_job_finishes_the_others_and_exits_1(
     assert (tmp_path / "comparison.png").stat().st_size > 10_000
 
 
-def _sweep_job(folder: Path, rounds: int, **env: str) -> subprocess.CompletedProcess:
-    import os
-
-    command = [
-        sys.executable,
-        "-m",
-        "flwr_prox_strategies.experiment",
-        "-m",
-        "engine=inprocess",
-        "num_clients=3",
-        f"num_rounds={rounds}",
-        "model=logreg",
-        "strategy=fedavg",
-        f"hydra.sweep.dir={folder}",
-    ]
-    return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        cwd=folder.parent,
-        timeout=300,
-        env={**os.environ, **env},
-    )
-
-
-@pytest.mark.long
-def test_a_job_slurm_restarted_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+def test_a_job_slurm_restarted_resumes_from_its_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SLURM requeues a pre-empted job into the same folder, with
     SLURM_RESTART_COUNT set: the job continues from its checkpoint. Without
     a restart, a folder holding a run is refused (not overwritten)."""
-    sweep = tmp_path / "sweep"
-    assert _sweep_job(sweep, 2).returncode == 0
-    (sweep / "0" / "job.json").unlink()  # as if killed after its checkpoint
-    again = _sweep_job(sweep, 3)
-    assert again.returncode == 1 and "already holds a run" in again.stderr
-    out = _sweep_job(sweep, 3, SLURM_RESTART_COUNT="1")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "SLURM restarted it (1 time(s)): resuming from" in out.stderr
-    results = json.loads((sweep / "0" / "results.json").read_text())
+    from flwr_prox_strategies.experiment.checkpoint import CheckpointError
+    from flwr_prox_strategies.experiment.sweep import (
+        requeued_with_checkpoint,
+        run_inprocess,
+    )
+
+    job = tmp_path / "0"
+    small = ["num_clients=3", "model=logreg", "strategy=fedavg"]
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert not requeued_with_checkpoint(job)  # nothing there yet
+    run_inprocess([*small, "num_rounds=2"], job, 3, threads=1)  # then pre-empted
+    assert not requeued_with_checkpoint(job)  # not restarted: refused below
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        run_inprocess([*small, "num_rounds=3"], job, 3, threads=1)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert requeued_with_checkpoint(job)
+    results = json.loads(
+        run_inprocess(
+            [*small, "num_rounds=3"], job, 3, threads=1, resume=True
+        ).read_text()
+    )
     assert [r["round"] for r in results["rounds"]] == [0, 1, 2, 3]
     assert results["summary"]["complete"]
 
