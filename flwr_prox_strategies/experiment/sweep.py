@@ -49,7 +49,7 @@ from .._executables import flower_env, flower_executable
 from .appdir import make_client_app, write_app_dir
 from .checkpoint import CHECKPOINT_FILE
 from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
-from .launchers import CPUS_PER_JOB, available_cpus, job_cpus
+from .launchers import CPUS_PER_JOB, JobCpus, available_cpus, job_cpus
 from .results import OBJECTIVES, RESULTS_FILE, pyplot
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
 from .track import sweep_overrides, where_for_sweep
@@ -329,24 +329,29 @@ def run_job(cfg: DictConfig) -> float:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     ran = overrides
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    sweep_dir = Path(hydra_cfg.sweep.dir)
+    arguments = _sweep_arguments(sweep_dir) if multirun else []
+    total = _sweep_size_now(arguments) if multirun else None
     explicit = cfg.get(CPUS_PER_JOB)
     share = job_cpus(
         hydra_cfg.launcher,
-        jobs=_sweep_size_now(Path(hydra_cfg.sweep.dir)) if multirun else None,
+        jobs=total,
         explicit=None if explicit is None else int(explicit),
     )
     if multirun:
-        sweep_dir = Path(hydra_cfg.sweep.dir)
-        swept = swept_keys(_sweep_arguments(sweep_dir))
+        swept = swept_keys(arguments)
         ran = [*overrides, *sweep_overrides(cfg, sweep_dir, swept)]
         log_progress(
-            sweep_dir, int(hydra_cfg.job.num), overrides, at_once=share.at_once
+            sweep_dir,
+            int(hydra_cfg.job.num),
+            overrides,
+            total=total,
+            at_once=share.at_once,
         )
-    log(INFO, "Job CPUs: %d (%s)", share.cpus, share.reason)
     record: dict[str, Any] = {
         "overrides": " ".join(overrides),
         "engine": engine,
-        "cpus": share.cpus,
+        "cpus": _applied_cpus(cfg, engine, share),
     }
     start = time.monotonic()
     try:
@@ -373,6 +378,24 @@ def run_job(cfg: DictConfig) -> float:
     (job_dir / JOB_SUMMARY).write_text(json.dumps(record, indent=2))
     final = record["final-accuracy"]
     return float(final) if final is not None else float("nan")
+
+
+def _applied_cpus(cfg: DictConfig, engine: str, share: JobCpus) -> int | None:
+    """Log and return the CPU bound the job applies (None: it applies none).
+
+    ``engine=flwr`` gives its own Ray the share (``init-args-num-cpus``), but a
+    ``ray_address`` cluster's CPUs bound its actors instead; ``engine=inprocess``
+    sets torch's threads to ``min(num_cpus_per_client, share)``, unless
+    ``OMP_NUM_THREADS`` sets them (as :func:`_run_engine` decides).
+    """
+    if engine == "flwr" and cfg.get("ray_address"):
+        log(INFO, "Job CPUs: the Ray cluster's at ray_address=%s", cfg.ray_address)
+        return None
+    if engine == "inprocess" and os.environ.get("OMP_NUM_THREADS"):
+        log(INFO, "Job CPUs: torch threads from OMP_NUM_THREADS (%s)", share.reason)
+        return None
+    log(INFO, "Job CPUs: %d (%s)", share.cpus, share.reason)
+    return share.cpus
 
 
 def _run_engine(
@@ -420,16 +443,17 @@ def requeued_with_checkpoint(job_dir: Path) -> bool:
     return True
 
 
-def _sweep_size_now(sweep_dir: Path) -> int | None:
+def _sweep_size_now(arguments: Sequence[str]) -> int | None:
     """Return the current multirun's number of jobs (None: cannot tell).
 
-    A search (``hydra/sweeper=search``) runs ``n_trials`` jobs in all.
+    ``arguments``: the multirun's overrides (:func:`_sweep_arguments`). A
+    search (``hydra/sweeper=search``) runs ``n_trials`` jobs in all.
     """
     sweeper = HydraConfig.get().sweeper
     target = str(sweeper.get("_target_"))
     if target.endswith(".SearchSweeper"):
         return int(sweeper.n_trials)
-    return sweep_size(_sweep_arguments(sweep_dir), target)
+    return sweep_size(arguments, target)
 
 
 def _sweep_arguments(sweep_dir: Path) -> list[str]:
@@ -504,7 +528,12 @@ def _sweeps_of(argv: Sequence[str]) -> list[Override] | None:
 
 
 def log_progress(
-    sweep_dir: Path, job: int, overrides: Sequence[str], *, at_once: int = 1
+    sweep_dir: Path,
+    job: int,
+    overrides: Sequence[str],
+    *,
+    total: int | None,
+    at_once: int = 1,
 ) -> None:
     """Log which job of how many starts, the time so far and an estimate of the rest.
 
@@ -522,10 +551,11 @@ def log_progress(
         The job's number (from 0, Hydra's ``job.num``).
     overrides : Sequence[str]
         The job's overrides, for the line.
+    total : int | None
+        The sweep's number of jobs (None: unknown).
     at_once : int (default: 1)
         How many jobs run at a time.
     """
-    total = _sweep_size_now(sweep_dir)
     records = [json.loads(p.read_text()) for p in sweep_dir.glob(f"*/{JOB_SUMMARY}")]
     times = [float(r.get("wall-time-s") or 0.0) for r in records]
     failed = sum(r.get("status") == "failed" for r in records)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +156,6 @@ def test_a_run_with_ray_address_runs_its_clientapps_on_the_cluster_and_leaves_it
     assert driver.finished
     assert alive_nodes(address) == 1
     assert (run / "results.json").is_file()
+    # The cluster's CPUs bounded the run, not a share of the job's own.
+    assert json.loads((run / "job.json").read_text())["cpus"] is None
+    assert "Job CPUs: the Ray cluster's at ray_address=" in log
