@@ -40,7 +40,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from flwr_prox_strategies.experiment.sweep import run_inprocess
+from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
 OPTIMIZERS = {
     "sgd": ["train.optimizer=sgd", "train.learning_rate=0.1"],

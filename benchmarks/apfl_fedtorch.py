@@ -123,7 +123,7 @@ from flwr_prox_strategies.experiment.data import (
     partition_indices,
     split_held_out,
 )
-from flwr_prox_strategies.experiment.sweep import run_inprocess
+from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
 SEEDS = (0, 1, 2)
 ROUNDS = 20

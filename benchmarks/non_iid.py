@@ -46,7 +46,7 @@ import matplotlib.pyplot as plt
 from curves import read_curves, write_curves
 from matplotlib.lines import Line2D
 
-from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
+from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
 
 # The official FedDyn/FedDC codes' settings: FedProx mu 1e-4; FedDyn alpha 1e-2
 # with its weight decay decoupled (the official penalty); FedDC alpha 0.1.

@@ -40,7 +40,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from curves import read_curves, write_curves
 
-from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
+from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
 
 RUNS = {
     "fedavg": ["strategy=fedavg", "train.finetune_steps=10"],

@@ -36,7 +36,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from flwr_prox_strategies.experiment.sweep import run_inprocess
+from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 from flwr_prox_strategies.ops.communication import expected_round_times, volumes
 from flwr_prox_strategies.ops.graphs import adjacency
 from flwr_prox_strategies.ops.mixing import consensus_rate, mixing_matrix

@@ -32,7 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from flwr_prox_strategies.experiment.sweep import flwr_run, run_inprocess
+from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
 
 STRATEGIES = {
     "fedavg": ["strategy=fedavg"],

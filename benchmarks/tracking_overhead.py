@@ -34,7 +34,7 @@ from flwr.common.logger import FLOWER_LOGGER
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.appdir import make_client_app
 from flwr_prox_strategies.experiment.server import run_experiment
-from flwr_prox_strategies.experiment.sweep import flwr_run
+from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run
 
 BACKENDS = ("none", "tensorboard", "mlflow", "wandb")
 HERE = Path(__file__).resolve().parent

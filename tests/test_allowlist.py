@@ -122,7 +122,7 @@ def test_a_pack_path_through_an_imported_module_is_refused() -> None:
 @pytest.mark.parametrize(
     "target",
     [
-        "flwr_prox_strategies.experiment.sweep.flwr_run",  # starts processes
+        "flwr_prox_strategies.experiment.sweeps.sweep.flwr_run",  # starts processes
         "flwr_prox_strategies.experiment.appdir.write_app_dir",  # writes files
         "flwr_prox_strategies.experiment.config._compose_cached",
         "flwr_prox_strategies.FedDyn.__init__",

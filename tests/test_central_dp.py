@@ -169,7 +169,7 @@ def test_central_dp_from_the_privacy_group_clips_every_update(
     of 1e-6 and no noise, the released model cannot move from the initial one."""
     import json
 
-    from flwr_prox_strategies.experiment.sweep import run_inprocess
+    from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
     overrides = [
         "strategy=fedprox",

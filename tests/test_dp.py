@@ -343,7 +343,7 @@ def test_clients_that_cannot_use_dp_sgd_say_why() -> None:
 def test_every_client_trains_privately_from_the_privacy_group(
     tmp_path: Path, strategy: str
 ) -> None:
-    from flwr_prox_strategies.experiment.sweep import run_inprocess
+    from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
     overrides = [
         f"strategy={strategy}",
@@ -435,7 +435,7 @@ def test_apfl_global_copy_takes_exactly_the_dp_sgd_steps_of_fedavg(mixing) -> No
 def test_a_run_whose_every_client_retires_stops_with_a_clear_message(
     tmp_path: Path,
 ) -> None:
-    from flwr_prox_strategies.experiment.sweep import run_inprocess
+    from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
     base = [
         "strategy=fedavg",

@@ -346,7 +346,7 @@ def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
 
 
 def test_a_failed_engine_run_is_named_by_the_run_id_flwr_printed() -> None:
-    from flwr_prox_strategies.experiment.superlink import started_run_id
+    from flwr_prox_strategies.experiment.sweeps.superlink import started_run_id
 
     log = "Using SuperLink: job (127.0.0.1:31011)\n🎊 Successfully started run 4242\n"
     assert started_run_id(log) == "4242"

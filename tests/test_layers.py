@@ -48,8 +48,16 @@ def test_the_pack_keeps_its_layers() -> None:
             "no import cycle",
         ),
         ("algorithms/fedavg.py", "from ..task import models", "algorithms know no"),
-        ("experiment/sweep.py", "import apps.client_app", "nothing imports the apps"),
-        ("experiment/sweep.py", "from . import apps", "nothing in the pack imports"),
+        (
+            "experiment/sweeps/sweep.py",
+            "import apps.client_app",
+            "nothing imports the apps",
+        ),
+        (
+            "experiment/sweeps/sweep.py",
+            "from .. import apps",
+            "nothing in the pack imports",
+        ),
         ("__init__.py", "from .experiment.apps import main", "nothing in the pack"),
     ],
 )

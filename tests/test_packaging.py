@@ -196,11 +196,11 @@ def test_written_app_declares_the_repository_apps_config_and_components() -> Non
 def test_sweep_outside_a_checkout_runs_its_own_written_app(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flwr_prox_strategies.experiment import sweep
-    from flwr_prox_strategies.experiment.sweep import APP_DIR_ENV, app_dir
+    from flwr_prox_strategies.experiment.sweeps import sweep
+    from flwr_prox_strategies.experiment.sweeps.sweep import APP_DIR_ENV, app_dir
 
     assert app_dir() == REPO  # in a checkout: the checkout
-    site = tmp_path / "site-packages" / "flwr_prox_strategies" / "experiment"
+    site = tmp_path / "site-packages" / "flwr_prox_strategies" / "experiment" / "sweeps"
     monkeypatch.setattr(sweep, "__file__", str(site / "sweep.py"))
     users_app = tmp_path / "users-own-app"  # another Flower app: not ours to run
     users_app.mkdir()

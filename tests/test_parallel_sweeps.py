@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flwr_prox_strategies.experiment import launchers
-from flwr_prox_strategies.experiment.launchers import job_cpus
-from flwr_prox_strategies.experiment.sweep import SweepFailed, summarise_sweep
+from flwr_prox_strategies.experiment.sweeps import launchers
+from flwr_prox_strategies.experiment.sweeps.launchers import job_cpus
+from flwr_prox_strategies.experiment.sweeps.sweep import SweepFailed, summarise_sweep
 
 JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -164,7 +164,7 @@ def test_a_job_slurm_restarted_resumes_from_its_checkpoint(
     SLURM_RESTART_COUNT set: the job continues from its checkpoint. Without
     a restart, a folder holding a run is refused (not overwritten)."""
     from flwr_prox_strategies.experiment.checkpoint import CheckpointError
-    from flwr_prox_strategies.experiment.sweep import (
+    from flwr_prox_strategies.experiment.sweeps.sweep import (
         requeued_with_checkpoint,
         run_inprocess,
     )
@@ -193,7 +193,7 @@ def test_a_ray_address_where_nothing_listens_fails_at_once() -> None:
     import socket
 
     from flwr_prox_strategies._processes import free_port
-    from flwr_prox_strategies.experiment.sweep import check_ray_address
+    from flwr_prox_strategies.experiment.sweeps.sweep import check_ray_address
 
     with pytest.raises(ValueError, match="host:port"):
         check_ray_address("10.0.0.1")
@@ -211,7 +211,7 @@ def test_a_sweep_whose_jobs_wrote_nothing_here_fails(tmp_path: Path) -> None:
     folder: the sweep's process finds no job and must not end as a success."""
     from omegaconf import OmegaConf
 
-    from flwr_prox_strategies.experiment.sweep import SweepSummary
+    from flwr_prox_strategies.experiment.sweeps.sweep import SweepSummary
 
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     with pytest.raises(SweepFailed, match=r"absolute hydra\.sweep\.dir"):

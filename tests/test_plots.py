@@ -27,7 +27,7 @@ from flwr_prox_strategies.experiment.results import (
     plot_run,
     positive_points,
 )
-from flwr_prox_strategies.experiment.sweep import plot_comparison
+from flwr_prox_strategies.experiment.sweeps.sweep import plot_comparison
 from flwr_prox_strategies.pfedavg_deploy.launcher import plot_deploy
 
 

@@ -179,7 +179,10 @@ def test_the_allow_list_takes_the_plugin_s_targets_only(nova: Path) -> None:
     assert plugin_targets() == ("flwr_nova.",)
     check_target("flwr_nova.Nova")
     check_target("flwr_nova.NovaClient")
-    for target in ("os.system", "flwr_prox_strategies.experiment.sweep.flwr_run"):
+    for target in (
+        "os.system",
+        "flwr_prox_strategies.experiment.sweeps.sweep.flwr_run",
+    ):
         with pytest.raises(ConfigNotAllowedError, match="is not allowed"):
             check_target(target)
     with pytest.raises(ConfigNotAllowedError, match=r"builtins\.open"):

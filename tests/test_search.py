@@ -25,7 +25,7 @@ from optuna.distributions import (
     IntDistribution,
 )
 
-from flwr_prox_strategies.experiment.search import Search, search_space
+from flwr_prox_strategies.experiment.sweeps.search import Search, search_space
 
 
 def _space(*overrides: str) -> dict:
@@ -62,7 +62,7 @@ def test_fixed_overrides_go_to_every_trial_and_the_command_line_wins() -> None:
         search_space(["strategy=fedprox"], None)
     with pytest.raises(ValueError, match="cannot search"):
         (override,) = OverridesParser.create().parse_overrides(["x=glob(*)"])
-        from flwr_prox_strategies.experiment.search import distribution_of
+        from flwr_prox_strategies.experiment.sweeps.search import distribution_of
 
         distribution_of(override)
 

@@ -266,7 +266,7 @@ def test_a_sweep_job_gets_the_sweep_folder_and_group_unless_set(tmp_path: Path) 
 
 
 def test_sweep_runs_are_named_by_the_swept_keys(tmp_path: Path) -> None:
-    from flwr_prox_strategies.experiment.sweep import swept_keys
+    from flwr_prox_strategies.experiment.sweeps.sweep import swept_keys
     from flwr_prox_strategies.experiment.track import build_tracker
 
     assert swept_keys(["-m", "strategy=fedavg,fedprox", "seed=0", "+x=1,2"]) == [
@@ -281,7 +281,7 @@ def test_sweep_runs_are_named_by_the_swept_keys(tmp_path: Path) -> None:
 
 
 def test_sweep_size_counts_the_basic_sweepers_jobs() -> None:
-    from flwr_prox_strategies.experiment.sweep import sweep_size
+    from flwr_prox_strategies.experiment.sweeps.sweep import sweep_size
 
     basic = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
     argv = ["-m", "strategy=fedavg,fedprox", "seed=0,1,2", "num_rounds=3"]

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from ..algorithms import PluginError, registered_algorithm
 from .config import CONF_DIR, KebabKeyError, check_snake_key
-from .sweep import run_job
+from .sweeps.sweep import run_job
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)

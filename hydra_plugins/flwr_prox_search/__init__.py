@@ -2,7 +2,7 @@
 
 Hydra finds sweepers only under the ``hydra_plugins`` namespace, and imports
 every module there whenever a Hydra app starts: this one imports Hydra alone,
-and the search itself (:mod:`flwr_prox_strategies.experiment.search`, Optuna)
+and the search itself (:mod:`flwr_prox_strategies.experiment.sweeps.search`, Optuna)
 only when a sweep asks for it.
 """
 
@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 class SearchSweeper(Sweeper):
     """Optuna's study over a sweep's jobs.
 
-    See :class:`flwr_prox_strategies.experiment.search.Search` for the options.
+    See :class:`flwr_prox_strategies.experiment.sweeps.search.Search` for the options.
     """
 
     def __init__(self, **options: Any) -> None:
-        from flwr_prox_strategies.experiment.search import Search
+        from flwr_prox_strategies.experiment.sweeps.search import Search
 
         self.search = Search(**options)
 

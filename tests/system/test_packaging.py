@@ -96,7 +96,7 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 
-import flwr_prox_strategies.experiment.search
+import flwr_prox_strategies.experiment.sweeps.search
 import optuna
 import submitit
 

@@ -48,7 +48,7 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from .results import OBJECTIVES, pyplot
+from ..results import OBJECTIVES, pyplot
 
 #: What ``search.json`` and ``search.png`` are called in the sweep folder.
 SEARCH_FILE = "search.json"

@@ -25,8 +25,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .._executables import flower_executable
-from .._processes import descendants_groups, free_port, kill_groups
+from ..._executables import flower_executable
+from ..._processes import descendants_groups, free_port, kill_groups
 
 #: The connection name ``flwr`` uses for the job's SuperLink.
 CONNECTION = "job"

@@ -45,14 +45,14 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .._executables import flower_env, flower_executable
-from .appdir import make_client_app, write_app_dir
-from .checkpoint import CHECKPOINT_FILE
-from .config import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
+from ..._executables import flower_env, flower_executable
+from ..appdir import make_client_app, write_app_dir
+from ..checkpoint import CHECKPOINT_FILE
+from ..config import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
+from ..results import OBJECTIVES, RESULTS_FILE, pyplot
+from ..track import sweep_overrides, where_for_sweep
 from .launchers import CPUS_PER_JOB, JobCpus, available_cpus, job_cpus
-from .results import OBJECTIVES, RESULTS_FILE, pyplot
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
-from .track import sweep_overrides, where_for_sweep
 
 JOB_SUMMARY = "job.json"
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
@@ -107,7 +107,7 @@ def app_dir() -> Path:
                 "with [tool.flwr.app])"
             )
         return Path(explicit).resolve()
-    for candidate in (Path(__file__).resolve().parents[2], Path.cwd()):
+    for candidate in (Path(__file__).resolve().parents[3], Path.cwd()):
         if _is_app(candidate, ours=True):
             return candidate.resolve()
     return _written_app_dir()
@@ -269,8 +269,8 @@ def run_inprocess(
     rounds of 20 clients (E=5, the digits MLP) take 56 s instead of 8 s on 2
     cores shared with other work: the threads wait for each other.
     """
-    from ..core.transport.inprocess import InProcessGrid
-    from .server import run_experiment
+    from ...core.transport.inprocess import InProcessGrid
+    from ..server import run_experiment
 
     run_config: dict[str, int | float | str | bool] = {
         RUN_OVERRIDES: shlex.join(overrides),
@@ -743,7 +743,7 @@ def plot_comparison(
     each colour's lines are thinner than the previous colour's, so that a curve
     drawn over a near-equal one leaves it visible as an outline.
     """
-    from .results import integer_rounds
+    from ..results import integer_rounds
 
     groups: dict[tuple[tuple[str, str], ...], list[dict[int, float]]] = {}
     for setting, curve in curves:
