@@ -17,22 +17,21 @@ import torch
 from flwr.app import Context, RecordDict
 
 from flwr_prox_strategies.experiment import config as config_module
+from flwr_prox_strategies.experiment.build import (
+    build_client,
+    build_model,
+    build_strategy,
+)
 from flwr_prox_strategies.experiment.config import (
     ALLOWED_TARGETS_ENV,
     ConfigNotAllowedError,
     allow_targets,
-    build_client,
-    build_model,
-    build_strategy,
     check_targets,
     compose_config,
+    config_from_run_config,
     instantiate,
 )
-from flwr_prox_strategies.experiment.server import (
-    config_from_run_config,
-    make_client,
-    run_experiment,
-)
+from flwr_prox_strategies.experiment.server import make_client, run_experiment
 
 CONF = Path(config_module.CONF_DIR)
 

@@ -15,12 +15,12 @@ from hydra.utils import get_class
 from flwr_prox_strategies import FedAvg, FedProx
 from flwr_prox_strategies.algorithms import ALGORITHMS
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+from flwr_prox_strategies.experiment.build import build_strategy, wait_for_clients
 from flwr_prox_strategies.experiment.config import (
-    build_strategy,
     compose_config,
     overrides_from_run_config,
 )
-from flwr_prox_strategies.experiment.server import run_experiment, wait_for_clients
+from flwr_prox_strategies.experiment.server import run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -30,16 +30,16 @@ from flwr_prox_strategies.algorithms import (
 )
 from flwr_prox_strategies.experiment import config as config_module
 from flwr_prox_strategies.experiment.__main__ import refuse_broken_plugins
+from flwr_prox_strategies.experiment.build import build_strategy, client_factory
 from flwr_prox_strategies.experiment.config import (
     ALLOWED_TARGETS_ENV,
     ConfigNotAllowedError,
-    build_strategy,
     check_target,
-    client_factory,
     compose_config,
+    config_from_run_config,
     plugin_targets,
 )
-from flwr_prox_strategies.experiment.server import config_from_run_config, make_client
+from flwr_prox_strategies.experiment.server import make_client
 
 SMALL = "num_clients=4 num_rounds=1 model=logreg train.local_epochs=1"
 

@@ -19,17 +19,14 @@ where it was found.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime as dt
 import hashlib
 import json
 import math
 import os
 import random
-import time
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -37,13 +34,11 @@ from typing import Any
 import hydra
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, MetricRecord
+from flwr.app import Array, ArrayRecord
 from flwr.common.logger import log
 from omegaconf import DictConfig, OmegaConf
 
-from ..tracking import Tracker, round_metrics
 from .config import RUN_OUTPUT_DIR, RUN_RESUME, check_target
-from .results import RunRecorder
 
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT = "flwr-prox-strategies checkpoint"
@@ -540,164 +535,67 @@ def load_resume(
     )
 
 
-class RoundEnd:
-    """The end of every round: central evaluation, ``results.json``, checkpoint.
+@dataclasses.dataclass
+class Checkpointing:
+    """Where one run writes, how it keeps checkpoints, and the run it continues."""
 
-    Passed to ``Strategy.start`` as ``evaluate_fn`` (Flower calls it after
-    every round, and once before the first), with :meth:`observing` around
-    ``start`` so each round's client metrics reach ``results.json`` as the
-    round ends. Round numbers here are the run's: a resumed ``start`` counts
-    from 1 again, ``offset`` (the checkpoint's round) is added. With a
-    ``tracker``, each round of ``results.json`` is logged to it as it ends.
+    folder: Path
+    every: int
+    client_states: str | None
+    resume: Resume | None
+
+
+def checkpointing(
+    cfg: DictConfig,
+    strategy: Any,
+    run_config: Mapping[str, Any],
+    new_folder: Callable[[], Path],
+) -> Checkpointing:
+    """Choose the run's folder, check its checkpoint policy, load a resumed run.
+
+    With ``resume`` in ``run_config``, the run continues in that folder and
+    the strategy's state is loaded here (:func:`load_resume`); else the run
+    goes to ``new_folder()``, which must not hold another run's checkpoint or
+    client state (:func:`refuse_used_folder`). Says where the checkpoints go
+    and, when the run could not be resumed after a crash, why.
+
+    Raises
+    ------
+    CheckpointError
+        From :func:`load_resume` or :func:`refuse_used_folder`.
+    ValueError
+        From :func:`check_checkpointing`.
     """
-
-    def __init__(
-        self,
-        *,
-        recorder: RunRecorder,
-        central: Callable[[int, ArrayRecord], MetricRecord] | None,
-        strategy: Any,
-        every: int,
-        num_rounds: int,
-        offset: int,
-        document: Mapping[str, Any],
-        tracker: Tracker | None = None,
-    ) -> None:
-        self.recorder = recorder
-        self.tracker = tracker
-        self.central = central
-        self.strategy = strategy
-        self.every = every
-        self.num_rounds = num_rounds
-        self.offset = offset
-        self.document = dict(document)
-        self.checkpoint_seconds = 0.0
-        self.checkpoints = 0
-        # Where the time between two round ends went (see timing()).
-        self._last_end = recorder.elapsed()
-        self._strategy_s = 0.0
-        self._write_s = 0.0
-
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """End round ``server_round`` of ``start`` (Flower's ``evaluate_fn``)."""
-        rnd = server_round + self.offset
-        if server_round == 0 and self.offset:
-            self._last_end = self.recorder.elapsed()
-            return None  # the checkpoint's round: evaluated before the crash
-        started = time.monotonic()
-        metrics = self.central(rnd, arrays) if self.central is not None else None
-        central_s = time.monotonic() - started
-        if rnd > 0 and rnd in self.recorder.rounds:
-            self.recorder.record(rnd, "timing", self.timing(central_s))
-        self._strategy_s = 0.0
-        self._last_end = self.recorder.elapsed()
-        writing = time.monotonic()
-        self.recorder.end_round(rnd)
-        entry = self.recorder.rounds.get(rnd)
-        if self.tracker is not None and entry is not None:
-            self.tracker.log_metrics(round_metrics(entry), step=rnd)
-        if self.every and rnd > 0 and (rnd % self.every == 0 or rnd == self.num_rounds):
-            self.save(rnd, arrays)
-        self._write_s = time.monotonic() - writing
-        return metrics
-
-    def timing(self, central_s: float) -> dict[str, float]:
-        """Split the time since the last round ended into its parts (seconds).
-
-        ``round-s`` is that whole time: ``strategy-s`` the strategy's own work
-        (configure and aggregate, train and evaluate), ``central-s`` the central
-        evaluation, ``write-s`` writing ``results.json`` and the checkpoint at
-        the previous round's end, and ``grid-s`` the rest: waiting for the
-        replies, i.e. the engine and the clients' work.
-        """
-        round_s = self.recorder.elapsed() - self._last_end
-        parts = {
-            "strategy-s": self._strategy_s,
-            "central-s": central_s,
-            "write-s": self._write_s,
-        }
-        return {
-            "round-s": round_s,
-            "grid-s": max(round_s - sum(parts.values()), 0.0),
-            **parts,
-        }
-
-    def save(self, rnd: int, arrays: ArrayRecord) -> Path:
-        """Write the checkpoint of round ``rnd`` (model, state, RNG, results)."""
-        start = dt.datetime.now()
-        path = write_checkpoint(
-            self.recorder.output_dir,
-            {
-                **self.document,
-                "round": rnd,
-                "num-rounds": self.num_rounds,
-                "model": record_to_saved(arrays),
-                "strategy": self.strategy.state_dict(),
-                "rejections": dict(getattr(self.strategy, "rejections", {})),
-                "rng": rng_state(),
-                "results": self.recorder.state(),
-                "saved-at": start.isoformat(timespec="seconds"),
-            },
+    every = check_checkpointing(cfg, strategy)
+    output_dir = resume_folder(run_config)
+    resume = None
+    if output_dir is not None:
+        resume = load_resume(output_dir, cfg, strategy, run_config)
+    else:
+        output_dir = new_folder()
+        refuse_used_folder(output_dir)
+    states = client_state_dir(cfg, run_config)
+    if every:
+        log(
+            INFO,
+            "Checkpoint every %d round(s): %s; client state: %s",
+            every,
+            output_dir / CHECKPOINT_FILE,
+            states or "in memory only",
         )
-        self.checkpoint_seconds += (dt.datetime.now() - start).total_seconds()
-        self.checkpoints += 1
-        return path
-
-    def on_train(self, server_round: int, metrics: MetricRecord | None) -> None:
-        """Record a round's aggregated train metrics as it is aggregated."""
-        if metrics is not None:
-            self.recorder.record(server_round + self.offset, "train", dict(metrics))
-
-    def on_evaluate(self, server_round: int, metrics: MetricRecord | None) -> None:
-        """Record a round's aggregated federated-evaluation metrics."""
-        if metrics is not None:
-            self.recorder.record(server_round + self.offset, "evaluate", dict(metrics))
-
-    @contextlib.contextmanager
-    def observing(self, strategy: Any) -> Iterator[None]:
-        """Route ``strategy``'s aggregate_train/aggregate_evaluate results here.
-
-        The strategy's methods are shadowed on the instance for the duration
-        (``Strategy.start`` calls them through ``self``), then restored.
-        """
-        train = strategy.aggregate_train
-        evaluate = strategy.aggregate_evaluate
-
-        def aggregate_train(server_round: int, replies: Any) -> Any:
-            arrays, metrics = train(server_round, replies)
-            self.on_train(server_round, metrics)
-            return arrays, metrics
-
-        def aggregate_evaluate(server_round: int, replies: Any) -> Any:
-            metrics = evaluate(server_round, replies)
-            self.on_evaluate(server_round, metrics)
-            return metrics
-
-        shadows = {
-            "aggregate_train": aggregate_train,
-            "aggregate_evaluate": aggregate_evaluate,
-            "configure_train": strategy.configure_train,
-            "configure_evaluate": strategy.configure_evaluate,
-        }
-        for name, method in shadows.items():
-            setattr(strategy, name, self._timed(method))
-        try:
-            yield
-        finally:
-            for name in shadows:
-                delattr(strategy, name)
-
-    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        """Return ``method``, its time added to this round's ``strategy-s``."""
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.monotonic()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self._strategy_s += time.monotonic() - started
-
-        return timed
+        if mirrors_client_state(cfg) and states is None:
+            log(
+                WARNING,
+                "%s's clients keep their state in memory only (no output-dir in the "
+                "run config, so they cannot know this run's folder): this run "
+                "cannot be resumed after a crash; give output-dir to make it so",
+                type(strategy).__name__,
+            )
+        for reason in resume_blockers(cfg, strategy):
+            log(WARNING, "This run cannot be resumed after a crash: %s", reason)
+    return Checkpointing(
+        folder=output_dir, every=every, client_states=states, resume=resume
+    )
 
 
 __all__ = [
@@ -705,9 +603,10 @@ __all__ = [
     "CHECKPOINT_FILE",
     "CLIENT_STATE_DIR",
     "CheckpointError",
+    "Checkpointing",
     "Resume",
-    "RoundEnd",
     "check_checkpointing",
+    "checkpointing",
     "client_state_dir",
     "load_resume",
     "read_checkpoint",

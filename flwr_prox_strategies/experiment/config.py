@@ -1,7 +1,9 @@
-"""Compose the ``conf/`` tree and build strategies, clients, models and data from it.
+"""Compose the ``conf/`` tree, and what a run's configuration may instantiate.
 
-Every Flower app of the pack (and the sweep launcher) goes through these
-functions, so an experiment means the same thing however it is started.
+The first step of an experiment (:mod:`.server`): every Flower app of the pack
+(and the sweep launcher) composes its configuration here, so an experiment means
+the same thing however it is started; :mod:`.build` then instantiates it, each
+``_target_`` through :func:`instantiate`, which holds it to the allow-list.
 
 Whoever submits a run writes its ``overrides`` (Flower's run config), and the
 config is composed and instantiated on the SuperLink host and on every
@@ -38,7 +40,7 @@ import functools
 import os
 import re
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,6 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from hydra.plugins.search_path_plugin import SearchPathPlugin
-from hydra.utils import get_class
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ..algorithms import (
@@ -61,9 +62,6 @@ from ..algorithms import (
     registered_algorithms,
 )
 from ..algorithms.plugins import ENTRY_POINT_GROUP, plugin_sources
-from ..core.client.dp import make_private_model
-from ..core.privacy.central import central_dp
-from ..core.privacy.secagg import SecAggPlus
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -152,9 +150,6 @@ RUN_OUTPUT_DIR = "output-dir"
 RUN_OUTPUT_ROOT = "output-root"
 # A run's output folder to continue from its checkpoint (experiment/checkpoint.py).
 RUN_RESUME = "resume"
-
-# Keys only Hydra's own machinery or the sweep use; stripped before building.
-_UNUSED = "_unused_"
 
 
 #: Environment variable that adds to the ``_target_`` allow-list of this process:
@@ -264,7 +259,7 @@ def check_target(target: object, where: str = "_target_") -> None:
 
     The dotted name must be allowed, and, unless it is listed exactly, so must
     the module and name the object really has once located (so that
-    ``flwr_prox_strategies.experiment.server.os.system`` is not ``os.system``
+    ``flwr_prox_strategies.task.datasets.os.system`` is not ``os.system``
     in disguise). Names with a ``_private`` part must be listed exactly.
 
     Raises
@@ -547,137 +542,6 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     return hydra.utils.instantiate(node, *args, **kwargs)
 
 
-def _kwargs(node: DictConfig) -> dict[str, Any]:
-    container = OmegaConf.to_container(node, resolve=True)
-    assert isinstance(container, dict)
-    data: dict[str, Any] = {str(k): v for k, v in container.items()}
-    for key in data.pop(_UNUSED, []) or []:
-        data.pop(key, None)
-    return data
-
-
-def build_strategy(cfg: DictConfig, **runtime: Any) -> Any:
-    """Instantiate ``cfg.strategy`` (keys listed in ``_unused_`` are dropped).
-
-    With ``deploy`` set (``deploy=peers``), the algorithm's deployed form
-    instead: one of P-FedAvg's servers, :class:`..PFedAvgServer`, built from
-    the same keys plus ``deploy``'s.
-    """
-    node = _kwargs(cfg.strategy)
-    deploy = cfg.get("deploy")
-    if deploy is None:
-        return instantiate(node, **runtime)
-    target = get_class(str(node["_target_"]))
-    deployed = [
-        a.deployed for a in registered_algorithms().values() if a.strategy is target
-    ]
-    if not deployed or deployed[0] is None:
-        raise ValueError(
-            f"deploy=peers runs one parameter server of P-FedAvg; strategy "
-            f"{target.__name__} has no deployed form (use strategy=pfedavg)"
-        )
-    settings = dict(node)
-    settings.pop("assignment", None)  # a server's clients are its own SuperNodes
-    settings["_target_"] = f"{deployed[0].__module__}.{deployed[0].__name__}"
-    settings.update(OmegaConf.to_container(deploy, resolve=True))  # type: ignore[arg-type]
-    if isinstance(settings.get("addresses"), list):
-        settings["addresses"] = [str(a) for a in settings["addresses"]]
-    return instantiate(settings, **runtime)
-
-
-def build_model(cfg: DictConfig) -> Any:
-    """Instantiate ``cfg.model`` (made DP-SGD ready when ``privacy.dp`` is set).
-
-    Server and clients both build their model here, so opacus' fix (when
-    ``privacy.dp.fix_model``) gives both the same ``state_dict``.
-    """
-    return make_private_model(instantiate(cfg.model), build_dp(cfg))
-
-
-def build_dp(cfg: DictConfig) -> Any:
-    """Instantiate ``cfg.privacy.dp`` (None without sample-level privacy)."""
-    node = cfg.get("privacy", {}).get("dp")
-    return None if node is None else instantiate(node)
-
-
-def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
-    """Return ``strategy`` in a central-DP wrapper when ``privacy.central`` is set."""
-    node = cfg.get("privacy", {}).get("central")
-    if node is None:
-        return strategy
-    # (central_dp refuses a strategy without one global model, P-FedAvg, clearly.)
-    sampled = max(
-        int(int(cfg["num_clients"]) * float(getattr(strategy, "fraction_train", 1))),
-        int(getattr(strategy, "min_train_nodes", 1)),
-    )
-    return central_dp(
-        strategy,
-        clipping=str(node.clipping),
-        noise_multiplier=float(node.noise_multiplier),
-        clipping_norm=float(node.clipping_norm),
-        num_sampled_clients=sampled,
-    )
-
-
-def wrap_secure_aggregation(
-    cfg: DictConfig, strategy: Any, largest_partition: Callable[[], int]
-) -> Any:
-    """Return ``strategy`` in :class:`~..SecAggPlus` when ``secure_aggregation`` is set.
-
-    ``max_weight: null`` becomes ``largest_partition()`` (no client's
-    ``num-examples`` exceeds it, and no larger bound costs precision).
-    """
-    node = cfg.get("secure_aggregation")
-    if node is None:
-        return strategy
-    if cfg.get("privacy", {}).get("central") is not None:
-        raise ValueError(
-            "secure_aggregation=secaggplus with privacy=central is not supported: "
-            "Flower's central-DP wrappers clip each reply on the server, which "
-            "secure aggregation hides; use privacy=dp-sgd (clients add the noise)"
-        )
-    options = {
-        str(k): v
-        for k, v in OmegaConf.to_container(node, resolve=True).items()  # type: ignore[union-attr]
-    }
-    if options.get("max_weight") is None:
-        options["max_weight"] = float(largest_partition())
-    return SecAggPlus(strategy, **options)
-
-
-def client_factory(cfg: DictConfig) -> Callable[..., Any]:
-    """Return ``cfg.client``'s class with its options and the ``train`` settings.
-
-    Call it with the runtime objects (model, loaders, seed, ...) to build a
-    client; :func:`build_client` does both at once.
-    """
-    train = cfg.train
-    # Runtime objects go in after Hydra: it would turn a dataclass (DPSGD)
-    # into a DictConfig.
-    factory = instantiate(_kwargs(cfg.client), _partial_=True)
-    # Hydra's partial authorises its target again at every call (3 ms, more
-    # than a client's round at thousands of nodes); the target was checked
-    # against the allow-list above, so bind what Hydra resolved directly.
-    return functools.partial(
-        factory.func,
-        *factory.args,
-        **factory.keywords,
-        local_epochs=int(train["local_epochs"]),
-        learning_rate=float(train["learning_rate"]),
-        momentum=float(train["momentum"]),
-        weight_decay=float(train["weight_decay"]),
-        optimizer=str(train.get("optimizer", "sgd")),
-        max_grad_norm=train.get("max_grad_norm"),
-        finetune_steps=int(train.get("finetune_steps", 0) or 0),
-        dp=build_dp(cfg),
-    )
-
-
-def build_client(cfg: DictConfig, **runtime: Any) -> Any:
-    """Instantiate ``cfg.client`` with the ``train`` settings and runtime objects."""
-    return client_factory(cfg)(**runtime)
-
-
-def config_yaml(cfg: DictConfig) -> str:
-    """Return the resolved config as YAML (for results files and logs)."""
-    return OmegaConf.to_yaml(cfg, resolve=True)
+def config_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
+    """Compose ``conf/`` from Flower's run config (overrides, num-rounds, seed)."""
+    return compose_config(overrides_from_run_config(run_config))

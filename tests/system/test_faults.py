@@ -34,8 +34,9 @@ import pytest
 
 from flwr_prox_strategies.algorithms import feddc, feddyn, scaffold
 from flwr_prox_strategies.core.client.state import ClientState
+from flwr_prox_strategies.experiment.build import build_model
 from flwr_prox_strategies.experiment.checkpoint import CLIENT_STATE_DIR, read_checkpoint
-from flwr_prox_strategies.experiment.config import build_model, compose_config
+from flwr_prox_strategies.experiment.config import compose_config
 from flwr_prox_strategies.experiment.data import partition_sizes
 
 from .engine import deployment, rounds_done, run_log, run_status
