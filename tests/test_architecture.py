@@ -71,3 +71,39 @@ def test_every_name_in_the_round_path_exists() -> None:
 def test_a_stale_name_is_caught(name: str) -> None:
     with pytest.raises(AttributeError):
         resolve(name)
+
+
+def test_an_experiment_is_four_steps_each_in_its_own_module() -> None:
+    """``run_experiment`` calls compose, build, run, record: once each, in order."""
+    import ast
+
+    import flwr_prox_strategies.experiment.server as server
+
+    source = Path(server.__file__).read_text()
+    tree = ast.parse(source)
+    imported = {
+        alias.asname or alias.name: node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+        for alias in node.names
+    }
+    (function,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "run_experiment"
+    ]
+    calls = [
+        node.func.id
+        for node in sorted(
+            ast.walk(function), key=lambda n: getattr(n, "lineno", 0) or 0
+        )
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    assert [imported.get(name) for name in calls] == [
+        "config",
+        "build",
+        "run",
+        "record",
+    ], calls
+    assert function.end_lineno is not None
+    assert function.end_lineno - function.lineno < 60
