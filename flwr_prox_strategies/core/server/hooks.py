@@ -25,9 +25,15 @@ from ..contract.fields import RoundUpdate
 from ..contract.validation import MetricSpec, ReplyRejected, ValidReply, check_weight
 from ..transport import keys
 from ..transport.records import RecordSpec, dict_to_record
-from . import screening
 from .commit import held_state
 from .pieces import RoundPiece
+from .rule_report import (
+    RuleNames,
+    protocol_problem,
+    reports_rule,
+    shortfall_problem,
+    term_shortfall,
+)
 
 
 class AlgorithmHooks:
@@ -292,28 +298,29 @@ class AlgorithmHooks:
             To drop the reply; it is logged with its node and counted by
             ``kind``.
         """
-        if self.strict and not screening.reports_rule(reply, self.rule_metric):
+        if self.strict and not reports_rule(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
                 f"no '{self.rule_metric}' metric, so nothing says the client "
                 f"applies {self.rule_name} (strict=True): "
-                f"{screening.protocol_problem(self, reply)}",
+                f"{protocol_problem(RuleNames.of(self), reply)}",
             )
-        if self.strict and screening.term_shortfall(reply, self.rule_metric):
+        if self.strict and term_shortfall(reply, self.rule_metric):
             raise ReplyRejected(
                 "rule-not-applied",
-                f"{screening.shortfall_problem(self, reply)} (strict=True)",
+                f"{shortfall_problem(RuleNames.of(self), reply)} (strict=True)",
             )
         if self.weighting == "metric":
             check_weight(reply.metrics, self.weighted_by_key, kind="weight")
         if self.stateful_clients:
             key = reply.metrics.get(keys.CLIENT_KEY_METRIC)
             if isinstance(key, bool) or not isinstance(key, int):
+                names = RuleNames.of(self)
                 raise ReplyRejected(
                     "client-key",
                     f"no integer '{keys.CLIENT_KEY_METRIC}' metric, which "
-                    f"{screening.pack_class(type(self)).__name__} needs to keep "
-                    f"each client's state: {screening.protocol_problem(self, reply)}",
+                    f"{names.server} needs to keep each client's state: "
+                    f"{protocol_problem(names, reply)}",
                 )
             for name in (keys.STATE_ROUND_METRIC, keys.STATE_OUTSIDE_COMMIT_METRIC):
                 value = reply.metrics.get(name)

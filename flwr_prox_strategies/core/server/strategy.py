@@ -7,8 +7,10 @@ wrappers work unchanged) and runs a round, holding a part for each job:
   :class:`.sampling.Stragglers`), a :class:`.population.Population` (N: given,
   learned, grown, restored), a :class:`.commit.ClientBook` (the server's half of
   the two-phase commit of client state), a :class:`.screening.ReplyScreen`
-  (replies checked against what was sent) and a :class:`.outcome.StallGuard`
-  (rounds in a row not aggregated);
+  (replies checked against what was sent, claims capped, the once-per-run
+  warnings about clients that did not apply the rule, in
+  :mod:`.rule_report`'s words) and a :class:`.outcome.StallGuard` (rounds in a
+  row not aggregated);
 * the round's pieces (:mod:`.pieces`: a learning-rate decay, the dissimilarity
   monitor) and, per round, :func:`.finite.finite_update` (the rule re-run
   without replies holding NaN, inf or huge values), :mod:`.metrics`,
@@ -49,12 +51,7 @@ from ..contract.fields import (
 )
 from ..contract.frozen import FrozenState, call_rule
 from ..contract.ledger import record_privacy
-from ..contract.validation import (
-    ValidReply,
-    check_metrics,
-    init_keywords,
-    reject_unknown_kwargs,
-)
+from ..contract.validation import ValidReply, init_keywords, reject_unknown_kwargs
 from ..docstrings import with_class_attributes
 from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
@@ -78,6 +75,7 @@ from .pieces import (
     round_pieces,
 )
 from .population import Population
+from .rule_report import RuleNames
 from .sampling import (
     PARTICIPATION,
     Sampler,
@@ -199,9 +197,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self.max_rounds_without_aggregation = max_rounds_without_aggregation
         self.pack_metrics = bool(pack_metrics)
         self.per_client_metrics = bool(per_client_metrics)
-        self.max_num_examples = max_num_examples
-        self.max_weight_ratio = max_weight_ratio
-        self.max_reply_bytes = max_reply_bytes
         # The parts: each owns its state and is called by the round below.
         keep_partial = self.straggler_policy == "keep-partial"
         self.sampler = Sampler(
@@ -218,7 +213,12 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             monitor_dissimilarity=bool(monitor_dissimilarity),
             own=pieces,
         )
-        self.screen = screening.ReplyScreen()  # reply validation, and what was not used
+        # Reply validation and the caps, and what was not used.
+        self.screen = screening.ReplyScreen(
+            max_num_examples=max_num_examples,
+            max_weight_ratio=max_weight_ratio,
+            max_reply_bytes=max_reply_bytes,
+        )
         self.book = ClientBook()  # the two-phase commit of client state (state)
         self.stall = StallGuard()
         # The round's model and sampled nodes: set by configure_*, read by aggregate_*.
@@ -234,8 +234,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         # and the nodes whose budget is spent, never sampled again (state).
         self.epsilon_totals: dict[int, float] = {}
         self.retired_nodes: set[int] = set()
-        self._rule_warned = False
-        self._shortfall_warned = False
         # Set when the nodes' ClientApp has no evaluate function: evaluation
         # stops for the run (said once) instead of failing on every node.
         self._evaluate_off = False
@@ -246,10 +244,22 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     rejections = property(lambda self: self.screen.rejections)
     run_tally = property(lambda self: self.screen.run_tally)
     round_tally = property(lambda self: self.screen.round_tally)
-    # The settings the parts own, read (and N also set) as the strategy's own.
+    # The settings the parts own, read (N and the caps also set) as the strategy's own.
     seed = property(lambda self: self.sampler.seed)
     participation = property(lambda self: self.sampler.participation)
     drop_percent = property(lambda self: self.sampler.stragglers.drop_percent)
+    max_num_examples = property(
+        lambda self: self.screen.max_num_examples,
+        lambda self, cap: setattr(self.screen, "max_num_examples", cap),
+    )
+    max_weight_ratio = property(
+        lambda self: self.screen.max_weight_ratio,
+        lambda self, ratio: setattr(self.screen, "max_weight_ratio", ratio),
+    )
+    max_reply_bytes = property(
+        lambda self: self.screen.max_reply_bytes,
+        lambda self, size: setattr(self.screen, "max_reply_bytes", size),
+    )
     num_clients = property(
         lambda self: self.population.size,
         lambda self, k: setattr(self.population, "size", k),
@@ -405,8 +415,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         self.screen.reset_run()
         self.book.reset_run()
         self.stall.reset()
-        self._rule_warned = False
-        self._shortfall_warned = False
         self._run_initial = None
         self._evaluate_off = False
 
@@ -580,39 +588,27 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     ) -> tuple[list[ValidReply], int, int, int]:
         """Validate replies.
 
-        With this strategy's :meth:`check_reply`, size limit and retired nodes.
+        With this strategy's :meth:`check_reply`, size limit and retired nodes
+        (:meth:`.screening.ReplyScreen.collect`, whose keywords ``options`` are).
         """
-        expected_metrics = options.pop("expected_metrics", None) or {}
-
-        def check(reply: ValidReply) -> None:
-            check_metrics(reply.metrics, expected_metrics)
-            self.check_reply(reply)
-
         return self.screen.collect(
             server_round,
             replies,
-            check=check,
-            max_bytes=self.reply_size_limit(options["expected_arrays"]),
+            check=self.check_reply,
             retired=self.retired_nodes,
-            explain_records=lambda message: screening.records_problem(self, message),
+            rule=RuleNames.of(self),
             **options,
         )
 
     def reply_size_limit(self, expected_arrays: Mapping[str, RecordSpec]) -> int:
         """Return the largest reply accepted, in bytes (``max_reply_bytes``)."""
-        return screening.reply_size_limit(self.max_reply_bytes, expected_arrays)
+        return self.screen.reply_size_limit(expected_arrays)
 
     def cap_claims(
         self, server_round: int, replies: list[ValidReply], phase: str
     ) -> int:
         """Lower claims above the caps (``max_num_examples``, ``max_weight_ratio``)."""
-        return screening.cap_claims(
-            server_round,
-            replies,
-            phase,
-            max_num_examples=self.max_num_examples,
-            max_weight_ratio=self.max_weight_ratio,
-        )
+        return self.screen.cap_claims(server_round, replies, phase)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -718,7 +714,9 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         valid = finite
         if keep is None and (failed or rejected) and not self.accept_failures:
             keep = "accept_failures=False and some replies failed or were rejected"
-        lacking, short = self._count_rule_not_applied(server_round, valid, keep is None)
+        lacking, short = self.screen.rule_not_applied(
+            server_round, valid, aggregated=keep is None, rule=RuleNames.of(self)
+        )
         counts = metrics.round_counts(
             valid,
             failed=failed,
@@ -814,44 +812,6 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
                 grown = self.grown_state(given, k_base, k)
                 state = {name: given.thaw(value) for name, value in grown.items()}
         return state
-
-    def _count_rule_not_applied(
-        self, server_round: int, replies: list[ValidReply], aggregated: bool
-    ) -> tuple[int, int]:
-        """Count the valid replies without the rule, or whose term missed steps.
-
-        Returns ``(lacking, short)``: replies without the rule metric, and
-        replies whose term reached fewer updates than the client's steps.
-        Each kind is warned about once per run.
-        """
-        if self.rule_metric is None:
-            return 0, 0
-        lacking = [
-            r for r in replies if not screening.reports_rule(r, self.rule_metric)
-        ]
-        short = [
-            r
-            for r in replies
-            if screening.term_shortfall(r, self.rule_metric) is not None
-        ]
-        if lacking and aggregated:
-            self.run_tally.add_not_applied(
-                lacking, screening.protocol_problem(self, lacking[0])
-            )
-            if not self._rule_warned:
-                self._rule_warned = screening.warn_rule_not_applied(
-                    self, server_round, lacking
-                )
-        if short and aggregated:
-            for reply in short:
-                self.run_tally.add_not_applied(
-                    [reply], screening.shortfall_problem(self, reply, counted=False)
-                )
-            if not self._shortfall_warned:
-                self._shortfall_warned = screening.warn_term_shortfall(
-                    self, server_round, short
-                )
-        return len(lacking), len(short)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
