@@ -1,6 +1,7 @@
-"""The experiment layer: Hydra composition of ``conf/``, runs, results, sweeps.
+"""The experiment layer: one run as a pipeline (compose, build, run, record), sweeps.
 
-It needs the ``experiment`` extra (Hydra, flwr-datasets, scikit-learn,
+:mod:`.server` holds the pipeline's entry points, :mod:`.sweeps` runs it many
+times. It needs the ``experiment`` extra (Hydra, flwr-datasets, scikit-learn,
 matplotlib, Flower's simulation engine): importing it without them raises an
 ImportError that says what to install.
 """
