@@ -87,6 +87,14 @@ from .sampling import (
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
+def _screen_setting(name: str) -> property:
+    """Return a cap the reply screen owns as a setting of the strategy (read, set)."""
+    return property(
+        lambda self: getattr(self.screen, name),
+        lambda self, value: setattr(self.screen, name, value),
+    )
+
+
 @dataclass
 class ScreenedRound:
     """A round's train replies after screening: the valid ones, the others counted."""
@@ -248,18 +256,9 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
     seed = property(lambda self: self.sampler.seed)
     participation = property(lambda self: self.sampler.participation)
     drop_percent = property(lambda self: self.sampler.stragglers.drop_percent)
-    max_num_examples = property(
-        lambda self: self.screen.max_num_examples,
-        lambda self, cap: setattr(self.screen, "max_num_examples", cap),
-    )
-    max_weight_ratio = property(
-        lambda self: self.screen.max_weight_ratio,
-        lambda self, ratio: setattr(self.screen, "max_weight_ratio", ratio),
-    )
-    max_reply_bytes = property(
-        lambda self: self.screen.max_reply_bytes,
-        lambda self, size: setattr(self.screen, "max_reply_bytes", size),
-    )
+    max_num_examples = _screen_setting("max_num_examples")
+    max_weight_ratio = _screen_setting("max_weight_ratio")
+    max_reply_bytes = _screen_setting("max_reply_bytes")
     num_clients = property(
         lambda self: self.population.size,
         lambda self, k: setattr(self.population, "size", k),
