@@ -216,3 +216,47 @@ def test_a_sweep_whose_jobs_wrote_nothing_here_fails(tmp_path: Path) -> None:
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     with pytest.raises(SweepFailed, match=r"absolute hydra\.sweep\.dir"):
         SweepSummary().on_multirun_end(config)
+
+
+@pytest.mark.parametrize(
+    ("engine", "settings", "omp", "bound", "applied"),
+    [
+        ("inprocess", {}, None, 2, {"threads": 1}),
+        ("inprocess", {}, "3", None, {"threads": None}),
+        ("flwr", {}, None, 2, {"job_cpus": 2}),
+        ("flwr", {"ray_address": "10.0.0.1:6379"}, None, None, {"job_cpus": None}),
+    ],
+)
+def test_the_cpus_a_job_records_are_the_bound_its_engine_gets(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    engine: str,
+    settings: dict[str, str],
+    omp: str | None,
+    bound: int | None,
+    applied: dict[str, int | None],
+) -> None:
+    from omegaconf import OmegaConf
+
+    from flwr_prox_strategies.experiment.sweeps import sweep
+    from flwr_prox_strategies.experiment.sweeps.launchers import JobCpus
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    cfg = OmegaConf.create(
+        {"num_clients": 3, "num_cpus_per_client": 1, "ray_address": "", **settings}
+    )
+    decided = sweep._cpu_bound(cfg, engine, JobCpus(2, "2 jobs at a time", 1))
+    assert decided == bound
+    calls: dict[str, int | None] = {}
+
+    def engine_called(*args: object, **kwargs: int | None) -> Path:
+        calls.update({k: kwargs[k] for k in applied})
+        return tmp_path / "results.json"
+
+    monkeypatch.setattr(sweep, "run_inprocess", engine_called)
+    monkeypatch.setattr(sweep, "flwr_run", engine_called)
+    sweep._run_engine(cfg, engine, [], tmp_path, decided)
+    assert calls == applied

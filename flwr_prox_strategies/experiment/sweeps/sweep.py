@@ -348,14 +348,15 @@ def run_job(cfg: DictConfig) -> float:
             total=total,
             at_once=share.at_once,
         )
+    bound = _cpu_bound(cfg, engine, share)
     record: dict[str, Any] = {
         "overrides": " ".join(overrides),
         "engine": engine,
-        "cpus": _applied_cpus(cfg, engine, share),
+        "cpus": bound,
     }
     start = time.monotonic()
     try:
-        results_path = _run_engine(cfg, engine, ran, job_dir, share.cpus)
+        results_path = _run_engine(cfg, engine, ran, job_dir, bound)
     except Exception as err:
         if not multirun:
             raise
@@ -380,13 +381,14 @@ def run_job(cfg: DictConfig) -> float:
     return float(final) if final is not None else float("nan")
 
 
-def _applied_cpus(cfg: DictConfig, engine: str, share: JobCpus) -> int | None:
-    """Log and return the CPU bound the job applies (None: it applies none).
+def _cpu_bound(cfg: DictConfig, engine: str, share: JobCpus) -> int | None:
+    """Decide and log the CPU bound the job applies (None: it applies none).
 
     ``engine=flwr`` gives its own Ray the share (``init-args-num-cpus``), but a
     ``ray_address`` cluster's CPUs bound its actors instead; ``engine=inprocess``
     sets torch's threads to ``min(num_cpus_per_client, share)``, unless
-    ``OMP_NUM_THREADS`` sets them (as :func:`_run_engine` decides).
+    ``OMP_NUM_THREADS`` sets them. :func:`_run_engine` applies what this
+    returns, and the job's summary records it: one decision for both.
     """
     if engine == "flwr" and cfg.get("ray_address"):
         log(INFO, "Job CPUs: the Ray cluster's at ray_address=%s", cfg.ray_address)
@@ -399,9 +401,16 @@ def _applied_cpus(cfg: DictConfig, engine: str, share: JobCpus) -> int | None:
 
 
 def _run_engine(
-    cfg: DictConfig, engine: str, overrides: list[str], job_dir: Path, cpus: int
+    cfg: DictConfig,
+    engine: str,
+    overrides: list[str],
+    job_dir: Path,
+    cpus: int | None,
 ) -> Path:
-    """Run the job on its engine within ``cpus`` CPUs; return its results file."""
+    """Run the job on its engine within ``cpus`` CPUs; return its results file.
+
+    ``cpus``: the bound :func:`_cpu_bound` decided (None: none of the job's).
+    """
     resume = requeued_with_checkpoint(job_dir)
     if engine == "flwr":
         return flwr_run(
@@ -415,7 +424,7 @@ def _run_engine(
         )
     threads = (
         None
-        if os.environ.get("OMP_NUM_THREADS")
+        if cpus is None
         else min(math.ceil(float(cfg["num_cpus_per_client"])), cpus)
     )
     return run_inprocess(
