@@ -41,15 +41,15 @@ def record_run(experiment: Experiment, outcome: Outcome) -> tuple[Result, Path]:
     """
     recorder, strategy = experiment.recorder, experiment.strategy
     output_dir = experiment.output_dir
-    idle = rounds_without_valid_reply(recorder, experiment.num_rounds)
-    recorder.meta["rounds-without-valid-reply"] = idle
-    recorder.meta["rejections"] = dict(getattr(strategy, "rejections", {}))
-    failure = outcome.failure
     ran = rounds_run(recorder, experiment.num_rounds)
+    idle = rounds_without_valid_reply(recorder, ran)
+    recorder.meta["rounds-without-valid-reply"] = idle
+    rejections = dict(getattr(strategy, "rejections", {}))
+    recorder.meta["rejections"] = rejections
+    failure = outcome.failure
     if failure is None and ran and len(idle) == ran:
         failure = NoRoundAggregatedError(
-            f"no round aggregated a single valid reply (reasons: "
-            f"{dict(getattr(strategy, 'rejections', {}))})",
+            f"no round aggregated a single valid reply (reasons: {rejections})",
             outcome.result,
             ReplyTally(),
         )
@@ -100,11 +100,11 @@ def rounds_run(recorder: RunRecorder, num_rounds: int) -> int:
     return num_rounds if stopped is None else int(stopped["round"]) - 1
 
 
-def rounds_without_valid_reply(recorder: RunRecorder, num_rounds: int) -> list[int]:
-    """Return the rounds run whose training had no valid reply (the model kept)."""
+def rounds_without_valid_reply(recorder: RunRecorder, ran: int) -> list[int]:
+    """Return the rounds of the ``ran`` run whose training had no valid reply."""
     return [
         rnd
-        for rnd in range(1, rounds_run(recorder, num_rounds) + 1)
+        for rnd in range(1, ran + 1)
         if int(recorder.rounds.get(rnd, {}).get("train", {}).get("replies-valid", 0))
         == 0
     ]
