@@ -12,34 +12,41 @@ Writing a new algorithm? The base classes and hooks are in
 :mod:`flwr_prox_strategies.extend`.
 """
 
+import importlib
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .algorithms.apfl import APFL, APFLClient, APFLRule
-from .algorithms.fedavg import FedAvg, FedAvgClient
-from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
-from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
-from .algorithms.fedepm import FedEPM, FedEPMClient, FedEPMRule
-from .algorithms.fedprox import PROXIMAL_MU_KEY as _PROXIMAL_MU_KEY
-from .algorithms.fedprox import FedProx, FedProxClient, FedProxRule
-from .algorithms.pfedavg import PFedAvg
-from .algorithms.pfedavg_server import PFedAvgServer
-from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
-from .algorithms.sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient, SFedRule
-from .core.client.adapter import to_client_app
-from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
-from .core.client.rule import ClientRule, ProtocolError
-from .core.client.secagg import SecAggPlusMod
-from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
-from .core.privacy.secagg import SecAggPlus
-from .core.privacy.uploads import LaplaceUploadMod
-from .core.server.outcome import (
-    AggregationStalledError,
-    EveryClientRetiredError,
-    NoRoundAggregatedError,
-)
+if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see them
+    from .algorithms.apfl import APFL, APFLClient, APFLRule
+    from .algorithms.fedavg import FedAvg, FedAvgClient
+    from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
+    from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
+    from .algorithms.fedepm import FedEPM, FedEPMClient, FedEPMRule
+    from .algorithms.fedprox import FedProx, FedProxClient, FedProxRule
+    from .algorithms.pfedavg import PFedAvg
+    from .algorithms.pfedavg_server import PFedAvgServer
+    from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
+    from .algorithms.sfed import (
+        SFedAvg,
+        SFedAvgClient,
+        SFedProx,
+        SFedProxClient,
+        SFedRule,
+    )
+    from .core.client.adapter import to_client_app
+    from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
+    from .core.client.rule import ClientRule, ProtocolError
+    from .core.client.secagg import SecAggPlusMod
+    from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
+    from .core.privacy.secagg import SecAggPlus
+    from .core.privacy.uploads import LaplaceUploadMod
+    from .core.server.outcome import (
+        AggregationStalledError,
+        EveryClientRetiredError,
+        NoRoundAggregatedError,
+    )
 
-PROXIMAL_MU_KEY = _PROXIMAL_MU_KEY
+PROXIMAL_MU_KEY: str
 """The train-config key of FedProx's :math:`\\mu`, ``"proximal-mu"``.
 
 :class:`FedProx` sends it every round and :class:`FedProxRule` reads it; it is
@@ -94,12 +101,56 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+# The public names by the module each is loaded from, on first use (PEP 562): a
+# SuperNode starts a ClientApp process per message, and the key-exchange stages
+# of secure aggregation must not pay for torch and every algorithm.
+_SOURCES = {
+    ".algorithms.apfl": ("APFL", "APFLClient", "APFLRule"),
+    ".algorithms.fedavg": ("FedAvg", "FedAvgClient"),
+    ".algorithms.feddc": ("FedDC", "FedDCClient", "FedDCRule"),
+    ".algorithms.feddyn": ("FedDyn", "FedDynClient", "FedDynRule"),
+    ".algorithms.fedepm": ("FedEPM", "FedEPMClient", "FedEPMRule"),
+    ".algorithms.fedprox": (
+        "FedProx",
+        "FedProxClient",
+        "FedProxRule",
+        "PROXIMAL_MU_KEY",
+    ),
+    ".algorithms.pfedavg": ("PFedAvg",),
+    ".algorithms.pfedavg_server": ("PFedAvgServer",),
+    ".algorithms.scaffold": ("Scaffold", "ScaffoldClient", "ScaffoldRule"),
+    ".algorithms.sfed": (
+        "SFedAvg",
+        "SFedAvgClient",
+        "SFedProx",
+        "SFedProxClient",
+        "SFedRule",
+    ),
+    ".core.client.adapter": ("to_client_app",),
+    ".core.client.dp": ("DPSGD", "PrivacyBudgetExhausted", "make_private_model"),
+    ".core.client.rule": ("ClientRule", "ProtocolError"),
+    ".core.client.secagg": ("SecAggPlusMod",),
+    ".core.privacy.central": ("ClientSideFixedClipping", "ServerSideFixedClipping"),
+    ".core.privacy.secagg": ("SecAggPlus",),
+    ".core.privacy.uploads": ("LaplaceUploadMod",),
+    ".core.server.outcome": (
+        "AggregationStalledError",
+        "EveryClientRetiredError",
+        "NoRoundAggregatedError",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+
 # Contributors' names that moved to .extend: still found here, with a warning.
 _MOVED_TO_EXTEND = ("TorchClient", "ValidatedFedAvg")
 
 
 def __getattr__(name: str) -> Any:
-    """Return a name moved to :mod:`.extend`, with a ``FutureWarning``."""
+    """Load a public name from its module on first use; a moved name with a warning."""
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        globals()[name] = value  # the next lookup finds it without this hook
+        return value
     if name in _MOVED_TO_EXTEND:
         warnings.warn(
             f"flwr_prox_strategies.{name} is flwr_prox_strategies.extend.{name} "
@@ -112,3 +163,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(extend, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Return the module's names, the public ones not yet loaded included."""
+    return sorted({*globals(), *__all__})

@@ -39,13 +39,14 @@ HEAVY = (
 FLWR_IMPORTS_RAY = tuple(int(p) for p in version("flwr").split(".")[:2]) < (1, 24)
 
 
-def run_python(code: str) -> str:
+def run_python(code: str, cwd: Path | None = None) -> str:
     """Run ``code`` in a fresh interpreter; return its stdout (fail on error)."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=cwd,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -67,6 +68,88 @@ def test_import_leaves_logging_alone_and_imports_nothing_optional() -> None:
         """
     )
     assert out.strip() == ("['ray']" if FLWR_IMPORTS_RAY and find_spec("ray") else "[]")
+
+
+# What a SuperNode's ClientApp process may load before a message needs the client.
+CLIENT_HEAVY = (*HEAVY, "torch")
+PACK_HEAVY = (
+    "flwr_prox_strategies.algorithms",
+    "flwr_prox_strategies.task",
+    "flwr_prox_strategies.core.client.client",
+    "flwr_prox_strategies.experiment.server",
+    "flwr_prox_strategies.experiment.build",
+    "flwr_prox_strategies.experiment.config",
+    "flwr_prox_strategies.experiment.data",
+)
+
+
+def test_clientapp_answers_a_key_exchange_stage_without_torch_or_the_model() -> None:
+    """On a SuperNode every message starts a ClientApp process: the stages of
+    secure aggregation that carry no training must not pay for torch, the
+    model or the data code (``apps/client_app.py`` imported as ``flwr run``
+    imports it, from the app's folder)."""
+    out = run_python(
+        f"""
+        import sys
+        from flwr.app import ConfigRecord, Context, Message, RecordDict
+        from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
+
+        from apps.client_app import app
+        from flwr_prox_strategies.core.transport.flower import set_task_identity
+
+        set_task_identity(1)
+        setup = ConfigRecord(
+            {{
+                Key.STAGE: Stage.SETUP,
+                "server-round": 1,
+                Key.SHARE_NUMBER: 1,
+                Key.THRESHOLD: 1,
+                Key.CLIPPING_RANGE: 8.0,
+                Key.TARGET_RANGE: 2**22,
+                Key.MOD_RANGE: 2**32,
+                Key.MAX_WEIGHT: 100.0,
+            }}
+        )
+        message = Message(
+            RecordDict({{"secagg-plus": setup}}),
+            dst_node_id=1001,
+            message_type="train",
+            group_id="1",
+        )
+        node = {{"partition-id": 0, "num-partitions": 1}}
+        reply = app(message, Context(1, 1001, node, RecordDict(), {{}}))
+        assert not reply.has_error(), reply.error
+        keys = reply.content.config_records["secagg-plus"]
+        assert keys[Key.PUBLIC_KEY_1] and keys[Key.PUBLIC_KEY_2], dict(keys)
+        print(sorted(m for m in {CLIENT_HEAVY + PACK_HEAVY!r} if m in sys.modules))
+        """,
+        cwd=REPO,
+    )
+    loaded = out.strip()
+    assert loaded == ("['ray']" if FLWR_IMPORTS_RAY and find_spec("ray") else "[]")
+
+
+def test_public_names_load_on_first_use_from_their_modules() -> None:
+    """The top level is lazy (PEP 562): importing it loads none of its names'
+    modules; each name, asked for, is its module's object; ``dir()`` and
+    ``import *`` see them all."""
+    out = run_python(
+        """
+        import importlib, sys
+        import flwr_prox_strategies as pack
+        assert "torch" not in sys.modules
+        assert "flwr_prox_strategies.algorithms" not in sys.modules
+        assert set(pack._MODULE_OF) == set(pack.__all__)
+        assert set(pack.__all__) <= set(dir(pack))
+        names = {}
+        exec("from flwr_prox_strategies import *", names)
+        for name in pack.__all__:
+            module = importlib.import_module(pack._MODULE_OF[name], "flwr_prox_strategies")
+            assert names[name] is getattr(module, name) is getattr(pack, name), name
+        print("torch" in sys.modules)
+        """
+    )
+    assert out.strip() == "True"
 
 
 def test_dp_settings_build_without_opacus_and_using_them_names_the_extra(

@@ -13,3 +13,14 @@ require_installed(
     "experiment",
     "flwr_prox_strategies.experiment",
 )
+
+# Keys of [tool.flwr.app.config] that `flwr run --run-config` may set. Here rather
+# than in .config (which reads them) so the ClientApp (.appdir) names them without
+# importing Hydra and the algorithms.
+RUN_OVERRIDES = "overrides"
+RUN_NUM_ROUNDS = "num-rounds"
+RUN_SEED = "seed"
+RUN_OUTPUT_DIR = "output-dir"
+RUN_OUTPUT_ROOT = "output-root"
+# A run's output folder to continue from its checkpoint (experiment/checkpoint.py).
+RUN_RESUME = "resume"

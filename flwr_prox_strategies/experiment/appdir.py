@@ -16,10 +16,11 @@ of the app lives here instead:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flwr.clientapp import ClientApp
 
-from .config import (
+from . import (
     RUN_NUM_ROUNDS,
     RUN_OUTPUT_DIR,
     RUN_OUTPUT_ROOT,
@@ -27,6 +28,10 @@ from .config import (
     RUN_RESUME,
     RUN_SEED,
 )
+
+if TYPE_CHECKING:
+    from flwr.app import Context
+    from flwr.client import NumPyClient
 
 #: The module ``flwr run`` imports for the pack's apps, and the components in it.
 APP_MODULE = "flwr_prox_strategies.experiment.apps"
@@ -52,14 +57,24 @@ def make_client_app() -> ClientApp:
     ClientApp
         :func:`~.server.make_client` mounted by
         :func:`~flwr_prox_strategies.to_client_app`, with the mod that clips a
-        client's update when a central-DP run asks for it.
+        client's update when a central-DP run asks for it. The client's code
+        (torch, the model, the data) is imported at the first message that
+        needs the client, not when the app is loaded.
     """
-    # Imported here: writing an app folder needs neither torch nor the data code.
+    # Imported here: writing an app folder needs no client machinery.
     from ..core.client.adapter import to_client_app
-    from ..core.privacy.central import clip_when_asked
+    from ..core.privacy.uploads import clip_when_asked
+
+    return to_client_app(_make_client, mods=[clip_when_asked])
+
+
+def _make_client(context: Context) -> NumPyClient:
+    # Imported at the first message that needs the client: the key-exchange
+    # stages of secure aggregation are answered by a mod, without torch, Hydra,
+    # the model or the data code (a SuperNode starts a process per message).
     from .server import make_client
 
-    return to_client_app(make_client, mods=[clip_when_asked])
+    return make_client(context)
 
 
 def app_pyproject() -> str:

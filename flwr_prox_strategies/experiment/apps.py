@@ -15,7 +15,6 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from .appdir import make_client_app
-from .server import run_experiment
 
 client_app = make_client_app()
 
@@ -25,4 +24,8 @@ server_app = ServerApp()
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the experiment described by ``context.run_config`` (see pyproject)."""
+    # Imported here: a SuperNode imports this module for the ClientApp, and the
+    # server's pipeline (Hydra, torch, every algorithm) is not for it to load.
+    from .server import run_experiment
+
     run_experiment(grid, context.run_config)

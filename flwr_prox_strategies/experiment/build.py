@@ -38,10 +38,9 @@ from ..core.privacy.central import central_dp
 from ..core.privacy.secagg import SecAggPlus
 from ..core.server.strategy import ValidatedFedAvg
 from ..tracking import Tracker
+from . import RUN_OUTPUT_DIR, RUN_OUTPUT_ROOT
 from .checkpoint import Resume, checkpointing, client_state_dir
 from .config import (
-    RUN_OUTPUT_DIR,
-    RUN_OUTPUT_ROOT,
     allowed_targets,
     config_from_run_config,
     instantiate,

@@ -38,7 +38,8 @@ from flwr.app import Array, ArrayRecord
 from flwr.common.logger import log
 from omegaconf import DictConfig, OmegaConf
 
-from .config import RUN_OUTPUT_DIR, RUN_RESUME, check_target
+from . import RUN_OUTPUT_DIR, RUN_RESUME
+from .config import check_target
 
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT = "flwr-prox-strategies checkpoint"

@@ -62,6 +62,7 @@ from ..algorithms import (
     registered_algorithms,
 )
 from ..algorithms.plugins import ENTRY_POINT_GROUP, plugin_sources
+from . import RUN_NUM_ROUNDS, RUN_OVERRIDES, RUN_SEED
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -141,15 +142,6 @@ def _register_search_path() -> None:
 
 
 _register_search_path()
-
-# Keys of [tool.flwr.app.config] that `flwr run --run-config` may set.
-RUN_OVERRIDES = "overrides"
-RUN_NUM_ROUNDS = "num-rounds"
-RUN_SEED = "seed"
-RUN_OUTPUT_DIR = "output-dir"
-RUN_OUTPUT_ROOT = "output-root"
-# A run's output folder to continue from its checkpoint (experiment/checkpoint.py).
-RUN_RESUME = "resume"
 
 
 #: Environment variable that adds to the ``_target_`` allow-list of this process:

@@ -40,9 +40,11 @@ from flwr.common.logger import log
 from ..transport.flower import MOD_FAILED_PRECONDITION
 from ..transport.keys import NUM_EXAMPLES_KEY
 from ..transport.records import to_ndarrays, to_record
-from .dp import PrivacyBudgetExhausted
-from .rule import ProtocolError, read_message
 from .secagg import SecAggPlusMod
+
+# .rule and .dp (ProtocolError, read_message, PrivacyBudgetExhausted) import torch:
+# they are imported in the functions that handle a message for the client, so
+# loading the app, or answering a stage of secure aggregation, does without it.
 
 ClientFn = Callable[[Context], NumPyClient]
 
@@ -90,6 +92,9 @@ class ErrorLog:
 def _error_reply(
     message: Message, err: Exception, errors: ErrorLog | None = None
 ) -> Message:
+    from .dp import PrivacyBudgetExhausted
+    from .rule import ProtocolError
+
     code = (
         MOD_FAILED_PRECONDITION
         if isinstance(err, (ProtocolError, PrivacyBudgetExhausted))
@@ -127,6 +132,8 @@ def handle_train(
     errors: ErrorLog | None = None,
 ) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
+    from .rule import read_message
+
     try:
         received = read_message(message)
         keys = list(received.arrays.keys())
@@ -157,6 +164,8 @@ def handle_evaluate(
     errors: ErrorLog | None = None,
 ) -> Message:
     """Run ``evaluate`` for one evaluate message and build the reply."""
+    from .rule import read_message
+
     try:
         received = read_message(message)
         client = _build(client_fn, context)

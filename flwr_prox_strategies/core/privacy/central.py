@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterable
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
-from flwr.clientapp.mod import fixedclipping_mod
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
@@ -46,8 +45,11 @@ from ..docstrings import inherit_parameters
 from ..server.outcome import ReplyTally, finish_run
 from ..server.screening import reply_node
 from ..server.strategy import ValidatedFedAvg
-from ..transport.flower import KEY_CLIPPING_NORM
 from ..transport.keys import BUDGET_EXHAUSTED_REASON
+
+# The client half lives with the other ClientApp mods, which the ClientApp loads
+# without this module's server machinery (torch through the base strategy).
+from .uploads import clip_when_asked
 
 
 def extra_reply_records(strategy: ValidatedFedAvg) -> list[str]:
@@ -270,23 +272,6 @@ def central_dp(
         clipping_norm=clipping_norm,
         num_sampled_clients=num_sampled_clients,
     )
-
-
-def clip_when_asked(
-    message: Message, context: Context, call_next: Callable[[Message, Context], Message]
-) -> Message:
-    """ClientApp mod: Flower's ``fixedclipping_mod`` when the server asks for it.
-
-    The client-side wrapper puts ``clipping_norm`` in the train config; messages
-    without it (every run without central DP) pass through untouched, so one
-    ClientApp serves both.
-    """
-    config = message.content.config_records.get("config")
-    if message.metadata.message_type.split(".")[0] == "train" and (
-        config is not None and KEY_CLIPPING_NORM in config
-    ):
-        return fixedclipping_mod(message, context, call_next)
-    return call_next(message, context)
 
 
 __all__ = [

@@ -1,9 +1,10 @@
-"""Privacy of uploads on the Flower side: the Laplace ClientApp mod.
+"""Privacy of uploads on the Flower side: the ClientApp mods.
 
 It reports what it spends as every private client does (:mod:`..contract.ledger`).
 :class:`LaplaceUploadMod` is the pure-epsilon counterpart of Flower's
 ``LocalDpMod`` (which adds Gaussian noise): it clips the model update's L1 norm
-and adds Laplace noise to the upload of *any* ClientApp.
+and adds Laplace noise to the upload of *any* ClientApp. :func:`clip_when_asked`
+is the client half of central DP with clipping on the clients (:mod:`.central`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from logging import INFO
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord
+from flwr.clientapp.mod import fixedclipping_mod
 from flwr.common.logger import log
 
 from ...ops.privacy import add_laplace_noise, laplace_scale
@@ -23,6 +25,7 @@ from ..contract.ledger import (
     EPSILON_TOTAL_METRIC,
     spend_epsilon,
 )
+from ..transport.flower import KEY_CLIPPING_NORM
 from ..transport.records import to_ndarrays
 
 
@@ -131,3 +134,20 @@ class LaplaceUploadMod:
             total,
         )
         return reply
+
+
+def clip_when_asked(
+    message: Message, context: Context, call_next: Callable[[Message, Context], Message]
+) -> Message:
+    """ClientApp mod: Flower's ``fixedclipping_mod`` when the server asks for it.
+
+    The client-side wrapper puts ``clipping_norm`` in the train config; messages
+    without it (every run without central DP) pass through untouched, so one
+    ClientApp serves both.
+    """
+    config = message.content.config_records.get("config")
+    if message.metadata.message_type.split(".")[0] == "train" and (
+        config is not None and KEY_CLIPPING_NORM in config
+    ):
+        return fixedclipping_mod(message, context, call_next)
+    return call_next(message, context)

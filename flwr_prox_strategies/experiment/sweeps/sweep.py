@@ -46,9 +46,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ..._executables import flower_env, flower_executable
+from .. import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
 from ..appdir import make_client_app, write_app_dir
 from ..checkpoint import CHECKPOINT_FILE
-from ..config import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
 from ..results import OBJECTIVES, RESULTS_FILE, pyplot
 from ..track import sweep_overrides, where_for_sweep
 from .launchers import CPUS_PER_JOB, JobCpus, available_cpus, job_cpus
