@@ -2,11 +2,17 @@
 
 :class:`SecAggPlusMod` answers the protocol's stages itself (``setup``:
 key pairs; ``share_keys``: Shamir shares of its secrets, encrypted to each
-neighbour; ``unmask``: the shares the server asks for) and, at
+neighbour; in active-adversary mode ``consistency-check``: its signature on
+the survivor set; ``unmask``: the shares the server asks for) and, at
 ``collect_masked_vectors``, lets the ClientApp train, then replaces every
-ArrayRecord of the reply by one masked integer vector. A message without the
-protocol's record passes through untouched, so one ClientApp serves runs with
-and without secure aggregation.
+ArrayRecord of the reply by one masked integer vector.
+
+The client trusts nothing the server says about other nodes: every request
+that could let the server rebuild one client's vector (a repeated or unknown
+node id, a node both alive and dead, fewer than ``t`` distinct contributors, a
+second request of a stage, sets that differ from an earlier stage's, a
+threshold a lying server could split) is refused with the rule it breaks, and
+a refusal ends this client's part in the round.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from logging import INFO
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -27,7 +35,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.common.logger import log
-from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
     decrypt,
     encrypt,
@@ -39,6 +46,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 )
 from numpy.typing import NDArray
 
+from ..transport import shamir, signing
 from ..transport.flower import (
     bytes_to_private_key,
     bytes_to_public_key,
@@ -47,10 +55,15 @@ from ..transport.flower import (
     public_key_to_bytes,
 )
 from ..transport.secagg import (
-    CLIPPED_METRIC,
+    ACTIVE_KEY,
     COMMITMENT_KEY,
+    CONSISTENCY_STAGE,
     ROUND_KEY,
     SECAGG_RECORD,
+    SIGNATURE_KEY,
+    SIGNERS_KEY,
+    SIGNING_KEY_KEY,
+    SURVIVORS_KEY,
     WEIGHT_KEY,
     Key,
     Layout,
@@ -64,10 +77,17 @@ from ..transport.secagg import (
 )
 
 STATE_RECORD = "secagg-plus-state"
-_NEXT = {
+#: Node-config keys a SuperNode's operator sets (``flower-supernode
+#: --node-config "secagg-required=true ..."``): the server cannot change them.
+NODE_REQUIRED = "secagg-required"
+NODE_SIGNING_KEY = "secagg-signing-key"
+NODE_KEY_DIRECTORY = "secagg-key-directory"
+
+#: Each stage and the one it must follow (active-adversary mode signs between).
+_AFTER = {
     Stage.SHARE_KEYS: Stage.SETUP,
     Stage.COLLECT_MASKED_VECTORS: Stage.SHARE_KEYS,
-    Stage.UNMASK: Stage.COLLECT_MASKED_VECTORS,
+    CONSISTENCY_STAGE: Stage.COLLECT_MASKED_VECTORS,
 }
 
 CallNext = Callable[[Message, Context], Message]
@@ -85,6 +105,20 @@ def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
     return base64.urlsafe_b64decode(key)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What this node insists on, from the mod's arguments and its node config."""
+
+    required: bool
+    allow_weak_threshold: bool
+    signing_key: signing.SigningKey | None = None
+    directory: frozenset[bytes] = frozenset()
+
+    @property
+    def signs(self) -> bool:
+        return self.signing_key is not None
+
+
 class SecAggPlusMod:
     """ClientApp mod: the client's part of SecAgg+ for the pack's strategies.
 
@@ -92,18 +126,69 @@ class SecAggPlusMod:
     or in ``@app.train(mods=[...])``); the pack's own ClientApps have it. It
     answers the key-exchange stages itself and, when the server collects,
     masks every record the strategy sums (declared by the server in the
-    message), weighted by the reply's weight metric. It refuses (the reply
-    becomes an error naming the reason, and the client's state is not
-    committed) a reply with NaN or inf values, a missing or differently shaped
-    record, or a weight not in ``(0, max_weight]``; values beyond
-    ``clipping_range`` are clipped and counted in the reply's
-    ``secagg-clipped`` metric. Messages without the protocol's record pass
-    through untouched.
+    message), weighted by the reply's weight metric, together with how many
+    values it clipped (so the server learns only the round's total). It
+    refuses (the reply becomes an error naming the reason, and the client's
+    state is not committed) a reply with NaN or inf values, a missing or
+    differently shaped record, or a weight not in ``(0, max_weight]``; every
+    value is clipped to ``clipping_range`` before it is weighted.
+
+    It also refuses every request that could isolate this client or a peer: a
+    repeated or unknown node id in any list, a node both active and dead,
+    fewer than ``t`` distinct contributors, a second request of a stage, sets
+    that differ from what an earlier stage told it, and a threshold ``t`` at
+    most half of its neighbourhood (a server could split its requests so that
+    one half of the holders reveals a client's mask seed and the other half its
+    key). A refusal ends its part in the round.
 
     Parameters
     ----------
-    None
+    required : bool | Callable[[Context], bool] (default: False)
+        Refuse a train message outside the protocol, so that no plaintext
+        update ever leaves this node (a server that leaves out
+        :class:`~flwr_prox_strategies.SecAggPlus` gets an error naming it).
+        A callable decides per message. A SuperNode's operator can also set it
+        with ``--node-config "secagg-required=true"``; either one is enough.
+    allow_weak_threshold : bool (default: False)
+        Accept a threshold at most half of the neighbourhood. Only for tests
+        and tiny federations you trust: a lying server can then rebuild a
+        client's update.
+    signing_key : str | Path | None (default: None)
+        This node's private signing key (OpenSSH or PEM; its SuperNode
+        authentication key will do). With it the node runs only in
+        active-adversary mode (``SecAggPlus(..., active_adversary=True)``):
+        it signs its public keys and the survivor set, and reveals shares
+        only after verifying ``t`` signatures of its neighbours on the set it
+        signed itself. Node config: ``secagg-signing-key``.
+    key_directory : str | Path | None (default: None)
+        The public signing keys this node trusts (a folder of ``*.pub`` or
+        ``*.pem`` files, or one file with an OpenSSH key per line); required
+        with ``signing_key``. Node config: ``secagg-key-directory``.
+
+    Raises
+    ------
+    ValueError
+        A key file that cannot be read, or only one of ``signing_key`` and
+        ``key_directory``.
     """
+
+    def __init__(
+        self,
+        *,
+        required: bool | Callable[[Context], bool] = False,
+        allow_weak_threshold: bool = False,
+        signing_key: str | Path | None = None,
+        key_directory: str | Path | None = None,
+    ) -> None:
+        if not (isinstance(required, bool) or callable(required)):
+            raise ValueError(f"required must be a bool or a callable, got {required!r}")
+        if not isinstance(allow_weak_threshold, bool):
+            raise ValueError(
+                f"allow_weak_threshold must be a bool, got {allow_weak_threshold!r}"
+            )
+        self.required = required
+        self.allow_weak_threshold = allow_weak_threshold
+        self._keys = _load_keys(signing_key, key_directory, "signing_key")
 
     def __call__(
         self, message: Message, context: Context, call_next: CallNext
@@ -112,41 +197,61 @@ class SecAggPlusMod:
         if message.metadata.message_type.split(".")[0] != "train":
             return call_next(message, context)
         config = message.content.config_records.get(SECAGG_RECORD)
+        settings = self._settings(context, with_keys=config is not None)
         if config is None:
+            if settings.required:
+                raise SecureAggregationRefused(
+                    "secure aggregation is required on this node (SecAggPlusMod("
+                    "required=True) or node config secagg-required): the server sent "
+                    "a plain train message, so no update leaves; wrap the server's "
+                    "strategy in SecAggPlus (or secure_aggregation=secaggplus)"
+                )
             return call_next(message, context)
         stage = config.get(Key.STAGE)
         node_id = message.metadata.dst_node_id
         state = _State.load(context)
-        if stage == Stage.SETUP:
-            state = _State({})
-        elif stage in _NEXT:
-            if state.get("stage") != _NEXT[stage] or state.get("round") != config.get(
-                ROUND_KEY
-            ):
-                raise SecureAggregationRefused(
-                    f"secure aggregation: stage {stage!r} of round "
-                    f"{config.get(ROUND_KEY)!r} after {state.get('stage')!r} of round "
-                    f"{state.get('round')}: out of order, refused"
+        try:
+            if stage == Stage.SETUP:
+                state = _State({})
+            else:
+                _check_order(stage, config, state)
+            if stage == Stage.COLLECT_MASKED_VECTORS:
+                reply = self._collect(message, context, call_next, config, state)
+            else:
+                answer = _STAGES[cast(str, stage)](config, state, node_id, settings)
+                reply = Message(
+                    RecordDict({SECAGG_RECORD: ConfigRecord(answer)}),
+                    reply_to=message,
                 )
-        else:
-            raise SecureAggregationRefused(
-                f"secure aggregation: unknown stage {stage!r}"
-            )
-        if stage == Stage.COLLECT_MASKED_VECTORS:
-            reply = self._collect(message, context, call_next, config, state, node_id)
-        else:
-            answer = {
-                Stage.SETUP: _setup,
-                Stage.SHARE_KEYS: _share_keys,
-                Stage.UNMASK: _unmask,
-            }[cast(str, stage)](config, state, node_id)
-            reply = Message(
-                RecordDict({SECAGG_RECORD: ConfigRecord(answer)}), reply_to=message
-            )
+        except SecureAggregationRefused:
+            # A refusal ends this node's part in the round: nothing more of its
+            # secrets can be asked for, under any story.
+            _State({}).save(context)
+            raise
+        if reply.has_error():  # it trained and failed: it contributes nothing
+            state = _State({})
         state["stage"] = stage
         state["round"] = config.get(ROUND_KEY)
         state.save(context)
         return reply
+
+    def _settings(self, context: Context, *, with_keys: bool) -> _Settings:
+        node = context.node_config
+        required = self.required(context) if callable(self.required) else self.required
+        keys = self._keys
+        if with_keys and keys is None:
+            keys = _load_keys(
+                node.get(NODE_SIGNING_KEY),  # type: ignore[arg-type]
+                node.get(NODE_KEY_DIRECTORY),  # type: ignore[arg-type]
+                f"node config {NODE_SIGNING_KEY}",
+                refuse=True,
+            )
+        return _Settings(
+            required=required or _flag(node.get(NODE_REQUIRED), NODE_REQUIRED),
+            allow_weak_threshold=self.allow_weak_threshold,
+            signing_key=keys[0] if keys else None,
+            directory=keys[1] if keys else frozenset(),
+        )
 
     def _collect(
         self,
@@ -155,8 +260,8 @@ class SecAggPlusMod:
         call_next: CallNext,
         config: ConfigRecord,
         state: _State,
-        node_id: int,
     ) -> Message:
+        node_id = message.metadata.dst_node_id
         _receive_shares(config, state, node_id)
         content = RecordDict(
             {k: v for k, v in message.content.items() if k != SECAGG_RECORD}
@@ -170,7 +275,6 @@ class SecAggPlusMod:
         vector, clipped = _masked_vector(
             reply.content.array_records, metrics, config, state, node_id
         )
-        metrics[CLIPPED_METRIC] = clipped
         out = RecordDict(
             {
                 "metrics": metrics,
@@ -199,7 +303,84 @@ class _State(dict[str, Any]):
         context.state.config_records[STATE_RECORD] = ConfigRecord(dict(self))
 
 
-def _setup(config: ConfigRecord, state: _State, node_id: int) -> dict[str, Any]:
+def _refuse(stage: str, why: str) -> SecureAggregationRefused:
+    return SecureAggregationRefused(f"secure aggregation {stage}: {why}: refused")
+
+
+def _check_order(stage: object, config: ConfigRecord, state: _State) -> None:
+    """Refuse a stage that does not follow the one this node answered last."""
+    if stage == CONSISTENCY_STAGE and not state.get("active"):
+        raise _refuse(str(stage), "asked outside active-adversary mode")
+    if stage == Stage.UNMASK:
+        expected = (
+            CONSISTENCY_STAGE if state.get("active") else _AFTER[CONSISTENCY_STAGE]
+        )
+    elif stage in _AFTER:
+        expected = _AFTER[cast(str, stage)]
+    else:
+        raise SecureAggregationRefused(f"secure aggregation: unknown stage {stage!r}")
+    if state.get("stage") != expected or state.get("round") != config.get(ROUND_KEY):
+        raise SecureAggregationRefused(
+            f"secure aggregation: stage {stage!r} of round "
+            f"{config.get(ROUND_KEY)!r} after {state.get('stage')!r} of round "
+            f"{state.get('round')} (it must follow {expected!r} of the same round, "
+            "once): out of order, refused"
+        )
+
+
+def _flag(value: object, name: str) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise SecureAggregationRefused(
+        f"secure aggregation: node config {name}={value!r} is not true or false"
+    )
+
+
+def _load_keys(
+    key: str | Path | None,
+    directory: str | Path | None,
+    name: str,
+    *,
+    refuse: bool = False,
+) -> tuple[signing.SigningKey, frozenset[bytes]] | None:
+    """Return the signing key and trusted directory, or None when neither is set."""
+    error = SecureAggregationRefused if refuse else ValueError
+    if key is None and directory is None:
+        return None
+    if key is None or directory is None:
+        raise error(
+            f"{name}: a signing key and a key directory go together (the directory "
+            "holds the public keys this node trusts)"
+        )
+    try:
+        own = signing.load_signing_key(key)
+        trusted = signing.load_key_directory(directory)
+    except signing.KeyFileError as err:
+        raise error(f"{name}: {err}") from err
+    return own, trusted
+
+
+def _node_ids(stage: str, value: object, what: str) -> list[int]:
+    """Return ``value`` as distinct node ids; refuse anything else."""
+    if not (
+        isinstance(value, list)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+    ):
+        raise _refuse(stage, f"{what} is not a list of node ids")
+    ids = cast(list[int], value)
+    if len(set(ids)) != len(ids):
+        repeated = sorted({n for n in ids if ids.count(n) > 1})
+        raise _refuse(stage, f"node ids {repeated} repeated in {what}")
+    return ids
+
+
+def _setup(
+    config: ConfigRecord, state: _State, node_id: int, settings: _Settings
+) -> dict[str, Any]:
     for key, kind in (
         (Key.SHARE_NUMBER, int),
         (Key.THRESHOLD, int),
@@ -213,49 +394,100 @@ def _setup(config: ConfigRecord, state: _State, node_id: int) -> dict[str, Any]:
                 f"secure aggregation setup: {key!r} missing or not {kind.__name__}"
             )
         state[key] = config[key]
+    if state[Key.THRESHOLD] < 1:
+        raise _refuse("setup", f"threshold {state[Key.THRESHOLD]} below 1")
+    active = config.get(ACTIVE_KEY, False)
+    if not isinstance(active, bool):
+        raise _refuse("setup", f"{ACTIVE_KEY!r} = {active!r} is not a bool")
+    if settings.signs and not active:
+        raise _refuse(
+            "setup",
+            "this node signs its keys and the survivor set (a signing key is set) "
+            "and the server did not ask for the consistency check; the server must "
+            "run SecAggPlus(..., active_adversary=True)",
+        )
+    if active and not settings.signs:
+        raise _refuse(
+            "setup",
+            "the server asks for active-adversary mode and this node has no signing "
+            f"key: give SecAggPlusMod(signing_key=..., key_directory=...) or node "
+            f"config {NODE_SIGNING_KEY} and {NODE_KEY_DIRECTORY}",
+        )
+    state["active"] = active
     sk1, pk1 = generate_key_pairs()
     sk2, pk2 = generate_key_pairs()
     state["sk1"], state["pk1"] = private_key_to_bytes(sk1), public_key_to_bytes(pk1)
     state["sk2"], state["pk2"] = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
-    return {Key.PUBLIC_KEY_1: state["pk1"], Key.PUBLIC_KEY_2: state["pk2"]}
+    answer: dict[str, Any] = {
+        Key.PUBLIC_KEY_1: state["pk1"],
+        Key.PUBLIC_KEY_2: state["pk2"],
+    }
+    if active:
+        assert settings.signing_key is not None
+        answer[SIGNATURE_KEY] = signing.sign(
+            settings.signing_key,
+            signing.KEYS_CONTEXT,
+            _keys_statement(config.get(ROUND_KEY), node_id, state["pk1"], state["pk2"]),
+        )
+        answer[SIGNING_KEY_KEY] = signing.public_of(settings.signing_key)
+    return answer
 
 
-def _share_keys(config: ConfigRecord, state: _State, node_id: int) -> dict[str, Any]:
-    keys: dict[int, tuple[bytes, bytes]] = {}
+def _keys_statement(
+    server_round: object, node: int, pk1: bytes, pk2: bytes
+) -> list[bytes | int]:
+    """Return what a node signs at setup: the round, its node id, its two keys."""
+    return [int(cast(int, server_round)), node, pk1, pk2]
+
+
+def _share_keys(
+    config: ConfigRecord, state: _State, node_id: int, settings: _Settings
+) -> dict[str, Any]:
+    active = bool(state.get("active"))
+    width = 4 if active else 2  # pk1, pk2 (, signature, signing key)
+    keys: dict[int, tuple[bytes, ...]] = {}
     for name, value in config.items():
         if name in (Key.STAGE, ROUND_KEY):
             continue
+        if not (name.isdigit() and str(int(name)) == name):
+            # "0042" and "42" would both be node 42: one node counted twice.
+            raise _refuse("share_keys", f"malformed or repeated node id {name!r}")
         if not (
-            name.isdigit()
-            and isinstance(value, list)
-            and len(value) == 2
+            isinstance(value, list)
+            and len(value) == width
             and all(isinstance(v, bytes) for v in value)
         ):
-            raise SecureAggregationRefused(
-                f"secure aggregation share_keys: malformed entry {name!r}"
-            )
-        keys[int(name)] = (cast(bytes, value[0]), cast(bytes, value[1]))
-    if keys.get(node_id) != (state["pk1"], state["pk2"]):
-        raise SecureAggregationRefused(
-            "secure aggregation share_keys: this node's own public keys are not "
-            "among those forwarded (refused: the server may be impersonating it)"
+            raise _refuse("share_keys", f"malformed entry {name!r}")
+        keys[int(name)] = tuple(cast(list[bytes], value))
+    if keys.get(node_id, ())[:2] != (state["pk1"], state["pk2"]):
+        raise _refuse(
+            "share_keys",
+            "this node's own public keys are not among those forwarded (the server "
+            "may be impersonating it)",
         )
-    every = [k for pair in keys.values() for k in pair]
+    every = [k for entry in keys.values() for k in entry[:2]]
     if len(set(every)) != len(every):
-        raise SecureAggregationRefused(
-            "secure aggregation share_keys: two neighbours have the same public key"
-        )
+        raise _refuse("share_keys", "two neighbours have the same public key")
+    if active:
+        state["signing-keys"] = _verified_signers(config, keys, node_id, settings)
     threshold = state[Key.THRESHOLD]
     if len(keys) < threshold:
-        raise SecureAggregationRefused(
-            f"secure aggregation share_keys: {len(keys)} neighbours, fewer than the "
-            f"threshold {threshold}"
+        raise _refuse(
+            "share_keys",
+            f"{len(keys)} neighbours, fewer than the threshold {threshold}",
+        )
+    if 2 * threshold <= len(keys) and not settings.allow_weak_threshold:
+        raise _refuse(
+            "share_keys",
+            f"the threshold {threshold} is at most half of the {len(keys)} nodes "
+            "this node shares with: a server could ask one half for its mask seed "
+            f"and the other half for its key; it must exceed {len(keys) // 2} "
+            "(SecAggPlusMod(allow_weak_threshold=True) accepts it)",
         )
     seed = os.urandom(32)
     order = sorted(keys)
     secrets: dict[int, bytes] = {}
-    seed_shares = create_shares(seed, threshold, len(order))
-    sk1_shares = create_shares(state["sk1"], threshold, len(order))
+    seed_shares, sk1_shares = shamir.split([seed, state["sk1"]], threshold, len(order))
     dsts, ciphertexts = [], []
     for index, other in enumerate(order):
         if other == node_id:
@@ -286,46 +518,190 @@ def _share_keys(config: ConfigRecord, state: _State, node_id: int) -> dict[str, 
     }
 
 
+def _verified_signers(
+    config: ConfigRecord,
+    keys: Mapping[int, tuple[bytes, ...]],
+    node_id: int,
+    settings: _Settings,
+) -> list[bytes]:
+    """Check each neighbour's signed keys; return their signing keys, by node id."""
+    assert settings.signing_key is not None
+    seen: set[bytes] = set()
+    for node in sorted(keys):
+        pk1, pk2, signature, public = keys[node]
+        if node == node_id and public != signing.public_of(settings.signing_key):
+            raise _refuse("share_keys", "this node's own signing key was replaced")
+        if public not in settings.directory:
+            raise _refuse(
+                "share_keys",
+                f"node {node} signs with a key outside this node's key directory "
+                "(a participant the server invented?)",
+            )
+        if public in seen:
+            raise _refuse(
+                "share_keys", f"node {node} signs with another neighbour's key"
+            )
+        seen.add(public)
+        statement = _keys_statement(config.get(ROUND_KEY), node, pk1, pk2)
+        if not signing.verify(public, signature, signing.KEYS_CONTEXT, statement):
+            raise _refuse(
+                "share_keys",
+                f"node {node}'s keys do not carry its signature (replaced on the way?)",
+            )
+    return [keys[node][3] for node in sorted(keys)]
+
+
 def _receive_shares(config: ConfigRecord, state: _State, node_id: int) -> None:
+    stage = "collect"
     srcs, ciphertexts = config.get(Key.SOURCE_LIST), config.get(Key.CIPHERTEXT_LIST)
-    if not (
-        isinstance(srcs, list)
-        and isinstance(ciphertexts, list)
-        and len(srcs) == len(ciphertexts)
-    ):
-        raise SecureAggregationRefused(
-            "secure aggregation collect: malformed forwarded shares"
-        )
+    sources = _node_ids(stage, srcs, "the sources of the forwarded shares")
+    if not (isinstance(ciphertexts, list) and len(sources) == len(ciphertexts)):
+        raise _refuse(stage, "malformed forwarded shares")
     share_keys = dict(zip(state["nids"], state["share-keys"], strict=True))
     owners, seed_shares, sk1_shares = (
         [node_id],
         [state["own-seed-share"]],
         [state["own-sk1-share"]],
     )
-    for src, ciphertext in zip(srcs, ciphertexts, strict=True):
+    for src, ciphertext in zip(sources, ciphertexts, strict=True):
         if src not in share_keys or src == node_id:
-            raise SecureAggregationRefused(
-                f"secure aggregation collect: a share from node {src}, not a neighbour"
-            )
+            raise _refuse(stage, f"a share from node {src}, not a neighbour")
         actual_src, dst, seed_share, sk1_share = share_keys_plaintext_separate(
             decrypt(share_keys[src], cast(bytes, ciphertext))
         )
         if (actual_src, dst) != (src, node_id):
-            raise SecureAggregationRefused(
-                f"secure aggregation collect: a share from {actual_src} to {dst} "
-                f"forwarded as from {src} to {node_id}"
+            raise _refuse(
+                stage,
+                f"a share from {actual_src} to {dst} forwarded as from {src} to "
+                f"{node_id}",
             )
-        owners.append(cast(int, src))
+        owners.append(src)
         seed_shares.append(seed_share)
         sk1_shares.append(sk1_share)
     if len(owners) < state[Key.THRESHOLD]:
-        raise SecureAggregationRefused(
-            f"secure aggregation collect: {len(owners)} nodes in the neighbourhood "
-            f"left, fewer than the threshold {state[Key.THRESHOLD]}"
+        raise _refuse(
+            stage,
+            f"{len(owners)} nodes in the neighbourhood left, fewer than the "
+            f"threshold {state[Key.THRESHOLD]}",
         )
     state["share-owners"] = owners
     state["seed-shares"] = seed_shares
     state["sk1-shares"] = sk1_shares
+
+
+def _consistency(
+    config: ConfigRecord, state: _State, node_id: int, settings: _Settings
+) -> dict[str, Any]:
+    """Sign the survivor set the server announces (once a round)."""
+    stage = "consistency-check"
+    survivors = _node_ids(stage, config.get(SURVIVORS_KEY), "the survivors")
+    if node_id not in survivors:
+        raise _refuse(stage, "this node sent its masked vector and is not a survivor")
+    threshold = state[Key.THRESHOLD]
+    alive = set(survivors) & set(state["share-owners"])
+    if len(alive) < threshold:
+        raise _refuse(
+            stage,
+            f"{len(alive)} of this node's neighbours survive, fewer than the "
+            f"threshold {threshold}",
+        )
+    state["survivors"] = sorted(survivors)
+    assert settings.signing_key is not None
+    signature = signing.sign(
+        settings.signing_key,
+        signing.SURVIVORS_CONTEXT,
+        [int(cast(int, config.get(ROUND_KEY))), *state["survivors"]],
+    )
+    return {SIGNATURE_KEY: signature}
+
+
+def _unmask(
+    config: ConfigRecord, state: _State, node_id: int, settings: _Settings
+) -> dict[str, Any]:
+    stage = "unmask"
+    active = _node_ids(stage, config.get(Key.ACTIVE_NODE_ID_LIST), "the active nodes")
+    dead = _node_ids(stage, config.get(Key.DEAD_NODE_ID_LIST), "the dead nodes")
+    if both := sorted(set(active) & set(dead)):
+        raise _refuse(
+            stage,
+            f"the server asked for both shares of nodes {both} (that would reveal "
+            "their vectors)",
+        )
+    owners = state["share-owners"]
+    index = {owner: i for i, owner in enumerate(owners)}
+    if unknown := [n for n in [*active, *dead] if n not in index]:
+        raise _refuse(stage, f"no shares of nodes {unknown}")
+    if node_id not in active:
+        raise _refuse(
+            stage, "this node sent its masked vector and is not among the active nodes"
+        )
+    if missing := sorted(set(owners) - set(active) - set(dead)):
+        raise _refuse(
+            stage,
+            f"nodes {missing} whose shares this node holds are neither active nor "
+            "dead (the sets differ from those of the collect stage)",
+        )
+    threshold = state[Key.THRESHOLD]
+    if len(active) < threshold:
+        raise _refuse(
+            stage,
+            f"{len(active)} distinct contributors among the neighbours, fewer than "
+            f"the threshold {threshold}",
+        )
+    if state.get("active"):
+        _check_survivors(config, state, active, threshold)
+    shares = [state["seed-shares"][index[n]] for n in active] + [
+        state["sk1-shares"][index[n]] for n in dead
+    ]
+    return {Key.NODE_ID_LIST: [*active, *dead], Key.SHARE_LIST: shares}
+
+
+def _check_survivors(
+    config: ConfigRecord, state: _State, active: list[int], threshold: int
+) -> None:
+    """Refuse an unmask request that does not match the survivor set signed.
+
+    Active-adversary mode: the active nodes must be this node's neighbours in
+    the set it signed, and ``t`` of them must have signed the same set.
+    """
+    stage = "unmask"
+    survivors = set(state["survivors"])
+    if set(active) != set(state["share-owners"]) & survivors:
+        raise _refuse(
+            stage,
+            "the active nodes differ from the survivor set this node signed (the "
+            "server tells clients different stories)",
+        )
+    signers = _node_ids(stage, config.get(SIGNERS_KEY), "the signers")
+    signatures = config.get(SIGNATURE_KEY)
+    if not (isinstance(signatures, list) and len(signatures) == len(signers)):
+        raise _refuse(stage, "malformed signatures of the survivor set")
+    known = dict(zip(state["nids"], state["signing-keys"], strict=True))
+    statement = [int(cast(int, config.get(ROUND_KEY))), *state["survivors"]]
+    valid = {
+        signer
+        for signer, signature in zip(signers, signatures, strict=True)
+        if signer in known
+        and signer in survivors
+        and signing.verify(
+            known[signer], signature, signing.SURVIVORS_CONTEXT, statement
+        )
+    }
+    if len(valid) < threshold:
+        raise _refuse(
+            stage,
+            f"{len(valid)} of this node's neighbours signed the survivor set it "
+            f"signed, fewer than the threshold {threshold} (the server tells "
+            "clients different stories, or forged signatures)",
+        )
+
+
+_STAGES: dict[str, Callable[[ConfigRecord, _State, int, _Settings], dict[str, Any]]] = {
+    Stage.SETUP: _setup,
+    Stage.SHARE_KEYS: _share_keys,
+    CONSISTENCY_STAGE: _consistency,
+    Stage.UNMASK: _unmask,
+}
 
 
 def _masked_vector(
@@ -361,9 +737,8 @@ def _masked_vector(
         code = quantizer.weight_code(float(weight), max_weight)
     else:
         code = quantizer.quantization_range  # uniform: every r is 1
-    ratio = code / quantizer.quantization_range
     rng = np.random.default_rng()
-    parts: list[NDArray[np.int64]] = [np.array([code], dtype=np.int64)]
+    parts: list[NDArray[np.int64]] = []
     clipped = 0
     for name, kind, size, keys in zip(
         layout.records, layout.kinds, layout.sizes, layout.keys, strict=True
@@ -386,11 +761,11 @@ def _masked_vector(
                 f"secure aggregation refused to mask the reply: record {name!r} "
                 f"holds {int((~np.isfinite(values)).sum())} NaN or inf values"
             )
-        if kind == "mean":
-            values = values * ratio
         clipped += int((np.abs(values) > quantizer.clipping_range).sum())
-        parts.append(quantizer.encode(values, rng))
-    vector = np.concatenate(parts).astype(np.uint32)
+        parts.append(quantizer.encode(values, rng, code if kind == "mean" else None))
+    # The clipped count travels masked: capped at T, the round's sum cannot wrap.
+    header = np.array([code, min(clipped, quantizer.quantization_range)], np.int64)
+    vector = np.concatenate([header, *parts]).astype(np.uint32)
     add_mask(vector, state["seed"], 1)
     seeds = dict(zip(state["nids"], state["mask-seeds"], strict=True))
     for other in state["share-owners"]:
@@ -407,36 +782,3 @@ def _only_metrics(content: RecordDict) -> MetricRecord:
             "expected exactly one"
         )
     return MetricRecord(dict(records[0]))
-
-
-def _unmask(config: ConfigRecord, state: _State, node_id: int) -> dict[str, Any]:
-    active, dead = (
-        config.get(Key.ACTIVE_NODE_ID_LIST),
-        config.get(Key.DEAD_NODE_ID_LIST),
-    )
-    if not (isinstance(active, list) and isinstance(dead, list)):
-        raise SecureAggregationRefused(
-            "secure aggregation unmask: malformed node lists"
-        )
-    if set(active) & set(dead):
-        raise SecureAggregationRefused(
-            "secure aggregation unmask: the server asked for both shares of nodes "
-            f"{sorted(cast(set[int], set(active) & set(dead)))} (that would reveal "
-            "their vectors): "
-            "refused"
-        )
-    owners = state["share-owners"]
-    index = {owner: i for i, owner in enumerate(owners)}
-    if unknown := [n for n in [*active, *dead] if n not in index]:
-        raise SecureAggregationRefused(
-            f"secure aggregation unmask: no shares of nodes {unknown}"
-        )
-    if len(active) < state[Key.THRESHOLD]:
-        raise SecureAggregationRefused(
-            f"secure aggregation unmask: {len(active)} contributors among the "
-            f"neighbours, fewer than the threshold {state[Key.THRESHOLD]}: refused"
-        )
-    shares = [state["seed-shares"][index[n]] for n in active] + [
-        state["sk1-shares"][index[n]] for n in dead
-    ]
-    return {Key.NODE_ID_LIST: [*active, *dead], Key.SHARE_LIST: shares}

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 from flwr.app import (
@@ -32,7 +32,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.common.logger import log
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
@@ -40,6 +39,7 @@ from numpy.typing import NDArray
 from ..client.secagg import pairwise_seed
 from ..contract.validation import ReplyRejected, ValidReply, client_error_text
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
+from ..transport import shamir, signing
 from ..transport.flower import (
     bytes_to_private_key,
     bytes_to_public_key,
@@ -47,11 +47,16 @@ from ..transport.flower import (
 )
 from ..transport.records import RecordSpec, dict_to_record
 from ..transport.secagg import (
-    CLIPPED_METRIC,
+    ACTIVE_KEY,
     COMMITMENT_KEY,
+    CONSISTENCY_STAGE,
     MISSING_MOD_HINT,
     ROUND_KEY,
     SECAGG_RECORD,
+    SIGNATURE_KEY,
+    SIGNERS_KEY,
+    SIGNING_KEY_KEY,
+    SURVIVORS_KEY,
     WEIGHT_KEY,
     Key,
     Layout,
@@ -68,6 +73,29 @@ from ..transport.secagg import (
 PHASE = "aggregate_train"
 #: The error code of the stand-in reply of a node the protocol dropped.
 SECAGG_DROPPED_CODE = 0
+
+
+def _check_strong_threshold(num_shares: int | float, threshold: int | float) -> None:
+    """Refuse a threshold a lying server could split (at most half a neighbourhood)."""
+    fix = (
+        "a lying server could ask one half of a client's neighbours for its mask "
+        "seed and the other half for its key, and rebuild its update; raise it, "
+        "or pass allow_weak_threshold=True"
+    )
+    if isinstance(threshold, float) and threshold <= 0.5:
+        raise ValueError(
+            f"reconstruction_threshold={threshold} is at most half of a "
+            f"neighbourhood: {fix}"
+        )
+    if (
+        isinstance(threshold, int)
+        and isinstance(num_shares, int)
+        and 2 * threshold <= num_shares
+    ):
+        raise ValueError(
+            f"reconstruction_threshold={threshold} is at most half of "
+            f"num_shares={num_shares}: {fix}"
+        )
 
 
 def _check_fraction_or_count(name: str, value: object, least: int) -> None:
@@ -93,6 +121,9 @@ class _Round:
     neighbours: dict[int, set[int]] = field(default_factory=dict)
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
     commitments: dict[int, bytes] = field(default_factory=dict)
+    signing_keys: dict[int, bytes] = field(default_factory=dict)  # active mode
+    key_signatures: dict[int, bytes] = field(default_factory=dict)  # on its keys
+    survivor_signatures: dict[int, bytes] = field(default_factory=dict)
     shared: set[int] = field(default_factory=set)  # completed share_keys
     dropped: dict[int, str] = field(default_factory=dict)  # node -> why
     failure: str | None = None  # why the round cannot be aggregated
@@ -127,9 +158,14 @@ class SecAggPlus(Strategy):
         the round's sampled nodes (1.0: everyone, SecAgg).
     reconstruction_threshold : int | float (default: 0.6)
         Shares needed to rebuild a secret: a count (>= 2), or a fraction of
-        ``num_shares`` (at least 2). Up to ``num_shares -
+        ``num_shares`` (rounded up, at least 2). Up to ``num_shares -
         reconstruction_threshold`` neighbours may drop after sharing keys;
-        fewer than the threshold cannot learn anything.
+        fewer than the threshold cannot learn anything. It must exceed half
+        of every neighbourhood: at or below half, a lying server can ask one
+        half of a client's neighbours for its mask seed and the other half
+        for its key, and rebuild its update. A fraction must be above 0.5; a
+        count above half of ``num_shares`` (checked each round when
+        ``num_shares`` is a fraction).
     max_weight : float (default: 1000.0)
         The largest weight (``num-examples``, or the ``weighted_by_key``
         metric) a client may mask; a client with a larger one refuses.
@@ -146,6 +182,20 @@ class SecAggPlus(Strategy):
     timeout : float | None (default: 300.0)
         Seconds each key-exchange stage waits for replies (None: until every
         node answers or is reported lost).
+    active_adversary : bool (default: False)
+        Run the consistency check of Bonawitz et al. (2017), which Bell et
+        al. (2020) keep for SecAgg+: each node signs its public keys and,
+        before any share is revealed, the survivor set; a node reveals shares
+        only after verifying ``t`` of its neighbours' signatures on the set it
+        signed. The server relays signatures it cannot forge, so it cannot
+        invent participants or tell clients different stories. Every node
+        needs a signing key and the directory of its peers' public keys
+        (:class:`~flwr_prox_strategies.SecAggPlusMod`'s ``signing_key`` and
+        ``key_directory``, or its node config). One more stage per round.
+    allow_weak_threshold : bool (default: False)
+        Accept a threshold at most half of a neighbourhood, with a warning
+        once per run. Clients refuse such a round unless their mod allows it
+        too. For tests and federations whose server you trust.
     """
 
     def __init__(
@@ -159,6 +209,8 @@ class SecAggPlus(Strategy):
         quantization_range: int = 2**22,
         modulus_range: int = 2**32,
         timeout: float | None = 300.0,
+        active_adversary: bool = False,
+        allow_weak_threshold: bool = False,
     ) -> None:
         if not isinstance(strategy, ValidatedFedAvg):
             raise ValueError(
@@ -195,6 +247,14 @@ class SecAggPlus(Strategy):
                 f"reconstruction_threshold ({reconstruction_threshold}) must be "
                 f"<= num_shares ({num_shares})"
             )
+        for key, flag in (
+            ("active_adversary", active_adversary),
+            ("allow_weak_threshold", allow_weak_threshold),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{key} must be a bool, got {flag!r}")
+        if not allow_weak_threshold:
+            _check_strong_threshold(num_shares, reconstruction_threshold)
         if (
             isinstance(reconstruction_threshold, int)
             and reconstruction_threshold > strategy.min_train_nodes
@@ -244,6 +304,9 @@ class SecAggPlus(Strategy):
             float(clipping_range), quantization_range, modulus_range
         )
         self.timeout = timeout
+        self.active_adversary = active_adversary
+        self.allow_weak_threshold = allow_weak_threshold
+        self._weak_warned = False
         self._grid: Grid | None = None
         self._round: _Round | None = None
         self._forwarded: dict[int, tuple[list[int], list[bytes]]] = {}
@@ -296,7 +359,7 @@ class SecAggPlus(Strategy):
         Same parameters and result as the wrapped strategy's ``start()``.
         """
         self.strategy.reset_run()
-        self._clip_warned = False
+        self._clip_warned = self._weak_warned = False
         self.strategy.stall.final_round = self.strategy.round_offset + num_rounds
         result = super().start(
             grid=grid,
@@ -427,8 +490,11 @@ class SecAggPlus(Strategy):
         sums = None
         before = set(state.dropped)
         if state.failure is None:
+            weights = {r.node_id: self._weight_code(r) for r in screened.valid}
             try:
-                sums = self._unmask(state, {n: vectors[n] for n in contributors})
+                sums = self._unmask(
+                    state, {n: vectors[n] for n in contributors}, weights
+                )
             except _UnmaskFailed as err:
                 state.failure = str(err)
         for node in sorted(set(state.dropped) - before):  # unmask-stage trouble
@@ -458,9 +524,9 @@ class SecAggPlus(Strategy):
                 screened.k_before,
             )
             arrays, metrics = inner.aggregate_screened(round_, screened)
-            return arrays, self._metrics(metrics, state, [], None)
+            return arrays, self._metrics(metrics, state, [], None, 0)
         assert sums is not None
-        means, replies_hold, weight_sum = sums
+        means, replies_hold, weight_sum, clipped = sums
         for valid_reply in screened.valid:
             valid_reply.arrays = replies_hold
         inner._secure_means = means
@@ -468,7 +534,9 @@ class SecAggPlus(Strategy):
             arrays, metrics = inner.aggregate_screened(round_, screened)
         finally:
             inner._secure_means = None
-        return arrays, self._metrics(metrics, state, screened.valid, weight_sum)
+        return arrays, self._metrics(
+            metrics, state, screened.valid, weight_sum, clipped
+        )
 
     # ------------------------------------------------------------- stages
     def _size_round(self, state: _Round, sampled: int) -> None:
@@ -488,7 +556,8 @@ class SecAggPlus(Strategy):
         threshold = self.reconstruction_threshold
         state.num_shares = count
         state.threshold = (
-            max(2, round(threshold * count))
+            # Rounded up (0.6 of 4 is 3, not 2): above half at every size.
+            max(2, math.ceil(round(threshold * count, 9)))
             if isinstance(threshold, float)
             else threshold
         )
@@ -502,6 +571,8 @@ class SecAggPlus(Strategy):
                 f"{sampled} nodes sampled, more than modulus_range / "
                 f"quantization_range allows ({self.quantizer.max_contributors()})"
             )
+        elif 2 * state.threshold <= count:
+            self._weak_threshold(state)
         state.spec = spec = self.strategy.expected_train_arrays(
             state.server_round + self.strategy.round_offset
         )
@@ -511,6 +582,28 @@ class SecAggPlus(Strategy):
             {name: {k: a.shape for k, a in spec[name].items()} for name in declared},
             uniform=self.strategy.weighting == "uniform",
         )
+
+    def _weak_threshold(self, state: _Round) -> None:
+        """Fail a round whose threshold is at most half a neighbourhood, or warn."""
+        count, threshold = state.num_shares, state.threshold
+        if not self.allow_weak_threshold:
+            state.failure = (
+                f"the threshold {threshold} is at most half of this round's "
+                f"neighbourhoods of {count}: a lying server could rebuild a client's "
+                f"update; raise reconstruction_threshold above {count // 2} (or "
+                "allow_weak_threshold=True)"
+            )
+        elif not self._weak_warned:
+            self._weak_warned = True
+            log(
+                WARNING,
+                "SecAggPlus: round %d: the threshold %d is at most half of the "
+                "neighbourhoods of %d (allow_weak_threshold=True): a server that lies "
+                "about who dropped can rebuild a client's update (warned once per run)",
+                state.server_round + self.strategy.round_offset,
+                threshold,
+                count,
+            )
 
     def _weight_key(self) -> str:
         if self.strategy.weighting == "uniform":
@@ -586,13 +679,15 @@ class SecAggPlus(Strategy):
             Key.TARGET_RANGE: self.quantization_range,
             Key.MOD_RANGE: self.modulus_range,
             Key.MAX_WEIGHT: self.max_weight,
+            ACTIVE_KEY: self.active_adversary,
         }
+        signed = (SIGNATURE_KEY, SIGNING_KEY_KEY) if self.active_adversary else ()
         answers = self._exchange(
             grid,
             state,
             Stage.SETUP,
             {node: config for node in nodes},
-            (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2),
+            (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2, *signed),
         )
         seen: set[bytes] = set()
         for node, record in answers.items():
@@ -603,6 +698,8 @@ class SecAggPlus(Strategy):
                         raise ValueError("a public key repeated or not bytes")
                     bytes_to_public_key(key)
                     seen.add(key)
+                if self.active_adversary:
+                    self._check_signed_keys(state, node, record, seen)
             except ValueError as err:
                 state.dropped[node] = f"setup: malformed public keys ({err})"
                 continue
@@ -614,11 +711,37 @@ class SecAggPlus(Strategy):
         state.neighbours = neighbours(active, state.num_shares, rng)
         self._check_neighbourhoods(state, set(active), "setup")
 
+    def _check_signed_keys(
+        self, state: _Round, node: int, record: ConfigRecord, seen: set[bytes]
+    ) -> None:
+        """Keep a node's signature on its keys, if it is one (active mode)."""
+        signature, public = record[SIGNATURE_KEY], record[SIGNING_KEY_KEY]
+        if not isinstance(public, bytes) or public in seen:
+            raise ValueError("a signing key repeated or not bytes")
+        statement: list[bytes | int] = [
+            state.server_round,
+            node,
+            cast(bytes, record[Key.PUBLIC_KEY_1]),
+            cast(bytes, record[Key.PUBLIC_KEY_2]),
+        ]
+        if not signing.verify(public, signature, signing.KEYS_CONTEXT, statement):
+            raise ValueError("its keys do not carry its signature")
+        seen.add(public)
+        state.signing_keys[node] = public
+        state.key_signatures[node] = cast(bytes, signature)
+
     def _share_keys(self, grid: Grid, state: _Round) -> None:
         active = set(state.public_keys)
+
+        def entry(other: int) -> list[bytes]:
+            keys = list(state.public_keys[other])
+            if self.active_adversary:
+                keys += [state.key_signatures[other], state.signing_keys[other]]
+            return keys
+
         contents = {
             node: {
-                str(other): list(state.public_keys[other])
+                str(other): entry(other)
                 for other in sorted(state.neighbours[node] & active)
             }
             for node in sorted(active)
@@ -714,9 +837,15 @@ class SecAggPlus(Strategy):
         return reply
 
     def _unmask(
-        self, state: _Round, vectors: dict[int, NDArray[np.uint32]]
-    ) -> tuple[dict[str, dict[str, NDArray]], dict[str, dict[str, NDArray]], float]:
-        """Run the unmask stage; return the means, what each reply holds, sum r."""
+        self,
+        state: _Round,
+        vectors: dict[int, NDArray[np.uint32]],
+        weights: Mapping[int, int],
+    ) -> _Sums:
+        """Run the unmask stage; return the unmasked sums, decoded and checked.
+
+        ``weights`` holds each contributor's weight code, from its plain weight.
+        """
         assert self._grid is not None and state.layout is not None
         contributors = set(vectors)
         dead = state.shared - contributors
@@ -725,10 +854,19 @@ class SecAggPlus(Strategy):
                 f"{len(contributors)} valid masked vector(s), fewer than the "
                 f"reconstruction threshold {state.threshold}"
             )
+        signatures: dict[str, Any] = {}
+        if self.active_adversary:
+            self._consistency(state, contributors)
+            signers = sorted(state.survivor_signatures)
+            signatures = {
+                SIGNERS_KEY: signers,
+                SIGNATURE_KEY: [state.survivor_signatures[n] for n in signers],
+            }
         contents = {
             node: {
                 Key.ACTIVE_NODE_ID_LIST: sorted(state.neighbours[node] & contributors),
                 Key.DEAD_NODE_ID_LIST: sorted(state.neighbours[node] & dead),
+                **signatures,
             }
             for node in sorted(contributors)
         }
@@ -778,7 +916,37 @@ class SecAggPlus(Strategy):
                 # ``other`` added its mask for ``owner``; take it out again.
                 add_mask(total, seed, -pairwise_sign(other, owner))
         total = reduce(total, self.modulus_range)
-        return self._decode(state, total.astype(np.int64), len(contributors))
+        return self._decode(state, total.astype(np.int64), weights)
+
+    def _consistency(self, state: _Round, contributors: set[int]) -> None:
+        """Have every contributor sign the survivor set; keep the valid signatures.
+
+        Active-adversary mode: a node reveals shares only after checking ``t``
+        of its neighbours' signatures on the set it signed itself.
+        """
+        assert self._grid is not None
+        survivors = sorted(contributors)
+        answers = self._exchange(
+            self._grid,
+            state,
+            CONSISTENCY_STAGE,
+            {node: {SURVIVORS_KEY: survivors} for node in survivors},
+            (SIGNATURE_KEY,),
+        )
+        statement = [state.server_round, *survivors]
+        for node, record in answers.items():
+            signature = record[SIGNATURE_KEY]
+            if signing.verify(
+                state.signing_keys[node],
+                signature,
+                signing.SURVIVORS_CONTEXT,
+                statement,
+            ):
+                state.survivor_signatures[node] = cast(bytes, signature)
+            else:
+                state.dropped.setdefault(
+                    node, "consistency-check: its signature of the survivors is invalid"
+                )
 
     def _recover(
         self,
@@ -787,66 +955,93 @@ class SecAggPlus(Strategy):
         shares: dict[int, bytes],
         valid: Callable[[bytes], bool],
     ) -> bytes:
-        """Rebuild one secret from ``threshold`` shares; name holders of bad ones."""
-        holders = sorted(shares)
+        """Rebuild one secret from the shares that came back; name holders of bad ones.
+
+        The owner split its secrets over its neighbourhood as the server sent
+        it at ``share_keys`` (sorted), so a holder's share is the polynomials
+        at the holder's position there plus one. Recovery tolerates wrong
+        shares (error correction, then a search of subsets checked against the
+        owner's commitment or public key) and drops every holder whose share
+        disagrees with the secret found.
+        """
+        order = sorted(state.neighbours[owner] & set(state.public_keys))
+        x_of = {node: position + 1 for position, node in enumerate(order)}
+        given = {x_of[holder]: share for holder, share in shares.items()}
         t = state.threshold
-        if len(holders) < t:
+        if len(given) < t:
             raise _UnmaskFailed(
-                f"{len(holders)} share(s) of node {owner}'s secret came back, fewer "
+                f"{len(given)} share(s) of node {owner}'s secret came back, fewer "
                 f"than the threshold {t}"
             )
-        first = _combine([shares[h] for h in holders[:t]])
-        if first is not None and valid(first):
-            return first  # the usual case: one combination (Shamir is slow)
-        good = None
-        for start in range(1, len(holders) - t + 1):
-            subset = holders[start : start + t]
-            secret = _combine([shares[h] for h in subset])
-            if secret is not None and valid(secret):
-                good = (subset, secret)
-                break
-        if good is None:
+        try:
+            found = shamir.recover(given, t, valid)
+        except shamir.ShamirError as err:
             raise _UnmaskFailed(
-                f"no {t} of the {len(holders)} shares of node {owner}'s secret "
-                "rebuild it (corrupt shares)"
+                f"no {t} of the {len(given)} shares of node {owner}'s secret "
+                f"rebuild it (corrupt shares): {err}"
+            ) from err
+        for x in found.disagreeing:
+            state.dropped.setdefault(
+                order[x - 1],
+                f"unmask: its share of node {owner}'s secret is corrupt (ignored)",
             )
-        # Some of the first t shares are corrupt: find whose, against a good set.
-        subset, secret = good
-        for holder in holders:
-            if holder in subset:
-                continue
-            trial = _combine([shares[h] for h in subset[1:]] + [shares[holder]])
-            if trial is None or not valid(trial):
-                state.dropped.setdefault(
-                    holder,
-                    f"unmask: its share of node {owner}'s secret is corrupt (ignored)",
-                )
-        return secret
+        return found.secret
+
+    def _weight_code(self, reply: ValidReply) -> int:
+        """Return the weight code a reply's plain weight metric gives (as masked)."""
+        key = self._weight_key()
+        if not key:
+            return self.quantization_range
+        weight = reply.metrics.get(key)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            return -1  # no honest code: the check below names the round
+        return self.quantizer.weight_code(float(weight), self.max_weight)
 
     def _decode(
-        self, state: _Round, total: NDArray[np.int64], count: int
-    ) -> tuple[dict[str, dict[str, NDArray]], dict[str, dict[str, NDArray]], float]:
+        self, state: _Round, total: NDArray[np.int64], weights: Mapping[int, int]
+    ) -> _Sums:
+        """Decode the unmasked sums; fail unless honest contributors could send them.
+
+        The weight code sum must equal, exactly, the sum of the codes of the
+        contributors' plain weights; each record's code sums must lie where
+        clipped values of those weights put them (:meth:`Quantizer.code_range`).
+        """
         assert state.layout is not None
         layout, q = state.layout, self.quantizer
-        weight_code = int(total[0])
-        if not count <= weight_code <= count * q.quantization_range:
+        count, t = len(weights), q.quantization_range
+        expected = sum(weights.values())
+        if int(total[0]) != expected:
             raise _UnmaskFailed(
-                "the unmasked weight sum is out of range: a contributor sent a "
-                "corrupt masked vector"
+                f"the unmasked weight sum {int(total[0])} is not {expected}, the sum "
+                f"of the codes of the {count} contributors' plain weights: a "
+                "contributor masked another weight than it reported (or a corrupt "
+                "vector)"
             )
-        weight_sum = weight_code / q.quantization_range
+        clipped = int(total[1])
+        if not 0 <= clipped <= count * t:
+            raise _UnmaskFailed(
+                "the unmasked count of clipped values is out of range: a "
+                "contributor sent a corrupt masked vector"
+            )
+        weight_sum = expected / t
+        ranges = {
+            "mean": [q.code_range(w) for w in weights.values()],
+            "sum": [q.code_range(t)] * count,
+        }
         spec = state.spec
         means: dict[str, dict[str, NDArray]] = {}
         holds: dict[str, dict[str, NDArray]] = {}
         for name, kind, keys, codes in zip(
             layout.records, layout.kinds, layout.keys, layout.split(total), strict=True
         ):
-            if codes.size and (
-                int(codes.min()) < 0 or int(codes.max()) > count * q.quantization_range
-            ):
+            low = sum(r[0] for r in ranges[kind])
+            high = sum(r[1] for r in ranges[kind])
+            if codes.size and (int(codes.min()) < low or int(codes.max()) > high):
                 raise _UnmaskFailed(
-                    f"the unmasked sum of {name!r} is out of range: a contributor "
-                    "sent a corrupt masked vector"
+                    f"the unmasked sum of {name!r} lies outside [{low}, {high}], "
+                    "where the clipped values of honest contributors put it: a "
+                    "contributor sent values beyond clipping_range (or a corrupt "
+                    "vector)"
                 )
             summed = q.decode_sum(codes, count)
             value = summed / (weight_sum if kind == "mean" else count)
@@ -855,7 +1050,7 @@ class SecAggPlus(Strategy):
                 means[name] = arrays
             if kind == "sum" or name not in holds:
                 holds[name] = arrays
-        return means, holds, weight_sum
+        return _Sums(means, holds, weight_sum, clipped)
 
     def _metrics(
         self,
@@ -863,6 +1058,7 @@ class SecAggPlus(Strategy):
         state: _Round,
         valid: list[ValidReply],
         weight_sum: float | None,
+        total_clipped: int,
     ) -> MetricRecord | None:
         if metrics is None or not self.strategy.pack_metrics:
             return metrics
@@ -873,9 +1069,7 @@ class SecAggPlus(Strategy):
         metrics["secagg-contributors"] = len(valid) if weight_sum is not None else 0
         contributed = len(valid) if weight_sum is not None else 0
         metrics["secagg-dropped"] = len(state.messages) - contributed
-        clipped = [r.metrics.get(CLIPPED_METRIC, 0) for r in valid]
-        total_clipped = int(sum(c for c in clipped if isinstance(c, int)))
-        metrics["secagg-clipped"] = total_clipped
+        metrics["secagg-clipped"] = total_clipped  # unmasked: the round's total
         if total_clipped and not self._clip_warned:
             self._clip_warned = True
             log(
@@ -904,6 +1098,15 @@ class SecAggPlus(Strategy):
         self.strategy.screen.count(node, ReplyRejected(kind, why), PHASE)
 
 
+class _Sums(NamedTuple):
+    """A round's unmasked sums, decoded."""
+
+    means: dict[str, dict[str, NDArray]]  # each record's mean (or sum over n)
+    holds: dict[str, dict[str, NDArray]]  # what each stand-in reply holds
+    weight_sum: float  # sum of r = weight code / T
+    clipped: int  # values the contributors clipped, in total
+
+
 class _UnmaskFailed(Exception):
     """The round's sum cannot be unmasked: why."""
 
@@ -913,13 +1116,6 @@ def _matches(
 ) -> Callable[[bytes], bool]:
     """Return a check that a rebuilt secret derives ``expected``."""
     return lambda secret: derive(secret) == expected
-
-
-def _combine(shares: list[bytes]) -> bytes | None:
-    try:
-        return combine_shares(shares)
-    except (ValueError, IndexError):
-        return None
 
 
 def _public_of(private_key: bytes) -> bytes | None:

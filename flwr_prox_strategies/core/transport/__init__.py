@@ -2,6 +2,9 @@
 
 :mod:`.keys` (the kebab-case wire keys), :mod:`.records` (Flower records to and
 from numpy, array layouts), :mod:`.grid` (a view of a grid limited to a group of
-nodes), :mod:`.inprocess` (a grid that runs a ``ClientApp`` in this process) and
-:mod:`.flower` (Flower internals that moved between releases).
+nodes), :mod:`.inprocess` (a grid that runs a ``ClientApp`` in this process),
+:mod:`.flower` (Flower internals that moved between releases), and the
+secure-aggregation pieces: :mod:`.secagg` (the wire and the arithmetic),
+:mod:`.shamir` (secret sharing with error-correcting recovery) and
+:mod:`.signing` (signatures for the active-adversary setting).
 """

@@ -43,7 +43,16 @@ KINDS_KEY = "kinds"  # "mean" (weighted) or "sum" (plain), one per record
 SIZES_KEY = "sizes"  # each record's element count
 WEIGHT_KEY = "weight-key"  # the reply metric that weighs "mean" records ("" = 1)
 COMMITMENT_KEY = "seed-commitment"  # SHA-256 of the private mask seed
-CLIPPED_METRIC = "secagg-clipped"  # values the client clipped (a reply metric)
+# Active-adversary mode (the consistency check of Bonawitz et al. 2017): the
+# setup asks for it; each node signs its keys, then the survivor set.
+ACTIVE_KEY = "active-adversary"
+CONSISTENCY_STAGE = "consistency-check"
+SIGNATURE_KEY = "signature"  # a node's signature (setup: its keys; then survivors)
+SIGNING_KEY_KEY = "signing-key"  # the node's public signing key (DER)
+SURVIVORS_KEY = "survivors"  # the contributors, as the server tells them
+SIGNERS_KEY = "signers"  # who signed the survivor set, beside SIGNATURE_KEY's list
+#: A masked vector starts with the weight code, then the clipped count.
+HEADER = 2
 __all__ = ["MISSING_MOD_HINT", "SECAGG_RECORD", "Key", "Stage"]
 
 
@@ -78,13 +87,34 @@ class Quantizer:
         """Return the most clients whose summed codes cannot wrap the modulus."""
         return (self.modulus_range - 1) // self.quantization_range
 
-    def encode(self, values: NDArray, rng: np.random.Generator) -> NDArray[np.int64]:
-        """Return the codes of ``values`` (stochastic rounding: unbiased)."""
-        c = self.clipping_range
-        scaled = (np.clip(values, -c, c) + c) / self.step
+    def encode(
+        self, values: NDArray, rng: np.random.Generator, weight_code: int | None = None
+    ) -> NDArray[np.int64]:
+        """Return the codes of ``values`` (stochastic rounding: unbiased).
+
+        Each value is clipped to ``[-c, c]``, then scaled by ``weight_code / T``
+        when a weight code is given (a weighted record's ``r x``): the codes
+        stay within :meth:`code_range` of that weight, so the server can check
+        every sum against what honest clients could have sent.
+        """
+        c, t = self.clipping_range, self.quantization_range
+        weight = t if weight_code is None else weight_code
+        clipped = np.clip(values, -c, c)
+        scaled = (clipped * (weight / t) + c) / self.step
         floor = np.floor(scaled)
         up = rng.random(scaled.shape) < (scaled - floor)
-        return (floor + up).astype(np.int64)
+        low, high = self.code_range(weight)
+        return np.clip(floor + up, low, high).astype(np.int64)
+
+    def code_range(self, weight_code: int) -> tuple[int, int]:
+        """Return the least and the greatest code of ``r x``, ``|x| <= c``.
+
+        With ``r = weight_code / T`` the scaled value lies in ``[(T - w)/2,
+        (T + w)/2]``; rounding gives its floor or its ceiling. A plain value
+        (``w = T``) has codes in ``[0, T]``.
+        """
+        t = self.quantization_range
+        return (t - weight_code) // 2, (t + weight_code + 1) // 2
 
     def decode_sum(self, codes: NDArray[np.int64], contributors: int) -> NDArray:
         """Return the sum of ``contributors`` values from the sum of their codes."""
@@ -182,7 +212,11 @@ def neighbours(
 
 @dataclass(frozen=True)
 class Layout:
-    """What one masked vector holds: the weight, then each declared record.
+    """What one masked vector holds: the weight, the clipped count, each record.
+
+    The first value is the client's weight code, the second how many of its
+    values it clipped (summed like the rest, so the server learns only the
+    round's total), then each declared record.
 
     Parameters
     ----------
@@ -233,8 +267,8 @@ class Layout:
 
     @property
     def length(self) -> int:
-        """The vector's length: one weight code, then every record's values."""
-        return 1 + sum(self.sizes)
+        """The vector's length: the weight code, the clipped count, the records."""
+        return HEADER + sum(self.sizes)
 
     def config(self) -> dict[str, list[str] | list[int]]:
         """Return the layout as config values (lists)."""
@@ -278,8 +312,8 @@ class Layout:
         )
 
     def split(self, vector: NDArray) -> list[NDArray]:
-        """Return the parts of a decoded vector after the weight, one per record."""
-        bounds = np.cumsum((1, *self.sizes))
+        """Return the parts of a decoded vector after its header, one per record."""
+        bounds = np.cumsum((HEADER, *self.sizes))
         return [vector[a:b] for a, b in itertools.pairwise(bounds)]
 
 
