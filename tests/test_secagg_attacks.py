@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from flwr_prox_strategies import (
     FedAvg,
@@ -43,6 +43,8 @@ from flwr_prox_strategies.core.transport.secagg import (
     pairwise_sign,
     reduce,
 )
+from flwr_prox_strategies.experiment.appdir import make_client_app
+from flwr_prox_strategies.experiment.build import client_recipe
 from flwr_prox_strategies.testing.federation import LeastSquares
 
 CLIENT = {"learning_rate": 0.05, "local_epochs": 2}
@@ -714,3 +716,31 @@ def test_clipped_values_are_summed_inside_the_masked_vector(caplog):
     ]
     assert len(counts) == 5 and sum(counts) > 0
     assert metrics[0]["secagg-clipped"] == sum(counts)
+
+
+@pytest.mark.parametrize("secure", [True, False])
+def test_the_experiment_client_app_requires_what_its_run_configures(secure):
+    """The pack's ClientApp reads the run's configuration: with
+    secure_aggregation set, a plain train message (a server that left out the
+    wrapper) gets no update, only a refusal naming the setting."""
+    overrides = "strategy=fedavg num_clients=2 model=logreg train.local_epochs=1"
+    if secure:
+        overrides += " secure_aggregation=secaggplus"
+    grid = InProcessGrid(
+        make_client_app(), num_nodes=2, run_config={"overrides": overrides}
+    )
+    initial = ArrayRecord(client_recipe({"overrides": overrides}).model.state_dict())
+    plain = FedAvg(min_train_nodes=2, min_available_nodes=2)
+    replies = list(
+        grid.send_and_receive(
+            list(plain.configure_train(1, initial, ConfigRecord(), grid))
+        )
+    )
+    assert len(replies) == 2
+    if secure:
+        assert all(
+            r.has_error() and "secagg-required" in r.error.reason for r in replies
+        )
+    else:
+        assert not any(r.has_error() for r in replies)
+        assert all(r.content.array_records for r in replies)

@@ -57,15 +57,32 @@ def make_client_app() -> ClientApp:
     ClientApp
         :func:`~.server.make_client` mounted by
         :func:`~flwr_prox_strategies.to_client_app`, with the mod that clips a
-        client's update when a central-DP run asks for it. The client's code
-        (torch, the model, the data) is imported at the first message that
-        needs the client, not when the app is loaded.
+        client's update when a central-DP run asks for it. Its
+        :class:`~flwr_prox_strategies.SecAggPlusMod` is required when the
+        run's configuration sets ``secure_aggregation`` (or the SuperNode's
+        ``secagg-required``): a server that then sends a plain train message
+        gets no update. The client's code (torch, the model, the data) is
+        imported at the first message that needs the client, not when the app
+        is loaded.
     """
     # Imported here: writing an app folder needs no client machinery.
     from ..core.client.adapter import to_client_app
+    from ..core.client.secagg import SecAggPlusMod
     from ..core.privacy.uploads import clip_when_asked
 
-    return to_client_app(_make_client, mods=[clip_when_asked])
+    return to_client_app(
+        _make_client,
+        mods=[SecAggPlusMod(required=_secure_aggregation_configured), clip_when_asked],
+        secure_aggregation=False,  # the mod above, outermost
+    )
+
+
+def _secure_aggregation_configured(context: Context) -> bool:
+    # Asked at a plain train message, which builds the client next: the
+    # composed configuration is the one the client is built from (cached).
+    from .build import client_recipe
+
+    return client_recipe(context.run_config).cfg.get("secure_aggregation") is not None
 
 
 def _make_client(context: Context) -> NumPyClient:

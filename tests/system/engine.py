@@ -391,10 +391,12 @@ class Deployment:
         root_certificates: Path | None = None,
         extra: tuple[str, ...] = (),
         folder: str | None = None,
+        node_config: str = "",
     ) -> subprocess.Popen:
         """Start SuperNode ``index`` (TLS: ``key`` and ``root_certificates``,
         by default its own key and the deployment's CA); teardown stops it.
-        ``folder`` names its working folder (a restarted node needs a new one)."""
+        ``folder`` names its working folder (a restarted node needs a new one);
+        ``node_config`` is added to its partition in ``--node-config``."""
         node_dir = self.flwr_home / (folder or f"supernode{index}")
         node_dir.mkdir()
         if self.tls is None:
@@ -415,7 +417,7 @@ class Deployment:
                 "--port",
                 str(free_port()),
                 "--node-config",
-                f"partition-id={index} num-partitions={num_partitions}",
+                f"partition-id={index} num-partitions={num_partitions} {node_config}",
                 *extra,
             ],
             cwd=node_dir,
@@ -479,16 +481,51 @@ class Deployment:
         return str(reply["node-id"])
 
 
+def make_signing_keys(folder: Path, num_nodes: int) -> tuple[list[Path], Path]:
+    """One P-384 key pair per node, OpenSSH as SuperNode keys are, and the
+    directory of their public keys: what secure aggregation's active-adversary
+    mode reads from ``secagg-signing-key`` and ``secagg-key-directory``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    trusted = folder / "trusted"
+    trusted.mkdir(parents=True)
+    private = []
+    for i in range(num_nodes):
+        key = ec.generate_private_key(ec.SECP384R1())
+        path = folder / f"node{i}"
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.OpenSSH,
+                serialization.NoEncryption(),
+            )
+        )
+        (trusted / f"node{i}.pub").write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+        )
+        private.append(path)
+    return private, trusted
+
+
 @contextlib.contextmanager
 def deployment(
-    flwr_home: Path, num_nodes: int, num_partitions: int | None = None
+    flwr_home: Path,
+    num_nodes: int,
+    num_partitions: int | None = None,
+    node_config: Callable[[int], str] | None = None,
 ) -> Iterator[Deployment]:
     """An insecure loopback deployment whose nodes can be killed and restarted.
 
     Node i serves partition i of ``num_partitions`` (default ``num_nodes``; more
-    leaves partitions for nodes that join later).
+    leaves partitions for nodes that join later); ``node_config(i)`` adds to
+    its node config.
     """
-    with _deployment(flwr_home, num_nodes, None, num_partitions) as running:
+    with _deployment(
+        flwr_home, num_nodes, None, num_partitions, node_config
+    ) as running:
         yield running
 
 
@@ -498,6 +535,7 @@ def _deployment(
     num_nodes: int,
     tls: TlsCredentials | None,
     num_partitions: int | None = None,
+    node_config: Callable[[int], str] | None = None,
 ) -> Iterator[Deployment]:
     env = flwr_env(flwr_home)
     link_port = free_port()
@@ -553,7 +591,11 @@ def _deployment(
             for i in range(num_nodes):
                 deployment.register(tls.node_keys[i].with_suffix(".pub"))
         for i in range(num_nodes):
-            deployment.start_supernode(i, num_partitions or num_nodes)
+            deployment.start_supernode(
+                i,
+                num_partitions or num_nodes,
+                node_config=node_config(i) if node_config else "",
+            )
         _wait_online(env, num_nodes, name)
         yield deployment
     finally:
@@ -567,7 +609,10 @@ def _deployment(
 
 @contextlib.contextmanager
 def tls_loopback_deployment(
-    flwr_home: Path, num_nodes: int, tls: TlsCredentials
+    flwr_home: Path,
+    num_nodes: int,
+    tls: TlsCredentials,
+    node_config: Callable[[int], str] | None = None,
 ) -> Iterator[Deployment]:
     """:func:`deployment` over TLS with SuperNode authentication.
 
@@ -580,7 +625,7 @@ def tls_loopback_deployment(
     """
     if len(tls.node_keys) < num_nodes:
         raise ValueError(f"{num_nodes} SuperNodes need as many keys in {tls}")
-    with _deployment(flwr_home, num_nodes, tls) as deployment:
+    with _deployment(flwr_home, num_nodes, tls, node_config=node_config) as deployment:
         yield deployment
 
 

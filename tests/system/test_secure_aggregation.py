@@ -1,19 +1,24 @@
-"""System test: SecAgg+ survives a SuperNode killed mid-protocol, on loopback.
+"""System test: SecAgg+ against a lying server's means survives a SuperNode killed
+mid-protocol, on loopback.
 
 One SuperLink and 5 SuperNodes on 127.0.0.1 run SCAFFOLD under secure
-aggregation (``secure_aggregation=secaggplus``: neighbourhoods of everyone,
-threshold 3 of 5). The run's log is streamed (``flwr log --stream``); as soon
-as the server logs that round 1's nodes shared their keys, the SuperNode with
-the largest partition (the slowest to train, so it is still training) is
-SIGKILLed: it holds its neighbours' shares and they hold its mask seeds, so the
-server must rebuild its pairwise masks from the 4 survivors' shares to unmask
-round 1. One round: each costs about a minute on 2 cores (every stage starts a
-ClientApp process on every node), and the SuperLink takes 40 s more to report
-the dead node.
+aggregation in its active-adversary setting (``secure_aggregation=secaggplus
+secure_aggregation.active_adversary=true``: neighbourhoods of everyone,
+threshold 3 of 5, signed keys and a signed survivor set). Every SuperNode
+requires secure aggregation and holds a signing key and the key directory, all
+in its node config (``secagg-required``, ``secagg-signing-key``,
+``secagg-key-directory``). The run's log is streamed (``flwr log --stream``);
+as soon as the server logs that round 1's nodes shared their keys, the
+SuperNode with the largest partition (the slowest to train, so it is still
+training) is SIGKILLed: it holds its neighbours' shares and they hold its mask
+seeds, so the server must rebuild its pairwise masks from the 4 survivors'
+shares to unmask round 1, after the survivors signed that they are the 4. One
+round: the SuperLink takes 40 s to report the dead node.
 
 The run must complete with every round aggregated; round 1 must count the
 dead node (``secagg-dropped``) and unmask the 4 contributors' sum; the model
-must learn; and the server's log must show the protocol and no plaintext array.
+must learn; and the server's log must show the protocol, the consistency
+check, and no plaintext array.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from flwr_prox_strategies._executables import flower_executable
 from flwr_prox_strategies.experiment.config import compose_config
 from flwr_prox_strategies.experiment.data import partition_sizes
 
-from .engine import REPO, Deployment, deployment, run_log, run_status
+from .engine import (
+    REPO,
+    Deployment,
+    deployment,
+    make_signing_keys,
+    run_log,
+    run_status,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +55,7 @@ KILL_ROUND = 1
 OVERRIDES = (
     f"strategy=scaffold secure_aggregation=secaggplus num_clients={NODES} "
     f"num_rounds={ROUNDS} model=logreg train.local_epochs=8 quorum=3 "
-    "node_wait_timeout=30"
+    "node_wait_timeout=30 secure_aggregation.active_adversary=true"
 )
 SHARED = re.compile(
     rf"SecAggPlus: round {KILL_ROUND}: {NODES} of {NODES} sampled nodes shared "
@@ -97,8 +109,16 @@ def test_secaggplus_survives_a_node_killed_after_sharing_keys(tmp_path: Path) ->
     output = tmp_path / "out"
     sizes = partition_sizes(compose_config(OVERRIDES), NODES)
     victim_partition = max(range(NODES), key=lambda i: sizes[i])
+    keys, trusted = make_signing_keys(tmp_path / "keys", NODES)
     start = time.monotonic()
-    with deployment(tmp_path / "flwr", num_nodes=NODES) as dep:
+    with deployment(
+        tmp_path / "flwr",
+        num_nodes=NODES,
+        node_config=lambda i: (
+            f'secagg-required=true secagg-signing-key="{keys[i]}" '
+            f'secagg-key-directory="{trusted}"'
+        ),
+    ) as dep:
         started = time.monotonic() - start
         run_id = dep.submit(f"overrides='{OVERRIDES}' output-dir='{output}'")
         watch = LogWatch(run_id, dep, SHARED)
@@ -157,5 +177,10 @@ def test_secaggplus_survives_a_node_killed_after_sharing_keys(tmp_path: Path) ->
             "their keys" in log
         ), log[-3000:]
     assert "SecAggPlus: secure aggregation of Scaffold's sums" in log
+    assert "active adversary: signed keys and survivor set" in log
+    assert (
+        f"round {KILL_ROUND}: consistency check: {NODES - 1} of {NODES - 1} "
+        "contributors signed the survivor set" in log
+    ), log[-3000:]
     plain = [line for line in log.splitlines() if PLAIN_ARRAY.search(line)]
     assert not plain, plain[:5]

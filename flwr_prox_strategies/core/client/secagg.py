@@ -107,9 +107,8 @@ def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class _Settings:
-    """What this node insists on, from the mod's arguments and its node config."""
+    """What this node insists on in a round: the mod's arguments, its node config."""
 
-    required: bool
     allow_weak_threshold: bool
     signing_key: signing.SigningKey | None = None
     directory: frozenset[bytes] = frozenset()
@@ -197,16 +196,17 @@ class SecAggPlusMod:
         if message.metadata.message_type.split(".")[0] != "train":
             return call_next(message, context)
         config = message.content.config_records.get(SECAGG_RECORD)
-        settings = self._settings(context, with_keys=config is not None)
         if config is None:
-            if settings.required:
+            if self._required(context):
                 raise SecureAggregationRefused(
                     "secure aggregation is required on this node (SecAggPlusMod("
-                    "required=True) or node config secagg-required): the server sent "
-                    "a plain train message, so no update leaves; wrap the server's "
-                    "strategy in SecAggPlus (or secure_aggregation=secaggplus)"
+                    "required=...), node config secagg-required, or the run's "
+                    "secure_aggregation setting): the server sent a plain train "
+                    "message, so no update leaves; wrap the server's strategy in "
+                    "SecAggPlus (or secure_aggregation=secaggplus)"
                 )
             return call_next(message, context)
+        settings = self._settings(context)
         stage = config.get(Key.STAGE)
         node_id = message.metadata.dst_node_id
         state = _State.load(context)
@@ -235,11 +235,18 @@ class SecAggPlusMod:
         state.save(context)
         return reply
 
-    def _settings(self, context: Context, *, with_keys: bool) -> _Settings:
+    def _required(self, context: Context) -> bool:
+        # Asked only of a plain train message: the node trains next anyway, so
+        # a callable may load what it needs (the experiment's config).
+        node = context.node_config.get(NODE_REQUIRED)
+        if _flag(node, NODE_REQUIRED):
+            return True
+        return self.required(context) if callable(self.required) else self.required
+
+    def _settings(self, context: Context) -> _Settings:
         node = context.node_config
-        required = self.required(context) if callable(self.required) else self.required
         keys = self._keys
-        if with_keys and keys is None:
+        if keys is None:
             keys = _load_keys(
                 node.get(NODE_SIGNING_KEY),  # type: ignore[arg-type]
                 node.get(NODE_KEY_DIRECTORY),  # type: ignore[arg-type]
@@ -247,7 +254,6 @@ class SecAggPlusMod:
                 refuse=True,
             )
         return _Settings(
-            required=required or _flag(node.get(NODE_REQUIRED), NODE_REQUIRED),
             allow_weak_threshold=self.allow_weak_threshold,
             signing_key=keys[0] if keys else None,
             directory=keys[1] if keys else frozenset(),

@@ -332,7 +332,7 @@ class SecAggPlus(Strategy):
             INFO,
             "SecAggPlus: secure aggregation of %s's sums %s (num_shares=%s, "
             "reconstruction_threshold=%s, clipping_range=%g, quantization_range=%d, "
-            "max_weight=%g); the server sees per-client metrics only",
+            "max_weight=%g%s); the server sees per-client metrics only",
             type(self.strategy).__name__,
             self.strategy.secure_sums(),
             self.num_shares,
@@ -340,6 +340,9 @@ class SecAggPlus(Strategy):
             self.clipping_range,
             self.quantization_range,
             self.max_weight,
+            ", active adversary: signed keys and survivor set"
+            if self.active_adversary
+            else "",
         )
         self.strategy.summary()
 
@@ -947,6 +950,15 @@ class SecAggPlus(Strategy):
                 state.dropped.setdefault(
                     node, "consistency-check: its signature of the survivors is invalid"
                 )
+        log(
+            INFO,
+            "SecAggPlus: round %d: consistency check: %d of %d contributors signed "
+            "the survivor set; each reveals shares only after checking %d signatures",
+            state.server_round + self.strategy.round_offset,
+            len(state.survivor_signatures),
+            len(survivors),
+            state.threshold,
+        )
 
     def _recover(
         self,
