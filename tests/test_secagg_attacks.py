@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from flwr_prox_strategies import (
@@ -46,6 +44,8 @@ from flwr_prox_strategies.core.transport.secagg import (
 from flwr_prox_strategies.experiment.appdir import make_client_app
 from flwr_prox_strategies.experiment.build import client_recipe
 from flwr_prox_strategies.testing.federation import LeastSquares
+
+from .system.engine import make_signing_keys
 
 CLIENT = {"learning_rate": 0.05, "local_epochs": 2}
 CLIP = 64.0
@@ -554,32 +554,8 @@ def test_one_corrupt_share_at_any_position_is_survived_and_named(
 
 
 # ------------------------------------------------- active-adversary mode
-def _keys(folder: Path, count: int) -> tuple[list[Path], Path]:
-    """Node signing keys as SuperNode authentication keys are (OpenSSH, P-384)."""
-    directory = folder / "trusted"
-    directory.mkdir(parents=True)
-    paths = []
-    for i in range(count):
-        key = ec.generate_private_key(ec.SECP384R1())
-        path = folder / f"node{i}"
-        path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.OpenSSH,
-                serialization.NoEncryption(),
-            )
-        )
-        (directory / f"node{i}.pub").write_bytes(
-            key.public_key().public_bytes(
-                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-            )
-        )
-        paths.append(path)
-    return paths, directory
-
-
 def _signed_federation(tmp_path: Path, nodes: int = 5, **secagg) -> Federation:
-    paths, directory = _keys(tmp_path, nodes)
+    paths, directory = make_signing_keys(tmp_path, nodes)
 
     def node_config(i):
         return {
@@ -664,7 +640,7 @@ def test_a_node_with_keys_refuses_a_server_without_the_consistency_check(tmp_pat
 
 
 def test_a_participant_outside_the_key_directory_is_refused(tmp_path):
-    paths, directory = _keys(tmp_path, 5)
+    paths, directory = make_signing_keys(tmp_path, 5)
     (directory / "node4.pub").unlink()  # node 4's key is not trusted
 
     def node_config(i):
