@@ -30,10 +30,14 @@ from flwr_prox_strategies.core.client.secagg import (
     SecureAggregationRefused,
     pairwise_seed,
 )
-from flwr_prox_strategies.core.transport import shamir
+from flwr_prox_strategies.core.transport import shamir, signing
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.core.transport.secagg import (
+    CONSISTENCY_STAGE,
     SECAGG_RECORD,
+    SIGNATURE_KEY,
+    SIGNERS_KEY,
+    SURVIVORS_KEY,
     Key,
     Stage,
     expand_mask,
@@ -554,8 +558,10 @@ def test_one_corrupt_share_at_any_position_is_survived_and_named(
 
 
 # ------------------------------------------------- active-adversary mode
-def _signed_federation(tmp_path: Path, nodes: int = 5, **secagg) -> Federation:
-    paths, directory = make_signing_keys(tmp_path, nodes)
+def _signed_federation(
+    tmp_path: Path, nodes: int = 5, keys=None, **secagg
+) -> Federation:
+    paths, directory = keys or make_signing_keys(tmp_path, nodes)
 
     def node_config(i):
         return {
@@ -593,40 +599,71 @@ def test_a_server_telling_clients_different_survivor_sets_gets_no_share(tmp_path
     its seed). 1001 signed a set nobody else signed: it refuses."""
     fed = _signed_federation(tmp_path)
     fed.collect()
-    state = fed.wrapped._round
     everyone = sorted(fed.vectors)
     lie = [n for n in everyone if n != 1003]
-    signatures = {}
-    from flwr_prox_strategies.core.transport.secagg import (
-        CONSISTENCY_STAGE,
-        SIGNATURE_KEY,
-        SIGNERS_KEY,
-        SURVIVORS_KEY,
+    signed = _survivor_signatures(
+        fed, {n: lie if n == 1001 else everyone for n in everyone}
     )
-
-    for node in everyone:
-        told = lie if node == 1001 else everyone
-        reply = next(
-            iter(
-                fed.grid.send_and_receive(
-                    [
-                        _stage_message(
-                            node, {Key.STAGE: CONSISTENCY_STAGE, SURVIVORS_KEY: told}
-                        )
-                    ]
-                )
-            )
-        )
-        assert not reply.has_error(), reply.error
-        signatures[node] = reply.content.config_records[SECAGG_RECORD][SIGNATURE_KEY]
-    signed = {SIGNERS_KEY: everyone, SIGNATURE_KEY: [signatures[n] for n in everyone]}
     reply = fed.ask(1001, lie, [1003], **signed)
     assert reply.has_error()
     assert "different stories" in str(reply.error.reason)
     # The honest story still works for the others.
     honest = fed.ask(1002, everyone, [], **signed)
     assert not honest.has_error(), honest.error
-    del state
+
+
+def _survivor_signatures(fed: Federation, told: dict[int, list[int]]) -> dict:
+    """Run the consistency stage telling each node its own story; return the
+    signatures as an unmask request carries them."""
+    signatures = {}
+    for node, survivors in told.items():
+        message = _stage_message(
+            node, {Key.STAGE: CONSISTENCY_STAGE, SURVIVORS_KEY: survivors}
+        )
+        reply = next(iter(fed.grid.send_and_receive([message])))
+        assert not reply.has_error(), reply.error
+        signatures[node] = reply.content.config_records[SECAGG_RECORD][SIGNATURE_KEY]
+    return {SIGNERS_KEY: list(told), SIGNATURE_KEY: list(signatures.values())}
+
+
+def test_survivor_signatures_replayed_from_another_run_are_refused(tmp_path):
+    """A server that kept the survivor signatures of an earlier run (same
+    signing keys, same node ids, same round number, same survivors) replays
+    them to node 1001 while telling the others that 1003 dropped. Before, the
+    signature covered only the round and the set, and 1001 accepted the
+    replay. Now it covers the signer's key of this round too: refused."""
+    keys = make_signing_keys(tmp_path, 5)
+    earlier = _signed_federation(tmp_path, keys=keys)
+    earlier.collect()
+    everyone = sorted(earlier.vectors)
+    replayed = _survivor_signatures(earlier, {n: everyone for n in everyone})
+
+    fed = _signed_federation(tmp_path, keys=keys)
+    fed.collect()
+    assert sorted(fed.vectors) == everyone
+    lie = [n for n in everyone if n != 1003]
+    own = _survivor_signatures(fed, {n: everyone if n == 1001 else lie for n in lie})
+    # 1001's own signature is fresh; the others' are the replayed ones.
+    mixed = dict(replayed)
+    mixed[SIGNATURE_KEY] = [
+        own[SIGNATURE_KEY][0] if n == 1001 else sig
+        for n, sig in zip(everyone, replayed[SIGNATURE_KEY], strict=True)
+    ]
+    reply = fed.ask(1001, everyone, [], **mixed)
+    assert reply.has_error()
+    assert "signed the survivor set" in str(reply.error.reason)
+    # The replayed signatures are genuine, over this round and these
+    # survivors: only the earlier run's keys inside them give them away.
+    earlier_round = earlier.wrapped._round
+    for node, signature in zip(everyone, replayed[SIGNATURE_KEY], strict=True):
+        assert signing.verify(
+            earlier_round.signing_keys[node],
+            signature,
+            signing.SURVIVORS_CONTEXT,
+            signing.survivors_statement(
+                1, earlier_round.public_keys[node][0], everyone
+            ),
+        )
 
 
 def test_a_node_with_keys_refuses_a_server_without_the_consistency_check(tmp_path):

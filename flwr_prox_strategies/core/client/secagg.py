@@ -511,6 +511,7 @@ def _share_keys(
         ciphertexts.append(encrypt(secret, plaintext))
     state["seed"] = seed
     state["nids"] = order
+    state["pk1s"] = [keys[n][0] for n in order]
     # Each neighbour's two shared secrets, agreed once: the key its shares are
     # encrypted with (from the second key pairs) and its mask seed (the first).
     state["share-keys"] = [secrets.get(n, b"") for n in order]
@@ -616,7 +617,9 @@ def _consistency(
     signature = signing.sign(
         settings.signing_key,
         signing.SURVIVORS_CONTEXT,
-        [int(cast(int, config.get(ROUND_KEY))), *state["survivors"]],
+        signing.survivors_statement(
+            cast(int, config.get(ROUND_KEY)), state["pk1"], state["survivors"]
+        ),
     )
     return {SIGNATURE_KEY: signature}
 
@@ -683,14 +686,20 @@ def _check_survivors(
     if not (isinstance(signatures, list) and len(signatures) == len(signers)):
         raise _refuse(stage, "malformed signatures of the survivor set")
     known = dict(zip(state["nids"], state["signing-keys"], strict=True))
-    statement = [int(cast(int, config.get(ROUND_KEY))), *state["survivors"]]
+    pk1_of = dict(zip(state["nids"], state["pk1s"], strict=True))
+    server_round = cast(int, config.get(ROUND_KEY))
     valid = {
         signer
         for signer, signature in zip(signers, signatures, strict=True)
         if signer in known
         and signer in survivors
         and signing.verify(
-            known[signer], signature, signing.SURVIVORS_CONTEXT, statement
+            known[signer],
+            signature,
+            signing.SURVIVORS_CONTEXT,
+            signing.survivors_statement(
+                server_round, pk1_of[signer], state["survivors"]
+            ),
         )
     }
     if len(valid) < threshold:

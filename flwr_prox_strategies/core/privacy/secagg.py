@@ -936,9 +936,11 @@ class SecAggPlus(Strategy):
             {node: {SURVIVORS_KEY: survivors} for node in survivors},
             (SIGNATURE_KEY,),
         )
-        statement = [state.server_round, *survivors]
         for node, record in answers.items():
             signature = record[SIGNATURE_KEY]
+            statement = signing.survivors_statement(
+                state.server_round, state.public_keys[node][0], survivors
+            )
             if signing.verify(
                 state.signing_keys[node],
                 signature,

@@ -25,6 +25,18 @@ KEYS_CONTEXT = b"flwr-prox-strategies secagg+ keys"
 SURVIVORS_CONTEXT = b"flwr-prox-strategies secagg+ survivors"
 
 
+def survivors_statement(
+    server_round: int, pk1: bytes, survivors: Iterable[int]
+) -> list[bytes | int]:
+    """Return what a node signs about a round's survivors.
+
+    The signer's first public key of the round is part of it: the set alone
+    would let a server replay a signature from another run that had the same
+    round number and survivors.
+    """
+    return [int(server_round), pk1, *sorted(survivors)]
+
+
 class KeyFileError(ValueError):
     """A signing key or key directory that cannot be read: which, and why."""
 
