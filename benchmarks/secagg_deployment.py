@@ -4,14 +4,18 @@ The deployment of the secure-aggregation system test: one SuperLink and 5
 SuperNodes on 127.0.0.1 (``flower-superlink``, ``flower-supernode``, each
 message handled by a new ClientApp process), the pack's app (``flwr run .``),
 SCAFFOLD on logistic regression over the digits, 5 clients, 8 local epochs.
-Three runs on the same deployment, one after the other:
+Three runs, one after the other:
 
 * ``plain``: no secure aggregation;
 * ``secaggplus``: ``secure_aggregation=secaggplus`` (four stages a round:
   setup, share_keys, collect_masked_vectors, unmask);
 * ``active-adversary``: the same with ``secure_aggregation.active_adversary=true``
-  (signed keys and a signed survivor set: a fifth stage), every SuperNode given
-  a signing key and the key directory in its node config.
+  (signed keys and a signed survivor set: a fifth stage).
+
+The first two share one deployment; the third has its own, every SuperNode
+given a signing key and the key directory in its node config (a SuperNode
+holding a signing key refuses rounds without the consistency check, so the
+two settings cannot share SuperNodes).
 
 A round's time is the difference of the ``elapsed-s`` stamps of consecutive
 rounds in the run's ``results.json`` (round 1 is timed from the run's start,
@@ -62,6 +66,24 @@ def round_seconds(results: dict) -> list[float]:
     return [b - a for a, b in itertools.pairwise(stamps)]
 
 
+def _run(dep: engine.Deployment, name: str, output: Path, rounds: int) -> dict:
+    overrides = f"{BASE} num_rounds={rounds} {RUNS[name]}".strip()
+    started = time.monotonic()
+    run_id = dep.submit(f"overrides='{overrides}' output-dir='{output}'")
+    status = dep.wait_finished(run_id, started + 1800, output)
+    results = json.loads((output / "results.json").read_text())
+    seconds = round_seconds(results)
+    figures = {
+        "status": status,
+        "complete": results["summary"]["complete"],
+        "round-s": [round(s, 2) for s in seconds],
+        "median-after-round-1-s": statistics.median(seconds[1:]),
+        "accuracy": results["rounds"][-1]["central"]["accuracy"],
+    }
+    print(f"{name}: {status}, rounds {figures['round-s']} s", flush=True)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -84,32 +106,19 @@ def main() -> None:
         folder = Path(tmp)
         keys, trusted = engine.make_signing_keys(folder / "keys", NODES)
 
-        def node_config(i: int) -> str:
-            if "active-adversary" not in args.runs:
-                return ""
+        def signed(i: int) -> str:
             return f'secagg-signing-key="{keys[i]}" secagg-key-directory="{trusted}"'
 
-        with engine.deployment(
-            folder / "flwr", num_nodes=NODES, node_config=node_config
-        ) as dep:
-            for name in args.runs:
-                output = folder / name
-                overrides = f"{BASE} num_rounds={args.rounds} {RUNS[name]}".strip()
-                started = time.monotonic()
-                run_id = dep.submit(f"overrides='{overrides}' output-dir='{output}'")
-                status = dep.wait_finished(run_id, started + 1800, output)
-                results = json.loads((output / "results.json").read_text())
-                seconds = round_seconds(results)
-                figures[name] = {
-                    "status": status,
-                    "complete": results["summary"]["complete"],
-                    "round-s": [round(s, 2) for s in seconds],
-                    "median-after-round-1-s": statistics.median(seconds[1:]),
-                    "accuracy": results["rounds"][-1]["central"]["accuracy"],
-                }
-                print(
-                    f"{name}: {status}, rounds {figures[name]['round-s']} s", flush=True
-                )
+        keyless = [n for n in args.runs if n != "active-adversary"]
+        keyed = [n for n in args.runs if n == "active-adversary"]
+        for names, node_config in ((keyless, None), (keyed, signed)):
+            if not names:
+                continue
+            with engine.deployment(
+                folder / f"flwr-{names[0]}", num_nodes=NODES, node_config=node_config
+            ) as dep:
+                for name in names:
+                    figures[name] = _run(dep, name, folder / name, args.rounds)
     plain = figures.get("plain", {}).get("median-after-round-1-s")
     print(
         f"\n{NODES} SuperNodes on loopback, SCAFFOLD, {args.rounds} rounds; repo {repo}"
