@@ -75,6 +75,7 @@ from ..core.server.screening import reply_node
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.grid import GroupGrid
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
+from ..core.wrapper import RunLifecycle
 from ..ops.checks import check_int
 from ..ops.graphs import adjacency, from_adjacency
 from ..ops.mixing import (
@@ -105,7 +106,7 @@ _SUMMED = {
 }
 
 
-class PFedAvg(Strategy):
+class PFedAvg(RunLifecycle):
     r"""M logical parameter servers, one inner strategy each, mixed over a graph.
 
     P-FedAvg (Zhong et al., 2021, Algorithm 1) in one ServerApp. Server
@@ -259,6 +260,7 @@ class PFedAvg(Strategy):
         self.models: list[dict[str, NDArray]] | None = None
         self.rejections: Counter[str] = Counter()
         self._accept_failures = True
+        self._run_initial: ArrayRecord | None = None
         # This run's rounds mixed, stray replies, and rounds kept (and why).
         self.run_tally = ReplyTally()
 
@@ -294,60 +296,23 @@ class PFedAvg(Strategy):
         log(INFO, "\t│\t└── inner strategy: %s", type(self.inner[0]).__name__)
 
     # ------------------------------------------------------------------- run
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run Flower's ``Strategy.start``; fail loudly if no round mixed.
-
-        Parameters
-        ----------
-        grid : Grid
-            The grid the ServerApp received.
-        initial_arrays : ArrayRecord
-            The initial model, every server's at the start.
-        num_rounds : int (default: 3)
-            Rounds to run.
-        timeout : float (default: 3600)
-            Seconds to wait for a round's replies.
-        train_config, evaluate_config : ConfigRecord | None (default: None)
-            Sent with every train / evaluate message.
-        evaluate_fn : callable | None (default: None)
-            ``evaluate_fn(server_round, arrays) -> MetricRecord | None``, the
-            central evaluation of the consensus model.
-
-        Returns
-        -------
-        Result
-            ``Result.arrays`` is the last consensus model, or
-            ``initial_arrays`` when no round mixed.
-
-        Raises
-        ------
-        NoRoundAggregatedError
-            When no round updated any server, with the reasons of every
-            server's strategy, counted.
-        """
+    def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
+        """Start the run's tallies, this wrapper's and every server's strategy's."""
         self.run_tally = ReplyTally()
         self._stalled = 0
+        self._run_initial = initial_arrays
         for strategy in self.inner:
             if isinstance(strategy, ValidatedFedAvg):
                 strategy.reset_run()
-        result = super().start(
-            grid=grid,
-            initial_arrays=initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
+
+    def end_run(
+        self, result: Result, num_rounds: int, name: str | None = None
+    ) -> Result:
+        """Fail loudly if no round mixed, with every server's reasons, counted.
+
+        ``Result.arrays`` is the last consensus model, or the initial one when
+        no round mixed.
+        """
         tally = ReplyTally(
             kept=Counter(self.run_tally.kept), aggregated=self.run_tally.aggregated
         )
@@ -356,7 +321,11 @@ class PFedAvg(Strategy):
             if isinstance(strategy, ValidatedFedAvg):
                 tally.update(strategy.run_tally)
         return finish_run(
-            type(self).__name__, result, initial_arrays, num_rounds, tally
+            name or type(self).__name__,
+            result,
+            self._run_initial if self._run_initial is not None else result.arrays,
+            num_rounds,
+            tally,
         )
 
     # ------------------------------------------------------------ assignment

@@ -56,6 +56,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from ..core.server.outcome import ReplyTally, finish_run
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import dict_to_record, record_to_dict
+from ..core.wrapper import RunLifecycle
 from ..ops.checks import check_int, check_positive
 from ..ops.mixing import mix_row
 from ..pfedavg_deploy.exchange import PeerExchange, PeerSecurity
@@ -63,7 +64,7 @@ from .fedavg import FedAvg
 from .pfedavg import server_graph
 
 
-class PFedAvgServer(Strategy):
+class PFedAvgServer(RunLifecycle):
     r"""Parameter server ``index`` of M, mixing with its graph neighbours over gRPC.
 
     :class:`PFedAvg` runs :math:`M` *logical* servers in one ServerApp, so
@@ -225,6 +226,7 @@ class PFedAvgServer(Strategy):
         self.rounds_completed = 0
         self.round_offset = 0
         self.model: ArrayRecord | None = None  # x_i sent this round
+        self._run_initial: ArrayRecord | None = None
         self.run_tally = ReplyTally()
 
     @property
@@ -354,56 +356,41 @@ class PFedAvgServer(Strategy):
             self.local.round_offset = latest
         return dict_to_record(mixed), latest
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Open the exchange, wait for the neighbours, run the rounds, close it.
-
-        The parameters are those of :meth:`PFedAvg.start`.
-
-        Returns
-        -------
-        Result
-            ``Result.arrays`` is this server's last mixed model :math:`x_i`.
-
-        Raises
-        ------
-        NoRoundAggregatedError
-            When no round mixed anything: neither the server's clients nor any
-            neighbour gave a model.
-        """
+    # ------------------------------------------------------------------- run
+    def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
+        """Start the run's tallies; open the exchange and wait for the neighbours."""
         self.run_tally = ReplyTally()
+        self._run_initial = initial_arrays
         if isinstance(self.local, ValidatedFedAvg):
             self.local.reset_run()
-        try:
-            if self._joined is None:
-                self._join(initial_arrays)
-            result = super().start(
-                grid=grid,
-                initial_arrays=initial_arrays,
-                num_rounds=num_rounds,
-                timeout=timeout,
-                train_config=train_config,
-                evaluate_config=evaluate_config,
-                evaluate_fn=evaluate_fn,
-            )
-        finally:
-            self.exchange.stop()
-            self._started, self._joined = False, None
+        if self._joined is None:
+            self._join(initial_arrays)
+
+    def end_run(
+        self, result: Result, num_rounds: int, name: str | None = None
+    ) -> Result:
+        """Fail loudly when no round mixed anything.
+
+        ``Result.arrays`` is this server's last mixed model :math:`x_i`;
+        :class:`~flwr_prox_strategies.NoRoundAggregatedError` when neither the
+        server's clients nor any neighbour gave a model.
+        """
         tally = ReplyTally(aggregated=self.run_tally.aggregated)
         tally.update(self.run_tally)
         if isinstance(self.local, ValidatedFedAvg):
             tally.update(self.local.run_tally)
         return finish_run(
-            type(self).__name__, result, initial_arrays, num_rounds, tally
+            name or type(self).__name__,
+            result,
+            self._run_initial if self._run_initial is not None else result.arrays,
+            num_rounds,
+            tally,
         )
+
+    def close_run(self, failed: bool) -> None:
+        """Close the exchange (a run that failed included)."""
+        self.exchange.stop()
+        self._started, self._joined = False, None
 
     # ----------------------------------------------------------------- train
     def configure_train(

@@ -6,26 +6,26 @@
 
 :class:`Tracked` logs what the pack's own runs log, round by round: the
 aggregated train and evaluate metrics, the central evaluation, the number of
-replies, the round's time. It wraps the pack's strategies and Flower's own
-alike, and keeps the wrapped strategy's ``start`` (its checks and failures).
+replies, the round's time. It wraps the pack's strategies, their wrappers and
+Flower's own strategies alike; the wrapped strategy's run checks and failures
+apply (a :class:`~flwr_prox_strategies.core.wrapper.StrategyWrapper`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 
+from ..core.wrapper import EvaluateFn, StrategyWrapper
 from .base import InBackground, Tracker, flat_params, round_metrics
 
 
-class Tracked(Strategy):
+class Tracked(StrategyWrapper):
     """Wrap ``strategy`` so that every round is logged to ``tracker``.
 
     Each round becomes one step of the tracker (the round number): the
@@ -70,28 +70,18 @@ class Tracked(Strategy):
         background: bool = True,
         close: bool = True,
     ) -> None:
-        if not isinstance(strategy, Strategy):
-            raise TypeError(
-                f"strategy must be a Flower Strategy, got {type(strategy).__name__}"
-            )
+        super().__init__(strategy)
         if not isinstance(tracker, Tracker):
             raise TypeError(
                 f"tracker must be a flwr_prox_strategies.tracking.Tracker, got "
                 f"{type(tracker).__name__}"
             )
-        self.strategy = strategy
         self.tracker: Tracker = InBackground(tracker) if background else tracker
         self.close_at_end = close
         if params:
             self.tracker.log_params(flat_params(params))
         self._round: dict[str, Any] = {}
         self._round_started = time.monotonic()
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names this wrapper lacks: the strategy's own.
-        if name == "strategy":
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
 
     def __repr__(self) -> str:
         """Return the wrapper, the strategy and the backend."""
@@ -124,161 +114,62 @@ class Tracked(Strategy):
         self.tracker.log_metrics(round_metrics(self._round), step=server_round)
         self._round = {}
 
-    def _configure_train(
-        self, original: Callable[..., Iterable[Message]], server_round: int, *args: Any
-    ) -> Iterable[Message]:
-        self._begin(server_round)
-        return original(server_round, *args)
-
-    def _aggregate_train(
-        self,
-        original: Callable[..., tuple[ArrayRecord | None, MetricRecord | None]],
-        server_round: int,
-        replies: Iterable[Message],
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        arrays, metrics = original(server_round, replies)
-        self._add(server_round, "train", metrics, replies)
-        return arrays, metrics
-
-    def _aggregate_evaluate(
-        self,
-        original: Callable[..., MetricRecord | None],
-        server_round: int,
-        replies: Iterable[Message],
-    ) -> MetricRecord | None:
-        replies = list(replies)
-        metrics = original(server_round, replies)
-        self._add(server_round, "evaluate", metrics, replies)
-        if not self._central:
-            self._end(server_round)
-        return metrics
-
+    # --- Flower's hooks: the wrapped strategy's, logged ----------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Start the round's clock; the wrapped strategy's ``configure_train``."""
-        return self._configure_train(
-            self.strategy.configure_train, server_round, arrays, config, grid
-        )
+        self._begin(server_round)
+        return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Run the wrapped strategy's ``aggregate_train``; keep its metrics."""
-        return self._aggregate_train(
-            self.strategy.aggregate_train, server_round, replies
-        )
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Run the wrapped strategy's ``configure_evaluate``."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        replies = list(replies)
+        arrays, metrics = super().aggregate_train(server_round, replies)
+        self._add(server_round, "train", metrics, replies)
+        return arrays, metrics
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Run the wrapped strategy's ``aggregate_evaluate``; log a finished round."""
-        return self._aggregate_evaluate(
-            self.strategy.aggregate_evaluate, server_round, replies
-        )
+        replies = list(replies)
+        metrics = super().aggregate_evaluate(server_round, replies)
+        self._add(server_round, "evaluate", metrics, replies)
+        if not self._central:
+            self._end(server_round)
+        return metrics
 
-    def summary(self) -> None:
-        """Log the wrapped strategy's ``summary``."""
-        self.strategy.summary()
-
+    # --- the run -------------------------------------------------------------
     _central = False  # whether start was given an evaluate_fn
 
-    @contextlib.contextmanager
-    def _routed_through_self(self) -> Iterator[None]:
-        """Route the wrapped strategy's own calls of its hooks through this wrapper.
-
-        ``strategy.start`` calls ``self.aggregate_train`` and the rest on the
-        strategy: for the duration, those names on the instance point to this
-        wrapper's hooks around the strategy's methods (whatever stood on the
-        instance before is put back).
-        """
-        hooks: dict[str, Callable[..., Any]] = {
-            "configure_train": self._configure_train,
-            "aggregate_train": self._aggregate_train,
-            "aggregate_evaluate": self._aggregate_evaluate,
-        }
-        inner = self.strategy
-        saved = {name: vars(inner)[name] for name in hooks if name in vars(inner)}
-        for name, hook in hooks.items():
-            setattr(inner, name, functools.partial(hook, getattr(inner, name)))
-        try:
-            yield
-        finally:
-            for name in hooks:
-                if name in saved:
-                    setattr(inner, name, saved[name])
-                else:
-                    delattr(inner, name)
-
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run the wrapped strategy's ``start``, logging every round.
-
-        Parameters
-        ----------
-        grid : Grid
-            The grid the ServerApp received.
-        initial_arrays : ArrayRecord
-            The initial global model.
-        num_rounds : int (default: 3)
-            Rounds to run.
-        timeout : float (default: 3600)
-            Seconds to wait for a round's replies.
-        train_config, evaluate_config : ConfigRecord | None (default: None)
-            Sent with every train / evaluate message.
-        evaluate_fn : callable | None (default: None)
-            Central evaluation, ``evaluate_fn(server_round, arrays)``; its
-            metrics are logged as ``central/<name>``.
-
-        Returns
-        -------
-        Result
-            The wrapped strategy's ``Result``.
-        """
+    def central_evaluation(self, evaluate_fn: EvaluateFn | None) -> EvaluateFn | None:
+        """Log the central evaluation as ``central/<name>``; it ends the round."""
+        evaluate_fn = super().central_evaluation(evaluate_fn)
         self._central = evaluate_fn is not None
-        central = None
-        if evaluate_fn is not None:
+        if evaluate_fn is None:
+            return None
+        inner = evaluate_fn
 
-            def central(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-                metrics = evaluate_fn(server_round, arrays)
-                if server_round > 0:  # round 0: the initial model, before any round
-                    self._add(server_round, "central", metrics)
-                    self._end(server_round)
-                elif metrics is not None:
-                    self.tracker.log_metrics(
-                        round_metrics({"central": dict(metrics)}), step=0
-                    )
-                return metrics
-
-        failed = True
-        try:
-            with self._routed_through_self():
-                result = self.strategy.start(
-                    grid=grid,
-                    initial_arrays=initial_arrays,
-                    num_rounds=num_rounds,
-                    timeout=timeout,
-                    train_config=train_config,
-                    evaluate_config=evaluate_config,
-                    evaluate_fn=central,
+        def central(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            metrics = inner(server_round, arrays)
+            if server_round > 0:  # round 0: the initial model, before any round
+                self._add(server_round, "central", metrics)
+                self._end(server_round)
+            elif metrics is not None:
+                self.tracker.log_metrics(
+                    round_metrics({"central": dict(metrics)}), step=0
                 )
-            failed = False
-            return result
+            return metrics
+
+        return central
+
+    def close_run(self, failed: bool) -> None:
+        """End the wrapped strategy's run; close the tracker (a failed run: failed)."""
+        try:
+            super().close_run(failed)
         finally:
             if self.close_at_end:
                 self.tracker.close(failed=failed)

@@ -26,26 +26,25 @@ and the subclasses here add:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common.logger import log
-from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
     DifferentialPrivacyServerSideFixedClipping,
-    Result,
     Strategy,
 )
 
 from ..contract.validation import ReplyRejected
 from ..docstrings import inherit_parameters
-from ..server.outcome import ReplyTally, finish_run
+from ..server.outcome import ReplyTally
 from ..server.screening import reply_node
 from ..server.strategy import ValidatedFedAvg
 from ..transport.keys import BUDGET_EXHAUSTED_REASON
+from ..wrapper import WrappedRun
 
 # The client half lives with the other ClientApp mods, which the ClientApp loads
 # without this module's server machinery (torch through the base strategy).
@@ -118,7 +117,7 @@ def screen_replies(
     return passed
 
 
-class _ValidatedReplies(Strategy):
+class _ValidatedReplies(WrappedRun):
     """Mixin for Flower's DP wrappers: validate replies first, name what's uncovered.
 
     Placed before the Flower wrapper in the bases, so ``super()`` is Flower's.
@@ -159,40 +158,6 @@ class _ValidatedReplies(Strategy):
                     type(strategy).__name__,
                     caveat,
                 )
-
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run Flower's ``start``; fail loudly, as the wrapped strategy would."""
-        inner = self.strategy if isinstance(self.strategy, ValidatedFedAvg) else None
-        if inner is not None:
-            inner.reset_run()
-        result = super().start(
-            grid=grid,
-            initial_arrays=initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
-        if inner is None:
-            return result
-        return finish_run(
-            f"{type(self).__name__}({type(inner).__name__})",
-            result,
-            initial_arrays,
-            num_rounds,
-            inner.run_tally,
-            trains=inner.fraction_train > 0,
-        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -33,7 +33,6 @@ from flwr.app import (
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from ..client.secagg import pairwise_seed
@@ -69,6 +68,7 @@ from ..transport.secagg import (
     pairwise_sign,
     reduce,
 )
+from ..wrapper import StrategyWrapper
 
 PHASE = "aggregate_train"
 #: The error code of the stand-in reply of a node the protocol dropped.
@@ -129,7 +129,7 @@ class _Round:
     failure: str | None = None  # why the round cannot be aggregated
 
 
-class SecAggPlus(Strategy):
+class SecAggPlus(StrategyWrapper):
     """Secure aggregation (SecAgg+) for any strategy of the pack that only sums.
 
     The server learns the sums the strategy's rule needs (the weighted mean of
@@ -197,6 +197,8 @@ class SecAggPlus(Strategy):
         once per run. Clients refuse such a round unless their mod allows it
         too. For tests and federations whose server you trust.
     """
+
+    strategy: ValidatedFedAvg
 
     def __init__(
         self,
@@ -296,7 +298,7 @@ class SecAggPlus(Strategy):
             )
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 or None, got {timeout!r}")
-        self.strategy = strategy
+        super().__init__(strategy)
         self.num_shares = num_shares
         self.reconstruction_threshold = reconstruction_threshold
         self.max_weight = float(max_weight)
@@ -347,45 +349,10 @@ class SecAggPlus(Strategy):
         self.strategy.summary()
 
     # ------------------------------------------------------------------ run
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run Flower's ``Strategy.start`` here; fail as the strategy would.
-
-        Same parameters and result as the wrapped strategy's ``start()``.
-        """
-        self.strategy.reset_run()
+    def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
+        """Begin the strategy's run; this run's warnings are new."""
+        super().begin_run(initial_arrays, num_rounds)
         self._clip_warned = self._weak_warned = False
-        self.strategy.stall.final_round = self.strategy.round_offset + num_rounds
-        result = super().start(
-            grid=grid,
-            initial_arrays=initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
-        return self.strategy.check_run(result, num_rounds=num_rounds)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Return the strategy's evaluation messages (replies carry metrics only)."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Return the strategy's evaluation metrics."""
-        return self.strategy.aggregate_evaluate(server_round, replies)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -56,6 +56,7 @@ from ..docstrings import with_class_attributes
 from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
 from ..transport.records import RecordSpec, spec_of
+from ..wrapper import RunLifecycle
 from . import metrics, resume, screening
 from .commit import ClientBook, saved_outside_commit
 from .finite import finite_update
@@ -107,7 +108,7 @@ class ScreenedRound:
     k_before: int | None
 
 
-class ValidatedFedAvg(AlgorithmHooks, FedAvg):
+class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
     """Federated averaging with validated replies, seeded sampling and stragglers.
 
     The base of every strategy of the pack, and the pack's FedAvg baseline
@@ -299,70 +300,25 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         log_summary(self, ValidatedFedAvg.settings)
         log_flower_summary(self)
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Run Flower's ``Strategy.start``, then fail loudly if nothing was aggregated.
-
-        Parameters
-        ----------
-        grid : Grid
-            The grid the ServerApp received.
-        initial_arrays : ArrayRecord
-            The initial global model.
-        num_rounds : int (default: 3)
-            Rounds of training (and evaluation) to run.
-        timeout : float (default: 3600)
-            Seconds to wait for a round's replies.
-        train_config, evaluate_config : ConfigRecord | None (default: None)
-            Sent with every train / evaluate message, besides the algorithm's
-            own values.
-        evaluate_fn : callable | None (default: None)
-            ``evaluate_fn(server_round, arrays) -> MetricRecord | None``:
-            central evaluation of the global model, each round.
-
-        Returns
-        -------
-        Result
-            Flower's ``Result``: ``Result.arrays`` is the last aggregated model,
-            or ``initial_arrays`` when no round was aggregated (Flower leaves it
-            empty).
-
-        Raises
-        ------
-        NoRoundAggregatedError
-            If no round was aggregated (with ``num_rounds > 0`` and
-            ``fraction_train > 0``), with the counted reasons and the
-            ``Result`` (``err.result``).
-        AggregationStalledError
-            From a round, when ``max_rounds_without_aggregation`` rounds in a
-            row were not aggregated.
-        """
+    def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
+        """Start a run's diagnostics (:meth:`reset_run`); remember its initial model."""
         self.reset_run()
         self._run_initial = initial_arrays
-        # A stall in the last round is left to check_run, which raises with
+        # A stall in the last round is left to end_run, which raises with
         # Flower's whole Result.
         self.stall.final_round = self.round_offset + num_rounds
-        result = super().start(
-            grid=grid,
-            initial_arrays=initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
-        return self.check_run(result, num_rounds=num_rounds)
+
+    def end_run(
+        self, result: Result, num_rounds: int, name: str | None = None
+    ) -> Result:
+        """Finish the run with :meth:`check_run`; ``name`` names the strategy."""
+        return self.check_run(result, num_rounds=num_rounds, name=name)
 
     def check_run(
-        self, result: Result | None = None, num_rounds: int | None = None
+        self,
+        result: Result | None = None,
+        num_rounds: int | None = None,
+        name: str | None = None,
     ) -> Result:
         """End a run: fail loudly if it aggregated nothing, say what it averaged in.
 
@@ -383,6 +339,9 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
         num_rounds : int | None (default: None)
             The rounds the run was asked for; None: the rounds this strategy
             was called for since :meth:`reset_run`.
+        name : str | None (default: None)
+            How a failure names the strategy; None: its class name (a wrapper
+            passes its own, e.g. ``SecAggPlus(FedAvg)``).
 
         Returns
         -------
@@ -401,7 +360,7 @@ class ValidatedFedAvg(AlgorithmHooks, FedAvg):
             log(WARNING, "%s: %s", type(self).__name__, tally.describe_not_applied())
         attempted = tally.aggregated + sum(tally.kept.values())
         return finish_run(
-            type(self).__name__,
+            name or type(self).__name__,
             result,
             self._run_initial if self._run_initial is not None else result.arrays,
             attempted if num_rounds is None else num_rounds,
