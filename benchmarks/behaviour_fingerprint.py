@@ -7,7 +7,8 @@ round: stragglers, the dissimilarity monitor, the learning-rate decay, Bernoulli
 participation, federated evaluation, DP-SGD) is reduced to the SHA-256 of its
 ``results.json`` without wall-clock times, and of its checkpoint (the model, the
 server state, the clients' state and commit bookkeeping, the privacy ledger; not
-the process's unseeded global generators, the save time or the run's random tag).
+the process's unseeded global generators, the save time, the run's random tag or the
+folder it was written to).
 
 Run: ``python benchmarks/behaviour_fingerprint.py [--only fedprox]``; to compare two
 trees, run it with ``PYTHONPATH=<other tree>`` as well and ``diff`` the outputs.
@@ -106,6 +107,8 @@ def digest(folder: Path) -> tuple[str, str]:
             return {k: resolve(v) for k, v in value.items() if k != "run-tag"}
         if isinstance(value, list):
             return [resolve(v) for v in value]
+        if isinstance(value, str):  # the client-state folder: where --out put it
+            return value.replace(str(folder), "<run folder>")
         return value
 
     state = json.dumps(resolve(without_clock(document)), sort_keys=True)
