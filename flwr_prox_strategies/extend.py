@@ -179,6 +179,19 @@ own, :class:`LearningRateDecay` and :class:`DissimilarityMonitor`, are what the
 ``lr_decay`` and ``monitor_dissimilarity`` keywords build; the FedProx paper's
 stragglers are the sampler's :class:`Stragglers` (``drop_percent``).
 
+Wrapping a strategy
+-------------------
+A feature that changes how any strategy's rounds travel (secure aggregation,
+a robust aggregator, tracking) is a :class:`StrategyWrapper`: it forwards
+Flower's five hooks, the run and every other attribute to the strategy it
+holds, so a subclass overrides only what it changes (``configure_train``,
+``aggregate_train``...) and calls ``super()`` for the rest. Every strategy of
+the pack runs Flower's loop through one ``start()``
+(:meth:`RunLifecycle.start`); what a run needs before and after it goes in
+``begin_run(initial_arrays, num_rounds)``, ``end_run(result, num_rounds)``
+and ``close_run(failed)``, which a wrapper forwards to its strategy, so the
+pack's checks (a run that aggregated nothing fails) hold around any wrapper.
+
 Registering it
 --------------
 One line in :data:`ALGORITHMS` (an :class:`Algorithm` of strategy, client and
@@ -209,6 +222,7 @@ from .core.server.strategy import ValidatedFedAvg
 from .core.transport.keys import STATE_ROUND_METRIC as _STATE_ROUND_METRIC
 from .core.transport.records import ArraySpec, dict_to_record, record_to_dict
 from .core.transport.records import RecordSpec as _RecordSpec
+from .core.wrapper import RunLifecycle, StrategyWrapper
 from .ops.checks import (
     check_choice,
     check_fraction,
@@ -259,8 +273,10 @@ __all__ = [
     "ReplyTally",
     "RoundPiece",
     "RoundUpdate",
+    "RunLifecycle",
     "StepCounts",
     "Stragglers",
+    "StrategyWrapper",
     "TorchClient",
     "ValidReply",
     "ValidatedFedAvg",

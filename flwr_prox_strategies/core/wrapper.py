@@ -12,7 +12,9 @@ A wrapper (secure aggregation, tracking) changes some hooks of the strategy
 it holds and forwards the rest, as Python's ``io`` streams do:
 :class:`StrategyWrapper` forwards all of Flower's API, the run's lifecycle and
 every other attribute (``state_dict``, ``round_offset``, ``settings``...), so
-a subclass writes only what it changes, and wrappers compose in any order.
+a subclass writes only what it changes. Wrappers compose: tracking around
+secure aggregation or central DP around one of the pack's strategies (those
+two need the strategy itself inside: they read its checks and its sums).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class StrategyWrapper(WrappedRun):
     """A strategy around ``strategy``: every hook and attribute forwarded.
 
     Subclasses override what they change and call ``self.strategy`` (or
-    ``super()``) for the rest; wrappers compose in any order.
+    ``super()``) for the rest.
 
     Parameters
     ----------

@@ -7,9 +7,11 @@ otherwise ignored, exactly as if it had never arrived. The screen also holds
 the caps on the ``num-examples`` a valid reply may claim
 (:meth:`ReplyScreen.cap_claims`) and warns, once per run, about replies whose
 client did not apply the rule (:meth:`ReplyScreen.rule_not_applied`, in
-:mod:`.rule_report`'s words). Used by the base strategy for training and
-evaluation, by the central-DP wrappers before Flower's own aggregation
-(:func:`.central.screen_replies`) and, through its inner strategies, by P-FedAvg.
+:mod:`.rule_report`'s words), and re-runs the server rule without the replies
+whose values make its model non-finite (:meth:`ReplyScreen.finite_update`).
+Used by the base strategy for training and evaluation, by the central-DP
+wrappers before Flower's own aggregation (:func:`.central.screen_replies`) and,
+through its inner strategies, by P-FedAvg.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from flwr.app import Message, Metadata
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.logger import log
 
+from ...ops.aggregate import ZeroTotalWeightError
+from ..contract.fields import RoundUpdate
 from ..contract.validation import (
     NON_FINITE,
+    OUT_OF_RANGE,
     MetricSpec,
     ReplyRejected,
     ValidReply,
@@ -32,7 +37,7 @@ from ..contract.validation import (
     validate_reply,
 )
 from ..transport.keys import CLIENT_KEY_METRIC
-from ..transport.records import RecordSpec
+from ..transport.records import RecordSpec, record_is_finite
 from .outcome import ReplyTally
 from .rule_report import (
     RuleNames,
@@ -67,6 +72,10 @@ def reply_order(reply: ValidReply) -> tuple[int, int]:
     if isinstance(key, (int, float)) and not isinstance(key, bool):
         return (0, int(key))
     return (1, reply.node_id)
+
+
+# The server rule on (candidate replies, wide): wide asks for float64 accumulators.
+Rule = Callable[[list[ValidReply], bool], RoundUpdate]
 
 
 class ReplyScreen:
@@ -393,6 +402,68 @@ class ReplyScreen:
                 policy,
             )
         return capped
+
+    def finite_update(
+        self, server_round: int, valid: list[ValidReply], rule: Rule, record: str
+    ) -> tuple[RoundUpdate | None, str | None]:
+        """Run the server ``rule`` until its model is finite; or say why not.
+
+        The model record's NaN/inf check is deferred for linear rules (their
+        model is a positive combination of the replies', so a NaN or inf in
+        one reaches the result): one check of the result replaces one pass
+        over every reply, and only a non-finite result pays for per-reply
+        checks. In order: the rule in the model's dtype; not finite, the
+        replies holding NaN or inf are rejected (:meth:`reject_bad_values`)
+        and the rule re-run without them; every reply finite and the result
+        still not, the rule re-run once with float64 accumulators; even that
+        not finite (the true value does not fit, or a sum kept in the model's
+        dtype overflowed: FedDC's drift sum), the replies holding values
+        beyond ``MAX_ABS_VALUE`` are rejected in turn, so one huge upload
+        never costs the round of everyone else.
+
+        Returns
+        -------
+        tuple[RoundUpdate | None, str | None]
+            The round's update, or None and why the model is kept. A reply
+            found holding bad values gets ``finite = False``; the caller drops
+            it from the round's replies.
+        """
+        checked: set[str] = set()
+        wide = False
+        while True:
+            candidates = [r for r in valid if r.finite]
+            if not candidates:
+                return None, "no valid reply"
+            try:
+                update = rule(candidates, wide)
+            except ZeroTotalWeightError as err:
+                return None, f"zero total weight ({err})"
+            if record_is_finite(update.arrays):
+                return update, None
+            if NON_FINITE not in checked:
+                checked.add(NON_FINITE)
+                if self.reject_bad_values(server_round, candidates, NON_FINITE, record):
+                    continue
+            if not wide:
+                wide = True
+                log(
+                    WARNING,
+                    "aggregate_train: round %d: the average of %d finite replies "
+                    "overflowed the model's dtype; recomputing it in float64",
+                    server_round,
+                    len(candidates),
+                )
+                continue
+            if OUT_OF_RANGE not in checked:
+                checked.add(OUT_OF_RANGE)
+                if self.reject_bad_values(
+                    server_round, candidates, OUT_OF_RANGE, record
+                ):
+                    continue
+            return None, (
+                "the average is not finite although every reply is (its true "
+                "value does not fit the model's dtype)"
+            )
 
     def reject_bad_values(
         self, server_round: int, replies: list[ValidReply], problem: str, record: str

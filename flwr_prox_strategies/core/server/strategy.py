@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from logging import ERROR, INFO, WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ from ..transport.records import RecordSpec, spec_of
 from ..wrapper import RunLifecycle
 from . import metrics, resume, screening
 from .commit import ClientBook, saved_outside_commit
-from .finite import finite_update
+from .evaluation import Evaluation
 from .hooks import AlgorithmHooks
 from .options import (
     PARAMETERS,
@@ -234,7 +234,6 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         self.global_arrays: ArrayRecord | None = None
         self._global_spec: RecordSpec | None = None
         self.train_nodes: set[int] | None = None
-        self.evaluate_nodes: set[int] | None = None
         # Rounds aggregated (state), and the offset a resumed run adds to
         # Strategy.start's round numbers so sampling and client seeds continue.
         self.rounds_completed = 0
@@ -243,9 +242,7 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         # and the nodes whose budget is spent, never sampled again (state).
         self.epsilon_totals: dict[int, float] = {}
         self.retired_nodes: set[int] = set()
-        # Set when the nodes' ClientApp has no evaluate function: evaluation
-        # stops for the run (said once) instead of failing on every node.
-        self._evaluate_off = False
+        self.evaluation = Evaluation()  # the nodes evaluating; off for the run
         self._bytes_sent = 0
         # The run's first model: what Result.arrays holds if nothing is aggregated.
         self._run_initial: ArrayRecord | None = None
@@ -374,7 +371,7 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         self.book.reset_run()
         self.stall.reset()
         self._run_initial = None
-        self._evaluate_off = False
+        self.evaluation.reset_run()
 
     def sample_nodes(
         self, grid: Grid, server_round: int, **draw: Any
@@ -664,8 +661,8 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
             finally:
                 self._accumulate_in = None
 
-        update, keep = finite_update(
-            server_round, valid, rule, screen=self.screen, record=self.arrayrecord_key
+        update, keep = self.screen.finite_update(
+            server_round, valid, rule, self.arrayrecord_key
         )
         finite = [r for r in valid if r.finite]
         rejected += len(valid) - len(finite)
@@ -776,8 +773,7 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
     ) -> Iterable[Message]:
         """Sample nodes for federated evaluation, one fresh message per node."""
         server_round += self.round_offset
-        if self.fraction_evaluate == 0.0 or self._evaluate_off:
-            self.evaluate_nodes = set()
+        if self.evaluation.skipped(self.fraction_evaluate):
             return []
         node_ids, num_connected = self.sample_nodes(
             grid,
@@ -792,7 +788,7 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
             len(node_ids),
             num_connected,
         )
-        self.evaluate_nodes = set(node_ids)
+        self.evaluation.nodes = set(node_ids)
         shared = {**config, keys.SERVER_ROUND_KEY: server_round}
         shared.update(self.evaluate_config(server_round))
         messages = node_messages(
@@ -811,25 +807,17 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         """Validate evaluation replies and average their metrics."""
         server_round += self.round_offset
         replies = list(replies)
-        if replies and all(map(_no_evaluate_function, replies)):
-            self._evaluate_off = True
-            log(
-                ERROR,
-                "aggregate_evaluate: round %d: the ClientApp of every node sampled "
-                "for evaluation has no evaluate function (Flower: 'No evaluate "
-                "function registered'), while %s evaluates (fraction_evaluate=%g). "
-                "Build the strategy with fraction_evaluate=0.0, or register one "
-                "with @app.evaluate(); federated evaluation is off for the rest "
-                "of this run",
-                server_round,
-                type(self).__name__,
-                self.fraction_evaluate,
-            )
+        self.evaluation.notice_missing_function(
+            server_round,
+            replies,
+            owner=type(self).__name__,
+            fraction=self.fraction_evaluate,
+        )
         valid, *_ = self.collect_replies(
             server_round,
             replies,
             expected_arrays={},
-            sampled=self.evaluate_nodes,
+            sampled=self.evaluation.nodes,
             phase="aggregate_evaluate",
         )
         if not valid:
@@ -842,13 +830,6 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
             pack_metrics=self.pack_metrics,
             per_client=self.per_client_metrics,
         )
-
-
-def _no_evaluate_function(reply: Message) -> bool:
-    """Return True for the error reply of a ClientApp without an evaluate function."""
-    return reply.has_error() and "No evaluate function registered" in str(
-        reply.error.reason
-    )
 
 
 # What each keyword means is written beside its check (options.py); the class's
