@@ -98,6 +98,8 @@ USER_API = {
 EXTEND_API = {
     "STATE_ROUND_METRIC": "flwr_prox_strategies.core.transport.keys",
     "ValidatedFedAvg": "flwr_prox_strategies.core.server.strategy",
+    "StrategyWrapper": "flwr_prox_strategies.core.wrapper",
+    "RunLifecycle": "flwr_prox_strategies.core.wrapper",
     "RoundUpdate": "flwr_prox_strategies.core.contract.fields",
     "ClientRule": "flwr_prox_strategies.core.client.rule",
     "TorchClient": "flwr_prox_strategies.core.client.client",
