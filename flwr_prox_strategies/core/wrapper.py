@@ -59,7 +59,7 @@ class RunLifecycle(Strategy):
 
     @property
     def run_name(self) -> str:
-        """How the run's messages name this strategy (a wrapper: with its inner)."""
+        """The name the run's messages give this strategy (wrappers add theirs)."""
         return type(self).__name__
 
     def start(
