@@ -24,6 +24,7 @@ from flwr_prox_strategies.algorithms.scaffold import (
     ScaffoldClient,
     ScaffoldRule,
 )
+from flwr_prox_strategies.core.client.layout import ReplyLayout
 from flwr_prox_strategies.core.contract.validation import ValidReply
 from flwr_prox_strategies.core.server.commit import ClientBook
 from flwr_prox_strategies.core.transport.keys import (
@@ -130,7 +131,7 @@ def test_a_record_expected_but_never_sent_names_the_strategy() -> None:
 def test_reply_layout_lays_out_buffers_and_reads_back() -> None:
     model = testing.buffered_model()
     rule = ScaffoldRule.__new__(ScaffoldRule)  # only the layout helpers are used
-    rule.model, rule._dtypes = model, None
+    rule.model, rule.layout = model, ReplyLayout(model)
     rule.params = [p for p in model.parameters() if p.requires_grad]
     rule.anchor = [p.detach().clone() for p in rule.params]
     tensors = [torch.full_like(p, i + 1.0) for i, p in enumerate(rule.params)]

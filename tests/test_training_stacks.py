@@ -422,7 +422,7 @@ def test_the_rule_follows_a_device_move_before_the_first_step(problem):
     """Lightning moves the model inside fit(): the anchor and the term follow."""
     model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1.0)
     model.to("meta")  # the only other device on a CPU machine
-    rule.follow_model()
+    rule.wiring.follow_model()
     assert all(a.device.type == "meta" for a in rule.anchor)
     assert all(a.device.type == "meta" for a in rule.term.anchor)
     assert rule.params[0] is model.weight

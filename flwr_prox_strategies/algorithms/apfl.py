@@ -710,7 +710,7 @@ class APFLRule(ClientRule):
         def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self.after_step()
 
-        self._handles += [
+        self.wiring.handles += [
             optimizer.register_step_pre_hook(before),
             optimizer.register_step_post_hook(after),
         ]

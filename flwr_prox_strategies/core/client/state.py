@@ -21,13 +21,23 @@ is ignored, so a dead run's ``state_dir`` never leaks into a new run.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from logging import ERROR, WARNING
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, RecordDict
+from flwr.common.logger import log
 from numpy.typing import NDArray
+
+from ..transport.keys import (
+    RUN_TAG_KEY,
+    STATE_OUTSIDE_COMMIT_METRIC,
+    STATE_ROUND_METRIC,
+)
+from .message import accepted_round, must_reset
 
 _PENDING = "pending:"
 _RUN_TAG = "run-tag"
@@ -261,3 +271,89 @@ class ClientState:
         for name, arrays in grouped.items():
             ordered = [arrays[k] for k in sorted(arrays, key=int)]
             self.set(name, ordered)
+
+
+class RoundCommit:
+    """One round of a stateful rule's two-phase commit, from the message to the reply.
+
+    Opening it applies what the server said (the run the state belongs to, a
+    reset, the last round of this client's it aggregated) before the rule
+    reads its state; at the reply it says which state records the rule saved
+    outside the commit.
+
+    Parameters
+    ----------
+    state : ClientState
+        The client's state.
+    names : Sequence[str]
+        The rule's state records (``state_names``).
+    config : Mapping[str, Any]
+        This round's train config.
+    client_key : int
+        The client's stable id.
+    rule : str
+        The rule's name (in logs).
+    """
+
+    def __init__(
+        self,
+        state: ClientState,
+        names: Sequence[str],
+        config: Mapping[str, Any],
+        *,
+        client_key: int,
+        rule: str,
+    ) -> None:
+        self.state, self.names = state, tuple(names)
+        self.client_key, self.rule = client_key, rule
+        self._warned = False
+        dropped = state.bind(config.get(RUN_TAG_KEY), self.names)
+        if dropped is not None:
+            log(
+                WARNING,
+                "client %d: its saved state (%s) %s; ignored, the client "
+                "starts afresh and the server accounts for it",
+                client_key,
+                state.path or "context.state",
+                dropped,
+            )
+        if must_reset(config, client_key):
+            state.reset(self.names)
+        state.resolve(accepted_round(config, client_key))
+        # A record replaced before the reply was saved outside the commit.
+        self.at_start = {n: state.records.array_records.get(n) for n in self.names}
+
+    def saved_outside(self) -> list[str]:
+        """Return the state records saved with ``state.set`` this round.
+
+        A record committed now that was not when the round began (or was
+        another) was written with :meth:`ClientState.set`, which commits at
+        once: a reply the server then rejects would still change the client.
+        """
+        records = self.state.records.array_records
+        return [
+            name
+            for name in self.names
+            if records.get(name) is not None
+            and records.get(name) is not self.at_start.get(name)
+        ]
+
+    def metrics(self) -> dict[str, Any]:
+        """Return ``state-round`` and ``state-outside-commit`` (logged once if > 0)."""
+        outside = self.saved_outside()
+        if outside and not self._warned:
+            self._warned = True
+            log(
+                ERROR,
+                "client %d: %s saved its state %s with state.set, which commits "
+                "at once (a reply the server rejects would still change the "
+                "client): save it with self.state.set_pending(name, arrays, "
+                "self.server_round) in finish()",
+                self.client_key,
+                self.rule,
+                outside,
+            )
+        return {
+            STATE_ROUND_METRIC: self.state.committed_round(),
+            STATE_OUTSIDE_COMMIT_METRIC: len(outside),
+        }

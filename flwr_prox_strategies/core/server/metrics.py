@@ -16,19 +16,17 @@ from flwr.common.logger import log
 
 from ...ops.aggregate import WeightedMean
 from ...ops.dissimilarity import dissimilarity, sq_norm
-from ..client.rule import (
-    LOCAL_STEPS_METRIC,
-    TERM_LOST_METRIC,
-    TERM_MISSING_METRIC,
-    pack_rules,
-)
+from ..client.rule import pack_rules
 from ..contract.validation import ValidReply
 from ..transport.keys import (
     CLIENT_KEY_METRIC,
     GRADIENT_RECORD,
+    LOCAL_STEPS_METRIC,
     NUM_EXAMPLES_KEY,
     STATE_OUTSIDE_COMMIT_METRIC,
     STATE_ROUND_METRIC,
+    TERM_LOST_METRIC,
+    TERM_MISSING_METRIC,
     node_key,
 )
 from ..transport.messages import payload_bytes

@@ -20,14 +20,10 @@ from typing import Any
 from flwr.app import Message
 from flwr.common.logger import log
 
-from ..client.rule import (
-    LOCAL_STEPS_METRIC,
-    TERM_LOST_METRIC,
-    TERM_MISSING_METRIC,
-    pack_rules,
-)
+from ..client.rule import pack_rules
 from ..client.steps import shortfall_text
 from ..contract.validation import ValidReply
+from ..transport.keys import LOCAL_STEPS_METRIC, TERM_LOST_METRIC, TERM_MISSING_METRIC
 
 
 def pack_class(cls: type) -> type:

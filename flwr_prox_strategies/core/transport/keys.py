@@ -31,6 +31,12 @@ STATE_ROUND_METRIC = "state-round"
 # outside the two-phase commit this round (ClientState.set instead of
 # set_pending): their state-round says -1 although they hold state.
 STATE_OUTSIDE_COMMIT_METRIC = "state-outside-commit"
+# Every rule's reply counts the local optimiser steps (measured), and of them
+# the steps whose term was lost before the update (a backward pass after it,
+# the gradients cleared or replaced) or never added.
+LOCAL_STEPS_METRIC = "local-steps"
+TERM_LOST_METRIC = "term-lost-steps"
+TERM_MISSING_METRIC = "term-missing-steps"
 # The server asks a client whose state it cannot use to start afresh.
 RESET_STATE_KEY = "reset-state"
 RESET_KEYS_KEY = "reset-keys"
