@@ -211,13 +211,18 @@ def round_counts(
     absent: int,
     capped: int,
     bytes_sent: int,
+    rule: tuple[int, int] | None = None,
+    outside: int | None = None,
 ) -> dict[str, Any]:
     """Return a training round's counts of replies and its traffic in bytes.
 
     ``bytes-sent``/``bytes-received``: the ArrayRecords' payload of this
-    round's messages (model and extra records) and of its valid replies.
+    round's messages (model and extra records) and of its valid replies;
+    ``rule``: the replies without the rule and those whose term missed steps
+    (:meth:`.screening.ReplyScreen.rule_not_applied`); ``outside``: the replies
+    whose client saved state outside the two-phase commit.
     """
-    return {
+    counts = {
         "replies-valid": len(valid),
         "replies-failed": failed,
         "replies-rejected": rejected,
@@ -228,6 +233,11 @@ def round_counts(
             reply.message for reply in valid if reply.message is not None
         ),
     }
+    if rule is not None:
+        counts["replies-rule-missing"], counts["replies-term-incomplete"] = rule
+    if outside is not None:
+        counts["replies-state-outside-commit"] = outside
+    return counts
 
 
 def dissimilarity_metrics(

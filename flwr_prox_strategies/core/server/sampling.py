@@ -5,15 +5,16 @@ The generator of a draw is seeded by ``(seed, round, stream)`` and nothing else
 the same nodes, and a resumed run samples exactly as an uninterrupted one.
 Streams: 0 training, 1 stragglers, 2 evaluation.
 
-:class:`Sampler` is the part the strategy holds (its seed, participation, the
-quorum of later rounds); :class:`Stragglers` is the FedProx paper's systems
-heterogeneity, a piece the sampler composes (none by default).
+:class:`TrainSampling` gives the base strategy ``sample_nodes`` and
+``sample_train``; :class:`Sampler` is the part it holds (its seed,
+participation, the quorum of later rounds); :class:`Stragglers` is the
+FedProx paper's systems heterogeneity, a piece the sampler composes (none by
+default).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from logging import INFO
 from typing import Any
@@ -24,7 +25,9 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from ...ops.checks import check_int
 from .outcome import EveryClientRetiredError
+from .population import Population
 
 PARTICIPATION = ("fixed", "bernoulli")
 # Redraws of a Bernoulli sample below min_train_nodes before giving up (the official
@@ -206,70 +209,118 @@ class Sampler:
         )
 
 
-def training_sample(
-    sample: Callable[..., tuple[list[int], int]],
-    server_round: int,
-    *,
-    fraction: float,
-    minimum: int,
-    bernoulli: bool,
-    retired: set[int],
-    stragglers: Stragglers,
-    seed: int,
-    local_epochs: int | None,
-    arrays: ArrayRecord,
-    population_note: Callable[[int], str | None],
-    owner: str,
-) -> tuple[list[int], dict[int, int]]:
-    """Return the nodes that train this round and the stragglers' epochs.
+class TrainSampling:
+    """Who trains this round: the base strategy's sampling, quorum and stragglers.
 
-    ``sample`` is the strategy's :meth:`Sampler.sample` (a subclass may
-    override it). Retired nodes (privacy budget spent) are never drawn; when
-    every connected node is retired, training stops
-    (:class:`.outcome.EveryClientRetiredError`, with ``arrays``, the last
-    aggregated model). Stragglers are dropped or kept with partial work, as
-    ``stragglers`` says. ``population_note(num_connected)`` says how the
-    connected nodes relate to N, when it matters.
+    The base of :class:`~flwr_prox_strategies.extend.ValidatedFedAvg` for
+    drawing nodes; the draws are its :class:`Sampler`'s, seeded per round.
     """
-    node_ids, num_connected = sample(
-        server_round,
-        fraction=fraction,
-        minimum=minimum,
-        stream=0,
-        exclude=retired,
-        bernoulli=bernoulli,
-    )
-    if note := population_note(num_connected):
-        log(INFO, "configure_train: %s", note)
-    if not node_ids and num_connected and retired:
-        raise EveryClientRetiredError(
-            f"{owner}: round {server_round}: every one of the "
-            f"{num_connected} connected node(s) has spent its privacy budget "
-            f"(retired: {len(retired)}); training stops here instead "
-            f"of idling through the remaining rounds. The model is the one "
-            f"aggregated last (round {server_round - 1}). To train longer, "
-            "raise the budget (privacy.dp.target_epsilon) or spend it more "
-            "slowly (more noise, fewer local steps, fewer rounds).",
-            Result(arrays=arrays),
+
+    # Set by ValidatedFedAvg.__init__ (its parts and settings).
+    sampler: Sampler
+    population: Population
+    retired_nodes: set[int]
+    num_clients: int | None
+    fraction_train: float
+    min_train_nodes: int
+    min_available_nodes: int
+    min_round_nodes: int | None
+    node_wait_timeout: float
+    local_epochs: int | None
+    participation: str
+    seed: int
+
+    def sample_nodes(
+        self, grid: Grid, server_round: int, **draw: Any
+    ) -> tuple[list[int], int]:
+        """Sample nodes with this strategy's seed, waiting for a quorum.
+
+        The quorum is ``min_available_nodes`` at the first sampling, then
+        ``min_round_nodes`` when set.
+        """
+        return self.sampler.sample(
+            grid,
+            server_round,
+            quorum=(self.min_available_nodes, self.min_round_nodes),
+            timeout=self.node_wait_timeout,
+            owner=type(self).__name__,
+            **draw,
+        )
+
+    def learn_num_clients(self, num_clients: int) -> None:
+        """Adopt N learned from the grid, grown, or from a checkpoint.
+
+        Subclasses that derive settings from it (FedEPM's sampling) extend this.
+
+        Raises
+        ------
+        ValueError
+            If ``num_clients`` is not an integer >= 1.
+        """
+        check_int("num_clients", num_clients, 1)
+        self.num_clients = num_clients
+
+    def sample_train(
+        self, grid: Grid, server_round: int, arrays: ArrayRecord
+    ) -> tuple[list[int], dict[int, int]]:
+        """Return the nodes that train this round and the stragglers' epochs.
+
+        N is learned from the grid when not given. Retired nodes (privacy
+        budget spent) are never drawn; when every connected node is retired,
+        training stops (:class:`.outcome.EveryClientRetiredError`, with
+        ``arrays``, the last aggregated model). Stragglers are dropped or kept
+        with partial work, as the strategy's ``straggler_policy`` says.
+        """
+        owner = type(self).__name__
+        self.population.learn_from_grid(
+            lambda: len(
+                connected_nodes(
+                    grid, self.min_available_nodes, self.node_wait_timeout, owner
+                )
+            ),
             server_round,
         )
-    drawn = stragglers.draw(node_ids, server_round, seed, local_epochs)
-    if drawn and not stragglers.keep_partial:
-        node_ids = [n for n in node_ids if n not in drawn]
-        log(INFO, "configure_train: dropping %d straggler(s)", len(drawn))
-    if retired:
+        retired, stragglers = self.retired_nodes, self.sampler.stragglers
+        node_ids, num_connected = self.sample_nodes(
+            grid,
+            server_round,
+            fraction=self.fraction_train,
+            minimum=self.min_train_nodes,
+            stream=0,
+            exclude=retired,
+            bernoulli=self.participation == "bernoulli",
+        )
+        if note := self.population.note(num_connected):
+            log(INFO, "configure_train: %s", note)
+        if not node_ids and num_connected and retired:
+            raise EveryClientRetiredError(
+                f"{owner}: round {server_round}: every one of the "
+                f"{num_connected} connected node(s) has spent its privacy budget "
+                f"(retired: {len(retired)}); training stops here instead "
+                f"of idling through the remaining rounds. The model is the one "
+                f"aggregated last (round {server_round - 1}). To train longer, "
+                "raise the budget (privacy.dp.target_epsilon) or spend it more "
+                "slowly (more noise, fewer local steps, fewer rounds).",
+                Result(arrays=arrays),
+                server_round,
+            )
+        drawn = stragglers.draw(node_ids, server_round, self.seed, self.local_epochs)
+        if drawn and not stragglers.keep_partial:
+            node_ids = [n for n in node_ids if n not in drawn]
+            log(INFO, "configure_train: dropping %d straggler(s)", len(drawn))
+        if retired:
+            log(
+                INFO,
+                "configure_train: %d node(s) retired (privacy budget spent)",
+                len(retired),
+            )
         log(
             INFO,
-            "configure_train: %d node(s) retired (privacy budget spent)",
-            len(retired),
+            "configure_train: sampled %d nodes (out of %d)%s",
+            len(node_ids),
+            num_connected,
+            f", {len(drawn)} straggler(s) keep partial work"
+            if drawn and stragglers.keep_partial
+            else "",
         )
-    log(
-        INFO,
-        "configure_train: sampled %d nodes (out of %d)%s",
-        len(node_ids),
-        num_connected,
-        f", {len(drawn)} straggler(s) keep partial work"
-        if drawn and stragglers.keep_partial
-        else "",
-    )
-    return node_ids, drawn
+        return node_ids, drawn

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
 from flwr.app import Message, Metadata
@@ -76,6 +77,26 @@ def reply_order(reply: ValidReply) -> tuple[int, int]:
 
 # The server rule on (candidate replies, wide): wide asks for float64 accumulators.
 Rule = Callable[[list[ValidReply], bool], RoundUpdate]
+
+
+def screen_setting(name: str) -> property:
+    """Return a cap the reply screen owns as a setting of the strategy (read, set)."""
+    return property(
+        lambda self: getattr(self.screen, name),
+        lambda self, value: setattr(self.screen, name, value),
+    )
+
+
+@dataclass
+class ScreenedRound:
+    """A round's train replies after screening: the valid ones, the others counted."""
+
+    valid: list[ValidReply]
+    failed: int
+    rejected: int
+    absent: int
+    capped: int
+    k_before: int | None
 
 
 class ReplyScreen:

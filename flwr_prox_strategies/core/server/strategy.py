@@ -1,31 +1,18 @@
-"""The validated strategy base every strategy of the pack inherits: one round.
+"""The validated strategy base every strategy of the pack inherits: Flower's hooks.
 
-It keeps Flower's ``FedAvg`` interface (so ``strategy.start(...)`` and Flower's DP
-wrappers work unchanged) and runs a round, holding a part for each job:
-
-* a :class:`.sampling.Sampler` (seeded per round, quorum-checked, its
-  :class:`.sampling.Stragglers`), a :class:`.population.Population` (N: given,
-  learned, grown, restored), a :class:`.commit.ClientBook` (the server's half of
-  the two-phase commit of client state), a :class:`.screening.ReplyScreen`
-  (replies checked against what was sent, claims capped, the once-per-run
-  warnings about clients that did not apply the rule, in
-  :mod:`.rule_report`'s words) and a :class:`.outcome.StallGuard` (rounds in a
-  row not aggregated);
-* the round's pieces (:mod:`.pieces`: a learning-rate decay, the dissimilarity
-  monitor) and, per round, :func:`.finite.finite_update` (the rule re-run
-  without replies holding NaN, inf or huge values), :mod:`.metrics`,
-  :func:`..contract.ledger.record_privacy`, and :mod:`.resume` for checkpoints.
-
-What an algorithm declares and overrides lives in :class:`.hooks.AlgorithmHooks`
-(``flwr_prox_strategies.extend`` is the guide); what each keyword of the base
-means, and how a bad value is refused, in :mod:`.options`.
+It keeps Flower's ``FedAvg`` interface and runs a round as calls into its
+parts: :class:`.sampling.TrainSampling` (who trains), the
+:class:`.screening.ReplyScreen` (replies checked, ordered, capped, the
+non-finite re-run), the :class:`.commit.ClientBook` (the two-phase commit of
+client state), the algorithm's rule (:class:`.hooks.AlgorithmHooks`),
+:mod:`.metrics` and the :class:`.outcome.StallGuard`; evaluation is
+:class:`.evaluation.EvaluationRound`, a run's start, end and checkpoint
+:class:`.resume.RunState`. What each keyword means is in :mod:`.options`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -37,18 +24,10 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy import FedAvg
 
-from ...ops.checks import check_int
-from ..contract.fields import (
-    RoundUpdate,
-    check_settings,
-    load_fields,
-    save_fields,
-    settings_text,
-)
+from ..contract.fields import RoundUpdate, settings_text
 from ..contract.frozen import FrozenState, call_rule
 from ..contract.ledger import record_privacy
 from ..contract.validation import ValidReply, init_keywords, reject_unknown_kwargs
@@ -57,9 +36,9 @@ from ..transport import keys
 from ..transport.messages import node_messages, payload_bytes
 from ..transport.records import RecordSpec, spec_of
 from ..wrapper import RunLifecycle
-from . import metrics, resume, screening
+from . import metrics, screening
 from .commit import ClientBook, saved_outside_commit
-from .evaluation import Evaluation
+from .evaluation import Evaluation, EvaluationRound
 from .hooks import AlgorithmHooks
 from .options import (
     PARAMETERS,
@@ -68,47 +47,20 @@ from .options import (
     log_summary,
     resolve_weighting,
 )
-from .outcome import StallGuard, finish_run
-from .pieces import (
-    DissimilarityMonitor,
-    LearningRateDecay,
-    RoundPiece,
-    round_pieces,
-)
+from .outcome import StallGuard
+from .pieces import DissimilarityMonitor, LearningRateDecay, RoundPiece, round_pieces
 from .population import Population
+from .resume import RunState
 from .rule_report import RuleNames
-from .sampling import (
-    PARTICIPATION,
-    Sampler,
-    Stragglers,
-    connected_nodes,
-    training_sample,
-)
+from .sampling import PARTICIPATION, Sampler, Stragglers, TrainSampling
+from .screening import ScreenedRound
 
 MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
-def _screen_setting(name: str) -> property:
-    """Return a cap the reply screen owns as a setting of the strategy (read, set)."""
-    return property(
-        lambda self: getattr(self.screen, name),
-        lambda self, value: setattr(self.screen, name, value),
-    )
-
-
-@dataclass
-class ScreenedRound:
-    """A round's train replies after screening: the valid ones, the others counted."""
-
-    valid: list[ValidReply]
-    failed: int
-    rejected: int
-    absent: int
-    capped: int
-    k_before: int | None
-
-
-class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
+class ValidatedFedAvg(
+    AlgorithmHooks, TrainSampling, RunState, EvaluationRound, RunLifecycle, FedAvg
+):
     """Federated averaging with validated replies, seeded sampling and stragglers.
 
     The base of every strategy of the pack, and the pack's FedAvg baseline
@@ -254,9 +206,9 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
     seed = property(lambda self: self.sampler.seed)
     participation = property(lambda self: self.sampler.participation)
     drop_percent = property(lambda self: self.sampler.stragglers.drop_percent)
-    max_num_examples = _screen_setting("max_num_examples")
-    max_weight_ratio = _screen_setting("max_weight_ratio")
-    max_reply_bytes = _screen_setting("max_reply_bytes")
+    max_num_examples = screening.screen_setting("max_num_examples")
+    max_weight_ratio = screening.screen_setting("max_weight_ratio")
+    max_reply_bytes = screening.screen_setting("max_reply_bytes")
     num_clients = property(
         lambda self: self.population.size,
         lambda self, k: setattr(self.population, "size", k),
@@ -297,175 +249,6 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         log_summary(self, ValidatedFedAvg.settings)
         log_flower_summary(self)
 
-    def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
-        """Start a run's diagnostics (:meth:`reset_run`); remember its initial model."""
-        self.reset_run()
-        self._run_initial = initial_arrays
-        # A stall in the last round is left to end_run, which raises with
-        # Flower's whole Result.
-        self.stall.final_round = self.round_offset + num_rounds
-
-    def end_run(
-        self, result: Result, num_rounds: int, name: str | None = None
-    ) -> Result:
-        """Finish the run with :meth:`check_run`; ``name`` names the strategy."""
-        return self.check_run(result, num_rounds=num_rounds, name=name)
-
-    def check_run(
-        self,
-        result: Result | None = None,
-        num_rounds: int | None = None,
-        name: str | None = None,
-    ) -> Result:
-        """End a run: fail loudly if it aggregated nothing, say what it averaged in.
-
-        The pack's ``start()`` ends with it; call it at the end of a
-        ``start()`` of your own (after :meth:`reset_run` at its beginning).
-        It repeats the warning about clients that did not apply the
-        algorithm's rule, with the run's count, and, when the run trained
-        (``num_rounds > 0`` and ``fraction_train > 0``) without aggregating a
-        single round, raises :class:`~flwr_prox_strategies.NoRoundAggregatedError`
-        with the counted reasons.
-
-        Parameters
-        ----------
-        result : Result | None (default: None)
-            The run's result; its ``arrays`` become the run's initial model
-            when no round was aggregated (Flower leaves them empty). None: a
-            new ``Result`` holding the last aggregated (or initial) model.
-        num_rounds : int | None (default: None)
-            The rounds the run was asked for; None: the rounds this strategy
-            was called for since :meth:`reset_run`.
-        name : str | None (default: None)
-            How a failure names the strategy; None: its class name (a wrapper
-            passes its own, e.g. ``SecAggPlus(FedAvg)``).
-
-        Returns
-        -------
-        Result
-            ``result``, its ``arrays`` set as above.
-
-        Raises
-        ------
-        NoRoundAggregatedError
-            If the run trained and aggregated no round.
-        """
-        tally = self.run_tally
-        if result is None:
-            result = Result(arrays=self.global_arrays or ArrayRecord())
-        if tally.not_applied:
-            log(WARNING, "%s: %s", type(self).__name__, tally.describe_not_applied())
-        attempted = tally.aggregated + sum(tally.kept.values())
-        return finish_run(
-            name or type(self).__name__,
-            result,
-            self._run_initial if self._run_initial is not None else result.arrays,
-            attempted if num_rounds is None else num_rounds,
-            tally,
-            trains=self.fraction_train > 0,
-        )
-
-    def reset_run(self) -> None:
-        """Start a new run's diagnostics (reasons tally, the once-per-run warning)."""
-        self.screen.reset_run()
-        self.book.reset_run()
-        self.stall.reset()
-        self._run_initial = None
-        self.evaluation.reset_run()
-
-    def sample_nodes(
-        self, grid: Grid, server_round: int, **draw: Any
-    ) -> tuple[list[int], int]:
-        """Sample nodes with this strategy's seed, waiting for a quorum.
-
-        The quorum is ``min_available_nodes`` at the first sampling, then
-        ``min_round_nodes`` when set.
-        """
-        return self.sampler.sample(
-            grid,
-            server_round,
-            quorum=(self.min_available_nodes, self.min_round_nodes),
-            timeout=self.node_wait_timeout,
-            owner=type(self).__name__,
-            **draw,
-        )
-
-    def learn_num_clients(self, num_clients: int) -> None:
-        """Adopt N learned from the grid, grown, or from a checkpoint.
-
-        Subclasses that derive settings from it (FedEPM's sampling) extend this.
-
-        Parameters
-        ----------
-        num_clients : int
-            The number of all clients, N.
-
-        Raises
-        ------
-        ValueError
-            If ``num_clients`` is not an integer >= 1.
-        """
-        check_int("num_clients", num_clients, 1)
-        self.num_clients = num_clients
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the server state that resumes the run exactly.
-
-        Returns
-        -------
-        dict[str, Any]
-            The declared
-            :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.state_fields`
-            (kebab-case keys), the
-            :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.resume_settings`,
-            the rounds completed, N, ``seed``, the privacy ledger and the
-            clients' commit bookkeeping: pass it to
-            :meth:`load_state_dict` of a strategy built the same way.
-        """
-        return resume.checkpoint(
-            strategy=type(self).__name__,
-            seed=self.seed,
-            rounds_completed=self.rounds_completed,
-            population=self.population,
-            epsilon_totals=self.epsilon_totals,
-            retired_nodes=self.retired_nodes,
-            book=self.book,
-            fields={
-                **save_fields(self, self.resume_settings),
-                **save_fields(self, self.state_fields),
-            },
-        )
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, or refuse it naming why.
-
-        Parameters
-        ----------
-        state : Mapping[str, Any]
-            A :meth:`state_dict` of the same strategy class.
-
-        Raises
-        ------
-        ValueError
-            If the state was saved by another strategy class, or under other
-            :attr:`~flwr_prox_strategies.extend.ValidatedFedAvg.resume_settings`,
-            another seed or another N, naming the difference (the run would
-            not resume identically).
-        """
-        restored = resume.restore(
-            state,
-            strategy=type(self).__name__,
-            seed=self.seed,
-            population=self.population,
-            book=self.book,
-            check_settings=lambda s: check_settings(self, self.resume_settings, s),
-        )
-        self.rounds_completed = restored.rounds_completed
-        self.epsilon_totals = restored.epsilon_totals
-        self.retired_nodes = restored.retired_nodes
-        self.round_offset = self.rounds_completed
-        load_fields(self, self.state_fields, state)
-
     # ------------------------------------------------------------- the round
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -479,31 +262,7 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         if self.fraction_train == 0.0:
             self.train_nodes = set()
             return []
-        self.population.learn_from_grid(
-            lambda: len(
-                connected_nodes(
-                    grid,
-                    self.min_available_nodes,
-                    self.node_wait_timeout,
-                    type(self).__name__,
-                )
-            ),
-            server_round,
-        )
-        node_ids, stragglers = training_sample(
-            lambda *args, **draw: self.sample_nodes(grid, *args, **draw),
-            server_round,
-            fraction=self.fraction_train,
-            minimum=self.min_train_nodes,
-            bernoulli=self.participation == "bernoulli",
-            retired=self.retired_nodes,
-            stragglers=self.sampler.stragglers,
-            seed=self.seed,
-            local_epochs=self.local_epochs,
-            arrays=arrays,
-            population_note=self.population.note,
-            owner=type(self).__name__,
-        )
+        node_ids, stragglers = self.sample_train(grid, server_round, arrays)
         self.train_nodes = set(node_ids)
         shared = {**config, keys.SERVER_ROUND_KEY: server_round}
         if self.local_epochs is not None:
@@ -679,14 +438,13 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
             absent=absent,
             capped=capped,
             bytes_sent=self._bytes_sent,
+            rule=(lacking, short) if self.rule_metric is not None else None,
+            outside=(
+                sum(saved_outside_commit(r) for r in valid)
+                if self.stateful_clients
+                else None
+            ),
         )
-        if self.rule_metric is not None:
-            counts["replies-rule-missing"] = lacking
-            counts["replies-term-incomplete"] = short
-        if self.stateful_clients:
-            counts["replies-state-outside-commit"] = sum(
-                saved_outside_commit(r) for r in valid
-            )
         # Privacy spent is spent, even in a round whose model is not kept.
         counts.update(
             record_privacy(
@@ -699,45 +457,9 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
         if not self.pack_metrics:
             counts = {}
         if keep is not None or update is None:
-            self.run_tally.kept[keep or "no model"] += 1
-            self.num_clients = k_before  # as if the round's replies never came
-            log(
-                WARNING,
-                "aggregate_train: round %d: %s; %s; keeping the previous model",
-                server_round,
-                keep,
-                self.round_tally.describe(),
-            )
-            if self.fraction_train > 0.0 and self.train_nodes:
-                # (a round that sampled nobody for training is no failure)
-                self.stall.kept(
-                    server_round,
-                    keep or "no model",
-                    round_tally=self.round_tally,
-                    never_aggregated=self.run_tally.aggregated == 0,
-                    limit=self.max_rounds_without_aggregation,
-                    owner=type(self).__name__,
-                    model=lambda never: (
-                        self._run_initial if never else self.global_arrays
-                    ),
-                )
+            self.keep_previous_model(server_round, keep or "no model", k_before)
             return None, MetricRecord(counts)
-        self.run_tally.aggregated += 1
-        self.stall.aggregated()
-        if self.stateful_clients:
-            self.book.commit(server_round, valid)
-            self.population.commit_growth(
-                k_before,
-                f"{len(self.book.client_keys_seen)} client keys seen, "
-                f"{self.book.retired_states} retired state(s)",
-            )
-        if unknown := set(update.state) - set(self.state_fields):
-            raise TypeError(
-                f"{type(self).__name__}.server_update returned state {sorted(unknown)} "
-                f"not declared in state_fields {self.state_fields}"
-            )
-        for name, value in update.state.items():
-            setattr(self, name, value)
+        self.commit_round(server_round, valid, update.state, k_before)
         record = metrics.reply_metrics(
             valid,
             self._custom_metrics[0],
@@ -767,69 +489,6 @@ class ValidatedFedAvg(AlgorithmHooks, RunLifecycle, FedAvg):
                 grown = self.grown_state(given, k_base, k)
                 state = {name: given.thaw(value) for name, value in grown.items()}
         return state
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample nodes for federated evaluation, one fresh message per node."""
-        server_round += self.round_offset
-        if self.evaluation.skipped(self.fraction_evaluate):
-            return []
-        node_ids, num_connected = self.sample_nodes(
-            grid,
-            server_round,
-            fraction=self.fraction_evaluate,
-            minimum=self.min_evaluate_nodes,
-            stream=2,
-        )
-        log(
-            INFO,
-            "configure_evaluate: sampled %d nodes (out of %d)",
-            len(node_ids),
-            num_connected,
-        )
-        self.evaluation.nodes = set(node_ids)
-        shared = {**config, keys.SERVER_ROUND_KEY: server_round}
-        shared.update(self.evaluate_config(server_round))
-        messages = node_messages(
-            node_ids,
-            MessageType.EVALUATE,
-            arrays=(self.arrayrecord_key, arrays),
-            records=self.evaluate_records(server_round),
-            config=(self.configrecord_key, shared),
-        )
-        self.screen.remember("evaluate", messages)
-        return messages
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Validate evaluation replies and average their metrics."""
-        server_round += self.round_offset
-        replies = list(replies)
-        self.evaluation.notice_missing_function(
-            server_round,
-            replies,
-            owner=type(self).__name__,
-            fraction=self.fraction_evaluate,
-        )
-        valid, *_ = self.collect_replies(
-            server_round,
-            replies,
-            expected_arrays={},
-            sampled=self.evaluation.nodes,
-            phase="aggregate_evaluate",
-        )
-        if not valid:
-            return None
-        self.cap_claims(server_round, valid, "aggregate_evaluate")
-        return metrics.evaluation_metrics(
-            server_round,
-            valid,
-            self._custom_metrics[1],
-            pack_metrics=self.pack_metrics,
-            per_client=self.per_client_metrics,
-        )
 
 
 # What each keyword means is written beside its check (options.py); the class's
