@@ -147,15 +147,17 @@ def instrumented() -> Iterator[None]:
         "flwr.server.workflow.secure_aggregation.secaggplus_workflow"
     )
 
-    from flwr_prox_strategies.core.client import secagg as pack_client
-    from flwr_prox_strategies.core.privacy import secagg as pack_server
+    from flwr_prox_strategies.core.privacy import secagg_unmask as pack_server
     from flwr_prox_strategies.core.transport import secagg as pack_protocol
+    from flwr_prox_strategies.core.transport import secagg_masking as pack_masking
+    from flwr_prox_strategies.core.transport import secagg_shares as pack_client
     from flwr_prox_strategies.core.transport import shamir as pack_shamir
 
     targets = [
         # module, attribute, label
-        (pack_client, "add_mask", "client: mask expansion"),
+        (pack_masking, "add_mask", "client: mask expansion"),
         (pack_client, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
+        (pack_client, "pairwise_seed", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "generate_key_pairs", "client: key generation"),
         (pack_shamir, "split", "client: Shamir split"),
         (pack_client, "encrypt", "client: share encryption"),
