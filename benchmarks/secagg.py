@@ -147,15 +147,13 @@ def instrumented() -> Iterator[None]:
         "flwr.server.workflow.secure_aggregation.secaggplus_workflow"
     )
 
-    from flwr_prox_strategies.core.privacy import secagg_unmask as pack_server
     from flwr_prox_strategies.core.transport import secagg as pack_protocol
-    from flwr_prox_strategies.core.transport import secagg_masking as pack_masking
-    from flwr_prox_strategies.core.transport import secagg_shares as pack_client
+    from flwr_prox_strategies.core.transport import secagg_node as pack_client
     from flwr_prox_strategies.core.transport import shamir as pack_shamir
 
     targets = [
         # module, attribute, label
-        (pack_masking, "add_mask", "client: mask expansion"),
+        (pack_client, "add_mask", "client: mask expansion"),
         (pack_client, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "pairwise_seed", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "generate_key_pairs", "client: key generation"),
@@ -163,9 +161,9 @@ def instrumented() -> Iterator[None]:
         (pack_client, "encrypt", "client: share encryption"),
         (pack_client, "decrypt", "client: share decryption"),
         (pack_protocol.Quantizer, "encode", "client: quantisation"),
-        (pack_server, "add_mask", "server: mask expansion"),
+        (pack_protocol, "add_mask", "server: mask expansion"),
         (pack_shamir, "recover", "server: Shamir combine"),
-        (pack_server, "pairwise_seed", "server: key agreement (ECDH+HKDF)"),
+        (pack_protocol, "pairwise_seed", "server: key agreement (ECDH+HKDF)"),
         (flower_mod, "pseudo_rand_gen", "client: mask expansion"),
         (flower_mod, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
         (flower_mod, "generate_key_pairs", "client: key generation"),

@@ -35,13 +35,7 @@ from ..transport.secagg import (
     pairwise_seed,
     to_bytes,
 )
-from ..transport.secagg_masking import (
-    masked_vector,
-    only_metrics,
-    reveal_shares,
-    sign_survivors,
-)
-from ..transport.secagg_shares import (
+from ..transport.secagg_node import (
     NODE_KEY_DIRECTORY,
     NODE_REQUIRED,
     NODE_SIGNING_KEY,
@@ -50,9 +44,13 @@ from ..transport.secagg_shares import (
     Settings,
     State,
     check_order,
+    masked_vector,
+    only_metrics,
     receive_shares,
+    reveal_shares,
     send_shares,
     setup,
+    sign_survivors,
 )
 
 # The key handling and the stage handlers live in transport/ (the server's

@@ -19,6 +19,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
+from ..transport import secagg as protocol
 from ..transport import shamir, signing
 from ..transport.flower import bytes_to_private_key, public_key_to_bytes
 from ..transport.secagg import (
@@ -28,11 +29,6 @@ from ..transport.secagg import (
     SURVIVORS_KEY,
     Key,
     Stage,
-    add_mask,
-    commitment,
-    pairwise_seed,
-    pairwise_sign,
-    reduce,
 )
 from .secagg_exchange import KeyExchange, _Round
 
@@ -107,9 +103,9 @@ class Unmasking(KeyExchange):
                 state,
                 owner,
                 shares[owner],
-                _matches(commitment, state.commitments[owner]),
+                _matches(protocol.commitment, state.commitments[owner]),
             )
-            add_mask(total, seed, -1)
+            protocol.add_mask(total, seed, -1)
         for owner in sorted(dead):
             sk1 = self._recover(
                 state,
@@ -118,10 +114,10 @@ class Unmasking(KeyExchange):
                 _matches(_public_of, state.public_keys[owner][0]),
             )
             for other in sorted(state.neighbours[owner] & contributors):
-                seed = pairwise_seed(sk1, state.public_keys[other][0])
+                seed = protocol.pairwise_seed(sk1, state.public_keys[other][0])
                 # ``other`` added its mask for ``owner``; take it out again.
-                add_mask(total, seed, -pairwise_sign(other, owner))
-        total = reduce(total, self.quantizer.modulus_range)
+                protocol.add_mask(total, seed, -protocol.pairwise_sign(other, owner))
+        total = protocol.reduce(total, self.quantizer.modulus_range)
         return self._decode(state, total.astype(np.int64), weights)
 
     def _consistency(self, state: _Round, contributors: set[int]) -> None:

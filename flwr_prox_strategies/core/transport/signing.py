@@ -56,14 +56,8 @@ def load_keys(
 ) -> tuple[SigningKey, frozenset[bytes]] | None:
     """Return the signing key and trusted directory, or None when neither is set.
 
-    Parameters
-    ----------
-    key, directory : str | Path | None
-        The node's private signing key and the public keys it trusts.
-    name : str
-        Where they were given, to start the error's message.
-    error : type[Exception] (default: ValueError)
-        What to raise when they cannot be read, or only one is given.
+    Raise ``error``, its message starting with ``name``, when only one is set
+    or either cannot be read.
     """
     if key is None and directory is None:
         return None
