@@ -11,6 +11,8 @@ for the replies that passed, and hands the strategy's rule the unmasked sums.
 The rule itself is unchanged: it reads the replies only through
 ``weighted_mean`` and sums over the replies (its ``secure_sums()``
 declaration), and under the wrapper every reply holds the contributors' mean.
+The stages are its bases: :class:`.secagg_exchange.KeyExchange` and
+:class:`.secagg_unmask.Unmasking`.
 """
 
 from __future__ import annotations
