@@ -147,23 +147,23 @@ def instrumented() -> Iterator[None]:
         "flwr.server.workflow.secure_aggregation.secaggplus_workflow"
     )
 
-    from flwr_prox_strategies.core.client import secagg as pack_client
-    from flwr_prox_strategies.core.privacy import secagg as pack_server
     from flwr_prox_strategies.core.transport import secagg as pack_protocol
+    from flwr_prox_strategies.core.transport import secagg_node as pack_client
     from flwr_prox_strategies.core.transport import shamir as pack_shamir
 
     targets = [
         # module, attribute, label
         (pack_client, "add_mask", "client: mask expansion"),
         (pack_client, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
+        (pack_client, "pairwise_seed", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "generate_key_pairs", "client: key generation"),
         (pack_shamir, "split", "client: Shamir split"),
         (pack_client, "encrypt", "client: share encryption"),
         (pack_client, "decrypt", "client: share decryption"),
         (pack_protocol.Quantizer, "encode", "client: quantisation"),
-        (pack_server, "add_mask", "server: mask expansion"),
+        (pack_protocol, "add_mask", "server: mask expansion"),
         (pack_shamir, "recover", "server: Shamir combine"),
-        (pack_server, "pairwise_seed", "server: key agreement (ECDH+HKDF)"),
+        (pack_protocol, "pairwise_seed", "server: key agreement (ECDH+HKDF)"),
         (flower_mod, "pseudo_rand_gen", "client: mask expansion"),
         (flower_mod, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
         (flower_mod, "generate_key_pairs", "client: key generation"),

@@ -23,12 +23,11 @@ from flwr_prox_strategies import (
     Scaffold,
     ScaffoldClient,
     SecAggPlus,
-    SecAggPlusMod,
     to_client_app,
 )
 from flwr_prox_strategies.core.client.secagg import (
+    SecAggPlusMod,
     SecureAggregationRefused,
-    pairwise_seed,
 )
 from flwr_prox_strategies.core.transport import shamir, signing
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
@@ -42,6 +41,7 @@ from flwr_prox_strategies.core.transport.secagg import (
     Stage,
     expand_mask,
     from_bytes,
+    pairwise_seed,
     pairwise_sign,
     reduce,
 )

@@ -11,64 +11,39 @@ for the replies that passed, and hands the strategy's rule the unmasked sums.
 The rule itself is unchanged: it reads the replies only through
 ``weighted_mean`` and sums over the replies (its ``secure_sums()``
 declaration), and under the wrapper every reply holds the contributors' mean.
+The stages are its bases: :class:`.secagg_exchange.KeyExchange` and
+:class:`.secagg_unmask.Unmasking`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from logging import INFO, WARNING
-from typing import Any, NamedTuple, cast
+from typing import cast
 
 import numpy as np
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Error,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
-from ..client.secagg import pairwise_seed
-from ..contract.validation import ReplyRejected, ValidReply, client_error_text
+from ..contract.validation import ReplyRejected, ValidReply
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
-from ..transport import shamir, signing
-from ..transport.flower import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    public_key_to_bytes,
-)
-from ..transport.records import RecordSpec, dict_to_record
+from ..transport.records import dict_to_record
 from ..transport.secagg import (
-    ACTIVE_KEY,
-    COMMITMENT_KEY,
-    CONSISTENCY_STAGE,
     MISSING_MOD_HINT,
     ROUND_KEY,
     SECAGG_RECORD,
-    SIGNATURE_KEY,
-    SIGNERS_KEY,
-    SIGNING_KEY_KEY,
-    SURVIVORS_KEY,
     WEIGHT_KEY,
     Key,
-    Layout,
     Quantizer,
     Stage,
-    add_mask,
-    commitment,
     from_bytes,
-    neighbours,
-    pairwise_sign,
-    reduce,
 )
 from ..wrapper import StrategyWrapper
+from .secagg_exchange import _Round
+from .secagg_unmask import UnmaskFailed, Unmasking
 
 PHASE = "aggregate_train"
 #: The error code of the stand-in reply of a node the protocol dropped.
@@ -107,29 +82,7 @@ def _check_fraction_or_count(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name} as a fraction must be in (0, 1], got {value}")
 
 
-@dataclass
-class _Round:
-    """One round's protocol: who is in it, their keys, what went wrong."""
-
-    server_round: int
-    messages: dict[int, Message]
-    num_shares: int = 0
-    threshold: int = 0
-    layout: Layout | None = None
-    spec: dict[str, RecordSpec] = field(default_factory=dict)  # the expected records
-    zeros: dict[str, ArrayRecord] = field(default_factory=dict)  # stand-ins, once
-    neighbours: dict[int, set[int]] = field(default_factory=dict)
-    public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
-    commitments: dict[int, bytes] = field(default_factory=dict)
-    signing_keys: dict[int, bytes] = field(default_factory=dict)  # active mode
-    key_signatures: dict[int, bytes] = field(default_factory=dict)  # on its keys
-    survivor_signatures: dict[int, bytes] = field(default_factory=dict)
-    shared: set[int] = field(default_factory=set)  # completed share_keys
-    dropped: dict[int, str] = field(default_factory=dict)  # node -> why
-    failure: str | None = None  # why the round cannot be aggregated
-
-
-class SecAggPlus(StrategyWrapper):
+class SecAggPlus(Unmasking, StrategyWrapper):
     """Secure aggregation (SecAgg+) for any strategy of the pack that only sums.
 
     The server learns the sums the strategy's rule needs (the weighted mean of
@@ -465,7 +418,7 @@ class SecAggPlus(StrategyWrapper):
                 sums = self._unmask(
                     state, {n: vectors[n] for n in contributors}, weights
                 )
-            except _UnmaskFailed as err:
+            except UnmaskFailed as err:
                 state.failure = str(err)
         for node in sorted(set(state.dropped) - before):  # unmask-stage trouble
             log(
@@ -508,272 +461,12 @@ class SecAggPlus(StrategyWrapper):
             metrics, state, screened.valid, weight_sum, clipped
         )
 
-    # ------------------------------------------------------------- stages
-    def _size_round(self, state: _Round, sampled: int) -> None:
-        shares = self.num_shares
-        count = (
-            sampled
-            if isinstance(shares, float) and shares >= 1.0
-            else min(
-                sampled,
-                round(shares * sampled) if isinstance(shares, float) else shares,
-            )
-        )
-        if count < 3:
-            count = sampled  # as Flower: too small a fraction means everyone
-        if count < sampled and count % 2 == 0:
-            count += 1  # a ring neighbourhood is the node and as many on each side
-        threshold = self.reconstruction_threshold
-        state.num_shares = count
-        state.threshold = (
-            # Rounded up (0.6 of 4 is 3, not 2): above half at every size.
-            max(2, math.ceil(round(threshold * count, 9)))
-            if isinstance(threshold, float)
-            else threshold
-        )
-        if sampled < state.threshold or sampled < 2:
-            state.failure = (
-                f"{sampled} node(s) sampled, fewer than the reconstruction threshold "
-                f"{state.threshold}"
-            )
-        elif sampled > self.quantizer.max_contributors():
-            state.failure = (
-                f"{sampled} nodes sampled, more than modulus_range / "
-                f"quantization_range allows ({self.quantizer.max_contributors()})"
-            )
-        elif 2 * state.threshold <= count:
-            self._weak_threshold(state)
-        state.spec = spec = self.strategy.expected_train_arrays(
-            state.server_round + self.strategy.round_offset
-        )
-        declared = self.strategy.secure_sums() or {}
-        state.layout = Layout.from_declaration(
-            declared,
-            {name: {k: a.shape for k, a in spec[name].items()} for name in declared},
-            uniform=self.strategy.weighting == "uniform",
-        )
-
-    def _weak_threshold(self, state: _Round) -> None:
-        """Fail a round whose threshold is at most half a neighbourhood, or warn."""
-        count, threshold = state.num_shares, state.threshold
-        if not self.allow_weak_threshold:
-            state.failure = (
-                f"the threshold {threshold} is at most half of this round's "
-                f"neighbourhoods of {count}: a lying server could rebuild a client's "
-                f"update; raise reconstruction_threshold above {count // 2} (or "
-                "allow_weak_threshold=True)"
-            )
-        elif not self._weak_warned:
-            self._weak_warned = True
-            log(
-                WARNING,
-                "SecAggPlus: round %d: the threshold %d is at most half of the "
-                "neighbourhoods of %d (allow_weak_threshold=True): a server that lies "
-                "about who dropped can rebuild a client's update (warned once per run)",
-                state.server_round + self.strategy.round_offset,
-                threshold,
-                count,
-            )
-
     def _weight_key(self) -> str:
         if self.strategy.weighting == "uniform":
             return ""
         return self.strategy.weighted_by_key
 
-    def _exchange(
-        self,
-        grid: Grid,
-        state: _Round,
-        stage: str,
-        contents: Mapping[int, dict[str, Any]],
-        expected: tuple[str, ...],
-    ) -> dict[int, ConfigRecord]:
-        """Send one stage to ``contents``' nodes; return the well-formed answers.
-
-        A node that fails, answers without the stage's record or values, or
-        not at all, is dropped from the round with the reason.
-        """
-        messages = {
-            node: Message(
-                RecordDict(
-                    {
-                        SECAGG_RECORD: ConfigRecord(
-                            {Key.STAGE: stage, ROUND_KEY: state.server_round, **values}
-                        )
-                    }
-                ),
-                dst_node_id=node,
-                message_type=MessageType.TRAIN,
-                group_id=str(state.server_round),
-            )
-            for node, values in contents.items()
-        }
-        replies = list(
-            grid.send_and_receive(list(messages.values()), timeout=self.timeout)
-        )
-        sent = {m.metadata.message_id: node for node, m in messages.items()}
-        answers: dict[int, ConfigRecord] = {}
-        for reply in replies:
-            node = sent.get(reply.metadata.reply_to_message_id)
-            if node is None:
-                continue
-            if reply.has_error():
-                text = client_error_text(str(reply.error.reason))
-                hint = f" (if its ClientApp lacks the mod, {MISSING_MOD_HINT})"
-                state.dropped[node] = f"{stage}: error reply: {text}" + (
-                    hint if stage == Stage.SETUP else ""
-                )
-                continue
-            record = reply.content.config_records.get(SECAGG_RECORD)
-            if record is None:
-                state.dropped[node] = (
-                    f"{stage}: the reply has no secure-aggregation record, so the "
-                    f"node's ClientApp does not run the protocol: {MISSING_MOD_HINT}"
-                )
-                continue
-            if missing := [key for key in expected if key not in record]:
-                state.dropped[node] = f"{stage}: the reply lacks {missing}"
-                continue
-            answers[node] = record
-        for node in messages:
-            if node not in answers and node not in state.dropped:
-                state.dropped[node] = f"{stage}: no reply within the stage's timeout"
-        return answers
-
-    def _setup(self, grid: Grid, state: _Round, nodes: list[int]) -> None:
-        config = {
-            Key.SAMPLE_NUMBER: len(nodes),
-            Key.SHARE_NUMBER: state.num_shares,
-            Key.THRESHOLD: state.threshold,
-            Key.CLIPPING_RANGE: self.clipping_range,
-            Key.TARGET_RANGE: self.quantization_range,
-            Key.MOD_RANGE: self.modulus_range,
-            Key.MAX_WEIGHT: self.max_weight,
-            ACTIVE_KEY: self.active_adversary,
-        }
-        signed = (SIGNATURE_KEY, SIGNING_KEY_KEY) if self.active_adversary else ()
-        answers = self._exchange(
-            grid,
-            state,
-            Stage.SETUP,
-            {node: config for node in nodes},
-            (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2, *signed),
-        )
-        seen: set[bytes] = set()
-        for node, record in answers.items():
-            keys = (record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2])
-            try:
-                for key in keys:
-                    if not isinstance(key, bytes) or key in seen:
-                        raise ValueError("a public key repeated or not bytes")
-                    bytes_to_public_key(key)
-                    seen.add(key)
-                if self.active_adversary:
-                    self._check_signed_keys(state, node, record, seen)
-            except ValueError as err:
-                state.dropped[node] = f"setup: malformed public keys ({err})"
-                continue
-            state.public_keys[node] = (keys[0], keys[1])  # type: ignore[assignment]
-        active = sorted(state.public_keys)
-        rng = np.random.default_rng(
-            [self.strategy.seed, state.server_round + self.strategy.round_offset, 7]
-        )
-        state.neighbours = neighbours(active, state.num_shares, rng)
-        self._check_neighbourhoods(state, set(active), "setup")
-
-    def _check_signed_keys(
-        self, state: _Round, node: int, record: ConfigRecord, seen: set[bytes]
-    ) -> None:
-        """Keep a node's signature on its keys, if it is one (active mode)."""
-        signature, public = record[SIGNATURE_KEY], record[SIGNING_KEY_KEY]
-        if not isinstance(public, bytes) or public in seen:
-            raise ValueError("a signing key repeated or not bytes")
-        statement: list[bytes | int] = [
-            state.server_round,
-            node,
-            cast(bytes, record[Key.PUBLIC_KEY_1]),
-            cast(bytes, record[Key.PUBLIC_KEY_2]),
-        ]
-        if not signing.verify(public, signature, signing.KEYS_CONTEXT, statement):
-            raise ValueError("its keys do not carry its signature")
-        seen.add(public)
-        state.signing_keys[node] = public
-        state.key_signatures[node] = cast(bytes, signature)
-
-    def _share_keys(self, grid: Grid, state: _Round) -> None:
-        active = set(state.public_keys)
-
-        def entry(other: int) -> list[bytes]:
-            keys = list(state.public_keys[other])
-            if self.active_adversary:
-                keys += [state.key_signatures[other], state.signing_keys[other]]
-            return keys
-
-        contents = {
-            node: {
-                str(other): entry(other)
-                for other in sorted(state.neighbours[node] & active)
-            }
-            for node in sorted(active)
-        }
-        answers = self._exchange(
-            grid,
-            state,
-            Stage.SHARE_KEYS,
-            contents,
-            (Key.DESTINATION_LIST, Key.CIPHERTEXT_LIST, COMMITMENT_KEY),
-        )
-        self._forwarded = {}
-        outgoing: dict[int, list[tuple[int, bytes]]] = {}
-        for node, record in answers.items():
-            dsts, texts = record[Key.DESTINATION_LIST], record[Key.CIPHERTEXT_LIST]
-            allowed = (state.neighbours[node] & active) - {node}
-            committed = record[COMMITMENT_KEY]
-            if not (
-                isinstance(dsts, list)
-                and isinstance(texts, list)
-                and len(dsts) == len(texts)
-                and sorted(dsts) == sorted(allowed)
-                and all(isinstance(t, bytes) for t in texts)
-                and isinstance(committed, bytes)
-                and len(committed) == 32
-            ):
-                state.dropped[node] = (
-                    "share_keys: malformed shares (destinations other than its "
-                    "neighbours, or not one ciphertext each)"
-                )
-                continue
-            state.commitments[node] = committed
-            outgoing[node] = list(
-                zip(cast(list[int], dsts), cast(list[bytes], texts), strict=True)
-            )
-        state.shared = set(outgoing)
-        for src, pairs in outgoing.items():
-            for dst, text in pairs:
-                if dst in state.shared:
-                    srcs, texts = self._forwarded.setdefault(dst, ([], []))
-                    srcs.append(src)
-                    texts.append(text)
-        self._check_neighbourhoods(state, state.shared, "share_keys")
-
-    def _check_neighbourhoods(self, state: _Round, alive: set[int], stage: str) -> None:
-        short = sorted(
-            node
-            for node in alive
-            if len(state.neighbours[node] & alive) < state.threshold
-        )
-        if len(alive) < state.threshold:
-            state.failure = (
-                f"after {stage}, {len(alive)} node(s) left, fewer than the "
-                f"reconstruction threshold {state.threshold}"
-            )
-        elif short:
-            state.failure = (
-                f"after {stage}, nodes {short} have fewer than {state.threshold} "
-                "neighbours left"
-            )
-
-    # ------------------------------------------------------------- unmask
+    # ------------------------------------------------------ collected replies
     def _masked(self, reply: Message, length: int) -> NDArray[np.uint32]:
         record = reply.content.config_records.get(SECAGG_RECORD)
         if record is None:
@@ -806,168 +499,6 @@ class SecAggPlus(StrategyWrapper):
         )
         return reply
 
-    def _unmask(
-        self,
-        state: _Round,
-        vectors: dict[int, NDArray[np.uint32]],
-        weights: Mapping[int, int],
-    ) -> _Sums:
-        """Run the unmask stage; return the unmasked sums, decoded and checked.
-
-        ``weights`` holds each contributor's weight code, from its plain weight.
-        """
-        assert self._grid is not None and state.layout is not None
-        contributors = set(vectors)
-        dead = state.shared - contributors
-        if len(contributors) < state.threshold:
-            raise _UnmaskFailed(
-                f"{len(contributors)} valid masked vector(s), fewer than the "
-                f"reconstruction threshold {state.threshold}"
-            )
-        signatures: dict[str, Any] = {}
-        if self.active_adversary:
-            self._consistency(state, contributors)
-            signers = sorted(state.survivor_signatures)
-            signatures = {
-                SIGNERS_KEY: signers,
-                SIGNATURE_KEY: [state.survivor_signatures[n] for n in signers],
-            }
-        contents = {
-            node: {
-                Key.ACTIVE_NODE_ID_LIST: sorted(state.neighbours[node] & contributors),
-                Key.DEAD_NODE_ID_LIST: sorted(state.neighbours[node] & dead),
-                **signatures,
-            }
-            for node in sorted(contributors)
-        }
-        answers = self._exchange(
-            self._grid,
-            state,
-            Stage.UNMASK,
-            contents,
-            (Key.NODE_ID_LIST, Key.SHARE_LIST),
-        )
-        shares: dict[int, dict[int, bytes]] = {n: {} for n in state.shared}
-        for holder, record in answers.items():
-            nids, given = record[Key.NODE_ID_LIST], record[Key.SHARE_LIST]
-            asked = contents[holder]
-            if not (
-                isinstance(nids, list)
-                and isinstance(given, list)
-                and len(nids) == len(given)
-                and sorted(nids)
-                == sorted(asked[Key.ACTIVE_NODE_ID_LIST] + asked[Key.DEAD_NODE_ID_LIST])
-                and all(isinstance(s, bytes) for s in given)
-            ):
-                state.dropped.setdefault(holder, "unmask: malformed shares (ignored)")
-                continue
-            for owner, share in zip(nids, given, strict=True):
-                shares[cast(int, owner)][holder] = cast(bytes, share)
-        total = np.zeros(state.layout.length, dtype=np.uint32)  # sums wrap mod 2**32
-        for vector in vectors.values():
-            total += vector
-        for owner in sorted(contributors):
-            seed = self._recover(
-                state,
-                owner,
-                shares[owner],
-                _matches(commitment, state.commitments[owner]),
-            )
-            add_mask(total, seed, -1)
-        for owner in sorted(dead):
-            sk1 = self._recover(
-                state,
-                owner,
-                shares[owner],
-                _matches(_public_of, state.public_keys[owner][0]),
-            )
-            for other in sorted(state.neighbours[owner] & contributors):
-                seed = pairwise_seed(sk1, state.public_keys[other][0])
-                # ``other`` added its mask for ``owner``; take it out again.
-                add_mask(total, seed, -pairwise_sign(other, owner))
-        total = reduce(total, self.modulus_range)
-        return self._decode(state, total.astype(np.int64), weights)
-
-    def _consistency(self, state: _Round, contributors: set[int]) -> None:
-        """Have every contributor sign the survivor set; keep the valid signatures.
-
-        Active-adversary mode: a node reveals shares only after checking ``t``
-        of its neighbours' signatures on the set it signed itself.
-        """
-        assert self._grid is not None
-        survivors = sorted(contributors)
-        answers = self._exchange(
-            self._grid,
-            state,
-            CONSISTENCY_STAGE,
-            {node: {SURVIVORS_KEY: survivors} for node in survivors},
-            (SIGNATURE_KEY,),
-        )
-        for node, record in answers.items():
-            signature = record[SIGNATURE_KEY]
-            statement = signing.survivors_statement(
-                state.server_round, state.public_keys[node][0], survivors
-            )
-            if signing.verify(
-                state.signing_keys[node],
-                signature,
-                signing.SURVIVORS_CONTEXT,
-                statement,
-            ):
-                state.survivor_signatures[node] = cast(bytes, signature)
-            else:
-                state.dropped.setdefault(
-                    node, "consistency-check: its signature of the survivors is invalid"
-                )
-        log(
-            INFO,
-            "SecAggPlus: round %d: consistency check: %d of %d contributors signed "
-            "the survivor set; each reveals shares only after checking %d signatures",
-            state.server_round + self.strategy.round_offset,
-            len(state.survivor_signatures),
-            len(survivors),
-            state.threshold,
-        )
-
-    def _recover(
-        self,
-        state: _Round,
-        owner: int,
-        shares: dict[int, bytes],
-        valid: Callable[[bytes], bool],
-    ) -> bytes:
-        """Rebuild one secret from the shares that came back; name holders of bad ones.
-
-        The owner split its secrets over its neighbourhood as the server sent
-        it at ``share_keys`` (sorted), so a holder's share is the polynomials
-        at the holder's position there plus one. Recovery tolerates wrong
-        shares (error correction, then a search of subsets checked against the
-        owner's commitment or public key) and drops every holder whose share
-        disagrees with the secret found.
-        """
-        order = sorted(state.neighbours[owner] & set(state.public_keys))
-        x_of = {node: position + 1 for position, node in enumerate(order)}
-        given = {x_of[holder]: share for holder, share in shares.items()}
-        t = state.threshold
-        if len(given) < t:
-            raise _UnmaskFailed(
-                f"{len(given)} share(s) of node {owner}'s secret came back, fewer "
-                f"than the threshold {t}"
-            )
-        try:
-            found = shamir.recover(given, t, valid)
-        except shamir.ShamirError as err:
-            raise _UnmaskFailed(
-                f"no {t} of the {len(given)} shares of node {owner}'s secret "
-                f"rebuild it (corrupt shares): {err}"
-            ) from err
-        for x in found.disagreeing:
-            state.dropped.setdefault(
-                order[x - 1],
-                f"unmask: its share of node {owner}'s secret is corrupt (ignored)",
-            )
-        return found.secret
-
     def _weight_code(self, reply: ValidReply) -> int:
         """Return the weight code a reply's plain weight metric gives (as masked)."""
         key = self._weight_key()
@@ -977,61 +508,6 @@ class SecAggPlus(StrategyWrapper):
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             return -1  # no honest code: the check below names the round
         return self.quantizer.weight_code(float(weight), self.max_weight)
-
-    def _decode(
-        self, state: _Round, total: NDArray[np.int64], weights: Mapping[int, int]
-    ) -> _Sums:
-        """Decode the unmasked sums; fail unless honest contributors could send them.
-
-        The weight code sum must equal, exactly, the sum of the codes of the
-        contributors' plain weights; each record's code sums must lie where
-        clipped values of those weights put them (:meth:`Quantizer.code_range`).
-        """
-        assert state.layout is not None
-        layout, q = state.layout, self.quantizer
-        count, t = len(weights), q.quantization_range
-        expected = sum(weights.values())
-        if int(total[0]) != expected:
-            raise _UnmaskFailed(
-                f"the unmasked weight sum {int(total[0])} is not {expected}, the sum "
-                f"of the codes of the {count} contributors' plain weights: a "
-                "contributor masked another weight than it reported (or a corrupt "
-                "vector)"
-            )
-        clipped = int(total[1])
-        if not 0 <= clipped <= count * t:
-            raise _UnmaskFailed(
-                "the unmasked count of clipped values is out of range: a "
-                "contributor sent a corrupt masked vector"
-            )
-        weight_sum = expected / t
-        ranges = {
-            "mean": [q.code_range(w) for w in weights.values()],
-            "sum": [q.code_range(t)] * count,
-        }
-        spec = state.spec
-        means: dict[str, dict[str, NDArray]] = {}
-        holds: dict[str, dict[str, NDArray]] = {}
-        for name, kind, keys, codes in zip(
-            layout.records, layout.kinds, layout.keys, layout.split(total), strict=True
-        ):
-            low = sum(r[0] for r in ranges[kind])
-            high = sum(r[1] for r in ranges[kind])
-            if codes.size and (int(codes.min()) < low or int(codes.max()) > high):
-                raise _UnmaskFailed(
-                    f"the unmasked sum of {name!r} lies outside [{low}, {high}], "
-                    "where the clipped values of honest contributors put it: a "
-                    "contributor sent values beyond clipping_range (or a corrupt "
-                    "vector)"
-                )
-            summed = q.decode_sum(codes, count)
-            value = summed / (weight_sum if kind == "mean" else count)
-            arrays = _unflatten(value, keys, spec[name])
-            if kind == "mean" or name not in means:
-                means[name] = arrays
-            if kind == "sum" or name not in holds:
-                holds[name] = arrays
-        return _Sums(means, holds, weight_sum, clipped)
 
     def _metrics(
         self,
@@ -1077,44 +553,3 @@ class SecAggPlus(StrategyWrapper):
     def _count(self, node: int, kind: str, why: str, server_round: int) -> None:
         log(WARNING, "SecAggPlus: round %d: node %d: %s", server_round, node, why)
         self.strategy.screen.count(node, ReplyRejected(kind, why), PHASE)
-
-
-class _Sums(NamedTuple):
-    """A round's unmasked sums, decoded."""
-
-    means: dict[str, dict[str, NDArray]]  # each record's mean (or sum over n)
-    holds: dict[str, dict[str, NDArray]]  # what each stand-in reply holds
-    weight_sum: float  # sum of r = weight code / T
-    clipped: int  # values the contributors clipped, in total
-
-
-class _UnmaskFailed(Exception):
-    """The round's sum cannot be unmasked: why."""
-
-
-def _matches(
-    derive: Callable[[bytes], bytes | None], expected: bytes
-) -> Callable[[bytes], bool]:
-    """Return a check that a rebuilt secret derives ``expected``."""
-    return lambda secret: derive(secret) == expected
-
-
-def _public_of(private_key: bytes) -> bytes | None:
-    try:
-        return public_key_to_bytes(bytes_to_private_key(private_key).public_key())
-    except (ValueError, TypeError):
-        return None
-
-
-def _unflatten(
-    values: NDArray, keys: tuple[str, ...], spec: Mapping[str, Any]
-) -> dict[str, NDArray]:
-    arrays, start = {}, 0
-    for key in keys:
-        shape, dtype = spec[key].shape, spec[key].dtype
-        size = int(np.prod(shape))
-        array = values[start : start + size].reshape(shape).astype(dtype)
-        array.flags.writeable = False
-        arrays[key] = array
-        start += size
-    return arrays

@@ -5,6 +5,8 @@ from numpy, array layouts), :mod:`.grid` (a view of a grid limited to a group of
 nodes), :mod:`.inprocess` (a grid that runs a ``ClientApp`` in this process),
 :mod:`.flower` (Flower internals that moved between releases), and the
 secure-aggregation pieces: :mod:`.secagg` (the wire and the arithmetic),
-:mod:`.shamir` (secret sharing with error-correcting recovery) and
-:mod:`.signing` (signatures for the active-adversary setting).
+:mod:`.secagg_node` (the node's stage handlers, which
+:class:`~flwr_prox_strategies.SecAggPlusMod` runs), :mod:`.shamir` (secret
+sharing with error-correcting recovery) and :mod:`.signing` (signatures for the
+active-adversary setting).
 """

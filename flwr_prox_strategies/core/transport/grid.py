@@ -10,8 +10,9 @@ all groups' messages in one ``send_and_receive`` per round.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from .flower import Run
@@ -31,17 +32,9 @@ class GroupGrid(Grid):
     def run(self) -> Run:  # noqa: D102
         return self.parent.run
 
-    def create_message(  # noqa: D102
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.parent.create_message(
-            content, message_type, dst_node_id, group_id, ttl
-        )
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:  # noqa: D102
+        # Passed on as given: the view adds nothing to what the parent builds.
+        return self.parent.create_message(*args, **kwargs)
 
     def get_node_ids(self) -> list[int]:
         """Return the connected nodes of this group (sorted)."""

@@ -23,17 +23,23 @@ change the user's seeded training in the same process).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
+    generate_shared_key,
+)
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 from numpy.typing import NDArray
 
+from .flower import bytes_to_private_key, bytes_to_public_key
 from .keys import MISSING_MOD_HINT, SECAGG_RECORD
 
 #: Keys of that record beside Flower's :class:`Key` (``stage``, ``pk1``, ...).
@@ -170,6 +176,14 @@ def add_mask(vector: NDArray[np.uint32], seed: bytes, sign: int) -> None:
         vector += mask
     else:
         vector -= mask
+
+
+def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
+    """Return the seed of the mask two nodes share (ECDH, then HKDF: Flower's)."""
+    key = generate_shared_key(
+        bytes_to_private_key(own_sk1), bytes_to_public_key(their_pk1)
+    )
+    return base64.urlsafe_b64decode(key)
 
 
 def pairwise_sign(node: int, other: int) -> int:
@@ -315,6 +329,19 @@ class Layout:
         """Return the parts of a decoded vector after its header, one per record."""
         bounds = np.cumsum((HEADER, *self.sizes))
         return [vector[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def stage_message(
+    node: int, server_round: int, stage: str, values: Mapping[str, Any]
+) -> Message:
+    """Return the train message that asks ``node`` for one stage of a round."""
+    config = ConfigRecord({Key.STAGE: stage, ROUND_KEY: server_round, **values})
+    return Message(
+        RecordDict({SECAGG_RECORD: config}),
+        dst_node_id=node,
+        message_type=MessageType.TRAIN,
+        group_id=str(server_round),
+    )
 
 
 def to_bytes(vector: NDArray[np.uint32]) -> bytes:

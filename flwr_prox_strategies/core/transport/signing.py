@@ -25,6 +25,13 @@ KEYS_CONTEXT = b"flwr-prox-strategies secagg+ keys"
 SURVIVORS_CONTEXT = b"flwr-prox-strategies secagg+ survivors"
 
 
+def keys_statement(
+    server_round: int, node: int, pk1: bytes, pk2: bytes
+) -> list[bytes | int]:
+    """Return what a node signs at setup: the round, its node id, its two keys."""
+    return [int(server_round), node, pk1, pk2]
+
+
 def survivors_statement(
     server_round: int, pk1: bytes, survivors: Iterable[int]
 ) -> list[bytes | int]:
@@ -39,6 +46,32 @@ def survivors_statement(
 
 class KeyFileError(ValueError):
     """A signing key or key directory that cannot be read: which, and why."""
+
+
+def load_keys(
+    key: str | Path | None,
+    directory: str | Path | None,
+    name: str,
+    error: type[Exception] = ValueError,
+) -> tuple[SigningKey, frozenset[bytes]] | None:
+    """Return the signing key and trusted directory, or None when neither is set.
+
+    Raise ``error``, its message starting with ``name``, when only one is set
+    or either cannot be read.
+    """
+    if key is None and directory is None:
+        return None
+    if key is None or directory is None:
+        raise error(
+            f"{name}: a signing key and a key directory go together (the directory "
+            "holds the public keys this node trusts)"
+        )
+    try:
+        own = load_signing_key(key)
+        trusted = load_key_directory(directory)
+    except KeyFileError as err:
+        raise error(f"{name}: {err}") from err
+    return own, trusted
 
 
 def load_signing_key(path: str | Path) -> SigningKey:
