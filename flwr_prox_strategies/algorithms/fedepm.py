@@ -73,13 +73,7 @@ pack's MLP tasks.
 
 Memory: the server keeps one upload per client, :math:`m` models.
 
-Validation: the centre is not linear in the uploads (an upload's :math:`+\infty`
-becomes the others' minimum, a finite value), so every upload is checked for
-NaN and inf before it enters the table (``model_linear_in_replies = False``), not
-after the centre as the linear strategies do.
-
-Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
-``fedepm-eta``, ``fedepm-r0``, ``fedepm-growth``, ``fedepm-noise``.
+Validation and wire keys: :class:`FedEPM`'s Notes.
 """
 
 from __future__ import annotations
