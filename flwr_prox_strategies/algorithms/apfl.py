@@ -113,6 +113,7 @@ from ..core.docstrings import inherit_parameters
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.keys import LOCAL_STEPS_KEY
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
+from ..ops.aggregate import divided_like
 from ..ops.apfl import (
     add_weighted,
     alpha_gradient,
@@ -388,9 +389,9 @@ class APFL(ValidatedFedAvg):
         if self.average_sum is None or self.global_arrays is None:
             return None
         model = record_to_dict(self.global_arrays)
-        for key, value in self.average_sum.items():
-            model[key] = (value / self.average_weight).astype(model[key].dtype)
-        return dict_to_record(model)
+        return dict_to_record(
+            divided_like(model, self.average_sum, self.average_weight)
+        )
 
     def central_models(self) -> dict[str, ArrayRecord]:
         """Evaluate the weighted average of the global model too."""

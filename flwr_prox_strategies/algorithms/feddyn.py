@@ -76,6 +76,7 @@ from ..core.transport.records import (
     float_keys,
     record_to_dict,
 )
+from ..ops.aggregate import divided_like
 from ..ops.checks import check_positive
 from ..ops.drift import drift_corrected, drift_sum, norm, summed
 from ..ops.proximal import ProximalTerm
@@ -241,9 +242,7 @@ class FedDyn(ValidatedFedAvg):
         if self.latest_sum is None or self.global_arrays is None:
             return None
         model = record_to_dict(self.global_arrays)
-        for key, value in self.latest_sum.items():
-            model[key] = (value / self.num_clients).astype(model[key].dtype)
-        return dict_to_record(model)
+        return dict_to_record(divided_like(model, self.latest_sum, self.num_clients))
 
     def central_models(self) -> dict[str, ArrayRecord]:
         """Evaluate the mean of all clients' latest models too, when tracked."""

@@ -73,25 +73,18 @@ pack's MLP tasks.
 
 Memory: the server keeps one upload per client, :math:`m` models.
 
-Validation: the centre is not linear in the uploads (an upload's :math:`+\infty`
-becomes the others' minimum, a finite value), so every upload is checked for
-NaN and inf before it enters the table (``model_linear_in_replies = False``), not
-after the centre as the linear strategies do.
-
-Wire keys: ``fedepm-iteration``, ``fedepm-k0``, ``fedepm-lambda``,
-``fedepm-eta``, ``fedepm-r0``, ``fedepm-growth``, ``fedepm-noise``.
+Validation and wire keys: :class:`FedEPM`'s Notes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from torch import nn
 
 from ..core.client.client import TorchClient
 from ..core.client.rule import ClientRule
@@ -107,12 +100,22 @@ from ..core.contract.validation import ReplyRejected, ValidReply
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.keys import CLIENT_KEY_METRIC
 from ..core.transport.records import dict_to_record, float_keys, record_to_dict
-from ..ops.checks import check_choice, check_int, check_non_negative, check_positive
-from ..ops.elastic_net import (
-    elastic_net_center,
-    soft_threshold,
-    weighted_elastic_net_center,
+from ..ops.checks import (
+    check_choice,
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_unset,
 )
+from ..ops.elastic_net import PaperLogistic as PaperLogistic
+from ..ops.elastic_net import (
+    default_eta,
+    prox_linear_steps,
+    table_center,
+    with_rows,
+)
+from ..ops.elastic_net import official_partition as official_partition
+from ..ops.elastic_net import official_stop as official_stop
 from ..ops.privacy import add_laplace_noise
 
 #: The train-config key of the round's first iteration :math:`(r-1)k_0`.
@@ -127,125 +130,10 @@ NOISE_KEY = "fedepm-noise"
 FEDEPM_APPLIED_KEY = "fedepm-applied"
 LOCAL_STATE = "fedepm-local"
 
+#: What FedEPM and S-FedAvg derive from ``rho`` and ``k0``: not keywords of theirs.
+SAMPLING_KEYWORDS = ("fraction_train", "min_train_nodes", "local_epochs", "local_steps")
 #: ``f_i`` and its full gradient at the model's current point.
 Objective = Callable[[], tuple[float, list[torch.Tensor]]]
-
-
-class PaperLogistic(nn.Module):
-    r"""The FedEPM paper's model: binary logistic regression without an intercept.
-
-    One weight vector :math:`x \in \mathbb{R}^n`, no bias, started at 0 (the
-    official code's :math:`x^0`). The forward pass returns the two logits
-    :math:`(0, \langle a, x\rangle)`, so the pack's cross-entropy is exactly the
-    paper's loss :math:`\ln(1 + e^{\langle a, x\rangle}) - b\langle a,
-    x\rangle` and the argmax is its sign rule.
-
-    Why not ``model=logreg``
-    (:class:`~flwr_prox_strategies.task.models.LogisticRegression`) for FedEPM
-    on Adult: FedEPM's default :math:`\eta` (about :math:`10^{-5}`) and
-    :math:`r_0` make a local step :math:`1/(\mu_i/d_i + \eta)` of order
-    :math:`10^4`-:math:`10^5` on the mean loss, tuned for these unit-length
-    feature columns, whose curvature is of order :math:`1/d`. The intercept's
-    feature is the constant 1 (curvature about 0.2, thousands of times more), so
-    the bias jumps by thousands and the model is a constant predictor flipping
-    sign every round. Without the bias, the two-logit softmax still
-    doubles the step on the logit difference (and its noise by :math:`2\sqrt2`),
-    which alone makes the iterates oscillate.
-
-    Parameters
-    ----------
-    in_features : int
-        :math:`n` (14 on Adult).
-    num_classes : int (default: 2)
-        Must be 2 (accepted so that the ``model=logreg`` keys compose).
-    """
-
-    def __init__(self, *, in_features: int, num_classes: int = 2) -> None:
-        super().__init__()
-        check_int("in_features", in_features, 1)
-        if num_classes != 2:
-            raise ValueError(
-                f"PaperLogistic is a binary classifier: num_classes must be 2, "
-                f"got {num_classes!r}"
-            )
-        self.in_features = int(in_features)
-        self.weight = nn.Parameter(torch.zeros(1, self.in_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r"""Return the logits :math:`(0, \langle a, x\rangle)`, shape ``(N, 2)``."""
-        z = x.flatten(1) @ self.weight.T
-        return torch.cat([torch.zeros_like(z), z], dim=1)
-
-
-def official_partition(
-    labels: NDArray, *, num_partitions: int, seed: int = 0
-) -> list[NDArray]:
-    r"""Split rows as the official ``FedEPM.m``: contiguous blocks of random sizes.
-
-    :math:`m - 1` distinct cut points drawn uniformly from :math:`2..d-1`, drawn
-    again until every client holds more than 1% of :math:`d/m` rows; rows are
-    taken in order (the loader shuffles them first). The experiment preset
-    ``+experiment=fedepm-adult`` uses it as its ``partition`` (a Hydra partial
-    with ``labels``, ``num_partitions`` and ``seed``), so that the app runs
-    the benchmark's clients: with ``seed`` = the benchmark's split (and the
-    loader's seed), the blocks are ``benchmarks/fedepm_adult.py``'s.
-
-    Parameters
-    ----------
-    labels : NDArray
-        One label per row (only the count :math:`d` is used).
-    num_partitions : int
-        :math:`m`.
-    seed : int (default: 0)
-        Seeds the cut points.
-
-    Returns
-    -------
-    list[NDArray]
-        Row indices of each client, in order.
-    """
-    d, m = len(labels), int(num_partitions)
-    check_int("num_partitions", m, 1)
-    if d < 2 * m + 2:
-        raise ValueError(f"official_partition: {d} rows cannot make {m} clients")
-    rng = np.random.default_rng(seed)
-    while True:
-        cuts = np.sort(np.append(rng.choice(np.arange(2, d), m - 1, replace=False), d))
-        sizes = np.diff(np.concatenate([[0], cuts]))
-        if sizes.min() > 0.01 * d / m:
-            break
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return [np.arange(bounds[i], bounds[i + 1]) for i in range(m)]
-
-
-def default_eta(num_clients: int, rho: float) -> float:
-    r"""Return the paper's :math:`\eta = (0.02m + 1)(\rho + 0.1)10^{-5}`."""
-    return (0.02 * num_clients + 1) * (rho + 0.1) * 1e-5
-
-
-def official_stop(
-    objectives: Sequence[float], errors: Sequence[float], tol: float
-) -> int:
-    r"""Return which official stopping rule fires after the last round (0: none).
-
-    ``objectives[s]`` is :math:`F(x)` and ``errors[s]`` is
-    :math:`\lVert\frac{1}{m}\sum_i\nabla f_i(x)\rVert^2` at the model of
-    communication :math:`s`. Rules (the official ``FedEPM.m``): 1, the sample
-    variance of the last 4 objectives is below :math:`tol/(1 + F)`; 2, both the
-    objective and the error exceed their maxima over the 3 previous rounds;
-    3, the error is below ``tol`` (``tol`` is :math:`10^{-9} n` there).
-    """
-    s = len(objectives)
-    if s == 0:
-        return 0
-    value, error = objectives[-1], errors[-1]
-    if s > 3 and float(np.var(objectives[-4:], ddof=1)) < tol / (1 + value):
-        return 1
-    if s > 3 and value > max(objectives[-4:-1]) and error > max(errors[-4:-1]):
-        return 2
-    if error < tol:
-        return 3
-    return 0
 
 
 class FedEPM(ValidatedFedAvg):
@@ -379,19 +267,12 @@ class FedEPM(ValidatedFedAvg):
         if not (isinstance(growth, (int, float)) and growth >= 1.0):
             raise ValueError(f"growth must be >= 1, got {growth!r}")
         check_non_negative("noise", noise)
-        for name in (
-            "fraction_train",
-            "min_train_nodes",
-            "local_epochs",
-            "local_steps",
-            "weighting",
-            "weighted_by_key",
-        ):
-            if name in kwargs:
-                raise ValueError(
-                    f"FedEPM sets {name} itself (rho, k0; the elastic-net centre "
-                    f"weighs every slot alike); got {name}={kwargs[name]!r}"
-                )
+        check_unset(
+            "FedEPM",
+            kwargs,
+            (*SAMPLING_KEYWORDS, "weighting", "weighted_by_key"),
+            "rho, k0; the elastic-net centre weighs every slot alike",
+        )
         super().__init__(
             num_clients=num_clients,
             fraction_train=float(rho),
@@ -477,27 +358,20 @@ class FedEPM(ValidatedFedAvg):
         for reply in replies:
             key = int(reply.metrics[CLIENT_KEY_METRIC])  # type: ignore[arg-type]
             rows.append(slots.setdefault(key, first_row + len(slots)))
-        uploads = {}
-        for name, table in state["uploads"].items():
-            new_rows = len(slots) + first_row - len(table)
-            if new_rows > 0:  # "seen": a row (x^0 until written) per new client
-                table = np.concatenate([table, np.repeat(table[:1], new_rows, 0)])
-            else:
-                table = table.copy()
-            for row, reply in zip(rows, replies, strict=True):
-                table[row] = reply.arrays[self.arrayrecord_key][name]
-            uploads[name] = table
+        uploads = {
+            name: with_rows(
+                table,
+                len(slots) + first_row,
+                rows,
+                [reply.arrays[self.arrayrecord_key][name] for reply in replies],
+            )
+            for name, table in state["uploads"].items()
+        }
         model = record_to_dict(self.global_arrays)
-        unseen = self.num_clients - len(slots)  # clients still at x^0 ("seen")
+        # "seen": the clients still at x^0, weighing row 0; "dense": no such row
+        unseen = None if self.table == "dense" else self.num_clients - len(slots)
         for name, table in uploads.items():
-            if self.table == "dense":
-                centre = elastic_net_center(table, self.lam, self.eta)
-            elif unseen > 0:
-                weights = np.ones(len(table), dtype=np.int64)
-                weights[0] = unseen
-                centre = weighted_elastic_net_center(table, weights, self.lam, self.eta)
-            else:
-                centre = elastic_net_center(table[1:], self.lam, self.eta)
+            centre = table_center(table, self.lam, self.eta, unseen)
             model[name] = centre.astype(model[name].dtype)
         values = [
             float(v)
@@ -595,17 +469,17 @@ class FedEPMRule(ClientRule):
             local = self.state.get_tensors(LOCAL_STATE, self.params)
             if self.state.get(LOCAL_STATE) is None:
                 local = [v.clone() for v in x]
-            mu = self.r0
-            for iteration in range(self.first, self.first + self.k0):
-                distance = sum(
-                    float(((a - b) ** 2).sum()) for a, b in zip(local, x, strict=True)
-                )
-                mu = self.r0 * (1 + 1e-8 * distance) * self.growth ** (iteration + 1)
-                scaled = mu / d
-                local = [
-                    xv + soft_threshold(scaled * (lv - xv) - g, lam) / (scaled + eta)
-                    for xv, lv, g in zip(x, local, grads, strict=True)
-                ]
+            local, mu = prox_linear_steps(
+                x,
+                local,
+                grads,
+                range(self.first, self.first + self.k0),
+                lam=lam,
+                eta=eta,
+                r0=self.r0,
+                growth=self.growth,
+                size=d,
+            )
             self.state.set_pending(LOCAL_STATE, local, self.server_round)
             for p, value_now in zip(self.params, local, strict=True):
                 p.copy_(value_now)

@@ -43,28 +43,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from numpy.typing import NDArray
 
 from ..core.contract.validation import reject_unknown_kwargs
+from ..core.docstrings import with_parameters_of
 from ..core.server.outcome import (
     AggregationStalledError,
     NoRoundAggregatedError,
@@ -73,40 +65,88 @@ from ..core.server.outcome import (
 )
 from ..core.server.screening import reply_node
 from ..core.server.strategy import ValidatedFedAvg
-from ..core.transport.grid import GroupGrid
+from ..core.transport.grid import PARTITION_ID_KEY as PARTITION_ID_KEY
+from ..core.transport.grid import SERVER_ID_KEY as SERVER_ID_KEY
+from ..core.transport.grid import GroupGrid, assign_groups
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
 from ..core.wrapper import RunLifecycle
+from ..ops.aggregate import SUMMED_METRICS, merge_metric_values
 from ..ops.checks import check_int
-from ..ops.graphs import adjacency, from_adjacency
 from ..ops.mixing import (
-    check_mixing,
+    ServerGraph,
     consensus_average,
     consensus_distance,
     consensus_model,
-    consensus_rate,
+    graph_of,
     mix_models,
-    mixing_graph,
-    mixing_matrix,
 )
+from ..ops.mixing import server_graph as server_graph
 from .fedavg import FedAvg
 from .fedprox import FedProx
 
-SERVER_ID_KEY = "server-id"
-PARTITION_ID_KEY = "partition-id"
-# Counts that add up over servers; every other metric is averaged.
-_SUMMED = {
-    "replies-valid",
-    "replies-failed",
-    "replies-rejected",
-    "replies-absent",
-    "replies-capped",
-    "bytes-sent",
-    "bytes-received",
-    "num-examples",
-}
+
+class GraphServers(RunLifecycle):
+    """What the logical P-FedAvg and one deployed server share: W, tallies, a run.
+
+    ``inner`` holds the servers' strategies (one for a deployed server).
+    """
+
+    inner: list[Strategy]
+    run_tally: ReplyTally
+    _run_initial: ArrayRecord | None
+    #: The run's end names the rounds this wrapper kept (and why).
+    reports_kept = True
+
+    def use_graph(self, graph: ServerGraph) -> None:
+        """Keep the graph, W, its names and its consensus rate."""
+        self.adjacency, self.weights = graph.adjacency, graph.weights
+        self.topology, self.mixing, self.rho = graph.topology, graph.mixing, graph.rho
+
+    #: One server's strategy when none is given: the pack's FedAvg.
+    make_inner = functools.partial(
+        FedAvg, min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1
+    )
+
+    def validated(self) -> list[ValidatedFedAvg]:
+        """Return the inner strategies that are the pack's (they keep tallies)."""
+        return [s for s in self.inner if isinstance(s, ValidatedFedAvg)]
+
+    def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
+        """Start the run's tallies, this wrapper's and every server's strategy's."""
+        self.run_tally = ReplyTally()
+        self._run_initial = initial_arrays
+        for strategy in self.validated():
+            strategy.reset_run()
+
+    def end_run(
+        self, result: Result, num_rounds: int, name: str | None = None
+    ) -> Result:
+        """Fail loudly if no round mixed, with every server's reasons, counted.
+
+        ``Result.arrays`` is the last mixed model, or the initial one when no
+        round mixed.
+        """
+        kept = Counter(self.run_tally.kept) if self.reports_kept else Counter()
+        tally = ReplyTally(kept=kept, aggregated=self.run_tally.aggregated)
+        tally.update(self.run_tally)
+        for strategy in self.validated():
+            tally.update(strategy.run_tally)
+        return finish_run(
+            name or type(self).__name__,
+            result,
+            self._run_initial if self._run_initial is not None else result.arrays,
+            num_rounds,
+            tally,
+        )
+
+    def check_weights(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint made with another mixing matrix."""
+        if not np.array_equal(state["weights"], self.weights):
+            raise ValueError("checkpoint was made with another mixing matrix")
 
 
-class PFedAvg(RunLifecycle):
+@with_parameters_of(server_graph, after="servers")
+class PFedAvg(GraphServers):
     r"""M logical parameter servers, one inner strategy each, mixed over a graph.
 
     P-FedAvg (Zhong et al., 2021, Algorithm 1) in one ServerApp. Server
@@ -129,26 +169,6 @@ class PFedAvg(RunLifecycle):
     ----------
     servers : int
         :math:`M \ge 1`, the number of parameter servers (required).
-    topology : str (default: "ring")
-        The server graph: ``"ring"``, ``"star"``, ``"grid"``, ``"torus"``,
-        ``"complete"``, ``"random-regular"`` or ``"erdos-renyi"``; ignored
-        when ``adjacency_matrix`` or ``weights`` is given.
-    mixing : str (default: "metropolis")
-        The weights: ``"metropolis"`` (Metropolis-Hastings), ``"max-degree"``,
-        ``"uniform"`` (complete graph), ``"sdp"`` or ``"sdp-signed"`` (the
-        optimal :math:`\min\lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2` by
-        semidefinite programming; needs the ``[sdp]`` extra, cvxpy).
-    adjacency_matrix : array_like | None (default: None)
-        Your own server graph (symmetric 0/1, zero diagonal, connected).
-    weights : array_like | None (default: None)
-        Your own mixing matrix (checked: symmetric, doubly stochastic, zero
-        off the graph's edges).
-    degree : int | None (default: None)
-        The degree of ``"random-regular"``.
-    probability : float | None (default: None)
-        The edge probability of ``"erdos-renyi"``.
-    rows : int | None (default: None)
-        The rows of ``"grid"`` and ``"torus"``.
     inner : callable | None (default: None)
         ``inner()`` builds one server's strategy, called :math:`M` times (its
         ``min_*_nodes`` count the nodes of one group); None: the pack's
@@ -156,8 +176,6 @@ class PFedAvg(RunLifecycle):
         min_evaluate_nodes=1)``.
     assignment : Mapping[int, int] | None (default: None)
         ``{partition-id or node-id: server}``; None: from ``node_config``.
-    seed : int (default: 0)
-        Seeds the random topologies.
     max_rounds_without_aggregation : int | None (default: 3)
         Rounds in a row in which no server updated before
         ``aggregate_train`` raises
@@ -219,33 +237,18 @@ class PFedAvg(RunLifecycle):
                 if name not in ("self", "unknown")
             ],
         )
-        graph = server_graph(
-            servers,
-            topology=topology,
-            mixing=mixing,
-            adjacency_matrix=adjacency_matrix,
-            weights=weights,
-            degree=degree,
-            probability=probability,
-            rows=rows,
-            seed=seed,
-        )
+        self.use_graph(graph_of(servers, locals()))
         self.servers = servers
-        self.adjacency, self.weights = graph.adjacency, graph.weights
-        self.topology, self.mixing, self.rho = graph.topology, graph.mixing, graph.rho
-        factory = inner or functools.partial(
-            FedAvg, min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1
-        )
-        self.inner: list[Strategy] = [factory() for _ in range(servers)]
+        factory = inner or self.make_inner
+        self.inner = [factory() for _ in range(servers)]
         if len({id(s) for s in self.inner}) != servers:
             raise ValueError("inner() must build a new strategy at every call")
         # A server whose group fails goes on mixing with its neighbours: only
         # rounds in which no server updated count towards stopping the run.
         self.max_rounds_without_aggregation = max_rounds_without_aggregation
         self._stalled = 0
-        for strategy in self.inner:
-            if isinstance(strategy, ValidatedFedAvg):
-                strategy.max_rounds_without_aggregation = None
+        for strategy in self.validated():
+            strategy.max_rounds_without_aggregation = None
         self.assignment = (
             None
             if assignment is None
@@ -260,7 +263,7 @@ class PFedAvg(RunLifecycle):
         self.models: list[dict[str, NDArray]] | None = None
         self.rejections: Counter[str] = Counter()
         self._accept_failures = True
-        self._run_initial: ArrayRecord | None = None
+        self._run_initial = None
         # This run's rounds mixed, stray replies, and rounds kept (and why).
         self.run_tally = ReplyTally()
 
@@ -298,108 +301,14 @@ class PFedAvg(RunLifecycle):
     # ------------------------------------------------------------------- run
     def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
         """Start the run's tallies, this wrapper's and every server's strategy's."""
-        self.run_tally = ReplyTally()
+        super().begin_run(initial_arrays, num_rounds)
         self._stalled = 0
-        self._run_initial = initial_arrays
-        for strategy in self.inner:
-            if isinstance(strategy, ValidatedFedAvg):
-                strategy.reset_run()
 
-    def end_run(
-        self, result: Result, num_rounds: int, name: str | None = None
-    ) -> Result:
-        """Fail loudly if no round mixed, with every server's reasons, counted.
-
-        ``Result.arrays`` is the last consensus model, or the initial one when
-        no round mixed.
-        """
-        tally = ReplyTally(
-            kept=Counter(self.run_tally.kept), aggregated=self.run_tally.aggregated
-        )
-        tally.update(self.run_tally)
-        for strategy in self.inner:
-            if isinstance(strategy, ValidatedFedAvg):
-                tally.update(strategy.run_tally)
-        return finish_run(
-            name or type(self).__name__,
-            result,
-            self._run_initial if self._run_initial is not None else result.arrays,
-            num_rounds,
-            tally,
-        )
-
-    # ------------------------------------------------------------ assignment
     def assign_nodes(self, grid: Grid) -> list[list[int]]:
         """Split the connected nodes into M groups (once per run)."""
-        nodes = sorted(grid.get_node_ids())
-        explicit = self.assignment is not None and all(
-            n in self.assignment for n in nodes
-        )
-        configs = {} if explicit else self._query_node_configs(grid, nodes)
-        groups: list[list[int]] = [[] for _ in range(self.servers)]
-        unanswered = []
-        for node in nodes:
-            server = self._server_for(node, configs.get(node, {}))
-            if server is None:
-                unanswered.append(node)
-            else:
-                groups[server].append(node)
-        if unanswered:
-            log(
-                WARNING,
-                "P-FedAvg: %d node(s) gave no server-id/partition-id; dealt out by "
-                "node id (not reproducible across runs)",
-                len(unanswered),
-            )
-            for i, node in enumerate(unanswered):
-                groups[i % self.servers].append(node)
-        for server, group in enumerate(groups):
-            if not group:
-                raise RuntimeError(
-                    f"P-FedAvg: server {server} has no node; {len(nodes)} nodes for "
-                    f"{self.servers} servers"
-                )
+        groups = assign_groups(grid, self.servers, self.assignment)
         self.server_of = {n: s for s, group in enumerate(groups) for n in group}
-        log(INFO, "P-FedAvg: group sizes %s", [len(g) for g in groups])
         return groups
-
-    def _server_for(self, node: int, config: Mapping[str, Any]) -> int | None:
-        partition = config.get(PARTITION_ID_KEY)
-        if self.assignment is not None:
-            for key in (partition, node):
-                if key is not None and int(key) in self.assignment:
-                    return self.assignment[int(key)]
-            return None
-        if SERVER_ID_KEY in config:
-            server = int(config[SERVER_ID_KEY])
-            if not 0 <= server < self.servers:
-                raise RuntimeError(
-                    f"node {node} says server-id={server}, but there are "
-                    f"{self.servers} servers"
-                )
-            return server
-        if partition is not None:
-            return int(partition) % self.servers
-        return None
-
-    @staticmethod
-    def _query_node_configs(grid: Grid, nodes: list[int]) -> dict[int, dict[str, Any]]:
-        messages = [
-            Message(
-                content=RecordDict({"config": ConfigRecord({"query": "node-config"})}),
-                message_type=MessageType.QUERY,
-                dst_node_id=node,
-            )
-            for node in nodes
-        ]
-        configs: dict[int, dict[str, Any]] = {}
-        for reply in grid.send_and_receive(messages):
-            if reply.has_error() or "node-config" not in reply.content.metric_records:
-                continue
-            configs[reply.metadata.src_node_id] = dict(
-                reply.content.metric_records["node-config"]
-            )
-        return configs
 
     # ----------------------------------------------------------------- train
     def configure_train(
@@ -411,17 +320,7 @@ class PFedAvg(RunLifecycle):
         if self.models is None:
             initial = record_to_dict(arrays)
             self.models = [dict(initial) for _ in range(self.servers)]
-        messages: list[Message] = []
-        for server, strategy in enumerate(self.inner):
-            view = GroupGrid(grid, self.groups[server])
-            messages.extend(
-                strategy.configure_train(
-                    server_round,
-                    dict_to_record(self.models[server]),
-                    ConfigRecord(dict(config)),
-                    view,
-                )
-            )
+        messages = self._per_group("train", server_round, config, grid)
         log(
             INFO,
             "P-FedAvg: round %d, %d messages to %d servers' groups",
@@ -430,6 +329,40 @@ class PFedAvg(RunLifecycle):
             self.servers,
         )
         return messages
+
+    def _per_group(
+        self, kind: str, server_round: int, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """Let every server's strategy configure its own group with its model."""
+        assert self.groups is not None and self.models is not None
+        messages: list[Message] = []
+        for server, strategy in enumerate(self.inner):
+            configure = getattr(strategy, f"configure_{kind}")
+            messages.extend(
+                configure(
+                    server_round,
+                    dict_to_record(self.models[server]),
+                    ConfigRecord(dict(config)),
+                    GroupGrid(grid, self.groups[server]),
+                )
+            )
+        return messages
+
+    def _by_server(
+        self, kind: str, replies: Iterable[Message]
+    ) -> tuple[list[list[Message]], list[Message]]:
+        """Return the replies sorted by their node's server, and the others."""
+        # A dead node's error reply comes from the SuperLink (node 1): the
+        # servers' strategies know which node the answered message went to.
+        sent_to: dict[str, int] = {}
+        for strategy in self.validated():
+            sent_to.update(strategy.screen.sent_nodes(kind))
+        by_server: list[list[Message]] = [[] for _ in range(self.servers)]
+        strays: list[Message] = []
+        for reply in replies:
+            server = self.server_of.get(reply_node(reply, sent_to))
+            (strays if server is None else by_server[server]).append(reply)
+        return by_server, strays
 
     def expected_train_arrays(self, server_round: int) -> dict[str, RecordSpec]:
         """Return what a reply must carry (the inner strategies' expectation)."""
@@ -440,27 +373,15 @@ class PFedAvg(RunLifecycle):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate per server, then mix over the graph."""
         assert self.models is not None, "configure_train must run first"
-        by_server: list[list[Message]] = [[] for _ in range(self.servers)]
-        stray = 0
-        # A dead node's error reply comes from the SuperLink (node 1): the
-        # servers' strategies know which node the answered message went to.
-        sent_to: dict[str, int] = {}
-        for strategy in self.inner:
-            if isinstance(strategy, ValidatedFedAvg):
-                sent_to.update(strategy.screen.sent_nodes("train"))
-        for reply in replies:
-            server = self.server_of.get(reply_node(reply, sent_to))
-            if server is None:
-                stray += 1
-                self.rejections["aggregate_train:unsampled"] += 1
-                self.run_tally.rejected["unsampled: node belongs to no server"] += 1
-                log(
-                    WARNING,
-                    "P-FedAvg: reply from node %d, which belongs to no server",
-                    reply.metadata.src_node_id,
-                )
-                continue
-            by_server[server].append(reply)
+        by_server, strays = self._by_server("train", replies)
+        for reply in strays:
+            self.rejections["aggregate_train:unsampled"] += 1
+            self.run_tally.rejected["unsampled: node belongs to no server"] += 1
+            log(
+                WARNING,
+                "P-FedAvg: reply from node %d, which belongs to no server",
+                reply.metadata.src_node_id,
+            )
         updated: list[dict[str, NDArray]] = []
         records: list[MetricRecord] = []
         fresh = 0
@@ -481,7 +402,7 @@ class PFedAvg(RunLifecycle):
             key: _count(metrics.get(key, 0))
             for key in ("replies-valid", "replies-failed", "replies-rejected")
         }
-        counts["replies-rejected"] += stray
+        counts["replies-rejected"] += len(strays)
         for key, value in counts.items():
             metrics[key] = value
         failures = counts["replies-failed"] + counts["replies-rejected"]
@@ -493,9 +414,8 @@ class PFedAvg(RunLifecycle):
             )
             self.run_tally.kept[why] += 1
             round_tally = ReplyTally()
-            for strategy in self.inner:
-                if isinstance(strategy, ValidatedFedAvg):
-                    round_tally.update(strategy.round_tally)
+            for strategy in self.validated():
+                round_tally.update(strategy.round_tally)
             log(
                 WARNING,
                 "P-FedAvg: round %d: %s (%s); keeping all models",
@@ -565,31 +485,13 @@ class PFedAvg(RunLifecycle):
         """Each group evaluates its own server's model."""
         if self.groups is None or self.models is None:
             return []
-        messages: list[Message] = []
-        for server, strategy in enumerate(self.inner):
-            messages.extend(
-                strategy.configure_evaluate(
-                    server_round,
-                    dict_to_record(self.models[server]),
-                    ConfigRecord(dict(config)),
-                    GroupGrid(grid, self.groups[server]),
-                )
-            )
-        return messages
+        return self._per_group("evaluate", server_round, config, grid)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Aggregate per group, then merge (sample-weighted)."""
-        by_server: list[list[Message]] = [[] for _ in range(self.servers)]
-        sent_to: dict[str, int] = {}
-        for strategy in self.inner:
-            if isinstance(strategy, ValidatedFedAvg):
-                sent_to.update(strategy.screen.sent_nodes("evaluate"))
-        for reply in replies:
-            server = self.server_of.get(reply_node(reply, sent_to))
-            if server is not None:
-                by_server[server].append(reply)
+        by_server, _ = self._by_server("evaluate", replies)
         records = [
             r
             for server, strategy in enumerate(self.inner)
@@ -641,8 +543,7 @@ class PFedAvg(RunLifecycle):
         """
         if state.get("strategy") != "PFedAvg" or state.get("servers") != self.servers:
             raise ValueError("checkpoint is not a P-FedAvg state with as many servers")
-        if not np.array_equal(state["weights"], self.weights):
-            raise ValueError("checkpoint was made with another mixing matrix")
+        self.check_weights(state)
         models = state["models"]
         self.models = (
             [
@@ -657,76 +558,6 @@ class PFedAvg(RunLifecycle):
                 strategy.load_state_dict(state["inner"][str(i)])
 
 
-@dataclass(frozen=True)
-class ServerGraph:
-    """The servers' overlay graph and mixing matrix, as every server derives them."""
-
-    adjacency: NDArray[np.int_]
-    weights: NDArray[np.float64]
-    topology: str
-    mixing: str
-    rho: float
-
-
-def server_graph(
-    servers: int,
-    *,
-    topology: str = "ring",
-    mixing: str = "metropolis",
-    adjacency_matrix: Any = None,
-    weights: Any = None,
-    degree: int | None = None,
-    probability: float | None = None,
-    rows: int | None = None,
-    seed: int = 0,
-) -> ServerGraph:
-    """Build and check W: the one place the logical and deployed P-FedAvg get it.
-
-    ``weights`` (your own W) wins over ``adjacency_matrix`` (your own graph),
-    which wins over ``topology``; random topologies are seeded by ``seed``, so
-    servers built apart from the same settings derive the same W.
-    """
-    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
-        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
-    if weights is not None:
-        matrix = np.asarray(weights, dtype=np.float64)
-        graph, topology = mixing_graph(matrix), "custom"
-    else:
-        if adjacency_matrix is not None:
-            graph, topology = from_adjacency(adjacency_matrix), "custom"
-        elif servers == 1:
-            graph, topology = np.zeros((1, 1), dtype=int), "single"
-        else:
-            try:
-                graph = adjacency(
-                    topology,
-                    servers,
-                    degree=degree,
-                    probability=probability,
-                    rows=rows,
-                    seed=seed,
-                )
-            except ValueError as err:
-                raise ValueError(f"topology={topology!r}: {err}") from err
-        try:
-            matrix = np.ones((1, 1)) if servers == 1 else mixing_matrix(graph, mixing)
-        except ValueError as err:
-            raise ValueError(f"mixing={mixing!r}: {err}") from err
-    if matrix.shape != (servers, servers):
-        raise ValueError(f"weights is {matrix.shape}, expected ({servers}, {servers})")
-    try:
-        check_mixing(matrix, graph)
-    except ValueError as err:
-        raise ValueError(f"weights: {err}") from err
-    return ServerGraph(
-        adjacency=graph,
-        weights=matrix,
-        topology=topology,
-        mixing=mixing if weights is None else "custom",
-        rho=consensus_rate(matrix),
-    )
-
-
 def _count(value: Any) -> int:
     return int(value) if isinstance(value, (int, float)) else 0
 
@@ -738,31 +569,7 @@ def merge_metrics(records: list[MetricRecord]) -> MetricRecord:
     privacy total or a worst client stays what it is over all servers), and
     every other metric is averaged weighted by ``num-examples``.
     """
-    merged = MetricRecord()
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    extremes: dict[str, float] = {}
-    for record in records:
-        weight = float(record.get("num-examples", 1.0))  # type: ignore[arg-type]
-        for key, value in record.items():
-            if isinstance(value, (list, bool)):
-                continue
-            if key.endswith("-max"):
-                extremes[key] = max(extremes.get(key, -math.inf), float(value))
-            elif key.endswith(("-min", "-worst")):
-                extremes[key] = min(extremes.get(key, math.inf), float(value))
-            elif key in _SUMMED:
-                sums[key] = sums.get(key, 0.0) + float(value)
-                weights[key] = 1.0
-            else:
-                sums[key] = sums.get(key, 0.0) + weight * float(value)
-                weights[key] = weights.get(key, 0.0) + weight
-    for key, total in sums.items():
-        value = total if key in _SUMMED else total / weights[key]
-        merged[key] = int(value) if key in _SUMMED and key != "num-examples" else value
-    for key, value in extremes.items():
-        merged[key] = value
-    return merged
+    return MetricRecord(merge_metric_values(records, SUMMED_METRICS))
 
 
 def _case(n: int, **options: Any) -> PFedAvg:

@@ -42,7 +42,6 @@ the launcher, :mod:`flwr_prox_strategies.pfedavg_deploy`, reads them).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO
 from typing import Any
@@ -51,20 +50,21 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 
-from ..core.server.outcome import ReplyTally, finish_run
+from ..core.docstrings import with_parameters_of
+from ..core.server.outcome import ReplyTally
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import dict_to_record, record_to_dict
-from ..core.wrapper import RunLifecycle
 from ..ops.checks import check_int, check_positive
-from ..ops.mixing import mix_row
-from ..pfedavg_deploy.exchange import PeerExchange, PeerSecurity
-from .fedavg import FedAvg
-from .pfedavg import server_graph
+from ..ops.mixing import graph_of, mix_row, server_graph
+from ..pfedavg_deploy.exchange import PeerExchange
+from ..pfedavg_deploy.security import PeerSecurity
+from .pfedavg import GraphServers
 
 
-class PFedAvgServer(RunLifecycle):
+@with_parameters_of(server_graph, after="addresses")
+class PFedAvgServer(GraphServers):
     r"""Parameter server ``index`` of M, mixing with its graph neighbours over gRPC.
 
     :class:`PFedAvg` runs :math:`M` *logical* servers in one ServerApp, so
@@ -91,21 +91,6 @@ class PFedAvgServer(RunLifecycle):
         Every server's exchange address ``host:port`` in server order (a
         comma-separated string too), the same on every server; this one listens
         on ``addresses[index]``.
-    topology : str (default: "ring")
-        The server graph, as :class:`PFedAvg`'s; every server must get the
-        same graph and mixing settings.
-    mixing : str (default: "metropolis")
-        The mixing weights, as :class:`PFedAvg`'s.
-    adjacency_matrix : array_like | None (default: None)
-        Your own server graph, as :class:`PFedAvg`'s.
-    weights : array_like | None (default: None)
-        Your own mixing matrix, as :class:`PFedAvg`'s.
-    degree, rows : int | None (default: None)
-        The degree of ``"random-regular"``; the rows of ``"grid"`` / ``"torus"``.
-    probability : float | None (default: None)
-        The edge probability of ``"erdos-renyi"``.
-    seed : int (default: 0)
-        Seeds the random topologies (the same on every server).
     inner : Strategy | callable | None (default: None)
         This server's strategy over its own SuperNodes, or a factory of it;
         None: the pack's ``FedAvg(min_available_nodes=1, min_train_nodes=1,
@@ -143,6 +128,10 @@ class PFedAvgServer(RunLifecycle):
     Guarantees", IEEE INFOCOM 2021.
     """
 
+    #: Its kept rounds are its own, not the federation's: the run's end (the
+    #: same as before the shared base) names only the replies' reasons.
+    reports_kept = False
+
     def __init__(
         self,
         *,
@@ -167,17 +156,7 @@ class PFedAvgServer(RunLifecycle):
         private_key: str | None = None,
         token_file: str | None = None,
     ) -> None:
-        graph = server_graph(
-            servers,
-            topology=topology,
-            mixing=mixing,
-            adjacency_matrix=adjacency_matrix,
-            weights=weights,
-            degree=degree,
-            probability=probability,
-            rows=rows,
-            seed=seed,
-        )
+        self.use_graph(graph_of(servers, locals()))
         check_int("index", index, 0)
         if index >= servers:
             raise ValueError(f"index must be < servers={servers}, got {index}")
@@ -193,15 +172,10 @@ class PFedAvgServer(RunLifecycle):
         check_positive("join_timeout", join_timeout)
         self.index, self.servers = index, servers
         self.addresses = list(addresses)
-        self.adjacency, self.weights = graph.adjacency, graph.weights
-        self.topology, self.mixing, self.rho = graph.topology, graph.mixing, graph.rho
         self.neighbours = [
             int(j) for j in np.flatnonzero(self.weights[index]) if int(j) != index
         ]
-        if inner is None:
-            inner = functools.partial(
-                FedAvg, min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=1
-            )
+        inner = self.make_inner if inner is None else inner
         local = inner if isinstance(inner, Strategy) else inner()
         # A list, as P-FedAvg's: what reads a composite's strategies reads this.
         self.inner: list[Strategy] = [local]
@@ -226,7 +200,7 @@ class PFedAvgServer(RunLifecycle):
         self.rounds_completed = 0
         self.round_offset = 0
         self.model: ArrayRecord | None = None  # x_i sent this round
-        self._run_initial: ArrayRecord | None = None
+        self._run_initial = None
         self.run_tally = ReplyTally()
 
     @property
@@ -359,33 +333,9 @@ class PFedAvgServer(RunLifecycle):
     # ------------------------------------------------------------------- run
     def begin_run(self, initial_arrays: ArrayRecord, num_rounds: int) -> None:
         """Start the run's tallies; open the exchange and wait for the neighbours."""
-        self.run_tally = ReplyTally()
-        self._run_initial = initial_arrays
-        if isinstance(self.local, ValidatedFedAvg):
-            self.local.reset_run()
+        super().begin_run(initial_arrays, num_rounds)
         if self._joined is None:
             self._join(initial_arrays)
-
-    def end_run(
-        self, result: Result, num_rounds: int, name: str | None = None
-    ) -> Result:
-        """Fail loudly when no round mixed anything.
-
-        ``Result.arrays`` is this server's last mixed model :math:`x_i`;
-        :class:`~flwr_prox_strategies.NoRoundAggregatedError` when neither the
-        server's clients nor any neighbour gave a model.
-        """
-        tally = ReplyTally(aggregated=self.run_tally.aggregated)
-        tally.update(self.run_tally)
-        if isinstance(self.local, ValidatedFedAvg):
-            tally.update(self.local.run_tally)
-        return finish_run(
-            name or type(self).__name__,
-            result,
-            self._run_initial if self._run_initial is not None else result.arrays,
-            num_rounds,
-            tally,
-        )
 
     def close_run(self, failed: bool) -> None:
         """Close the exchange (a run that failed included)."""
@@ -479,8 +429,7 @@ class PFedAvgServer(RunLifecycle):
                 f"{state.get('strategy')!r} {state.get('index')!r} of "
                 f"{state.get('servers')!r}"
             )
-        if not np.array_equal(state["weights"], self.weights):
-            raise ValueError("checkpoint was made with another mixing matrix")
+        self.check_weights(state)
         if hasattr(self.local, "load_state_dict"):
             self.local.load_state_dict(state["inner"])
         self.rounds_completed = int(state["rounds-completed"])

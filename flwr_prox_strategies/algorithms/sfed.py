@@ -42,13 +42,14 @@ import torch
 from ..core.client.training import TrainReport
 from ..core.contract.validation import resolve_alias
 from ..core.server.strategy import ValidatedFedAvg
-from ..ops.checks import check_int, check_non_negative, check_positive
+from ..ops.checks import check_int, check_non_negative, check_positive, check_unset
 from .fedepm import (
     GROWTH_KEY,
     ITERATION_KEY,
     K0_KEY,
     NOISE_KEY,
     R0_KEY,
+    SAMPLING_KEYWORDS,
     FedEPMClient,
     FedEPMRule,
     Objective,
@@ -157,17 +158,7 @@ class SFedAvg(ValidatedFedAvg):
         check_positive("r0", r0)
         if not (isinstance(growth, (int, float)) and growth >= 1.0):
             raise ValueError(f"growth must be >= 1, got {growth!r}")
-        for name in (
-            "fraction_train",
-            "min_train_nodes",
-            "local_epochs",
-            "local_steps",
-        ):
-            if name in kwargs:
-                raise ValueError(
-                    f"{type(self).__name__} sets {name} itself (rho, k0); "
-                    f"got {name}={kwargs[name]!r}"
-                )
+        check_unset(type(self).__name__, kwargs, SAMPLING_KEYWORDS, "rho, k0")
         super().__init__(
             num_clients=num_clients,
             fraction_train=float(rho),

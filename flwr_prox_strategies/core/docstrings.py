@@ -82,6 +82,58 @@ def inherit_parameters(base: type) -> Callable[[T], T]:
     return decorate
 
 
+def _entries(body: str) -> dict[str, str]:
+    """Split a ``Parameters`` section into its entries, by the names they start with."""
+    found: dict[str, str] = {}
+    for line in body.splitlines():
+        if line and not line[0].isspace():
+            name = line.split(" :", 1)[0]
+            found[name] = line
+        elif found:
+            found[name] += "\n" + line
+    return found
+
+
+def with_parameters_of(source: Callable[..., object], after: str) -> Callable[[T], T]:
+    """Insert ``source``'s ``Parameters`` entries into a class's, after ``after``.
+
+    For settings a class passes on to ``source``: they are documented once, in
+    ``source``'s docstring, and read in the class's where a user looks. The
+    entries the class documents itself, and ``source``'s first (positional)
+    parameter, are not inserted.
+
+    Parameters
+    ----------
+    source : callable
+        The function whose ``Parameters`` entries to insert.
+    after : str
+        The class's entry they follow.
+
+    Returns
+    -------
+    Callable[[type], type]
+        The class decorator.
+    """
+
+    def decorate(cls: T) -> T:
+        summary, own = sections(cls.__doc__)
+        mine = _entries(own["Parameters"])
+        theirs = list(_entries(sections(source.__doc__)[1]["Parameters"]).items())
+        merged: dict[str, str] = {}
+        for name, entry in mine.items():
+            merged[name] = entry
+            if name == after:
+                merged.update((n, e) for n, e in theirs[1:] if n not in mine)
+        own["Parameters"] = "\n".join(merged.values())
+        parts = [summary]
+        for title, body in own.items():
+            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
+        cls.__doc__ = "\n\n".join(parts) + "\n"
+        return cls
+
+    return decorate
+
+
 def attribute_comments(cls: type) -> dict[str, tuple[str, str]]:
     """Return the class attributes a class documents with ``#:`` comments.
 

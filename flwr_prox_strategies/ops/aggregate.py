@@ -17,7 +17,9 @@ floats in float64 and rounds once at the end (the strategies' exact fallback).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -200,3 +202,68 @@ def weighted_average(
     for arrays, weight in zip(contributions, weights, strict=True):
         mean.add(list(arrays), weight)
     return list(mean.result().values())
+
+
+def divided_like(
+    model: Mapping[str, NDArray], sums: Mapping[str, NDArray], total: float
+) -> dict[str, NDArray]:
+    """Return ``model`` with each array of ``sums`` divided by ``total``, in its dtype.
+
+    A weighted sum kept in float64 becomes a model of the global one's dtypes;
+    the arrays ``sums`` lacks stay ``model``'s.
+    """
+    new = dict(model)
+    for key, value in sums.items():
+        new[key] = (value / total).astype(model[key].dtype)
+    return new
+
+
+#: The metrics that add up over servers (counts); every other one is averaged.
+SUMMED_METRICS = frozenset(
+    {
+        "replies-valid",
+        "replies-failed",
+        "replies-rejected",
+        "replies-absent",
+        "replies-capped",
+        "bytes-sent",
+        "bytes-received",
+        "num-examples",
+    }
+)
+
+
+def merge_metric_values(
+    records: Iterable[Mapping[str, Any]], summed: Collection[str]
+) -> dict[str, Any]:
+    """Merge several sets of metrics into one.
+
+    Keys in ``summed`` add up (integers but ``num-examples``), ``*-max`` takes
+    the max, ``*-min`` / ``*-worst`` the min, and every other metric is
+    averaged weighted by each set's ``num-examples`` (1 when absent). Lists and
+    booleans are skipped.
+    """
+    merged: dict[str, Any] = {}
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    extremes: dict[str, float] = {}
+    for record in records:
+        weight = float(record.get("num-examples", 1.0))
+        for key, value in record.items():
+            if isinstance(value, (list, bool)):
+                continue
+            if key.endswith("-max"):
+                extremes[key] = max(extremes.get(key, -math.inf), float(value))
+            elif key.endswith(("-min", "-worst")):
+                extremes[key] = min(extremes.get(key, math.inf), float(value))
+            elif key in summed:
+                sums[key] = sums.get(key, 0.0) + float(value)
+                weights[key] = 1.0
+            else:
+                sums[key] = sums.get(key, 0.0) + weight * float(value)
+                weights[key] = weights.get(key, 0.0) + weight
+    for key, total in sums.items():
+        value = total if key in summed else total / weights[key]
+        merged[key] = int(value) if key in summed and key != "num-examples" else value
+    merged.update(extremes)
+    return merged

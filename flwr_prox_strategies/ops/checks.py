@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -150,10 +150,26 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     return value
 
 
+def check_unset(
+    owner: str, given: Mapping[str, Any], names: Sequence[str], why: str
+) -> None:
+    """Raise ``ValueError`` if ``given`` holds any of ``names``, set by ``owner``.
+
+    For keywords of a base class that a subclass derives itself: ``why`` says
+    from what, in the error.
+    """
+    for name in names:
+        if name in given:
+            raise ValueError(
+                f"{owner} sets {name} itself ({why}); got {name}={given[name]!r}"
+            )
+
+
 __all__ = [
     "check_choice",
     "check_fraction",
     "check_int",
     "check_non_negative",
     "check_positive",
+    "check_unset",
 ]

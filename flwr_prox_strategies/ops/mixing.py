@@ -1,7 +1,8 @@
 r"""Mixing (gossip) matrices of P-FedAvg's servers, and the mixing of their models.
 
-What it is for: choosing :math:`W` on a graph of :mod:`.graphs`, measuring how
-fast it mixes, and applying it to the servers' models (:func:`mix_models`,
+What it is for: choosing :math:`W` on a graph of :mod:`.graphs` (one place for
+every P-FedAvg server: :func:`server_graph`), measuring how fast it mixes, and
+applying it to the servers' models (:func:`mix_models`,
 :func:`mix_row`, :func:`consensus_average`, :func:`consensus_model`,
 :func:`consensus_distance`), on plain ``name -> ndarray`` dicts.
 
@@ -43,13 +44,16 @@ sdp, sdp-signed
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from .graphs import edges, from_adjacency, is_complete
+from .graphs import adjacency, edges, from_adjacency, is_complete
 from .sdp import optimal_edge_weights
 
 MIXINGS = ("metropolis", "max-degree", "uniform", "sdp", "sdp-signed")
@@ -275,6 +279,117 @@ def mixing_graph(mixing: ArrayLike) -> NDArray[np.int_]:
     graph = (np.abs(np.asarray(mixing, dtype=np.float64)) > 0).astype(int)
     np.fill_diagonal(graph, 0)
     return graph
+
+
+@dataclass(frozen=True)
+class ServerGraph:
+    """The servers' overlay graph and mixing matrix, as every server derives them."""
+
+    adjacency: NDArray[np.int_]
+    weights: NDArray[np.float64]
+    topology: str
+    mixing: str
+    rho: float
+
+
+def server_graph(
+    servers: int,
+    *,
+    topology: str = "ring",
+    mixing: str = "metropolis",
+    adjacency_matrix: Any = None,
+    weights: Any = None,
+    degree: int | None = None,
+    probability: float | None = None,
+    rows: int | None = None,
+    seed: int = 0,
+) -> ServerGraph:
+    r"""Build and check W: the one place the logical and deployed P-FedAvg get it.
+
+    ``weights`` (your own W) wins over ``adjacency_matrix`` (your own graph),
+    which wins over ``topology``; random topologies are seeded by ``seed``, so
+    servers built apart from the same settings derive the same W.
+
+    Parameters
+    ----------
+    servers : int
+        :math:`M \ge 1`, the number of parameter servers.
+    topology : str (default: "ring")
+        The server graph: ``"ring"``, ``"star"``, ``"grid"``, ``"torus"``,
+        ``"complete"``, ``"random-regular"`` or ``"erdos-renyi"``; ignored
+        when ``adjacency_matrix`` or ``weights`` is given.
+    mixing : str (default: "metropolis")
+        The weights: ``"metropolis"`` (Metropolis-Hastings), ``"max-degree"``,
+        ``"uniform"`` (complete graph), ``"sdp"`` or ``"sdp-signed"`` (the
+        optimal :math:`\min\lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2` by
+        semidefinite programming; needs the ``[sdp]`` extra, cvxpy).
+    adjacency_matrix : array_like | None (default: None)
+        Your own server graph (symmetric 0/1, zero diagonal, connected).
+    weights : array_like | None (default: None)
+        Your own mixing matrix (checked: symmetric, doubly stochastic, zero
+        off the graph's edges).
+    degree : int | None (default: None)
+        The degree of ``"random-regular"``.
+    probability : float | None (default: None)
+        The edge probability of ``"erdos-renyi"``.
+    rows : int | None (default: None)
+        The rows of ``"grid"`` and ``"torus"``.
+    seed : int (default: 0)
+        Seeds the random topologies (the same on every server).
+
+    Returns
+    -------
+    ServerGraph
+        The graph, W, their names and :math:`\rho(W)`.
+    """
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an integer >= 1, got {servers!r}")
+    if weights is not None:
+        matrix = np.asarray(weights, dtype=np.float64)
+        graph, topology = mixing_graph(matrix), "custom"
+    else:
+        if adjacency_matrix is not None:
+            graph, topology = from_adjacency(adjacency_matrix), "custom"
+        elif servers == 1:
+            graph, topology = np.zeros((1, 1), dtype=int), "single"
+        else:
+            try:
+                graph = adjacency(
+                    topology,
+                    servers,
+                    degree=degree,
+                    probability=probability,
+                    rows=rows,
+                    seed=seed,
+                )
+            except ValueError as err:
+                raise ValueError(f"topology={topology!r}: {err}") from err
+        try:
+            matrix = np.ones((1, 1)) if servers == 1 else mixing_matrix(graph, mixing)
+        except ValueError as err:
+            raise ValueError(f"mixing={mixing!r}: {err}") from err
+    if matrix.shape != (servers, servers):
+        raise ValueError(f"weights is {matrix.shape}, expected ({servers}, {servers})")
+    try:
+        check_mixing(matrix, graph)
+    except ValueError as err:
+        raise ValueError(f"weights: {err}") from err
+    return ServerGraph(
+        adjacency=graph,
+        weights=matrix,
+        topology=topology,
+        mixing=mixing if weights is None else "custom",
+        rho=consensus_rate(matrix),
+    )
+
+
+#: The keywords of :func:`server_graph`: the settings every P-FedAvg server takes.
+GRAPH_SETTINGS = tuple(inspect.signature(server_graph).parameters)[1:]
+
+
+def graph_of(servers: int, settings: Mapping[str, Any]) -> ServerGraph:
+    """Return :func:`server_graph` of the ``GRAPH_SETTINGS`` among ``settings``."""
+    return server_graph(servers, **{name: settings[name] for name in GRAPH_SETTINGS})
 
 
 def _is_float(array: NDArray) -> bool:

@@ -3,6 +3,7 @@
 * :mod:`.exchange`: what each parameter server's ServerApp
   (:class:`~flwr_prox_strategies.PFedAvgServer`) runs to trade models with its
   graph neighbours over gRPC;
+* :mod:`.security`: the mutual TLS and token of those links;
 * :mod:`.launcher`: ``python -m flwr_prox_strategies.pfedavg_deploy``, which
   starts one SuperLink, its SuperNodes and one ServerApp per server on this
   machine, reads the servers' models each round and writes the run's folder.

@@ -26,15 +26,9 @@ the round its model arrives within that grace again, and once any model of it
 arrives, even too late for its round, the next round waits for it in full.
 Nothing here ever waits without a deadline.
 
-Security (:class:`PeerSecurity`): without certificates nothing between servers
-is encrypted (loopback, trusted networks). With ``root_certificates``,
-``certificate`` and ``private_key``, every connection is mutual TLS: the models
-and metadata are encrypted, each server proves itself with a certificate signed
-by the federation's CA, and a caller without one is refused by the TLS handshake.
-A shared ``token`` (sent as call metadata, compared in constant time) adds a
-check on top; without TLS it travels in the clear. Which server sent a message
-is what it says (``sender``, checked to be a neighbour): TLS authenticates the
-federation, not the index.
+Security: :class:`~.security.PeerSecurity` (TLS, a shared token). Which server
+sent a message is what it says (``sender``, checked to be a neighbour): TLS
+authenticates the federation, not the index.
 """
 
 from __future__ import annotations
@@ -42,11 +36,10 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -56,82 +49,15 @@ from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
 from ..core.transport.records import record_is_finite, spec_of
+from .security import TOKEN_METADATA as TOKEN_METADATA
+from .security import PeerSecurity as PeerSecurity
+from .security import open_channel as open_channel
 
 SERVICE = "flwr_prox_strategies.ModelExchange"
-TOKEN_METADATA = "x-pfedavg-token"
 # A neighbour's model may arrive this many rounds before this server needs it.
 ROUNDS_AHEAD = 2
 # Mixed models kept for Status (a catching-up neighbour, the launcher's reads).
 KEPT_ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class PeerSecurity:
-    """Credentials of the server-to-server links (see the module docstring).
-
-    Attributes
-    ----------
-    root_certificates : bytes | None
-        PEM of the CA that signed every server's certificate.
-    certificate, private_key : bytes | None
-        PEM of this server's certificate (valid for its address, for both server
-        and client authentication) and key.
-    token : str | None
-        Shared secret every call must carry.
-    """
-
-    root_certificates: bytes | None = None
-    certificate: bytes | None = None
-    private_key: bytes | None = None
-    token: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [
-            x is not None
-            for x in (self.root_certificates, self.certificate, self.private_key)
-        ]
-        if any(given) and not all(given):
-            raise ValueError(
-                "TLS between servers needs root_certificates, certificate and "
-                "private_key together (mutual TLS), or none of them"
-            )
-        if self.token is not None and not self.token:
-            raise ValueError("token must be a non-empty string or None")
-
-    @property
-    def tls(self) -> bool:
-        """True when the links are mutual TLS."""
-        return self.root_certificates is not None
-
-    @classmethod
-    def from_files(
-        cls,
-        *,
-        root_certificates: str | Path | None = None,
-        certificate: str | Path | None = None,
-        private_key: str | Path | None = None,
-        token_file: str | Path | None = None,
-    ) -> PeerSecurity:
-        """Read the credentials from PEM files (and a token file), None: unset."""
-
-        def read(path: str | Path | None) -> bytes | None:
-            return None if path in (None, "") else Path(str(path)).read_bytes()
-
-        token = read(token_file)
-        return cls(
-            root_certificates=read(root_certificates),
-            certificate=read(certificate),
-            private_key=read(private_key),
-            token=None if token is None else token.decode().strip(),
-        )
-
-    def describe(self) -> str:
-        """Say in words what is and is not protected."""
-        if self.tls:
-            return "mutual TLS (models encrypted, servers authenticated by the CA)"
-        return "no TLS: models and metadata travel unencrypted" + (
-            " (the token in the clear too)" if self.token else ""
-        )
 
 
 @dataclass
@@ -164,6 +90,28 @@ def _decode(payload: bytes) -> tuple[dict[str, Any], ArrayRecord | None]:
 
 def _identity(payload: bytes) -> bytes:
     return payload
+
+
+def _unary(channel: grpc.Channel, method: str) -> Callable[..., Any]:
+    return channel.unary_unary(
+        f"/{SERVICE}/{method}",
+        request_serializer=_identity,
+        response_deserializer=_identity,
+    )
+
+
+def _ask_status(
+    call: Callable[[bytes], bytes], federation: str, server_round: int | None
+) -> tuple[int, ArrayRecord | None] | None:
+    """Return a server's round and mixed model (None: the call failed)."""
+    meta: dict[str, Any] = {"federation": federation}
+    if server_round is not None:
+        meta["round"] = server_round
+    try:
+        answer, model = _decode(call(_encode(meta)))
+    except grpc.RpcError:
+        return None
+    return int(answer["round"]), model
 
 
 def _refuse(context: grpc.ServicerContext, code: grpc.StatusCode, why: str) -> NoReturn:
@@ -232,11 +180,6 @@ class PeerExchange:
         self._senders: futures.ThreadPoolExecutor | None = None
         self._sends: list[futures.Future[str]] = []
         self._stopping = threading.Event()
-        self._metadata = (
-            ()
-            if self.security.token is None
-            else ((TOKEN_METADATA, self.security.token),)
-        )
 
     # ------------------------------------------------------------- lifecycle
     def start(self, max_message_bytes: int) -> None:
@@ -258,16 +201,13 @@ class PeerExchange:
             options=[*options, ("grpc.so_reuseport", 0)],
         )
         handlers = {
-            "Deliver": grpc.unary_unary_rpc_method_handler(
-                self._on_deliver,
-                request_deserializer=_identity,
-                response_serializer=_identity,
-            ),
-            "Status": grpc.unary_unary_rpc_method_handler(
-                self._on_status,
-                request_deserializer=_identity,
-                response_serializer=_identity,
-            ),
+            name: grpc.unary_unary_rpc_method_handler(
+                answer, request_deserializer=_identity, response_serializer=_identity
+            )
+            for name, answer in (
+                ("Deliver", self._on_deliver),
+                ("Status", self._on_status),
+            )
         }
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
@@ -400,12 +340,8 @@ class PeerExchange:
 
     # --------------------------------------------------------------- sending
     def _call(self, j: int, method: str, payload: bytes, timeout: float) -> bytes:
-        call = self._channels[j].unary_unary(
-            f"/{SERVICE}/{method}",
-            request_serializer=_identity,
-            response_deserializer=_identity,
-        )
-        return bytes(call(payload, timeout=timeout, metadata=self._metadata))
+        call = _unary(self._channels[j], method)
+        return bytes(call(payload, timeout=timeout, metadata=self.security.metadata))
 
     def _deliver(self, j: int, rnd: int, payload: bytes, deadline: float) -> str:
         """Send one model to neighbour ``j``, retrying while it is unreachable."""
@@ -551,14 +487,11 @@ class PeerExchange:
         self, j: int, timeout: float, server_round: int | None = None
     ) -> tuple[int, ArrayRecord | None] | None:
         """Ask neighbour ``j`` for its round and mixed model (None: no answer)."""
-        meta: dict[str, Any] = {"federation": self.federation}
-        if server_round is not None:
-            meta["round"] = server_round
-        try:
-            answer, model = _decode(self._call(j, "Status", _encode(meta), timeout))
-        except grpc.RpcError:
-            return None
-        return int(answer["round"]), model
+        return _ask_status(
+            lambda payload: self._call(j, "Status", payload, timeout),
+            self.federation,
+            server_round,
+        )
 
     def wait_for_neighbours(
         self, timeout: float
@@ -582,20 +515,6 @@ class PeerExchange:
             time.sleep(0.5)
 
 
-def open_channel(
-    address: str, security: PeerSecurity, options: list[tuple[str, Any]] | None = None
-) -> grpc.Channel:
-    """Open a channel to a server's exchange with the federation's credentials."""
-    if security.tls:
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=security.root_certificates,
-            private_key=security.private_key,
-            certificate_chain=security.certificate,
-        )
-        return grpc.secure_channel(address, credentials, options=options)
-    return grpc.insecure_channel(address, options=options)
-
-
 def read_status(
     address: str,
     *,
@@ -606,20 +525,12 @@ def read_status(
 ) -> tuple[int, ArrayRecord | None] | None:
     """Ask the server at ``address`` for its round and mixed model (launcher's read)."""
     security = security or PeerSecurity()
-    meta: dict[str, Any] = {"federation": federation}
-    if server_round is not None:
-        meta["round"] = server_round
-    metadata = () if security.token is None else ((TOKEN_METADATA, security.token),)
     with open_channel(address, security) as channel:
-        call = channel.unary_unary(
-            f"/{SERVICE}/Status",
-            request_serializer=_identity,
-            response_deserializer=_identity,
+        call = _unary(channel, "Status")
+        return _ask_status(
+            lambda payload: bytes(
+                call(payload, timeout=timeout, metadata=security.metadata)
+            ),
+            federation,
+            server_round,
         )
-        try:
-            answer, model = _decode(
-                bytes(call(_encode(meta), timeout=timeout, metadata=metadata))
-            )
-        except grpc.RpcError:
-            return None
-    return int(answer["round"]), model
