@@ -122,3 +122,22 @@ def test_the_wiring_counts_what_the_optimiser_did() -> None:
     assert rule.counts.steps == 3
     assert rule.wiring.lr_of_round(None) == 0.5
     assert rule.wiring.handles == []  # close removed the hook
+
+
+def test_the_add_an_algorithm_page_shows_the_whole_rule_surface() -> None:
+    """The page's one-screen surface names every public method the rule defines."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    page = (
+        Path(__file__).resolve().parent.parent / "docs" / "howto" / "add-algorithm.md"
+    ).read_text()
+    shown = set(re.findall(r"self\.(\w+)\(", page)) | {"setup", "finish"}
+    own = {
+        name
+        for name, value in vars(ClientRule).items()
+        if not name.startswith("_") and inspect.isfunction(value)
+    }
+    assert own <= shown, f"the page omits {sorted(own - shown)}"
+    assert len(own) <= 10, f"the author's surface grew: {sorted(own)}"
