@@ -1,8 +1,6 @@
 """Run checkpoints: when a run writes them, and how a run resumes from one.
 
-The file itself (``<output folder>/checkpoint.npz``, written atomically, read
-safely, checked by a SHA-256) is :mod:`.store.checkpoint_file`'s; its names are
-importable from here too.
+The file's format is :mod:`.store.checkpoint_file`'s; its names import from here too.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ArrayDataset", "TrainTest"]
-
 
 @dataclass(frozen=True, eq=False)
 class ArrayDataset:

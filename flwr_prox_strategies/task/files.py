@@ -10,8 +10,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["ADULT_CATEGORICAL", "ADULT_COLUMNS", "read_idx"]
-
 # --------------------------------------------------------------------------- idx files
 
 # Type byte of the idx header -> big-endian numpy dtype.

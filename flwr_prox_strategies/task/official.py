@@ -14,8 +14,6 @@ import numpy as np
 
 from ..ops.checks import check_int, check_non_negative, check_positive
 
-__all__ = ["official_dirichlet_partition", "official_iid_partition"]
-
 # Largest block of uniforms drawn at once while a client's class is redrawn.
 _OFFICIAL_MAX_BLOCK = 1 << 20
 # Below this probability the official loop would redraw ~1/p times: it hangs.

@@ -12,8 +12,6 @@ import numpy as np
 
 from .official import _check_partition_count
 
-__all__ = ["PARTITION_FILE_KEY", "file_partition", "natural_partition"]
-
 # Key of the client ids in an ``.npz`` file holding more than one array.
 PARTITION_FILE_KEY = "partition"
 _PARTITION_FILE_TYPES = (".npy", ".npz", ".csv")

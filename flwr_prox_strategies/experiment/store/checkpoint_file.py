@@ -31,15 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = [
-    "CHECKPOINT_FILE",
-    "FORMAT",
-    "VERSION",
-    "CheckpointError",
-    "read_checkpoint",
-    "write_checkpoint",
-]
-
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT = "flwr-prox-strategies checkpoint"
 VERSION = 1
