@@ -18,6 +18,7 @@ import sys
 
 import hydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig
 
 from ..algorithms import PluginError, registered_algorithm
@@ -31,18 +32,22 @@ def main(cfg: DictConfig) -> float:
     return run_job(cfg)
 
 
+def _parsed(argv: list[str]) -> list[Override]:
+    """Return the command line's overrides, parsed (none if Hydra cannot parse them)."""
+    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # Hydra reports its own parse errors
+        return []
+
+
 def refuse_kebab_keys(argv: list[str]) -> None:
     """Exit with the snake_case spelling when an override uses a kebab-case key.
 
     Hydra parses the command line itself and would only say that it cannot
     override ``num-clients``.
     """
-    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # Hydra reports its own parse errors
-        return
-    for override in parsed:
+    for override in _parsed(argv):
         try:
             check_snake_key(override.key_or_group, override.input_line or "")
         except KebabKeyError as err:
@@ -55,12 +60,7 @@ def refuse_broken_plugins(argv: list[str]) -> None:
     Hydra would only say that ``strategy/<name>`` is not found: the plugin's
     own error (its distribution, its entry point, what is wrong) is the fix.
     """
-    overrides = [arg for arg in argv if "=" in arg and not arg.startswith("-")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # Hydra reports its own parse errors
-        return
-    for override in parsed:
+    for override in _parsed(argv):
         if override.key_or_group != "strategy" or override.is_delete():
             continue
         try:  # a sweep (strategy=fedavg,nova) lists its options

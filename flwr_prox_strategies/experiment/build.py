@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import datetime as dt
 import functools
-import os
 import time
 from collections.abc import Callable, Mapping
 from logging import INFO
@@ -33,13 +32,17 @@ from ..algorithms import registered_algorithms
 from ..core.client.client import ProtocolError
 from ..core.client.dp import make_private_model
 from ..core.client.training import evaluate_model
-from ..core.contract.ledger import PER_CLIENT_LIMIT
 from ..core.privacy.central import central_dp
 from ..core.privacy.secagg import SecAggPlus
 from ..core.server.strategy import ValidatedFedAvg
 from ..tracking import Tracker
-from . import RUN_OUTPUT_DIR, RUN_OUTPUT_ROOT
-from .checkpoint import Resume, checkpointing, client_state_dir
+from .checkpoint import (  # noqa: F401
+    OUTPUT_ROOT_ENV,
+    Resume,
+    checkpointing,
+    client_state_dir,
+    output_dir_for,
+)
 from .config import (
     allowed_targets,
     config_from_run_config,
@@ -55,11 +58,9 @@ from .data import (
     split_held_out,
     to_loader,
 )
-from .results import RunRecorder, write_json
+from .results import PARTITION_SIZES_FILE, RunRecorder, sizes_entry  # noqa: F401
 from .track import open_tracker
 
-OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
-PARTITION_SIZES_FILE = "partition-sizes.json"
 # Keys only Hydra's own machinery or the sweep use; stripped before building.
 _UNUSED = "_unused_"
 
@@ -349,22 +350,6 @@ def wait_for_clients(grid: Grid, expected: int, timeout: float) -> None:
         time.sleep(1.0)
 
 
-def output_dir_for(cfg: DictConfig, run_config: Mapping[str, Any]) -> Path:
-    """Return the output folder: ``output-dir``, else a new one under the root."""
-    explicit = str(run_config.get(RUN_OUTPUT_DIR, "") or "")
-    if explicit:
-        return Path(explicit).expanduser().resolve()
-    root = str(
-        run_config.get(RUN_OUTPUT_ROOT, "") or os.environ.get(OUTPUT_ROOT_ENV, "")
-    )
-    base = Path(root).expanduser() if root else Path.cwd() / "outputs"
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    name = (
-        f"{stamp}-{cfg.strategy._target_.rsplit('.', 1)[-1].lower()}-{cfg.dataset.name}"
-    )
-    return (base / name).resolve()
-
-
 def build_run_strategy(cfg: DictConfig) -> Any:
     """Build the strategy, each of its servers held to the run's ``quorum``.
 
@@ -416,27 +401,6 @@ def open_record(
     return recorder
 
 
-def sizes_entry(sizes: list[int], output_dir: Path) -> dict[str, Any]:
-    """Return the partition sizes for ``results.json``: all, or a summary.
-
-    ``results.json`` is rewritten every round, so beyond
-    :data:`~..core.privacy.PER_CLIENT_LIMIT` clients it keeps the min, mean and
-    max, and every client's size goes once to ``partition-sizes.json``.
-    """
-    if len(sizes) <= PER_CLIENT_LIMIT:
-        return {"partition-sizes": sizes}
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_json(output_dir / PARTITION_SIZES_FILE, {"partition-sizes": sizes})
-    return {
-        "partition-size": {
-            "min": min(sizes),
-            "mean": sum(sizes) / len(sizes),
-            "max": max(sizes),
-            "file": PARTITION_SIZES_FILE,
-        }
-    }
-
-
 def central_evaluation(
     cfg: DictConfig, recorder: RunRecorder, num_rounds: int, strategy: Any = None
 ) -> CentralEvaluation:
@@ -458,6 +422,12 @@ def central_evaluation(
     model = build_model(cfg)
     start = time.monotonic()
 
+    def record(server_round: int, section: str, data: Any) -> None:
+        loss, accuracy, _ = evaluate_model(
+            model, data, torch.nn.functional.cross_entropy
+        )
+        recorder.record(server_round, section, {"loss": loss, "accuracy": accuracy})
+
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, accuracy, count = evaluate_model(
@@ -470,25 +440,13 @@ def central_evaluation(
         }
         recorder.record(server_round, "central", metrics)
         if train_loader is not None:
-            train_loss, train_acc, _ = evaluate_model(
-                model, train_loader, torch.nn.functional.cross_entropy
-            )
-            recorder.record(
-                server_round,
-                "central-train",
-                {"loss": train_loss, "accuracy": train_acc},
-            )
+            record(server_round, "central-train", train_loader)
         extra_models: dict[str, ArrayRecord] = getattr(
             strategy, "central_models", dict
         )()
         for section, extra in extra_models.items():
             model.load_state_dict(extra.to_torch_state_dict())
-            extra_loss, extra_acc, _ = evaluate_model(
-                model, loader, torch.nn.functional.cross_entropy
-            )
-            recorder.record(
-                server_round, section, {"loss": extra_loss, "accuracy": extra_acc}
-            )
+            record(server_round, section, loader)
         log(
             INFO,
             "[progress] round %d/%d: central accuracy %.4f, loss %.4f (%.1f s)",

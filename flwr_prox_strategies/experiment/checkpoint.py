@@ -1,31 +1,14 @@
-"""Run checkpoints: one file per output folder, written atomically, read safely.
+"""Run checkpoints: when a run writes them, and how a run resumes from one.
 
-A checkpoint is ``<output folder>/checkpoint.npz``: numpy's zip of every array
-(the model, the strategy's arrays, the RNG states) plus, under ``__meta__``, a
-JSON document of everything else in which each array is a reference
-(``{"$array": "a3"}``). It is read with ``allow_pickle=False``, so loading a
-checkpoint named by a run config never runs code, and a SHA-256 over the JSON
-and every array detects a damaged file. It is written to a temporary file,
-flushed to disk, then renamed over the previous one (``os.replace``): a crash
-leaves the previous checkpoint or the new one, never half of one.
-
-What the encoding keeps exactly: ``None``, ``bool``, ``int``, ``float``
-(NaN and infinities included), ``str``, lists, tuples, sets, dicts with any
-of these as keys (a dict with non-string keys keeps them, ``{3: 7}`` comes back
-as ``{3: 7}``), numpy arrays and scalars (dtype and bits), torch tensors (as
-CPU tensors). Anything else is refused when the checkpoint is written, naming
-where it was found.
+The file's format is :mod:`.store.checkpoint_file`'s; its names import from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
+import datetime as dt
 import os
 import random
-import zipfile
 from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
@@ -38,172 +21,20 @@ from flwr.app import Array, ArrayRecord
 from flwr.common.logger import log
 from omegaconf import DictConfig, OmegaConf
 
-from . import RUN_OUTPUT_DIR, RUN_RESUME
+from . import RUN_OUTPUT_DIR, RUN_OUTPUT_ROOT, RUN_RESUME
 from .config import check_target
+from .store.checkpoint_file import (
+    CHECKPOINT_FILE,
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    read_checkpoint,
+    write_checkpoint,
+)
 
-CHECKPOINT_FILE = "checkpoint.npz"
-FORMAT = "flwr-prox-strategies checkpoint"
-VERSION = 1
-_META = "__meta__"
-_DIGEST = "__sha256__"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, or cannot resume this run."""
-
-
-def _encode(value: Any, arrays: dict[str, np.ndarray], where: str) -> Any:
-    if isinstance(value, np.generic):  # before float: np.float64 is a float
-        ref = f"a{len(arrays)}"
-        arrays[ref] = _plain(np.asarray(value), where)
-        return {"$scalar": ref}
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"$float": repr(value)}
-    if isinstance(value, torch.Tensor):
-        ref = f"a{len(arrays)}"
-        arrays[ref] = _plain(value.detach().cpu().numpy(), where)
-        return {"$tensor": ref}
-    if isinstance(value, np.ndarray):
-        ref = f"a{len(arrays)}"
-        arrays[ref] = _plain(value, where)
-        return {"$array": ref}
-    if isinstance(value, Mapping):
-        if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: _encode(v, arrays, f"{where}.{k}") for k, v in value.items()}
-        return {
-            "$dict": [
-                [
-                    _encode(k, arrays, f"{where}[key]"),
-                    _encode(v, arrays, f"{where}.{k}"),
-                ]
-                for k, v in value.items()
-            ]
-        }
-    if isinstance(value, list):
-        return [_encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return {
-            "$tuple": [_encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
-        }
-    if isinstance(value, (set, frozenset)):
-        return {"$set": [_encode(v, arrays, f"{where}[item]") for v in value]}
-    raise TypeError(
-        f"cannot checkpoint {where}: a {type(value).__name__} (checkpoints hold "
-        "numbers, strings, containers, numpy arrays and torch tensors)"
-    )
-
-
-def _plain(array: np.ndarray, where: str) -> np.ndarray:
-    if array.dtype.hasobject:
-        raise TypeError(f"cannot checkpoint {where}: an array of Python objects")
-    return np.asarray(array, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
-
-
-def _decode(value: Any, arrays: Mapping[str, np.ndarray]) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, arrays) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) == 1:
-        ((tag, body),) = value.items()
-        if tag == "$array":
-            return np.array(arrays[body])
-        if tag == "$scalar":
-            return np.array(arrays[body])[()]
-        if tag == "$tensor":
-            return torch.from_numpy(np.array(arrays[body]))
-        if tag == "$float":
-            return float(body)
-        if tag == "$tuple":
-            return tuple(_decode(v, arrays) for v in body)
-        if tag == "$set":
-            return {_decode(v, arrays) for v in body}
-        if tag == "$dict":
-            return {_decode(k, arrays): _decode(v, arrays) for k, v in body}
-    return {k: _decode(v, arrays) for k, v in value.items()}
-
-
-def _digest(meta: bytes, arrays: Mapping[str, np.ndarray]) -> bytes:
-    hasher = hashlib.sha256(meta)
-    for name in sorted(arrays):
-        array = arrays[name]
-        hasher.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
-        hasher.update(array.tobytes())
-    return hasher.digest()
-
-
-def write_checkpoint(folder: Path, document: Mapping[str, Any]) -> Path:
-    """Write ``document`` to ``<folder>/checkpoint.npz`` atomically; return the path.
-
-    Raises
-    ------
-    TypeError
-        When ``document`` holds a value the format cannot keep exactly.
-    """
-    arrays: dict[str, np.ndarray] = {}
-    body = _encode(dict(document), arrays, "checkpoint")
-    meta = json.dumps({"format": FORMAT, "version": VERSION, "document": body})
-    meta_bytes = meta.encode()
-    payload = dict(arrays)
-    payload[_META] = np.frombuffer(meta_bytes, dtype=np.uint8)
-    payload[_DIGEST] = np.frombuffer(_digest(meta_bytes, arrays), dtype=np.uint8)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / CHECKPOINT_FILE
-    tmp = folder / (CHECKPOINT_FILE + ".tmp")
-    with open(tmp, "wb") as handle:
-        np.savez(handle, **payload)  # type: ignore[arg-type]
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return path
-
-
-def read_checkpoint(folder: Path) -> dict[str, Any]:
-    """Read ``<folder>/checkpoint.npz``.
-
-    Raises
-    ------
-    CheckpointError
-        When the folder or the file is missing, or the file is damaged (not a
-        zip, a failed CRC or SHA-256, not this format, a newer version).
-    """
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder} does not exist (or is not a folder)")
-    path = folder / CHECKPOINT_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{folder} holds no {CHECKPOINT_FILE}: the run wrote none (it ended "
-            "before its first checkpoint, or had checkpoint_every=0)"
-        )
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-        meta_bytes = arrays.pop(_META).tobytes()
-        digest = arrays.pop(_DIGEST).tobytes()
-        if _digest(meta_bytes, arrays) != digest:
-            raise ValueError("SHA-256 mismatch")
-        meta = json.loads(meta_bytes.decode())
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
-        raise CheckpointError(
-            f"{path} is damaged ({type(err).__name__}: {err}); it cannot be resumed"
-        ) from err
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a {FORMAT}")
-    if int(meta.get("version", 0)) > VERSION:
-        raise CheckpointError(
-            f"{path} has format version {meta['version']}; this pack reads up to "
-            f"{VERSION}: resume it with the version of the pack that wrote it"
-        )
-    result = _decode(meta["document"], arrays)
-    assert isinstance(result, dict)
-    return result
-
-
-# ------------------------------------------------------------------ the run's side
+#: Environment variable: the folder new runs' folders go in (run config
+#: ``output-root`` first; default ``./outputs``).
+OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
 #: conf key: write a checkpoint every N rounds (and after the last); 0: never.
 CHECKPOINT_EVERY = "checkpoint_every"
 #: Sub-folder of the output folder where the app's clients mirror their state.
@@ -599,10 +430,29 @@ def checkpointing(
     )
 
 
+def output_dir_for(cfg: DictConfig, run_config: Mapping[str, Any]) -> Path:
+    """Return the output folder: ``output-dir``, else a new one under the root."""
+    explicit = str(run_config.get(RUN_OUTPUT_DIR, "") or "")
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    root = str(
+        run_config.get(RUN_OUTPUT_ROOT, "") or os.environ.get(OUTPUT_ROOT_ENV, "")
+    )
+    base = Path(root).expanduser() if root else Path.cwd() / "outputs"
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    name = (
+        f"{stamp}-{cfg.strategy._target_.rsplit('.', 1)[-1].lower()}-{cfg.dataset.name}"
+    )
+    return (base / name).resolve()
+
+
 __all__ = [
     "CHECKPOINT_EVERY",
     "CHECKPOINT_FILE",
     "CLIENT_STATE_DIR",
+    "FORMAT",
+    "OUTPUT_ROOT_ENV",
+    "VERSION",
     "CheckpointError",
     "Checkpointing",
     "Resume",
@@ -610,6 +460,7 @@ __all__ = [
     "checkpointing",
     "client_state_dir",
     "load_resume",
+    "output_dir_for",
     "read_checkpoint",
     "refuse_used_folder",
     "resume_blockers",

@@ -10,7 +10,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core.contract.ledger import PER_CLIENT_LIMIT
+
 RESULTS_FILE = "results.json"
+# Beyond PER_CLIENT_LIMIT clients, where every client's partition size goes.
+PARTITION_SIZES_FILE = "partition-sizes.json"
 
 
 def pyplot() -> Any:
@@ -119,6 +123,27 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(_clean(data), indent=2))
     os.replace(tmp, path)
+
+
+def sizes_entry(sizes: list[int], output_dir: Path) -> dict[str, Any]:
+    """Return the partition sizes for ``results.json``: all, or a summary.
+
+    ``results.json`` is rewritten every round, so beyond
+    :data:`~..core.privacy.PER_CLIENT_LIMIT` clients it keeps the min, mean and
+    max, and every client's size goes once to ``partition-sizes.json``.
+    """
+    if len(sizes) <= PER_CLIENT_LIMIT:
+        return {"partition-sizes": sizes}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_json(output_dir / PARTITION_SIZES_FILE, {"partition-sizes": sizes})
+    return {
+        "partition-size": {
+            "min": min(sizes),
+            "mean": sum(sizes) / len(sizes),
+            "max": max(sizes),
+            "file": PARTITION_SIZES_FILE,
+        }
+    }
 
 
 #: A run's summary figures a search can optimise, and which way is better.

@@ -149,12 +149,8 @@ def open_tracker(
 
     Parameters
     ----------
-    cfg : DictConfig
-        The composed configuration.
-    output_dir : Path
-        The run's output folder.
-    overrides : Sequence[str]
-        The run's Hydra overrides.
+    cfg, output_dir, overrides
+        As :func:`build_tracker`.
 
     Returns
     -------

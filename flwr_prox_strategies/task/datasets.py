@@ -1,8 +1,6 @@
 """Data set loaders returning plain numpy arrays.
 
-The rest of the pack only sees :class:`ArrayDataset` and :class:`TrainTest`, so
-it does not depend on a data set library. Features are float32 of shape
-``(n, num_features)`` (images flattened and scaled to [0, 1]) and labels int64.
+Each returns a :class:`~.arrays.TrainTest`; the files are read by :mod:`.files`.
 
 Files are looked for, in order, in ``$FLWR_PROX_DATA_DIR/<name>``, in
 ``shared/data/<name>`` under any ancestor of the working directory or of this
@@ -13,18 +11,26 @@ from the Hugging Face hub.
 
 from __future__ import annotations
 
-import functools
-import gzip
 import logging
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .._optional import require
+from .arrays import ArrayDataset, TrainTest
+from .files import (
+    ADULT_CATEGORICAL,
+    ADULT_COLUMNS,
+    _fashion_split,
+    _has_adult_files,
+    _has_fashion_files,
+    _parse_adult,
+    _unit_columns,
+    read_idx,
+)
 
 __all__ = [
     "ADULT_CATEGORICAL",
@@ -48,143 +54,6 @@ logger = logging.getLogger(__name__)
 DATA_DIR_ENV = "FLWR_PROX_DATA_DIR"
 _SYSTEM_DATA_DIR = Path("/usr/share/datasets")
 _HUB_FASHION_MNIST = "zalando-datasets/fashion_mnist"
-
-
-@dataclass(frozen=True, eq=False)
-class ArrayDataset:
-    """Features and labels of a classification data set.
-
-    Parameters
-    ----------
-    x : np.ndarray
-        Features, converted to contiguous float32 of shape ``(n, features)``.
-    y : np.ndarray
-        Labels, converted to int64 of shape ``(n,)``, each in
-        ``[0, num_classes)``.
-    num_classes : int
-        Number of classes of the task (not necessarily all present in ``y``).
-
-    Raises
-    ------
-    ValueError
-        If ``x`` is not 2-D, ``y`` is not 1-D of the same length, ``y`` holds
-        non-integer labels or labels outside ``[0, num_classes)``, or
-        ``num_classes < 1``.
-    """
-
-    x: np.ndarray
-    y: np.ndarray
-    num_classes: int
-
-    def __post_init__(self) -> None:
-        """Coerce dtypes and check shapes."""
-        x = np.ascontiguousarray(self.x, dtype=np.float32)
-        y = np.asarray(self.y)
-        if x.ndim != 2:
-            raise ValueError(f"x must be 2-D (n, features), got shape {x.shape}")
-        if y.ndim != 1 or len(y) != len(x):
-            raise ValueError(f"y must have shape ({len(x)},), got {y.shape}")
-        if y.size and not np.issubdtype(y.dtype, np.integer):
-            raise ValueError(f"y must hold integer labels, got dtype {y.dtype}")
-        if self.num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
-        y = y.astype(np.int64)
-        if y.size and (y.min() < 0 or y.max() >= self.num_classes):
-            raise ValueError(f"y must lie in [0, num_classes={self.num_classes})")
-        # The dataclass is frozen; this is the documented way to normalise fields.
-        object.__setattr__(self, "x", x)
-        object.__setattr__(self, "y", y)
-
-    def __len__(self) -> int:
-        """Return the number of samples."""
-        return len(self.y)
-
-    @property
-    def num_features(self) -> int:
-        """Number of features per sample."""
-        return int(self.x.shape[1])
-
-    def subset(self, indices: Sequence[int] | np.ndarray) -> ArrayDataset:
-        """Return the samples at ``indices`` (integer indices or boolean mask).
-
-        Parameters
-        ----------
-        indices : Sequence[int] or np.ndarray
-            Row indices, or a boolean mask of length ``len(self)``.
-
-        Returns
-        -------
-        ArrayDataset
-            A copy holding the selected rows, in the given order.
-        """
-        idx = np.asarray(indices)
-        if idx.dtype != np.bool_:
-            # An empty list comes in as float64; it still selects nothing.
-            idx = idx.astype(np.int64)
-        return ArrayDataset(x=self.x[idx], y=self.y[idx], num_classes=self.num_classes)
-
-
-@dataclass(frozen=True, eq=False)
-class TrainTest:
-    """A named train/test pair of :class:`ArrayDataset`.
-
-    Parameters
-    ----------
-    train, test : ArrayDataset
-        The two splits, with the same feature count and number of classes.
-    name : str
-        Name of the data set (``"digits"``, ``"fashion-mnist"``, ``"adult"``).
-    num_features : int
-        Number of features per sample.
-    num_classes : int
-        Number of classes.
-    train_owners, test_owners : np.ndarray or None (default: None)
-        For a data set generated per client (the FedProx paper's synthetic
-        federations), the client each training and test sample belongs to
-        (int64, one per sample, clients numbered from 0); ``partition=natural``
-        splits the training set by them. None for a pooled data set.
-
-    Raises
-    ------
-    ValueError
-        If an owners array is not one integer per sample of its split.
-    """
-
-    train: ArrayDataset
-    test: ArrayDataset
-    name: str
-    num_features: int
-    num_classes: int
-    train_owners: np.ndarray | None = None
-    test_owners: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        """Check the owners arrays against their splits."""
-        for field_name, split in (
-            ("train_owners", self.train),
-            ("test_owners", self.test),
-        ):
-            owners = getattr(self, field_name)
-            if owners is None:
-                continue
-            owners = np.asarray(owners)
-            if owners.shape != (len(split),) or not (
-                owners.size == 0 or np.issubdtype(owners.dtype, np.integer)
-            ):
-                raise ValueError(
-                    f"{field_name} must hold one integer per sample "
-                    f"({len(split)}), got shape {owners.shape} and dtype {owners.dtype}"
-                )
-            if owners.size and owners.min() < 0:
-                raise ValueError(f"{field_name} must be >= 0")
-            object.__setattr__(self, field_name, owners.astype(np.int64))
-
-    @property
-    def num_owners(self) -> int | None:
-        """Number of natural clients (None for a pooled data set)."""
-        if self.train_owners is None:
-            return None
-        return int(self.train_owners.max()) + 1 if self.train_owners.size else 0
 
 
 # --------------------------------------------------------------------------- paths
@@ -287,105 +156,6 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> TrainTest:
         num_features=64,
         num_classes=10,
     )
-
-
-# --------------------------------------------------------------------------- idx files
-
-# Type byte of the idx header -> big-endian numpy dtype.
-_IDX_DTYPES: dict[int, np.dtype[Any]] = {
-    0x08: np.dtype(">u1"),
-    0x09: np.dtype(">i1"),
-    0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"),
-    0x0D: np.dtype(">f4"),
-    0x0E: np.dtype(">f8"),
-}
-
-
-class _Readable(Protocol):
-    def read(self, size: int, /) -> bytes: ...
-
-
-def _read_exactly(stream: _Readable, size: int, path: Path) -> bytes:
-    """Read ``size`` bytes or raise ``ValueError`` for a truncated file."""
-    data = stream.read(size)
-    if len(data) != size:
-        raise ValueError(f"{path} is truncated: wanted {size} bytes, got {len(data)}")
-    return data
-
-
-def read_idx(
-    path: str | os.PathLike[str], *, max_items: int | None = None
-) -> np.ndarray:
-    """Read an idx file (the MNIST format), optionally gzipped.
-
-    Parameters
-    ----------
-    path : str or PathLike
-        File to read; a name ending in ``.gz`` is decompressed on the fly.
-    max_items : int or None, default None
-        Read only the first ``max_items`` entries along the first axis.
-
-    Returns
-    -------
-    np.ndarray
-        Array with the shape given in the header, in native byte order.
-    """
-    if max_items is not None and max_items < 0:
-        raise ValueError(f"max_items must be >= 0 or None, got {max_items!r}")
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as stream:
-        magic = _read_exactly(stream, 4, path)
-        if magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES:
-            raise ValueError(f"{path} is not an idx file (magic {magic.hex()})")
-        dtype, ndim = _IDX_DTYPES[magic[2]], magic[3]
-        dims = [
-            int(d) for d in np.frombuffer(_read_exactly(stream, 4 * ndim, path), ">u4")
-        ]
-        if ndim and max_items is not None:
-            dims[0] = min(dims[0], max_items)
-        count = int(np.prod(dims))
-        # Only the requested rows are decompressed: tests read a few thousand.
-        body = _read_exactly(stream, count * dtype.itemsize, path)
-    return np.frombuffer(body, dtype).reshape(dims).astype(dtype.newbyteorder("="))
-
-
-# --------------------------------------------------------------------- Fashion-MNIST
-
-_FASHION_FILES = {
-    ("train", "x"): "train-images-idx3-ubyte",
-    ("train", "y"): "train-labels-idx1-ubyte",
-    ("test", "x"): "t10k-images-idx3-ubyte",
-    ("test", "y"): "t10k-labels-idx1-ubyte",
-}
-
-
-def _idx_file(folder: Path, stem: str) -> Path | None:
-    """Return ``folder/stem`` or ``folder/stem.gz``, whichever exists."""
-    for candidate in (folder / stem, folder / f"{stem}.gz"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _has_fashion_files(folder: Path) -> bool:
-    return all(_idx_file(folder, stem) for stem in _FASHION_FILES.values())
-
-
-def _fashion_split(
-    folder: Path, split: str, limit: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Read one split's images (uint8, n x 28 x 28) and labels from idx files."""
-    x_path = _idx_file(folder, _FASHION_FILES[(split, "x")])
-    y_path = _idx_file(folder, _FASHION_FILES[(split, "y")])
-    if x_path is None or y_path is None:
-        raise FileNotFoundError(f"Fashion-MNIST {split} files missing in {folder}")
-    images = read_idx(x_path, max_items=limit)
-    labels = read_idx(y_path, max_items=limit)
-    if len(images) != len(labels):
-        raise ValueError(f"{x_path} and {y_path} hold different numbers of items")
-    return images, labels
 
 
 def _fashion_from_hub() -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -506,59 +276,9 @@ def _fashion_fallback(
     return splits["train"], splits["test"]
 
 
-# --------------------------------------------------------------------------- Adult
-
-ADULT_COLUMNS = (
-    "age",
-    "workclass",
-    "fnlwgt",
-    "education",
-    "education-num",
-    "marital-status",
-    "occupation",
-    "relationship",
-    "race",
-    "sex",
-    "capital-gain",
-    "capital-loss",
-    "hours-per-week",
-    "native-country",
-)
-ADULT_CATEGORICAL = (
-    "workclass",
-    "education",
-    "marital-status",
-    "occupation",
-    "relationship",
-    "race",
-    "sex",
-    "native-country",
-)
 _ADULT_SOURCE = (
     "UCI Machine Learning Repository, https://archive.ics.uci.edu/dataset/2/adult"
 )
-
-
-def _has_adult_files(folder: Path) -> bool:
-    return (folder / "adult.data").is_file() and (folder / "adult.test").is_file()
-
-
-def _read_adult_file(path: Path) -> list[list[str]]:
-    """Return the stripped fields of every record (comment and blank lines skipped)."""
-    rows = []
-    with path.open(encoding="ascii") as handle:
-        for number, raw in enumerate(handle, start=1):
-            line = raw.strip()
-            # adult.test opens with "|1x3 Cross validator"; both files end blank.
-            if not line or line.startswith("|"):
-                continue
-            fields = [field.strip() for field in line.split(",")]
-            if len(fields) != len(ADULT_COLUMNS) + 1:
-                raise ValueError(
-                    f"{path}:{number}: expected 15 fields, got {len(fields)}"
-                )
-            rows.append(fields)
-    return rows
 
 
 def adult_matrix(
@@ -606,33 +326,6 @@ def adult_matrix(
     x, y = _parse_adult(*((p.resolve(), p.stat().st_mtime_ns) for p in files))
     # Copies, so that callers cannot corrupt the cached parse.
     return x.copy(), y.copy()
-
-
-# Parsing takes ~0.5 s and experiments reload the same files many times; the
-# modification times in the key make an edited file be read again.
-@functools.lru_cache(maxsize=2)
-def _parse_adult(
-    test_file: tuple[Path, int], data_file: tuple[Path, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Parse adult.test then adult.data into the encoded matrix and labels."""
-    rows = _read_adult_file(test_file[0]) + _read_adult_file(data_file[0])
-    table = np.array(rows, dtype=str)
-    table = table[(table != "?").all(axis=1)]
-    x = np.empty((len(table), len(ADULT_COLUMNS)), dtype=np.float64)
-    for j, column in enumerate(ADULT_COLUMNS):
-        if column in ADULT_CATEGORICAL:
-            # np.unique sorts by code point, the order of the authors' encoding.
-            _, x[:, j] = np.unique(table[:, j], return_inverse=True)
-        else:
-            x[:, j] = table[:, j].astype(np.float64)
-    y = (np.char.rstrip(table[:, -1], ".") == ">50K").astype(np.int64)
-    return x, y
-
-
-def _unit_columns(x: np.ndarray) -> np.ndarray:
-    """Scale every column to unit Euclidean norm (all-zero columns left as is)."""
-    norms = np.linalg.norm(x, axis=0)
-    return x / np.where(norms > 0, norms, 1.0)
 
 
 def load_adult(

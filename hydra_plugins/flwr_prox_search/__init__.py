@@ -11,8 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
 
 
 class SearchSweeper(Sweeper):
@@ -26,17 +24,9 @@ class SearchSweeper(Sweeper):
 
         self.search = Search(**options)
 
-    def setup(
-        self,
-        *,
-        hydra_context: HydraContext,
-        task_function: TaskFunction,
-        config: DictConfig,
-    ) -> None:
-        """Build the launcher the trials run on."""
-        self.search.setup(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
+    def setup(self, **context: Any) -> None:
+        """Build the launcher the trials run on (Hydra's context, config, task)."""
+        self.search.setup(**context)
 
     def sweep(self, arguments: list[str]) -> Any:
         """Run the study's trials; return the best."""
