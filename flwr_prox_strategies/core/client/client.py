@@ -36,8 +36,6 @@ from .dp import (
     PrivacyLedger,
     TrainingRun,
     dp_sgd,
-    epsilon_report,
-    log_round,
     make_private_model,
     sample_rate_of,
 )
@@ -61,9 +59,11 @@ from .training import (
     check_batches,
     evaluate_model,
     full_gradient,
+    resolve_device,
     train_local,
     trainable,
 )
+from .wiring import RuleTerm
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,24 +72,6 @@ OPTIMIZERS = ("sgd", "adam")
 
 # The train-config key Flower's examples send the learning rate under.
 SERVER_LR_KEY = "lr"
-
-
-class RuleTerm:
-    """A rule's term, added through :meth:`ClientRule.add_gradient` (counted)."""
-
-    def __init__(self, rule: ClientRule) -> None:
-        self.rule = rule
-
-    def add_(self, params: Sequence[torch.Tensor]) -> None:
-        """Add the rule's term to the gradients once, as a user's loop would."""
-        self.rule.add_gradient()
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """Return ``device``; ``"auto"`` is CUDA when available, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class TorchClient(NumPyClient):
@@ -418,7 +400,7 @@ class TorchClient(NumPyClient):
         """
         if self.rule is None or term is not self.rule.term:
             return term
-        return RuleTerm(self.rule)
+        return RuleTerm(self.rule.wiring)
 
     def training_run(
         self, optimizer: torch.optim.Optimizer, term: GradientTerm | None
@@ -511,10 +493,18 @@ class TorchClient(NumPyClient):
                 sum(float((g.double() ** 2).sum()) for g in grads)
             )
         steps = None if steps is None else int(steps)
-        spent_before = self.check_privacy_budget(epochs, steps)
+        ledger = None if self.dp is None else PrivacyLedger(self.dp, self.state)
+        if ledger is not None:  # refuse a round that would exceed the budget
+            planned = epochs * len(self.train_loader) if steps is None else steps  # type: ignore[arg-type]
+            spent_before = ledger.check_round(self.train_data, planned)
         report = self.local_solve(config, epochs=epochs, steps=steps)
-        if self.dp is not None:
-            metrics.update(self.privacy_report(spent_before, report.steps))
+        if ledger is not None:
+            who = f"{type(self).__name__} {self.client_key}"
+            metrics.update(
+                ledger.report_round(
+                    who, self.server_round, self.train_data, spent_before, report.steps
+                )
+            )
         # (DP-SGD's Poisson sampling may draw only empty batches: noise steps.)
         if report.examples_seen == 0 and (epochs > 0 or steps) and self.dp is None:
             raise ValueError("the training loader yielded no examples")
@@ -529,31 +519,6 @@ class TorchClient(NumPyClient):
         metrics[CLIENT_KEY_METRIC] = self.client_key
         self.state.flush()
         return self.get_parameters({}), self.num_train_examples(), metrics
-
-    def check_privacy_budget(self, epochs: int, steps: int | None) -> float:
-        """Return epsilon spent so far; refuse a round that would exceed the budget."""
-        if self.dp is None:
-            return 0.0
-        ledger = PrivacyLedger(self.dp, self.state)
-        rate, _ = sample_rate_of(self.train_data, self.dp)
-        planned = steps if steps is not None else epochs * len(self.train_loader)  # type: ignore[arg-type]
-        ledger.check_budget(rate, planned)
-        return ledger.spent()
-
-    def privacy_report(self, spent_before: float, steps: int) -> dict[str, float]:
-        """Log and return this round's DP-SGD spending."""
-        assert self.dp is not None
-        spent = PrivacyLedger(self.dp, self.state).spent()
-        rate, _ = sample_rate_of(self.train_data, self.dp)
-        log_round(
-            f"{type(self).__name__} {self.client_key}",
-            self.server_round,
-            self.dp,
-            steps,
-            rate,
-            spent,
-        )
-        return epsilon_report(spent_before, spent, self.dp)
 
     def num_train_examples(self) -> int:
         """Return the number of local training examples (the weight)."""

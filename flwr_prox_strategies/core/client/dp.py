@@ -284,6 +284,20 @@ class PrivacyLedger:
             )
         return self.epsilon(accountant)
 
+    def check_round(self, loader: Any, steps: int) -> float:
+        """Refuse ``steps`` more steps past the budget; return the epsilon spent."""
+        self.check_budget(sample_rate_of(loader, self.dp)[0], steps)
+        return self.spent()
+
+    def report_round(
+        self, client: str, server_round: int, loader: Any, before: float, steps: int
+    ) -> dict[str, float]:
+        """Log and return this round's DP-SGD spending (``before``: epsilon then)."""
+        spent = self.spent()
+        rate, _ = sample_rate_of(loader, self.dp)
+        log_round(client, server_round, self.dp, steps, rate, spent)
+        return epsilon_report(before, spent, self.dp)
+
     def check_budget(self, sample_rate: float, steps: int) -> None:
         """Refuse the round if it would take the client past ``target_epsilon``."""
         target = self.dp.target_epsilon

@@ -171,6 +171,13 @@ class TrainReport:
     stopped_early: bool = False
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Return ``device``; ``"auto"`` is CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def trainable(model: nn.Module) -> list[torch.Tensor]:
     """Return the model's trainable parameters in ``state_dict`` order."""
     return [p for p in model.parameters() if p.requires_grad]

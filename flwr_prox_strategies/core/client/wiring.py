@@ -78,6 +78,21 @@ def check_plain_sgd(optimizer: Any, rule: str, protocol: str) -> None:
         )
 
 
+class RuleTerm:
+    """A rule's term as a :class:`~.training.GradientTerm` that adds it once a step.
+
+    What the pack's own loop adds: each call goes through the rule's wiring,
+    so it is counted as a user's loop calling ``add_gradient`` would be.
+    """
+
+    def __init__(self, wiring: TermWiring) -> None:
+        self.wiring = wiring
+
+    def add_(self, params: Any) -> None:
+        """Add the rule's term to the gradients once this step."""
+        self.wiring.add_gradient()
+
+
 class TermWiring:
     """Adds one rule's term at every optimiser step and measures what happened.
 
@@ -394,4 +409,4 @@ class TermWiring:
             )
 
 
-__all__ = ["TermWiring", "WiredRule", "check_plain_sgd"]
+__all__ = ["RuleTerm", "TermWiring", "WiredRule", "check_plain_sgd"]
