@@ -62,22 +62,12 @@ when it was not sampled count with its unchanged :math:`\omega_k`). The last
 iterates and the weighted averages are both evaluated: ``personal`` and
 ``accuracy`` (the global model), ``personal-avg`` and ``global-avg``.
 
-Mixture of parameters or of outputs. The paper mixes parameters
-(``mixing="parameters"``, the default). The official code (MLOPTPSU/FedTorch,
-``inference_personal``) and FL4Health mix the two models' *outputs*,
-:math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (``mixing="outputs"``); its
-personal gradient then flows through :math:`\alpha` (the "chain" form, the only
-one defined there). Users comparing with FedTorch's numbers should use
-``mixing="outputs"``. Other FedTorch details not followed here, on purpose: its
-personal step uses :math:`\theta` *after* the step, it updates :math:`\alpha`
-once per round with an extra :math:`0.02\alpha` term, and its
-:math:`\alpha`-gradient is :math:`\langle\omega-\theta, \alpha\nabla_\omega +
-(1-\alpha)\nabla_\theta\rangle`; here the :math:`\alpha`-gradient is exact.
-
-Deliberate choices where the paper is silent: :math:`\omega_k^0` is the first
-global model the client receives (a personal model starting as good as the
-global one); momentum and weight decay, when set on the client, apply to both
-models; ``max_grad_norm`` clips each model's gradient separately.
+Mixture of parameters (``mixing="parameters"``, the paper) or of the two
+models' outputs, :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)`
+(``mixing="outputs"``, the official code FedTorch and FL4Health: compare with
+FedTorch's numbers under it). The FedTorch details not followed, and the choices
+where the paper is silent (:math:`\omega_k^0` is the first global model received;
+momentum, weight decay and clipping apply to each model): the pack's APFL page.
 
 Client state (``context.state``): :math:`\omega_k`, :math:`\alpha_k`, and with
 averaging :math:`\sum_t p_t\omega_k^t` and the last step it covers. APFL's
@@ -92,7 +82,6 @@ evaluate config; ArrayRecords ``apfl-weighted-theta`` (reply) and
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -123,11 +112,13 @@ from ..ops.apfl import (
     caught_up,
     decay_rate,
     mix,
+    mixed_model,
     mixture,
+    module_with,
     normalised,
     personal_gradient,
 )
-from ..ops.checks import check_fraction, check_int, check_positive
+from ..ops.checks import check_choice, check_fraction, check_int, check_positive
 
 APFL_ALPHA_KEY = "apfl-alpha"
 APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"
@@ -270,24 +261,16 @@ class APFL(ValidatedFedAvg):
     ) -> None:
         check_fraction("alpha", alpha)
         check_int("sync_gap", sync_gap, 1)
-        if mixing not in MIXINGS:
-            raise ValueError(f"mixing must be one of {MIXINGS}, got {mixing!r}")
+        check_choice("mixing", mixing, MIXINGS)
         if personal_gradient is None:
             personal_gradient = "mixture" if mixing == "parameters" else "chain"
-        if personal_gradient not in PERSONAL_GRADIENTS:
-            raise ValueError(
-                f"personal_gradient must be one of {PERSONAL_GRADIENTS}, "
-                f"got {personal_gradient!r}"
-            )
+        check_choice("personal_gradient", personal_gradient, PERSONAL_GRADIENTS)
         if mixing == "outputs" and personal_gradient == "mixture":
             raise ValueError(
                 "personal_gradient='mixture' is defined for mixing='parameters' "
                 "only; output mixing's gradient is the chain-rule one ('chain')"
             )
-        if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(
-                f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}"
-            )
+        check_choice("lr_schedule", lr_schedule, LR_SCHEDULES)
         if lr_schedule == "decay":
             if strong_convexity is None:
                 raise ValueError("lr_schedule='decay' needs strong_convexity (mu)")
@@ -415,20 +398,6 @@ class APFL(ValidatedFedAvg):
         return {} if model is None else {AVERAGE_MODEL_RECORD: model}
 
 
-class OutputMixture(nn.Module):
-    r"""Predict :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (FedTorch)."""
-
-    def __init__(self, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
-        super().__init__()
-        self.personal = personal
-        self.shared = shared
-        self.alpha = alpha
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Mix the two models' outputs."""
-        return mix(self.alpha, self.personal(inputs), self.shared(inputs))
-
-
 def current_alpha(config: Mapping[str, Any], state: ClientState, require: Any) -> float:
     """Return this client's mixture weight: learned (adaptive) or the server's."""
     alpha = float(require(APFL_ALPHA_KEY))
@@ -445,15 +414,6 @@ def personal_params(
     if state.get(PERSONAL_STATE) is None:
         return [p.detach().clone() for p in params]
     return state.get_tensors(PERSONAL_STATE, params)
-
-
-def module_with(model: nn.Module, params: list[torch.Tensor]) -> nn.Module:
-    """Return a copy of ``model`` whose trainable parameters are ``params``."""
-    module = copy.deepcopy(model)
-    with torch.no_grad():
-        for p, value in zip(trainable(module), params, strict=True):
-            p.copy_(value)
-    return module
 
 
 def caught_up_personal_sum(
@@ -819,21 +779,6 @@ class APFLClient(TorchClient):
     def _personal_params(self) -> list[torch.Tensor]:
         return personal_params(self.state, trainable(self.model))
 
-    def _personal_module(self, params: list[torch.Tensor]) -> nn.Module:
-        return module_with(self.model, params)
-
-    def _mixed_module(
-        self, personal: nn.Module, shared: nn.Module, alpha: float, mixing: str
-    ) -> nn.Module:
-        if mixing == "outputs":
-            return OutputMixture(personal, shared, alpha)
-        mixed = copy.deepcopy(shared)
-        with torch.no_grad():
-            point = mixture(alpha, trainable(personal), trainable(shared))
-            for m, value in zip(trainable(mixed), point, strict=True):
-                m.copy_(value)
-        return mixed
-
     # -------------------------------------------------------------- evaluate
     def personal_models(self, config: dict[str, Any]) -> dict[str, nn.Module]:
         r"""Return the personalised model; with averaging, the weighted final models."""
@@ -841,8 +786,8 @@ class APFLClient(TorchClient):
         mixing = str(self.required(config, APFL_MIXING_KEY))
         omega = self._personal_params()
         models = {
-            "personal": self._mixed_module(
-                self._personal_module(omega), self.model, alpha, mixing
+            "personal": mixed_model(
+                module_with(self.model, omega), self.model, alpha, mixing
             )
         }
         average = self.received_arrays.get(AVERAGE_MODEL_RECORD)
@@ -852,11 +797,11 @@ class APFLClient(TorchClient):
         total_steps = int(self.required(config, APFL_STEP_KEY))
         personal_sum = caught_up_personal_sum(self.state, omega, total_steps, a)
         normaliser = averaging_weight_sum(1, total_steps, a)
-        personal_average = self._personal_module(
-            normalised(personal_sum, normaliser, omega)
+        personal_average = module_with(
+            self.model, normalised(personal_sum, normaliser, omega)
         )
-        global_average = self._personal_module(self.from_state_order(average))
-        models["personal-avg"] = self._mixed_module(
+        global_average = module_with(self.model, self.from_state_order(average))
+        models["personal-avg"] = mixed_model(
             personal_average, global_average, alpha, mixing
         )
         models["global-avg"] = global_average

@@ -51,20 +51,10 @@ Defaults are the paper's experiments: :math:`k_0 = 10`, :math:`\rho = 0.5`,
 official code's :math:`2\cdot10^{-5}(\rho + 0.1)(m/100 + 0.5)`,
 :math:`\lambda = \eta/2`, :math:`r_0 = 0.05`, growth 1.001, noise 0.1.
 
-Deliberate differences from the official MATLAB code (ShenglongZhou/FedEPM):
-
-* it initialises every upload as pure noise (:math:`z_j = \xi_j/r_0`) and
-  aggregates those at iteration 0, so a never-sampled client keeps contributing
-  noise; here every client's upload slot starts at the initial model
-  :math:`x^0`, and :math:`x_i` starts at the first model the client receives;
-* its Laplace draws are standardised to unit sample standard deviation over the
-  vector (so :math:`b_i` is a standard deviation there, a Laplace scale here:
-  the official noise is :math:`1/\sqrt2` of ours, its :math:`\varepsilon`
-  :math:`\sqrt2` times larger under the same sensitivity);
-* the stopping rules need :math:`F(x)` and :math:`\nabla F(x)` over all
-  clients at every communication, which the official code computes in its
-  simulation; :func:`official_stop` implements them for runs that can afford it
-  (the benchmark does), the strategy runs its ``num_rounds``.
+Where this departs from the official MATLAB code (uploads start at :math:`x^0`,
+not noise; a Laplace scale, not a standardised draw; the stopping rules are
+:func:`official_stop`'s, left to the caller), and why: the pack's FedEPM page,
+*Deviations from the paper and the official code*.
 
 The client takes any torch model and loss: :math:`f_i` is the mean loss over the
 client's data plus ``ridge``:math:`/(2 d_i)\lVert x\rVert^2` (the paper:
@@ -108,12 +98,7 @@ from ..ops.checks import (
     check_unset,
 )
 from ..ops.elastic_net import PaperLogistic as PaperLogistic
-from ..ops.elastic_net import (
-    default_eta,
-    prox_linear_steps,
-    table_center,
-    with_rows,
-)
+from ..ops.elastic_net import default_eta, prox_linear_steps, table_center, with_rows
 from ..ops.elastic_net import official_partition as official_partition
 from ..ops.elastic_net import official_stop as official_stop
 from ..ops.privacy import add_laplace_noise
@@ -176,15 +161,12 @@ class FedEPM(ValidatedFedAvg):
     noise : float (default: 0.1)
         :math:`\varepsilon` per upload; 0 turns the noise off.
     table : str (default: "dense")
-        The server's table of every client's latest upload, inherent to the
-        method: ``"dense"`` allocates all :math:`m` rows at the start (as the
-        official code does: :math:`m \times` the model, 8 GB for 10,000 clients
-        of a 0.8 MB model); ``"seen"`` keeps a row for each client that has
-        uploaded and one for the initial model that every other client still
-        holds, weighted by their number (a weighted elastic-net centre): the
-        same centre up to the order of float additions, in memory that grows
-        with the clients seen (10 a round for 50 rounds: 500 rows), not with
-        :math:`m`.
+        The server's table of every client's latest upload: ``"dense"``
+        allocates all :math:`m` rows at the start, as the official code does
+        (8 GB for 10,000 clients of a 0.8 MB model); ``"seen"`` keeps a row per
+        client that has uploaded and one, weighted by their number, for the
+        initial model the others hold: the same centre up to the order of
+        float additions, in memory that grows with the clients seen.
     **kwargs
         Keyword arguments of :class:`FedAvg`, except ``fraction_train``,
         ``min_train_nodes``, ``local_epochs``, ``local_steps``, ``weighting``
@@ -203,10 +185,9 @@ class FedEPM(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``fedepm-applied``, the count of their steps whose update
-    held the rule's term (measured), beside ``local-steps``; replies without
-    it are named
-    in a warning once per run (rejected with ``strict=True``). The centre is
+    Clients report ``fedepm-applied`` (their steps whose update held the
+    rule's term, measured) beside ``local-steps``; replies without it are
+    named in a warning once per run (rejected with ``strict=True``). The centre is
     not linear in the uploads (an upload's :math:`+\infty` becomes the others'
     minimum), so every upload is checked for NaN and inf before it enters the
     table. Train config keys: ``fedepm-iteration``, ``fedepm-k0``,
@@ -222,10 +203,7 @@ class FedEPM(ValidatedFedAvg):
 
     stateful_clients = True
     requires_num_clients = True
-    #: The elastic-net centre turns an upload's +inf into the coordinate-wise
-    #: minimum of the others (finite): every upload is checked for NaN/inf
-    #: before it enters the table, not after the centre.
-    model_linear_in_replies = False
+    model_linear_in_replies = False  # see Notes
     rule_metric = FEDEPM_APPLIED_KEY
     rule_name = "FedEPM's local proximal iterations and noisy upload"
     state_fields = ("uploads", "slots")

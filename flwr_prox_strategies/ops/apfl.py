@@ -19,12 +19,14 @@ values and leave their arguments untouched.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
+from torch import nn
 
 T = TypeVar("T", float, torch.Tensor)
 
@@ -147,3 +149,44 @@ def add_weighted(
     for key, value in mean.items():
         new[key] += weight * value
     return new
+
+
+def _trainable(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def module_with(model: nn.Module, params: Sequence[torch.Tensor]) -> nn.Module:
+    """Return a copy of ``model`` whose trainable parameters are ``params``."""
+    module = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, value in zip(_trainable(module), params, strict=True):
+            p.copy_(value)
+    return module
+
+
+class OutputMixture(nn.Module):
+    r"""Predict :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (FedTorch)."""
+
+    def __init__(self, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.personal = personal
+        self.shared = shared
+        self.alpha = alpha
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Mix the two models' outputs."""
+        return mix(self.alpha, self.personal(inputs), self.shared(inputs))
+
+
+def mixed_model(
+    personal: nn.Module, shared: nn.Module, alpha: float, mixing: str
+) -> nn.Module:
+    r"""Return the personalised model: the parameters' mixture, or the outputs'.
+
+    ``mixing="parameters"``: a copy of ``shared`` at :math:`\bar\omega`;
+    ``"outputs"``: :class:`OutputMixture` of the two models.
+    """
+    if mixing == "outputs":
+        return OutputMixture(personal, shared, alpha)
+    point = mixture(alpha, _trainable(personal), _trainable(shared))
+    return module_with(shared, point)
