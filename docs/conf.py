@@ -175,11 +175,27 @@ copybutton_prompt_is_regexp = True
 
 
 def _public_bases(app, name, obj, options, bases):
-    """Leave internal mixins out of "Bases:" (their members are shown on the class)."""
+    """Leave internal bases out of "Bases:" (their members are shown on the class).
+
+    Internal means the pack's own classes that are neither exported by the
+    package nor by ``flwr_prox_strategies.extend``: the mixins of ``core`` and
+    shared bases such as P-FedAvg's two servers' ``GraphServers``.
+    """
+    import flwr_prox_strategies
+    import flwr_prox_strategies.extend
+
+    public = {
+        *flwr_prox_strategies.__all__,
+        *flwr_prox_strategies.extend.__all__,
+    }
     bases[:] = [
         base
         for base in bases
-        if not getattr(base, "__module__", "").startswith("flwr_prox_strategies.core.")
+        if not getattr(base, "__module__", "").startswith("flwr_prox_strategies.")
+        or (
+            not base.__module__.startswith("flwr_prox_strategies.core.")
+            and base.__name__ in public
+        )
     ]
 
 
