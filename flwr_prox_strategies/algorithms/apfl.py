@@ -103,6 +103,7 @@ from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.keys import LOCAL_STEPS_KEY
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
 from ..ops.aggregate import divided_like
+from ..ops.apfl import OutputMixture as OutputMixture  # its home before ops.apfl
 from ..ops.apfl import (
     add_weighted,
     alpha_gradient,
