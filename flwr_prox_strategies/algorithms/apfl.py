@@ -334,10 +334,7 @@ class APFL(ValidatedFedAvg):
         return sums
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Return the weighted mean of the :math:`\theta_k`; add the round's steps.
 

@@ -243,10 +243,7 @@ class FedDC(ValidatedFedAvg):
         return {**state, "control": rescaled(state["control"], old / new)}
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Official: mean θ⁺ over S plus :math:`H^+/N`, new H and c; paper: new g.
 

@@ -260,10 +260,7 @@ class FedDyn(ValidatedFedAvg):
         return {**state, "latest_sum": summed(latest, theta0)}
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Return :math:`\mathrm{mean}_S\theta_k + \Lambda^{t+1}/N` and the new sums.
 

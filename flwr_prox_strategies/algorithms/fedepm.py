@@ -317,10 +317,7 @@ class FedEPM(ValidatedFedAvg):
             )
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         """Replace the repliers' uploads, then take the elastic-net centre.
 

@@ -202,10 +202,7 @@ class Scaffold(ValidatedFedAvg):
         return {**state, "control": rescaled(state["control"], old / new)}
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Return :math:`x + \eta_g\,\mathrm{mean}_S(y_i - x)` and the new :math:`c`.
 

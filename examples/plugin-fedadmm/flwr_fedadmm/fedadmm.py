@@ -277,10 +277,7 @@ class FedADMM(ValidatedFedAvg):
         return {**state, "u_sum": grown}
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Add the replies' deltas to :math:`S`; return :math:`S/N`."""
         assert self.num_clients is not None and self.global_arrays is not None

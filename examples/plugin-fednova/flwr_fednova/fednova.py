@@ -217,10 +217,7 @@ class FedNova(ValidatedFedAvg):
             )
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Return :math:`x - \tau_{\mathrm{eff}} \sum_i p_i (x - y_i)/a_i`."""
         assert self.global_arrays is not None
