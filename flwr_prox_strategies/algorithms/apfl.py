@@ -5,79 +5,13 @@ Learning", 2020 (arXiv:2003.13461), Algorithm 1; official code:
 github.com/MLOPTPSU/FedTorch.
 
 Each client :math:`k` keeps a local copy :math:`\theta_k` of the global model, a
-personal model :math:`\omega_k` and a mixture weight :math:`\alpha_k`. One local
-step :math:`t` on a mini-batch (both models see the same batch, and both updates
-use the values at :math:`t`):
-
-.. math::
-    \bar\omega_k^{t} = \alpha_k\omega_k^{t} + (1-\alpha_k)\theta_k^{t},\qquad
-    \theta_k^{t+1} = \theta_k^{t} - \eta_t\nabla f_k(\theta_k^{t}),\qquad
-    \omega_k^{t+1} = \omega_k^{t} - \eta_t\, g_k^{t}
-
-with :math:`g_k^t = \nabla f_k(\bar\omega_k^t)`, the gradient at the mixture
-(``personal_gradient="mixture"``, the default), or
-:math:`g_k^t = \nabla_{\omega}f_k(\bar\omega_k^t) = \alpha_k\nabla f_k(\bar\omega_k^t)`,
-the paper's Eq. (10) (``personal_gradient="chain"``). Both have the same fixed
-points; "mixture" takes steps :math:`1/\alpha_k` times longer. Optional adaptive
-weight (``adaptive_alpha=True``), clipped to :math:`[0, 1]`:
-
-.. math::
-    \alpha_k \gets \alpha_k - \eta_t\langle\omega_k^t - \theta_k^t,
-    \nabla f_k(\bar\omega_k^t)\rangle .
-
-Synchronisation gap :math:`\tau` (``sync_gap``). The paper's Algorithm 1
-aggregates when the step counter reaches a multiple of :math:`\tau` and keeps the
-same clients in between (:math:`S^{(t+1)} = S^{(t)}`). Here **one Flower round is one
-synchronisation period**: the sampled clients run exactly :math:`\tau` local
-steps (``local-steps`` in the config; mini-batches, cycling through the data),
-upload :math:`\theta_k`, and the server sets :math:`\theta = \frac{1}{|S|}
-\sum_{k\in S}\theta_k` (``weighting="uniform"``, the paper's mean) and samples
-anew. Round :math:`r` covers the global steps :math:`t = (r-1)\tau, \dots,
-r\tau - 1`; the first one travels as ``apfl-first-step``, so decaying rates and
-averaging weights use the global :math:`t` whichever clients are sampled.
-
-Learning rate: the client's own constant rate (``lr_schedule="constant"``,
-what the paper's experiments and FedTorch use), or the decaying rate of the
-paper's convergence analysis (strongly convex case)
-:math:`\eta_t = 16/(\mu(t + a))` with :math:`a = \max(128\kappa, \tau)`
-(``lr_schedule="decay"``; :math:`\mu` is ``strong_convexity``,
-:math:`\kappa` is ``condition_number``).
-
-Final models of the same analysis (``weighted_average=True``): with
-:math:`p_t = (t + a)^2` and
-:math:`S_T = \sum_{t=1}^T p_t`,
-
-.. math::
-    \hat\theta = \frac{1}{S_T}\sum_{t=1}^{T} p_t\,
-    \frac{1}{|S^{(t-1)}|}\sum_{k\in S^{(t-1)}}\theta_k^{t},\qquad
-    \hat\omega_k = \alpha_k\frac{1}{S_T}\sum_{t=1}^{T}p_t\,\omega_k^{t}
-    + (1-\alpha_k)\hat\theta .
-
-Every client accumulates :math:`\sum_t p_t\theta_k^t` over its :math:`\tau`
-steps and uploads its :math:`p`-weighted mean (``apfl-weighted-theta``, one more
-model per reply); the server averages those exactly as the models, so
-:math:`\hat\theta` is the sum over *every* step, as the analysis defines it, not
-only the synchronisation points. The client keeps :math:`\sum_t p_t\omega_k^t` (steps
-when it was not sampled count with its unchanged :math:`\omega_k`). The last
-iterates and the weighted averages are both evaluated: ``personal`` and
-``accuracy`` (the global model), ``personal-avg`` and ``global-avg``.
-
-Mixture of parameters (``mixing="parameters"``, the paper) or of the two
-models' outputs, :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)`
-(``mixing="outputs"``, the official code FedTorch and FL4Health: compare with
-FedTorch's numbers under it). The FedTorch details not followed, and the choices
-where the paper is silent (:math:`\omega_k^0` is the first global model received;
-momentum, weight decay and clipping apply to each model): the pack's APFL page.
-
-Client state (``context.state``): :math:`\omega_k`, :math:`\alpha_k`, and with
-averaging :math:`\sum_t p_t\omega_k^t` and the last step it covers. APFL's
-server sums nothing over client states, so the state is committed at once.
-
-Wire keys: ``apfl-alpha``, ``apfl-adaptive-alpha``, ``apfl-mixing``,
-``apfl-personal-gradient``, ``apfl-first-step``, ``apfl-average-a``,
-``apfl-lr-mu`` and ``apfl-lr-a`` in the train config; ``apfl-step`` in the
-evaluate config; ArrayRecords ``apfl-weighted-theta`` (reply) and
-``apfl-average-model`` (evaluate).
+personal model :math:`\omega_k` and a mixture weight :math:`\alpha_k`; both
+models take each local step from their values at :math:`t` (the maths:
+``flwr_prox_strategies.ops.apfl``). One Flower round is one synchronisation
+period of :math:`\tau` steps (``sync_gap``), then the server averages the
+:math:`\theta_k`. The update as implemented, the weighted final models, the
+state, the wire keys and the deviations from the paper and FedTorch: the pack's
+APFL page (``docs/algorithms/apfl.md``).
 """
 
 from __future__ import annotations
@@ -108,16 +42,18 @@ from ..ops.apfl import (
     add_weighted,
     alpha_gradient,
     alpha_update,
+    average_offset,
     averaging_weight,
     averaging_weight_sum,
-    caught_up,
     decay_rate,
+    gradient_at_mixture,
     mix,
     mixed_model,
     mixture,
     module_with,
     normalised,
     personal_gradient,
+    personal_sum,
 )
 from ..ops.checks import check_choice, check_fraction, check_int, check_positive
 
@@ -148,15 +84,12 @@ LAST_STEP_STATE = "apfl-last-step"
 class APFL(ValidatedFedAvg):
     r"""APFL strategy: FedAvg of the clients' global copies every ``sync_gap`` steps.
 
-    Each client keeps a local copy :math:`\theta_k` of the global model, a
-    personal model :math:`\omega_k` and a mixture weight :math:`\alpha_k`;
-    each local step trains :math:`\theta_k` on its data and :math:`\omega_k`
-    at the mixture :math:`\bar\omega_k = \alpha_k\omega_k +
-    (1-\alpha_k)\theta_k` (Deng et al., 2020, Algorithm 1). One Flower round
-    is one synchronisation period of :math:`\tau` local steps, after which
-    the server averages the :math:`\theta_k`. The clients evaluate the
-    personalised model beside the global one. Its clients are
-    :class:`APFLClient` or your own loop with :class:`APFLRule`.
+    Each local step trains the client's copy :math:`\theta_k` of the global
+    model and its personal model :math:`\omega_k` at the mixture
+    :math:`\bar\omega_k = \alpha_k\omega_k + (1-\alpha_k)\theta_k` (Deng et
+    al., 2020, Algorithm 1); the clients evaluate the personalised model beside
+    the global one. Its clients are :class:`APFLClient` or your own loop with
+    :class:`APFLRule`.
 
     Parameters
     ----------
@@ -212,12 +145,10 @@ class APFL(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``apfl-applied``, the count of their steps whose update
-    held the rule's term (measured), beside ``local-steps``; replies without
-    it are named
-    in a warning once per run (rejected with ``strict=True``). Evaluation
-    metrics: ``personal`` and ``accuracy`` (the global model), and with
-    averaging ``personal-avg`` and ``global-avg``.
+    Clients report ``apfl-applied`` (their steps that held the rule's term)
+    beside ``local-steps``; replies without it are named in a warning once per
+    run (rejected with ``strict=True``). Evaluation metrics: ``personal``,
+    ``accuracy`` (the global model), ``personal-avg`` and ``global-avg``.
 
     References
     ----------
@@ -293,7 +224,7 @@ class APFL(ValidatedFedAvg):
         self.lr_schedule = lr_schedule
         self.strong_convexity = strong_convexity
         self.condition_number = float(condition_number)
-        self.a = max(128.0 * self.condition_number, float(sync_gap))
+        self.a = average_offset(self.condition_number, sync_gap)
         self.weighted_average = bool(weighted_average)
         self.average_sum: dict[str, NDArray] | None = None
         self.average_weight = 0.0
@@ -352,15 +283,16 @@ class APFL(ValidatedFedAvg):
                 "average_sum": add_weighted(state["average_sum"], mean, weight),
                 "average_weight": state["average_weight"] + weight,
             }
-        metrics: dict[str, Any] = {}
         alphas = [
             float(v)
             for r in replies
             if isinstance(v := r.metrics.get("apfl-alpha"), (int, float))
         ]
-        if alphas:
-            metrics["apfl-alpha-min"] = min(alphas)
-            metrics["apfl-alpha-max"] = max(alphas)
+        metrics: dict[str, Any] = (
+            {"apfl-alpha-min": min(alphas), "apfl-alpha-max": max(alphas)}
+            if alphas
+            else {}
+        )
         return RoundUpdate(
             dict_to_record(self.weighted_mean(replies)), new_state, metrics
         )
@@ -420,11 +352,7 @@ def caught_up_personal_sum(
     r"""Return :math:`\sum_{t\le up\_to} p_t\omega_k^t` (idle steps included)."""
     saved = state.get(PERSONAL_SUM_STATE)
     last = int(state.scalar(LAST_STEP_STATE, 0.0)) if saved is not None else 0
-    if saved is None:
-        total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
-    else:
-        total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
-    return caught_up(total, omega, averaging_weight_sum(last + 1, up_to, a))
+    return personal_sum(saved, last, omega, up_to, a)
 
 
 class APFLRule(ClientRule):
@@ -433,20 +361,10 @@ class APFLRule(ClientRule):
     Your model and optimiser train the global copy :math:`\theta_k` as usual;
     the rule keeps :math:`\omega_k` and :math:`\alpha_k` in the client's state
     and, at each step, takes :math:`\omega_k`'s step along the gradient at the
-    mixture (from the values at :math:`t`, so call :meth:`personal_step`
-    after ``backward()`` and before ``step()``), sets the server's step-size
-    schedule on your optimiser, learns :math:`\alpha_k` when adaptive and
-    keeps the weighted averages the final models need::
-
-        rule = APFLRule.from_message(msg, context, model)
-        optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.1))
-        for inputs, targets in batches(loader, rule.local_steps):  # exactly tau
-            optimizer.zero_grad()
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
-            rule.personal_step(inputs, targets, loss_fn)
-            optimizer.step()
-        return rule.reply(num_examples=n)
+    mixture (call :meth:`personal_step` after ``backward()`` and before
+    ``step()``), sets the server's step-size schedule on your optimiser, learns
+    :math:`\alpha_k` when adaptive and keeps the weighted averages the final
+    models need. The loop, exactly ``rule.local_steps`` steps: the APFL page.
 
     Parameters
     ----------
@@ -596,14 +514,9 @@ class APFLRule(ClientRule):
                 [w.detach() for w in self.omega],
                 [p.detach() for p in self.params],
             )
-            mixed = {
-                name: p.requires_grad_()
-                for name, p in zip(self.names, point, strict=True)
-            }
-            with untracked():  # no per-sample grads for the local omega
-                out = torch.func.functional_call(self.model, mixed, (inputs,))
-                personal_loss = loss_fn(out, targets)
-                mixture_grad = torch.autograd.grad(personal_loss, list(mixed.values()))
+            personal_loss, mixture_grad = gradient_at_mixture(
+                self.model, self.names, point, inputs, targets, loss_fn, untracked
+            )
             grads = personal_gradient(mixture_grad, alpha, self.gradient_form)
             for w, g in zip(self.omega, grads, strict=True):
                 w.grad = g
@@ -663,15 +576,9 @@ class APFLRule(ClientRule):
         super().attach(optimizer)
         self.detach()  # the base's pre-hook would count steps before they end
 
-        def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.before_step(opt)
-
-        def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.after_step()
-
         self.wiring.handles += [
-            optimizer.register_step_pre_hook(before),
-            optimizer.register_step_post_hook(after),
+            optimizer.register_step_pre_hook(lambda o, a, k: self.before_step(o)),
+            optimizer.register_step_post_hook(lambda o, a, k: self.after_step()),
         ]
         return optimizer
 

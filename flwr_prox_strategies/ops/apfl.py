@@ -20,8 +20,9 @@ values and leave their arguments untouched.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +59,11 @@ def averaging_weight_sum(first: int, last: int, a: float) -> float:
     )
 
 
+def average_offset(condition_number: float, sync_gap: int) -> float:
+    r"""Return :math:`a = \max(128\kappa, \tau)`, the offset in :math:`\eta_t, p_t`."""
+    return max(128.0 * condition_number, float(sync_gap))
+
+
 def decay_rate(step: int, mu: float, a: float) -> float:
     r"""Return the APFL paper's decaying rate :math:`\eta_t = 16/(\mu(t + a))`."""
     return 16.0 / (mu * (step + a))
@@ -91,6 +97,28 @@ def personal_gradient(
         raise ValueError(f"personal gradient form must be mixture or chain: {form!r}")
     scale = 1.0 if form == "mixture" else alpha
     return [scale * g for g in mixture_grads]
+
+
+def gradient_at_mixture(
+    model: nn.Module,
+    names: Sequence[str],
+    point: Sequence[torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    untracked: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    r"""Return :math:`f(\bar\omega)` on the batch and :math:`\nabla f(\bar\omega)`.
+
+    ``model`` is evaluated with its trainable parameters ``names`` set to
+    ``point`` (:math:`\bar\omega`, which is made to require grad), inside
+    ``untracked()`` (no per-sample gradients under DP-SGD).
+    """
+    mixed = {name: p.requires_grad_() for name, p in zip(names, point, strict=True)}
+    with untracked():
+        out = torch.func.functional_call(model, mixed, (inputs,))
+        loss = loss_fn(out, targets)
+        return loss, torch.autograd.grad(loss, list(mixed.values()))
 
 
 def alpha_gradient(
@@ -131,6 +159,25 @@ def caught_up(
     return [
         acc + idle * w.detach().double() for acc, w in zip(sums, omega, strict=True)
     ]
+
+
+def personal_sum(
+    saved: Sequence[Any] | None,
+    last: int,
+    omega: Sequence[torch.Tensor],
+    up_to: int,
+    a: float,
+) -> list[torch.Tensor]:
+    r"""Return :math:`\sum_{t\le up\_to} p_t\omega^t`, from ``saved`` (to ``last``).
+
+    ``saved=None``: from zero (``last`` is then 0); the steps after ``last``
+    count with the unchanged :math:`\omega` (:func:`caught_up`).
+    """
+    if saved is None:
+        total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
+    else:
+        total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
+    return caught_up(total, omega, averaging_weight_sum(last + 1, up_to, a))
 
 
 def add_weighted(
