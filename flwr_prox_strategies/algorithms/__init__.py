@@ -1,4 +1,4 @@
-"""One module per algorithm: its Strategy, its client, its wire keys.
+"""One module per algorithm (APFL and P-FedAvg: two): its Strategy, client, keys.
 
 :data:`ALGORITHMS` is the one list of them. The conf tree (``conf/strategy/<name>
 .yaml``), the package's exports, the contract suite and the README are checked
