@@ -123,9 +123,7 @@ class PFedAvgServer(GraphServers):
 
     References
     ----------
-    Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng,
-    "P-FedAvg: Parallelizing Federated Learning with Theoretical
-    Guarantees", IEEE INFOCOM 2021.
+    Zhong et al., "P-FedAvg", IEEE INFOCOM 2021 (in full: :class:`PFedAvg`).
     """
 
     #: Its kept rounds are its own, not the federation's: the run's end (the

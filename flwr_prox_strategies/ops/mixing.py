@@ -74,6 +74,16 @@ def _fill_diagonal(off_diagonal: NDArray[np.float64]) -> NDArray[np.float64]:
     return mixing
 
 
+def _square_finite(mixing: ArrayLike) -> NDArray[np.float64]:
+    """Return ``mixing`` as a float array; raise unless square, non-empty, finite."""
+    w = np.asarray(mixing, dtype=float)
+    if w.ndim != 2 or w.shape[0] != w.shape[1] or w.size == 0:
+        raise ValueError(f"mixing must be a non-empty square matrix, got {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("mixing must be finite")
+    return w
+
+
 def mixing_matrix(adj: ArrayLike, method: str = "metropolis") -> NDArray[np.float64]:
     """Symmetric doubly stochastic mixing matrix supported on the graph.
 
@@ -123,11 +133,7 @@ def consensus_rate(mixing: ArrayLike) -> float:
         The per-round contraction factor of the disagreement; 0 for
         :math:`W = J`, 1 for :math:`W = I` (no mixing).
     """
-    w = np.asarray(mixing, dtype=float)
-    if w.ndim != 2 or w.shape[0] != w.shape[1] or w.size == 0:
-        raise ValueError(f"mixing must be a non-empty square matrix, got {w.shape}")
-    if not np.isfinite(w).all():
-        raise ValueError("mixing must be finite")
+    w = _square_finite(mixing)
     return float(np.linalg.norm(w - 1.0 / len(w), ord=2))
 
 
@@ -147,11 +153,7 @@ def check_mixing(
     atol : float
         Absolute tolerance of every check.
     """
-    w = np.asarray(mixing, dtype=float)
-    if w.ndim != 2 or w.shape[0] != w.shape[1] or w.size == 0:
-        raise ValueError(f"mixing must be a non-empty square matrix, got {w.shape}")
-    if not np.isfinite(w).all():
-        raise ValueError("mixing must be finite")
+    w = _square_finite(mixing)
     asymmetry = np.abs(w - w.T).max()
     if asymmetry > atol:
         raise ValueError(f"mixing must be symmetric, max |W - W^T| = {asymmetry:.3g}")
@@ -263,18 +265,10 @@ def optimal_mixing(
 
 
 def mixing_graph(mixing: ArrayLike) -> NDArray[np.int_]:
-    """Return the graph a mixing matrix uses: its non-zeros off the diagonal.
+    """Return the graph a mixing matrix :math:`W` (M x M) uses: its non-zeros.
 
-    Parameters
-    ----------
-    mixing : array_like, shape (M, M)
-        Mixing matrix :math:`W`.
-
-    Returns
-    -------
-    ndarray of int, shape (M, M)
-        0/1 adjacency, zero diagonal; symmetric when :math:`W` is. Not checked
-        for connectivity: :func:`check_mixing` with this graph does that.
+    A 0/1 int adjacency with zero diagonal, symmetric when :math:`W` is; not
+    checked for connectivity (:func:`check_mixing` with this graph does that).
     """
     graph = (np.abs(np.asarray(mixing, dtype=np.float64)) > 0).astype(int)
     np.fill_diagonal(graph, 0)
