@@ -9,17 +9,9 @@ group ``flwr_prox_strategies.algorithms``: once installed,
 
 from flwr_prox_strategies.extend import Algorithm
 
-from .fedadmm import (
-    CASES,
-    FEDADMM_APPLIED_KEY,
-    FEDADMM_DELTA_RECORD,
-    FEDADMM_FRESH_METRIC,
-    FEDADMM_RHO_KEY,
-    AugmentedLagrangianGradient,
-    FedADMM,
-    FedADMMClient,
-    FedADMMRule,
-)
+from . import fedadmm
+from .fedadmm import *  # noqa: F403  (its __all__: keys, classes)
+from .fedadmm import CASES, FedADMM, FedADMMClient, FedADMMRule
 
 #: The algorithm the entry point names: strategy, client, rule, the conformance
 #: cases and the package holding ``strategy/fedadmm.yaml``.
@@ -31,14 +23,4 @@ FEDADMM = Algorithm(
     conf="flwr_fedadmm.conf",
 )
 
-__all__ = [
-    "FEDADMM",
-    "FEDADMM_APPLIED_KEY",
-    "FEDADMM_DELTA_RECORD",
-    "FEDADMM_FRESH_METRIC",
-    "FEDADMM_RHO_KEY",
-    "AugmentedLagrangianGradient",
-    "FedADMM",
-    "FedADMMClient",
-    "FedADMMRule",
-]
+__all__ = ["FEDADMM", *fedadmm.__all__]

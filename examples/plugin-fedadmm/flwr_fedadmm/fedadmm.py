@@ -381,12 +381,9 @@ class FedADMMRule(ClientRule):
     :math:`u_i^{old}` being the committed :math:`u_i`, or zero when the
     client holds no committed state. Any optimiser runs it (the term is a
     gradient; the local problem is solved inexactly by whatever steps the
-    client takes). In your own ClientApp::
-
-        rule = FedADMMRule.from_message(msg, context, model)
-        rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-        ...                              # your training loop
-        return rule.reply(num_examples=n, metrics={"train_loss": loss})
+    client takes). In your own ClientApp:
+    ``rule = FedADMMRule.from_message(msg, context, model)``,
+    ``rule.attach(optimizer)``, your loop, then ``rule.reply(num_examples=n)``.
 
     Parameters
     ----------

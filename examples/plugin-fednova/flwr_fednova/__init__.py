@@ -9,18 +9,9 @@ group ``flwr_prox_strategies.algorithms``: once installed,
 
 from flwr_prox_strategies.extend import Algorithm
 
-from .fednova import (
-    CASES,
-    FEDNOVA_A_METRIC,
-    FEDNOVA_APPLIED_KEY,
-    FEDNOVA_MU_KEY,
-    FEDNOVA_TAU_EFF_METRIC,
-    FEDNOVA_TAU_METRIC,
-    FedNova,
-    FedNovaClient,
-    FedNovaRule,
-    normaliser,
-)
+from . import fednova
+from .fednova import *  # noqa: F403  (its __all__: keys, classes)
+from .fednova import CASES, FedNova, FedNovaClient, FedNovaRule
 
 #: The algorithm the entry point names: strategy, client, rule, the conformance
 #: cases and the package holding ``strategy/fednova.yaml``.
@@ -28,15 +19,4 @@ FEDNOVA = Algorithm(
     FedNova, FedNovaClient, FedNovaRule, cases=CASES, conf="flwr_fednova.conf"
 )
 
-__all__ = [
-    "FEDNOVA",
-    "FEDNOVA_APPLIED_KEY",
-    "FEDNOVA_A_METRIC",
-    "FEDNOVA_MU_KEY",
-    "FEDNOVA_TAU_EFF_METRIC",
-    "FEDNOVA_TAU_METRIC",
-    "FedNova",
-    "FedNovaClient",
-    "FedNovaRule",
-    "normaliser",
-]
+__all__ = ["FEDNOVA", *fednova.__all__]

@@ -266,12 +266,9 @@ class FedNovaRule(ClientRule):
     ``fednova-tau`` (the steps taken) and ``fednova-a`` (:func:`normaliser`
     of them at this round's step size). The normaliser assumes plain SGD
     steps: :meth:`~flwr_prox_strategies.extend.ClientRule.attach` refuses
-    momentum and other optimisers. In your own ClientApp::
-
-        rule = FedNovaRule.from_message(msg, context, model)
-        rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-        ...                              # your training loop
-        return rule.reply(num_examples=n, metrics={"train_loss": loss})
+    momentum and other optimisers. In your own ClientApp:
+    ``rule = FedNovaRule.from_message(msg, context, model)``,
+    ``rule.attach(optimizer)``, your loop, then ``rule.reply(num_examples=n)``.
 
     Parameters
     ----------
