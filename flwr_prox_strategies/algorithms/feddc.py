@@ -140,12 +140,11 @@ class FedDC(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``feddc-applied``, the count of their steps whose update
-    held the rule's term (measured), beside ``local-steps``; replies without
-    it are named
-    in a warning once per run (rejected with ``strict=True``). Train config
-    keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
-    ``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (paper).
+    Clients report ``feddc-applied`` (their steps that held the rule's term)
+    beside ``local-steps``; replies without it are named in a warning once per
+    run (rejected with ``strict=True``). Train config keys: ``feddc-alpha``,
+    ``feddc-correction``; records ``control`` / ``control-delta`` (official) or
+    ``feddc-g`` / ``feddc-update`` (paper).
 
     References
     ----------

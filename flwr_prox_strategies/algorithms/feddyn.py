@@ -135,11 +135,9 @@ class FedDyn(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``feddyn-applied``, the count of their steps whose update
-    held the rule's term (measured), beside ``local-steps``; replies without
-    it are
-    named in a warning once per run (rejected with ``strict=True``). Train
-    config key: ``feddyn-alpha``.
+    Clients report ``feddyn-applied`` (their steps that held the rule's term)
+    beside ``local-steps``; replies without it are named in a warning once per
+    run (rejected with ``strict=True``). Train config key: ``feddyn-alpha``.
 
     References
     ----------

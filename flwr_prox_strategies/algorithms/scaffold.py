@@ -124,13 +124,11 @@ class Scaffold(ValidatedFedAvg):
 
     Notes
     -----
-    Clients report ``scaffold-applied``, the count of their steps whose update
-    held the rule's term (measured), beside ``local-steps``; replies without
-    it are
-    named in a warning once per run (rejected with ``strict=True``). Records:
-    the server sends :math:`c` (``control``), the client replies with
-    :math:`\Delta c_i` (``control-delta``); config key
-    ``scaffold-control-lr``.
+    Clients report ``scaffold-applied`` (their steps that held the rule's term)
+    beside ``local-steps``; replies without it are named in a warning once per
+    run (rejected with ``strict=True``). Records: the server sends :math:`c`
+    (``control``), the client replies with :math:`\Delta c_i`
+    (``control-delta``); config key ``scaffold-control-lr``.
 
     References
     ----------

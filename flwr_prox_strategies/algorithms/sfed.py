@@ -41,6 +41,7 @@ import torch
 
 from ..core.client.training import TrainReport
 from ..core.contract.validation import resolve_alias
+from ..core.docstrings import inherit_parameters
 from ..core.server.strategy import ValidatedFedAvg
 from ..ops.checks import check_int, check_non_negative, check_positive, check_unset
 from .fedepm import (
@@ -330,25 +331,12 @@ class SFedRule(FedEPMRule):
         return TrainReport(epochs=0, steps=self.steps, examples_seen=d, mean_loss=value)
 
 
+@inherit_parameters(FedEPMClient)
 class SFedAvgClient(FedEPMClient):
     r"""Client of SFedAvg and SFedProx: :class:`SFedRule` on this client's data.
 
     ``SFedProxClient`` is the same class: the strategy's config says which
-    method to run.
-
-    Parameters
-    ----------
-    *args, **kwargs
-        As :class:`FedAvgClient` (``seed`` also seeds the noise per round; the
-        learning rate is not used; ``dp`` is refused).
-    ridge : float (default: 0.0)
-        :math:`\beta \ge 0`: :math:`f_i` is the mean loss plus
-        :math:`\beta/(2 d_i)\lVert x\rVert^2`, as :class:`FedEPMClient`'s.
-
-    Raises
-    ------
-    ValueError
-        As :class:`FedEPMClient`: if ``dp`` is given or ``ridge`` is negative.
+    method to run. Its parameters are :class:`FedEPMClient`'s.
     """
 
     protocol = "SFedAvg/SFedProx"
