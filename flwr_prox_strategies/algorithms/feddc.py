@@ -4,54 +4,15 @@ L. Gao, H. Fu, L. Li, Y. Chen, M. Xu and C.-Z. Xu, "FedDC: Federated Learning
 with Non-IID Data via Local Drift Decoupling and Correction", CVPR 2022
 (arXiv:2203.11751); official code: github.com/gaoliang13/FedDC.
 
-The paper's Eqs. (9)-(12) and its algorithm. Client :math:`i` minimises
-
-.. math::
-    F(\theta_i) = L_i(\theta_i) + \frac{\alpha}{2}\lVert\theta_i + h_i - w\rVert^2
-    + \frac{1}{\eta K}\langle\theta_i, g_i - g\rangle \qquad (9)
-
-by :math:`K` steps of the explicit update (10) from :math:`\theta_i = w`, then
-:math:`h_i \leftarrow h_i + (\theta_i^+ - w)` (11) and, in the paper's form,
-uploads :math:`\theta_i^+ + h_i`, averaged by sample counts into :math:`w^+` (12);
-:math:`g_i = \theta_i^+ - w` is the client's last local update and :math:`g` their
-sample-weighted mean.
-
-Two semantics, chosen with ``correction``:
-
-``"official"`` (default; gaoliang13/FedDC, ``utils_methods_FedDC.py``), which is
-what partial participation needs:
-
-* the server model is :math:`w^+ = \mathrm{mean}_{i\in S}\theta_i^+ +
-  \frac{1}{N}\sum_{i=1}^N h_i`: the drifts of **all** clients, stale ones of absent
-  clients included. The server keeps one running sum :math:`H = \sum_i h_i`
-  (:math:`H \mathrel{+}= \sum_S(\theta_i^+ - w)`), not every :math:`h_i`;
-* the gradient correction is SCAFFOLD's option-II control variate with
-  :math:`\beta = 1/(K\eta_0)` (:math:`\eta_0` the client's base step size, not the
-  decayed one): the step follows :math:`\nabla L_i + \alpha_i(\theta + h_i - w) +
-  (c/\rho_i - c_i)`, then :math:`c_i^+ = c_i - c/\rho_i - \beta(\theta_i^+ - w)` and
-  :math:`c \mathrel{+}= \frac{1}{N}\sum_S \rho_i(c_i^+ - c_i)`, with
-  :math:`\rho_i` = ``relative_size`` (:math:`n_i/\bar n`) and
-  :math:`\alpha_i = \alpha/\rho_i` (the official code's scaling; 1 for equal sizes).
-
-``"paper"`` (the FedDC paper's Eq. (10), as written; ``"seed"`` is its deprecated
-name, accepted with a warning): exactly Eq. (10) with the last round's updates:
-the step's correction is :math:`-\frac{1}{K}(g_i - g)`, the client uploads
-:math:`\theta_i^+ + h_i` and :math:`g_i`, the server averages both over the
-participants by sample counts.
-
-Where they differ. Under full participation with equal data sizes, the server
-models coincide (mean of :math:`\theta^+` plus mean of all :math:`h` is the mean of
-:math:`\theta^+ + h`) and so do the corrections of the first two rounds
-(:math:`c - c_i = (g_i - g)/(K\eta)`); from round 3 on the official :math:`c_i`
-is SCAFFOLD's average local gradient, while the paper's :math:`g_i` still contains
-the previous round's correction. ``tests/test_drift.py`` checks both statements.
-
-Memory: each client holds :math:`h_i` and :math:`c_i` (paper: :math:`g_i`), two
-models; the server holds :math:`H` and :math:`c` (paper: :math:`g`), at most two
-models, independent of :math:`N`.
-
-Wire keys: ``feddc-alpha``, ``feddc-correction``; records ``control`` /
-``control-delta`` (official) or ``feddc-g`` / ``feddc-update`` (paper).
+Client :math:`i` trains from the global model :math:`w` on its loss plus
+:math:`\frac{\alpha}{2}\lVert\theta_i + h_i - w\rVert^2` and a gradient
+correction, then adds its update to its drift :math:`h_i` (the paper's Eqs.
+(9)-(12)). Two semantics, ``correction="official"`` (default: the mean of all
+clients' drifts, :math:`H/N`, added to the participants' mean, and SCAFFOLD's
+option-II control variate as the correction; what partial participation needs)
+and ``"paper"`` (Eq. (10) as written). The update as implemented, where the two
+differ, the state, the wire keys and the deviations: the pack's FedDC page
+(``docs/algorithms/feddc.md``).
 """
 
 from __future__ import annotations

@@ -4,54 +4,14 @@ D. A. E. Acar, Y. Zhao, R. Matas Navarro, M. Mattina, P. N. Whatmough and
 V. Saligrama, "Federated Learning Based on Dynamic Regularization", ICLR 2021
 (arXiv:2111.04263); official code: github.com/alpemreacar/FedDyn.
 
-Client :math:`k \in S_t` solves (approximately, by local SGD)
-
-.. math::
-    \theta_k^{t+1} = \arg\min_\theta\; f_k(\theta) - \langle g_k^t, \theta\rangle
-    + \frac{\alpha}{2}\lVert\theta - \theta^t\rVert^2,
-    \qquad g_k^{t+1} = g_k^t - \alpha(\theta_k^{t+1} - \theta^t)
-
-and the server, with :math:`N` the number of **all** clients,
-
-.. math::
-    h^{t+1} = h^t - \frac{\alpha}{K}\sum_{k\in S_t}(\theta_k^{t+1} - \theta^t),
-    \qquad \theta^{t+1} = \frac{1}{|S_t|}\sum_{k\in S_t}\theta_k^{t+1}
-    - \frac{1}{\alpha} h^{t+1}.
-
-(The sum is over the differences :math:`\theta_k^{t+1} - \theta^t`, as in the
-paper's Algorithm 1 and the official code.)
-
-Representation. The client stores :math:`\lambda_k = -g_k/\alpha`, its accumulated
-drift :math:`\sum_\tau(\theta_k^{\tau+1} - \theta^\tau)`, so its gradient term is
-:math:`\alpha(\theta - \theta^t + \lambda_k)`. The server stores
-:math:`\Lambda = \sum_{k=1}^N \lambda_k = -N h/\alpha` and sets
-:math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/N`, which is the
-update above exactly. This is also the official code's bookkeeping
-(alpemreacar/FedDyn: ``local_param_list`` and ``np.mean(local_param_list)``).
-
-Options that match the official code (off by default: the paper's form):
-
-* ``relative_size`` on the client (``n_k / mean n``): :math:`\alpha_k = \alpha /
-  (n_k/\bar n)`;
-* ``decoupled_alpha=True`` on the client: the :math:`\alpha\theta` part is carried
-  by the optimiser's weight decay, outside gradient clipping;
-* ``max_grad_norm=10`` on the client, ``lr_decay`` on the strategy (0.998 per
-  round in the official experiments), ``weight_decay`` on the client.
-
-* ``track_all_clients=True`` on the strategy: the official code also evaluates
-  the mean of **all** clients' latest models. The server keeps their running sum
-  (one model, plus :math:`\theta^0`); each client keeps its latest accepted model
-  and uploads the change since it (``model-delta``), so the server never holds N
-  models. A node the server has not yet identified in this run receives
-  :math:`\theta^0` (``initial-model``) once, for its first delta.
-  :meth:`FedDyn.all_clients_model` returns the mean.
-
-Memory: each client holds :math:`\lambda_k` (one model; plus its latest model
-with ``track_all_clients``) and the anchor during training; the server holds
-:math:`\Lambda` (one model; plus the sum of latest models and :math:`\theta^0`
-with ``track_all_clients``), independent of N.
-
-Wire keys: ``feddyn-alpha`` in the train config.
+Client :math:`k` adds :math:`\alpha(\theta - \theta^t + \lambda_k)` to every
+step's gradient, :math:`\lambda_k` its accumulated drift; the server keeps
+:math:`\Lambda = \sum_{k=1}^N\lambda_k` over **all** N clients and sets
+:math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/N`, the paper's
+update exactly. The update as implemented, the state and the wire keys, the
+official code's options (``relative_size``, ``decoupled_alpha``,
+``track_all_clients``, ...) and the deviations: the pack's FedDyn page
+(``docs/algorithms/feddyn.md``).
 """
 
 from __future__ import annotations

@@ -3,67 +3,17 @@ r"""FedEPM: the exact penalty method with noisy uploads (Zhou and Li, 2022).
 S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
 (arXiv:2208.11231); official code (MATLAB): github.com/ShenglongZhou/FedEPM.
 
-Model (III), consensus relaxed by an elastic-net penalty (exact for large
-enough :math:`\lambda`, Theorem III.1):
-
-.. math::
-    \min_{x, x_1..x_m}\; \sum_i f_i(x_i) + \sum_i \Big[\lambda\lVert x_i - x\rVert_1
-    + \frac{\eta}{2}\lVert x_i - x\rVert^2\Big].
-
-One Flower round is one communication (every :math:`k_0` iterations):
-
-* **Server step** (the elastic-net centre), over the latest
-  uploads :math:`z_j` of **all** :math:`m` clients (stale ones for clients not
-  sampled): :math:`x = \arg\min_v \sum_j \lambda|v - z_j| + \frac{\eta}{2}(v -
-  z_j)^2`, coordinate-wise, exact.
-* **Client step**, for the :math:`\lceil\rho m\rceil` sampled clients: the
-  gradient :math:`g_i = \nabla f_i(x)` is computed **once**, at the server point,
-  and reused for the :math:`k_0` iterations :math:`k = (r-1)k_0, \dots, rk_0-1`:
-
-  .. math::
-      \mu_i = r_0 (1 + 10^{-8}\lVert x_i - x\rVert^2)\, 1.001^{k+1},\quad
-      \tilde\mu_i = \mu_i / d_i,\quad
-      x_i \gets x + \frac{S_\lambda(\tilde\mu_i(x_i - x) - g_i)}{\tilde\mu_i + \eta},
-
-  the exact minimiser of the linearised subproblem
-  :math:`\langle g_i, u - x\rangle + \lambda\lVert u - x\rVert_1 +
-  \frac{\eta}{2}\lVert u - x\rVert^2 + \frac{\tilde\mu_i}{2}\lVert u -
-  x_i\rVert^2` (:math:`S_\lambda` is soft-thresholding).
-* **Noisy upload**: only what is uploaded is perturbed,
-  :math:`z_i = x_i + \epsilon_i`, :math:`\epsilon_i` i.i.d.
-  :math:`\mathrm{Laplace}(0, b_i)` per coordinate with
-  :math:`b_i = 2\lVert g_i\rVert_1 / (\mu_i\,\varepsilon)` (the official
-  code's scale, with the last iteration's :math:`\mu_i`).
-
-Privacy accounting. With the paper's sensitivity bound
-:math:`\Delta_i = 2\lVert g_i\rVert_1/\mu_i` on the L1 change of an upload, the
-Laplace mechanism makes each upload :math:`\varepsilon`-DP (``noise`` is
-:math:`\varepsilon`), and a client that uploads :math:`T` times spends
-:math:`T\varepsilon` (basic composition), reported per round as
-``dp-epsilon-total-max``. Assumptions, stated plainly: :math:`\Delta_i` is the
-paper's bound, computed from the client's own gradient (data-dependent) and not
-a proven worst case over neighbouring data sets; the figure is the paper's
-accounting, not a formal guarantee. For a data-independent guarantee on any
-strategy, use ``LaplaceUploadMod`` (clipped updates).
-
-Defaults are the paper's experiments: :math:`k_0 = 10`, :math:`\rho = 0.5`,
-:math:`\eta = (0.02m + 1)(\rho + 0.1)10^{-5}` (the paper's), which equals the
-official code's :math:`2\cdot10^{-5}(\rho + 0.1)(m/100 + 0.5)`,
-:math:`\lambda = \eta/2`, :math:`r_0 = 0.05`, growth 1.001, noise 0.1.
-
-Where this departs from the official MATLAB code (uploads start at :math:`x^0`,
-not noise; a Laplace scale, not a standardised draw; the stopping rules are
-:func:`official_stop`'s, left to the caller), and why: the pack's FedEPM page,
-*Deviations from the paper and the official code*.
-
-The client takes any torch model and loss: :math:`f_i` is the mean loss over the
-client's data plus ``ridge``:math:`/(2 d_i)\lVert x\rVert^2` (the paper:
-logistic loss, ridge :math:`\beta = 10^{-3}`), so FedEPM also runs on the
-pack's MLP tasks.
-
-Memory: the server keeps one upload per client, :math:`m` models.
-
-Validation and wire keys: :class:`FedEPM`'s Notes.
+Consensus relaxed by an elastic-net penalty (model (III)). One Flower round is
+one communication: the server takes the exact elastic-net centre of the latest
+uploads of **all** :math:`m` clients (one model each); each sampled client
+computes its gradient once, at the server point, runs :math:`k_0` closed-form
+prox-linear iterations and uploads its point plus Laplace noise, spending
+:math:`\varepsilon` per upload by the paper's accounting (not a formal
+guarantee: ``LaplaceUploadMod`` gives a data-independent one). The update as
+implemented, the defaults (the paper's experiments), the state, the wire keys and
+the deviations from the official code (:func:`official_stop` is its stopping
+rules): the pack's FedEPM page (``docs/algorithms/fedepm.md``); validation and
+wire keys also in :class:`FedEPM`'s Notes.
 """
 
 from __future__ import annotations

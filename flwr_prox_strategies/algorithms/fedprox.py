@@ -4,39 +4,15 @@ T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar and V. Smith,
 "Federated Optimization in Heterogeneous Networks", MLSys 2020
 (arXiv:1812.06127); official code: github.com/litian96/FedProx.
 
-Client :math:`k` finds a :math:`\gamma`-inexact minimiser of the paper's local
-objective
-
-.. math::
-    h_k(\theta; \theta_t) = f_k(\theta)
-    + \frac{\mu}{2} \lVert \theta - \theta_t \rVert^2
-
-by local SGD: each step follows :math:`\nabla f_k(\theta) + \mu(\theta - \theta_t)`.
-The penalty is **squared** (its gradient vanishes at :math:`\theta_t`), and is
-added with a plus sign.
-
-:math:`\gamma`-inexactness (the paper's Definition 1):
-:math:`\lVert \nabla h_k(\theta; \theta_t) \rVert \le
-\gamma \lVert \nabla h_k(\theta_t; \theta_t) \rVert`. With ``gamma`` set, the
-client checks it on its full local gradient after every epoch and stops early;
-``local_epochs`` caps the solve.
-
-Server: the paper's Algorithm 2 averages uniformly over :math:`S_t`
-(``weighting="uniform"``); the official code (litian96/FedProx) weights by
-sample counts, which is the default here (``weighting="num-examples"``).
-
-Systems heterogeneity (the paper's Section 5.2): with ``drop_percent`` a
-fraction of the sampled clients become stragglers running a random
-``1 .. E-1`` epochs (``np.random.randint(1, E)`` in the official code). FedProx
-keeps their partial work; FedAvg drops them, with the same seeded draws.
-
-The paper's local dissimilarity :math:`B(\theta)` (Section 4) is logged per
-round with ``monitor_dissimilarity=True``.
-
-With ``mu = 0`` and no stragglers, FedProx equals FedAvg bit for bit.
-
-Wire keys: the strategy sends ``proximal-mu`` (``PROXIMAL_MU_KEY``, the same key
-as Flower's own ``FedProx``) in every train ``ConfigRecord``.
+Client :math:`k` finds a :math:`\gamma`-inexact minimiser of
+:math:`f_k(\theta) + \frac{\mu}{2}\lVert\theta - \theta_t\rVert^2` (the penalty
+**squared**) by local SGD; stragglers (``drop_percent``) keep their partial
+work; the server averages by sample counts (the official code's default). With
+``mu = 0`` and no stragglers, FedProx equals FedAvg bit for bit. The strategy
+sends ``proximal-mu`` (``PROXIMAL_MU_KEY``, the key of Flower's own
+``FedProx``). The update as implemented, the :math:`\gamma` stop, the
+dissimilarity and the deviations: the pack's FedProx page
+(``docs/algorithms/fedprox.md``).
 """
 
 from __future__ import annotations

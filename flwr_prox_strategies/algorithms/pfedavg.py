@@ -4,39 +4,17 @@ Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng, "P-FedAvg:
 Parallelizing Federated Learning with Theoretical Guarantees", IEEE INFOCOM
 2021, Algorithm 1.
 
-Server :math:`i` owns a disjoint group :math:`C_i` of clients. Each round:
-
-1. every server samples some of its clients and sends them its model
-   :math:`x_i` (one **inner strategy** per server: the pack's FedAvg by default,
-   or FedProx, FedDyn, ..., or Flower's own, each seeing only its group through
-   a ``GroupGrid`` view); all groups' messages
-   go out in one ``send_and_receive``;
-2. server :math:`i` aggregates its clients' replies into :math:`y_i` (its inner
-   strategy's own rule, validation included);
-3. servers mix with their neighbours, :math:`x_i = \sum_j W_{ij} y_j`, with
-   :math:`W` symmetric, doubly stochastic, :math:`W_{ij} = 0` off the graph's
-   edges (graphs: ring, star, grid, torus, complete, random regular,
-   Erdős–Rényi or your adjacency; weights: Metropolis, max-degree, uniform or
-   SDP-optimal). Server :math:`i` reads only its
-   neighbours' :math:`y_j`, so the step could run across machines.
-
-Consensus speed is :math:`\rho(W) = \lVert W - \mathbf{1}\mathbf{1}^\top/M\rVert_2`.
-The strategy reports the consensus average :math:`\bar x = \frac{1}{M}\sum_i x_i`
-as Flower's global model (what ``evaluate_fn`` sees), every server's model
-(:meth:`PFedAvg.central_models`) and the consensus distance
-:math:`\sum_i\lVert x_i - \bar x\rVert^2` per round.
-
-Assignment of nodes to servers (reproducible across runs): an explicit map, else
-each node's ``node_config`` (``server-id`` on real SuperNodes, else
-``partition-id`` modulo :math:`M`), read once by a Flower ``query`` message that
-the pack's ClientApps answer; nodes that do not answer are dealt out by sorted
-node id (reproducible only within a run: the log says so).
-
-A server whose group sent no valid reply keeps :math:`y_i = x_i`; a round in
-which no group has a valid reply keeps every model and mixes nothing (as if the
-round had not happened), and says why in one warning; a run in which no round
-mixed raises ``NoRoundAggregatedError`` at the end of :meth:`PFedAvg.start`,
-with the reasons of every server, counted.
+Server :math:`i` owns a disjoint group :math:`C_i` of clients; each round its
+**inner strategy** (the pack's FedAvg by default, or any Flower strategy, seeing
+only its group through a ``GroupGrid`` view; all groups' messages go out in one
+``send_and_receive``) aggregates its clients into :math:`y_i`, then the servers
+mix with their neighbours, :math:`x_i = \sum_j W_{ij} y_j` (server :math:`i`
+reads only its neighbours' :math:`y_j`). Nodes that answer no node-config query
+are dealt out by sorted node id, reproducible only within a run (the log says
+so); a run in which no round mixed raises ``NoRoundAggregatedError`` with the
+reasons of every server, counted. The update, the mixing matrices, the
+assignment, the rounds without replies and the deviations: the pack's P-FedAvg
+page (``docs/algorithms/pfedavg.md``).
 """
 
 from __future__ import annotations

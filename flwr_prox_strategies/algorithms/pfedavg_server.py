@@ -4,40 +4,20 @@ Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng, "P-FedAvg:
 Parallelizing Federated Learning with Theoretical Guarantees", IEEE INFOCOM
 2021: the paper's servers as separate deployments.
 
-:class:`~.pfedavg.PFedAvg` runs M *logical* servers in one ServerApp: every
-byte still crosses one SuperLink. Here server :math:`i` is a deployment of its
-own (a SuperLink, its SuperNodes :math:`C_i`, this ServerApp), so the clients'
-traffic is spread over M links. Round :math:`t`:
-
-1. the **inner strategy** (the pack's FedAvg, FedProx, FedDyn, SCAFFOLD, ... or
-   Flower's own) trains the server's own clients and aggregates them into
-   :math:`y_i` (its validation included); a round without a valid reply keeps
-   :math:`y_i = x_i`;
-2. :math:`y_i` goes to the neighbours :math:`j` (:math:`W_{ij} \ne 0`) and theirs
-   come back, over gRPC with a deadline (:mod:`..pfedavg_deploy.exchange`);
-3. :math:`x_i = \sum_{j \in A} W_{ij} y_j / \sum_{j \in A} W_{ij}` over the
-   models at hand :math:`A` (:func:`..ops.mixing.mix_row`): with every
-   neighbour's model, exactly the logical P-FedAvg's :math:`x_i`; a neighbour
-   that did not deliver by the deadline is left out, logged, and the others'
-   weights are scaled up to sum to one.
-
-:math:`W` comes from :func:`~.pfedavg.server_graph`, the same function and
-settings on every server (and in the logical P-FedAvg), so all derive the same
-matrix without exchanging it.
-
-Restarts. A server resumed from its checkpoint (or started late) asks its
-neighbours for their round and mixed model (``Status``); when they are ahead,
-it skips the rounds it missed (its clients did not train in them either):
-its model becomes the mix of the neighbours' models of their latest round,
-re-normalised over them, and it goes on at the next round with them
-(:meth:`PFedAvgServer.rejoin`). Its neighbours take it back the first round its
-model arrives within their grace.
-
-Deliberate differences from the logical P-FedAvg: a server cannot know whether
-any other server updated, so a round in which no server in the whole graph has
-a valid reply still mixes (the logical one keeps every model then); and each
-server evaluates its own :math:`x_i` (the consensus average needs every model:
-the launcher, :mod:`flwr_prox_strategies.pfedavg_deploy`, reads them).
+Server :math:`i` is a deployment of its own (a SuperLink, its SuperNodes
+:math:`C_i`, this ServerApp), so the clients' traffic is spread over M links.
+Each round its inner strategy aggregates its clients into :math:`y_i`; the
+:math:`y_j` of the neighbours come over gRPC with a deadline
+(``flwr_prox_strategies.pfedavg_deploy.exchange``), and :math:`x_i` is the mix
+of the models at hand, re-normalised (``ops.mixing.mix_row``): with every
+neighbour's model, exactly the logical P-FedAvg's. :math:`W` comes from
+``server_graph``, the same function and settings on every server, so all
+derive it without exchanging it. A server resumed from its checkpoint asks its
+neighbours for their round (``Status``) and rejoins them
+(:meth:`PFedAvgServer.rejoin`). Each server evaluates its own :math:`x_i` (the
+launcher, ``flwr_prox_strategies.pfedavg_deploy``, reads them all). Deadlines,
+restarts and the differences from the logical P-FedAvg: the pack's pages on
+P-FedAvg and on its deployment (``docs/howto/pfedavg-deployment.md``).
 """
 
 from __future__ import annotations

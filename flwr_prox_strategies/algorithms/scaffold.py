@@ -4,41 +4,15 @@ S. P. Karimireddy, S. Kale, M. Mohri, S. J. Reddi, S. U. Stich and A. T. Suresh,
 "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020
 (arXiv:1910.06378), Algorithm 1 with option II.
 
-The standard baseline of the FedDC paper and the base of FedDC's correction.
-
-Client :math:`i \in S`, from :math:`y = x`, runs :math:`K` steps
-:math:`y \leftarrow y - \eta_l(\nabla f_i(y) - c_i + c)`, then
-
-.. math::
-    c_i^+ = c_i - c + \frac{x - y}{K\eta_l}, \qquad
-    \Delta y_i = y - x, \quad \Delta c_i = c_i^+ - c_i .
-
-Server, with :math:`N` the number of **all** clients:
-
-.. math::
-    x \leftarrow x + \eta_g \frac{1}{|S|}\sum_{i\in S}\Delta y_i, \qquad
-    c \leftarrow c + \frac{1}{N}\sum_{i\in S}\Delta c_i
-    \;\left(= c + \frac{|S|}{N}\,\mathrm{mean}_S \Delta c_i\right).
-
-Absent clients keep their :math:`c_i` and contribute nothing to the update of
-:math:`c`, which therefore stays the mean of all :math:`c_i`. Unlike the
-official codes, which scale :math:`c` by :math:`n_i/\bar n`, the control
-variates are unscaled, as in the paper: a client's ``relative_size`` does not
-enter SCAFFOLD (with equal partition sizes the two agree).
-
-Wire: the client sends :math:`y` (``arrays``) and :math:`\Delta c_i`
-(``control-delta``); the server sends :math:`c` (``control``). :math:`K` is the
-number of steps the client actually took, :math:`\eta_l` its step size this round
-(plain SGD: the option-II formula assumes it; momentum is refused). With a
-per-round decay of the step size, ``control_lr="round"`` (the default) divides by
-the steps' sizes this round, as the paper's formula reads, so that
-:math:`(x - y)/(K\eta_l)` stays the mean corrected gradient of the round;
-``control_lr="base"`` divides by the undecayed base rate, as the official
-FedDyn/FedDC codes' SCAFFOLD does (there :math:`c_i` shrinks with the decay,
-by 0.998^t: 0.67 at round 200).
-
-Memory: each client holds :math:`c_i` (one model); the server holds :math:`c`
-(one model), independent of :math:`N`.
+Client :math:`i` runs :math:`K` plain SGD steps
+:math:`y \leftarrow y - \eta_l(\nabla f_i(y) - c_i + c)` from :math:`y = x`, sets
+:math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)` and sends :math:`\Delta y_i` and
+:math:`\Delta c_i`; the server moves :math:`x` by :math:`\eta_g` times their mean
+and :math:`c` by :math:`\frac1N\sum_S\Delta c_i` (N all clients), so :math:`c`
+stays the mean of all :math:`c_i`. The update as implemented, the state and the
+wire keys, ``control_lr`` and the deviations from the paper and the official
+codes (unscaled control variates): the pack's SCAFFOLD page
+(``docs/algorithms/scaffold.md``).
 """
 
 from __future__ import annotations

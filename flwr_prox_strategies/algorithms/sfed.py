@@ -3,32 +3,14 @@ r"""SFedAvg and SFedProx: the FedEPM paper's secured baselines (Section VII).
 S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
 (arXiv:2208.11231), Section VII; official code: github.com/ShenglongZhou/FedEPM.
 
-Both run :math:`k_0` local iterations between communications on the sampled
-clients (:math:`\lceil\rho m\rceil`, resampled each communication), starting
-from the server model :math:`w^\tau`; iteration :math:`k` is :math:`\ell` full
-local gradient steps
-
-.. math::
-    v \gets v - \gamma_i^k\big(\nabla f_i(v) + \mu(v - w^\tau)\big),\qquad
-    \gamma_i^k = \frac{2 d_i}{\sqrt{2k_0 + \lceil k/k_0\rceil}},
-
-(the paper's :math:`\lfloor t\rfloor`, "the largest integer smaller than
-:math:`t + 1`", is :math:`\lceil t\rceil`). **SFedAvg** is :math:`\ell = 1`,
-:math:`\mu = 0` (full-batch SFedAvg, as the paper runs it); **SFedProx** is the
-paper's Algorithm 4, :math:`\ell = 3`, :math:`\mu = 10^{-5}`. The sampled clients
-upload :math:`w_i + \epsilon_i` and the server averages them (plain mean over
-the sampled clients, as the paper aggregates these methods).
-
-Noise. The paper adds noise to these uploads without giving its scale; here
-every method gets the same mechanism as FedEPM, Laplace with scale
-:math:`2\lVert g_i\rVert_1/(\mu^\circ_k\varepsilon)`, :math:`g_i` the gradient at
-the received model and :math:`\mu^\circ_k = r_0\,1.001^{k+1}` at the round's last
-iteration (FedEPM's :math:`\mu_i` without its tiny distance term), so all three
-spend the same :math:`\varepsilon` per upload under the same accounting and the
-comparison isolates the optimisation method.
-
-Wire keys: those of FedEPM (iteration, :math:`k_0`, :math:`r_0`, growth, noise),
-plus ``sfed-inner-steps`` and ``sfed-mu``.
+Both run :math:`k_0` local iterations of :math:`\ell` full-gradient steps from
+the server model on the :math:`\lceil\rho m\rceil` sampled clients (SFedAvg:
+:math:`\ell = 1`, :math:`\mu = 0`; SFedProx, the paper's Algorithm 4:
+:math:`\ell = 3`, :math:`\mu = 10^{-5}`), which upload their model plus FedEPM's
+Laplace noise (the same :math:`\varepsilon` per upload, so the comparison
+isolates the optimisation method); the server takes the plain mean. Wire keys:
+FedEPM's plus ``sfed-inner-steps`` and ``sfed-mu``. The update, the step size
+and the noise scale: the pack's FedEPM page (``docs/algorithms/fedepm.md``).
 """
 
 from __future__ import annotations
