@@ -29,7 +29,7 @@ from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import context, train_message
-from .lsq import LeastSquares, half_sse
+from .lsq import LeastSquares, half_sse, rule_app
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,14 @@ def fedprox_rule(problem, w_t: np.ndarray, mu: float, k: int = 1):
 
 def data(problem, k: int = 1):
     return torch.from_numpy(problem.a[k]), torch.from_numpy(problem.b[k])
+
+
+def attached_sgd(problem, mu: float, lr: float):
+    """FedProx anchored at linspace(-1, 1) on client 1, attached to SGD; its data."""
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    return w_t, model, rule, optimizer, data(problem)
 
 
 def fedprox_by_hand(problem, w_t, mu, lr, steps, k=1) -> np.ndarray:
@@ -78,10 +86,7 @@ def metrics_of(rule, **kwargs) -> dict:
 def test_attach_adds_the_term_inside_a_closure_step(problem):
     """optimizer.step(closure): the term comes after the closure's backward."""
     mu, lr = 2.0, 0.02
-    w_t = np.linspace(-1, 1, problem.dim)
-    model, rule = fedprox_rule(problem, w_t, mu)
-    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    x, y = data(problem)
+    w_t, model, rule, optimizer, (x, y) = attached_sgd(problem, mu, lr)
 
     closure = closure_of(optimizer, model, x, y)
 
@@ -158,10 +163,7 @@ def test_the_old_route_in_a_closure_step_is_measured_as_lost(problem):
 def test_accumulation_gets_the_term_once_per_step(problem):
     """Two backward passes, one step: the term is added once, after both."""
     mu, lr = 1.5, 0.01
-    w_t = np.linspace(-1, 1, problem.dim)
-    model, rule = fedprox_rule(problem, w_t, mu)
-    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    x, y = data(problem)
+    w_t, model, rule, optimizer, (x, y) = attached_sgd(problem, mu, lr)
     optimizer.zero_grad()
     for half in (slice(0, 10), slice(10, 20)):
         half_sse(model(x[half]), y[half]).backward()
@@ -269,10 +271,7 @@ def test_no_rule_call_at_all_is_measured(problem):
 
 def test_add_gradient_twice_in_one_step_adds_once(problem, caplog):
     mu, lr = 2.0, 0.02
-    w_t = np.linspace(-1, 1, problem.dim)
-    model, rule = fedprox_rule(problem, w_t, mu)
-    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    x, y = data(problem)
+    w_t, model, rule, optimizer, (x, y) = attached_sgd(problem, mu, lr)
     optimizer.zero_grad()
     half_sse(model(x), y).backward()
     with caplog.at_level(logging.WARNING, logger="flwr"):
@@ -446,13 +445,8 @@ def test_innermost_optimizer_unwraps_wrappers():
 # --------------------------------------------------------------- the server
 def own_app(problem, rule_cls, route: str) -> ClientApp:
     """A user's closure-based loop: the rule attached, or added before the step."""
-    app = ClientApp()
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        k = int(context.node_config["partition-id"])
-        model = torch.nn.Linear(problem.dim, 1, bias=False)
-        rule = rule_cls.from_message(msg, context, model)
+    def train(k: int, model: torch.nn.Module, rule) -> Message:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         if route == "attach":
             rule.attach(optimizer)
@@ -466,7 +460,7 @@ def own_app(problem, rule_cls, route: str) -> ClientApp:
             optimizer.step(closure)
         return rule.reply(num_examples=len(y))
 
-    return app
+    return rule_app(problem, rule_cls, train)
 
 
 def run(problem, strategy, app, rounds=2):
