@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from flwr.app import (
@@ -30,12 +34,24 @@ __all__ = [
     "context",
     "error_reply",
     "honest_replies",
+    "load_script",
     "model_arrays",
     "record",
     "reply",
     "sampling_grid",
     "train_message",
 ]
+
+
+def load_script(path: Path, name: str | None = None) -> ModuleType:
+    """Import a script outside the package (docs, benchmarks) as module ``name``."""
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def train_message(arrays, config: dict, extra: dict | None = None) -> Message:
