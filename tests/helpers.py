@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "model_arrays",
     "record",
     "reply",
+    "run_app",
     "sampling_grid",
     "train_message",
 ]
@@ -52,6 +54,18 @@ def load_script(path: Path, name: str | None = None) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_app(output_dir: Path, overrides: str, num_nodes: int) -> tuple[Path, dict]:
+    """The project's app run in-process: its output folder and its results.json."""
+    from apps.client_app import app as client_app
+    from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+    from flwr_prox_strategies.experiment.server import run_experiment
+
+    run_config = {"overrides": overrides, "output-dir": str(output_dir)}
+    grid = InProcessGrid(client_app, num_nodes=num_nodes, run_config=run_config)
+    _, out = run_experiment(grid, run_config)
+    return out, json.loads((out / "results.json").read_text())
 
 
 def train_message(arrays, config: dict, extra: dict | None = None) -> Message:

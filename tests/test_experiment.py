@@ -22,6 +22,8 @@ from flwr_prox_strategies.experiment.config import (
 )
 from flwr_prox_strategies.experiment.server import run_experiment
 
+from .helpers import run_app
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -167,16 +169,12 @@ def test_node_count_mismatch_is_an_error_not_a_hang() -> None:
 
 
 def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": "num_clients=5 num_rounds=2 model=logreg evaluate.fraction_clients=1.0"
+    out, results = run_app(
+        tmp_path,
+        "num_clients=5 num_rounds=2 model=logreg evaluate.fraction_clients=1.0"
         " evaluate.local_test_fraction=0.2",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=5, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=5,
+    )
     assert results["summary"]["complete"]
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
@@ -208,16 +206,12 @@ def test_personalised_evaluation_reaches_results_and_plots(
 ) -> None:
     """Every client evaluates the global and its personalised model on its own
     held-out split; results.json carries the per-client table and the summary."""
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": f"num_clients=4 num_rounds=2 model=logreg partition=pathological "
+    out, results = run_app(
+        tmp_path,
+        f"num_clients=4 num_rounds=2 model=logreg partition=pathological "
         f"evaluate.fraction_clients=1.0 evaluate.local_test_fraction=0.25 {overrides}",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=4,
+    )
     evaluation = results["rounds"][-1]["evaluate"]
     assert evaluation["eval-client-keys"] == [0, 1, 2, 3]
     for name in ("accuracy", personal_key):
@@ -310,16 +304,12 @@ def test_a_run_where_every_client_fails_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["fedepm", "sfedprox"])
 def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -> None:
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": f"strategy={name} dataset=adult model=logreg num_clients=4 "
+    _, results = run_app(
+        tmp_path,
+        f"strategy={name} dataset=adult model=logreg num_clients=4 "
         "num_rounds=2 strategy.k0=2 train.batch_size=4096",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=4,
+    )
     assert results["summary"]["complete"]
     train = results["rounds"][-1]["train"]
     assert train["replies-valid"] == 2  # ceil(0.5 * 4)
@@ -328,16 +318,12 @@ def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -
 
 def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
     """The issue's override string, in-process: every server's model is evaluated."""
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": "strategy=pfedavg topology=ring topology.servers=4 num_clients=8 "
+    _, results = run_app(
+        tmp_path,
+        "strategy=pfedavg topology=ring topology.servers=4 num_clients=8 "
         "num_rounds=2 model=logreg",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=8, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=8,
+    )
     last = results["rounds"][-1]
     assert last["train"]["replies-valid"] == 8
     assert "consensus-distance" in last["train"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 
@@ -34,6 +33,8 @@ from flwr_prox_strategies.algorithms.fedepm import (
 )
 from flwr_prox_strategies.algorithms.sfed import step_size
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+
+from .helpers import run_app
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
@@ -480,16 +481,8 @@ def test_app_path_on_adult_learns(tmp_path) -> None:
         adult_matrix()
     except FileNotFoundError:
         pytest.skip("Adult files not found")
-    from apps.client_app import app as client_app
-    from flwr_prox_strategies.experiment.server import run_experiment
-
-    run_config = {
-        "overrides": "+experiment=fedepm-adult num_rounds=5",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=100, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    _, results = run_app(tmp_path, "+experiment=fedepm-adult num_rounds=5", 100)
+    rounds = results["rounds"]
     loss = [r["central"]["loss"] for r in rounds]
     accuracy = [r["central"]["accuracy"] for r in rounds]
     assert len(loss) == 6 and loss[0] == pytest.approx(math.log(2))
