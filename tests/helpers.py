@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,11 @@ from flwr_prox_strategies.testing import (
 )
 
 __all__ = [
+    "SMALL_JOBS",
     "configure",
     "context",
     "error_reply",
+    "experiment_cli",
     "honest_replies",
     "load_script",
     "model_arrays",
@@ -43,6 +46,23 @@ __all__ = [
     "sampling_grid",
     "train_message",
 ]
+
+
+# A sweep's jobs kept small: 3 clients, 2 rounds, logistic regression.
+SMALL_JOBS = ("num_clients=3", "num_rounds=2", "model=logreg")
+
+
+def experiment_cli(
+    *args: str, cwd: Path, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m flwr_prox_strategies.experiment <args>``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "flwr_prox_strategies.experiment", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 def load_script(path: Path, name: str | None = None) -> ModuleType:

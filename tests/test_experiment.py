@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import inspect
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from flwr_prox_strategies.experiment.config import (
 )
 from flwr_prox_strategies.experiment.server import run_experiment
 
-from .helpers import run_app
+from .helpers import SMALL_JOBS, experiment_cli, run_app
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,13 +143,7 @@ def test_the_conf_tree_is_snake_case() -> None:
 def test_an_old_kebab_key_names_its_snake_case_spelling(override, snake) -> None:
     with pytest.raises(ValueError, match=f"write '{snake}'"):
         compose_config(override)
-    out = subprocess.run(
-        [sys.executable, "-m", "flwr_prox_strategies.experiment", override],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    out = experiment_cli(override, cwd=REPO, timeout=120)
     assert out.returncode != 0 and f"write '{snake}'" in out.stderr, out.stderr[-2000:]
 
 
@@ -233,22 +225,15 @@ def test_personalised_evaluation_reaches_results_and_plots(
 
 @pytest.mark.long
 def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "flwr_prox_strategies.experiment",
+    out = experiment_cli(
         "-m",
         "engine=inprocess",
-        "num_clients=3",
-        "num_rounds=2",
-        "model=logreg",
+        *SMALL_JOBS,
         "strategy=fedavg,fedprox",
         "strategy.mu=0.01,1.0",
         "logger=tensorboard",
         f"hydra.sweep.dir={tmp_path}",
-    ]
-    out = subprocess.run(
-        command, capture_output=True, text=True, cwd=tmp_path, timeout=300
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = (out.stdout + out.stderr).splitlines()
