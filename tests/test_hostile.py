@@ -49,6 +49,17 @@ def contents(strategy, n: int) -> list[dict[str, dict[str, np.ndarray]]]:
     return out
 
 
+def huge_replies(strategy, messages: list[Message]):
+    """Four replies weighted 10 to 13, node 0's upload huge: content, weights, replies."""
+    content = contents(strategy, 4)
+    weights = [10.0 + i for i in range(4)]
+    replies = [
+        build_reply(m, c, n=w, strategy=strategy)
+        for m, c, w in zip(messages, content, weights, strict=True)
+    ]
+    return content, weights, replies
+
+
 def mean64(models: list[dict[str, np.ndarray]], weights: list[float]) -> dict:
     total = sum(weights)
     return {
@@ -72,12 +83,7 @@ def mean64(models: list[dict[str, np.ndarray]], weights: list[float]) -> dict:
 def test_one_huge_finite_upload_gives_the_true_mean(make) -> None:
     strategy = make()
     messages = configure(strategy, sampling_grid(4))
-    content = contents(strategy, 4)
-    weights = [10.0 + i for i in range(4)]
-    replies = [
-        build_reply(m, c, n=w, strategy=strategy)
-        for m, c, w in zip(messages, content, weights, strict=True)
-    ]
+    content, weights, replies = huge_replies(strategy, messages)
     arrays, metrics = strategy.aggregate_train(1, replies)
     got = to_np(arrays)
     want = mean64([c["arrays"] for c in content], weights)
@@ -98,12 +104,7 @@ def test_feddc_with_one_huge_upload_equals_its_float64_update(correction) -> Non
     strategy = FedDC(alpha=0.1, num_clients=4, correction=correction)
     initial = model_arrays()
     messages = configure(strategy, sampling_grid(4), initial)
-    content = contents(strategy, 4)
-    weights = [10.0 + i for i in range(4)]
-    replies = [
-        build_reply(m, c, n=w, strategy=strategy)
-        for m, c, w in zip(messages, content, weights, strict=True)
-    ]
+    content, weights, replies = huge_replies(strategy, messages)
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert metrics["replies-valid"] == 4
     models = [c["arrays"] for c in content]
