@@ -39,6 +39,7 @@ __all__ = [
     "experiment_cli",
     "honest_replies",
     "load_script",
+    "logged",
     "model_arrays",
     "record",
     "reply",
@@ -74,6 +75,11 @@ def load_script(path: Path, name: str | None = None) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def logged(caplog, text: str) -> bool:
+    """Whether a record captured by ``caplog`` holds ``text``."""
+    return any(text in r.getMessage() for r in caplog.records)
 
 
 def run_app(output_dir: Path, overrides: str, num_nodes: int) -> tuple[Path, dict]:

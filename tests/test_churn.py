@@ -21,6 +21,7 @@ from flwr_prox_strategies.algorithms.scaffold import CONTROL_STATE
 from flwr_prox_strategies.core.client.state import ClientState
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
+from .helpers import logged
 from .lsq import LeastSquares
 
 LOCAL = {"local_epochs": 3, "learning_rate": 0.1}
@@ -102,9 +103,7 @@ def test_restarted_node_without_state_is_retired_and_counted(problem, caplog):
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_rounds(strategy, grid, arrays, 3)
     assert strategy.book.retired_states == 1 and strategy.num_clients == 5
-    assert any(
-        "client 1 (node 2002) holds no state" in r.getMessage() for r in caplog.records
-    )
+    assert logged(caplog, "client 1 (node 2002) holds no state")
     assert_c_sums_the_clients(strategy, grid.contexts.values(), retired)
 
 

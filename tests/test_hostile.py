@@ -24,7 +24,7 @@ from flwr_prox_strategies.core.contract.validation import (
 from flwr_prox_strategies.core.server.strategy import ValidatedFedAvg
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import model_arrays, record, reply, sampling_grid
+from .helpers import logged, model_arrays, record, reply, sampling_grid
 from .test_contract import build_reply, good_content
 
 BIG = np.float32(3e38)  # finite; four of them overflow a float32 sum
@@ -134,7 +134,7 @@ def test_a_mean_at_the_float32_limit_is_recomputed_in_float64(
     assert metrics["replies-valid"] == 10
     for value in to_np(arrays).values():
         np.testing.assert_array_equal(value, F32_MAX)
-    assert any("recomputing it in float64" in r.getMessage() for r in caplog.records)
+    assert logged(caplog, "recomputing it in float64")
 
 
 def test_values_beyond_the_bound_are_named_apart_from_nan() -> None:
@@ -270,10 +270,8 @@ def test_the_default_cap_is_relative_to_the_round_median(caplog) -> None:
     want = (cap * 3.0 + 100 * 1.0 + 110 * 1.1 + 120 * 0.9) / (cap + 330)
     assert model == pytest.approx(want, rel=1e-6)
     assert metrics["replies-capped"] == 1
-    assert any(
-        "capped to 11000 (max_weight_ratio=100 x the round's median claim 110)"
-        in r.getMessage()
-        for r in caplog.records
+    assert logged(
+        caplog, "capped to 11000 (max_weight_ratio=100 x the round's median claim 110)"
     )
 
 
