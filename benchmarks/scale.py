@@ -44,15 +44,18 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from flwr_prox_strategies._executables import flower_env, flower_executable
 from flwr_prox_strategies.pfedavg_deploy.deployment import free_port
+from tests.system.engine import run_captured
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_APP = ROOT / "benchmarks" / "scale_app"
@@ -277,15 +280,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     memory.start()
     start = time.monotonic()
     try:
-        out = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=3600,
-            check=False,
-        )
+        out = run_captured(command, env=env, cwd=ROOT, timeout=3600)
     finally:
         memory.running = False
         stop_processes(home)

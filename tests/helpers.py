@@ -31,12 +31,12 @@ from flwr_prox_strategies.testing import (
     sampling_grid,
 )
 
+from .system.engine import hydra_entry
+
 __all__ = [
-    "SMALL_JOBS",
     "configure",
     "context",
     "error_reply",
-    "experiment_cli",
     "honest_replies",
     "load_script",
     "logged",
@@ -45,24 +45,20 @@ __all__ = [
     "reply",
     "run_app",
     "sampling_grid",
+    "small_sweep",
     "train_message",
 ]
 
 
-# A sweep's jobs kept small: 3 clients, 2 rounds, logistic regression.
-SMALL_JOBS = ("num_clients=3", "num_rounds=2", "model=logreg")
-
-
-def experiment_cli(
-    *args: str, cwd: Path, timeout: float = 300
+def small_sweep(
+    sweep_dir: Path, *overrides: str, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """``python -m flwr_prox_strategies.experiment <args>``, its output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "flwr_prox_strategies.experiment", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
+    """An in-process multirun into ``sweep_dir``: 3 clients, 2 rounds, logreg jobs."""
+    return hydra_entry(
+        *("-m", "engine=inprocess", "num_clients=3", "num_rounds=2", "model=logreg"),
+        *overrides,
+        f"hydra.sweep.dir={sweep_dir}",
+        cwd=sweep_dir if cwd is None else cwd,
     )
 
 

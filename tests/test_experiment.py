@@ -20,7 +20,8 @@ from flwr_prox_strategies.experiment.config import (
 )
 from flwr_prox_strategies.experiment.server import run_experiment
 
-from .helpers import SMALL_JOBS, experiment_cli, run_app
+from .helpers import run_app, small_sweep
+from .system.engine import hydra_entry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,7 +144,7 @@ def test_the_conf_tree_is_snake_case() -> None:
 def test_an_old_kebab_key_names_its_snake_case_spelling(override, snake) -> None:
     with pytest.raises(ValueError, match=f"write '{snake}'"):
         compose_config(override)
-    out = experiment_cli(override, cwd=REPO, timeout=120)
+    out = hydra_entry(override, cwd=REPO, timeout=120)
     assert out.returncode != 0 and f"write '{snake}'" in out.stderr, out.stderr[-2000:]
 
 
@@ -225,15 +226,11 @@ def test_personalised_evaluation_reaches_results_and_plots(
 
 @pytest.mark.long
 def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
-    out = experiment_cli(
-        "-m",
-        "engine=inprocess",
-        *SMALL_JOBS,
+    out = small_sweep(
+        tmp_path,
         "strategy=fedavg,fedprox",
         "strategy.mu=0.01,1.0",
         "logger=tensorboard",
-        f"hydra.sweep.dir={tmp_path}",
-        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = (out.stdout + out.stderr).splitlines()
@@ -303,12 +300,8 @@ def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -
 
 def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
     """The issue's override string, in-process: every server's model is evaluated."""
-    _, results = run_app(
-        tmp_path,
-        "strategy=pfedavg topology=ring topology.servers=4 num_clients=8 "
-        "num_rounds=2 model=logreg",
-        num_nodes=8,
-    )
+    issue = "strategy=pfedavg topology=ring topology.servers=4 num_clients=8"
+    _, results = run_app(tmp_path, f"{issue} num_rounds=2 model=logreg", num_nodes=8)
     last = results["rounds"][-1]
     assert last["train"]["replies-valid"] == 8
     assert "consensus-distance" in last["train"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -40,6 +39,8 @@ from flwr_prox_strategies.experiment.config import (
     plugin_targets,
 )
 from flwr_prox_strategies.experiment.server import make_client
+
+from .system.engine import hydra_entry
 
 SMALL = "num_clients=4 num_rounds=1 model=logreg train.local_epochs=1"
 
@@ -319,18 +320,12 @@ def test_the_hydra_command_line_finds_the_plugin(nova: Path, tmp_path: Path) -> 
         p for p in (str(nova), env.get("PYTHONPATH", "")) if p
     )
     env.pop(ALLOWED_TARGETS_ENV, None)
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "flwr_prox_strategies.experiment"),
-            *("strategy=nova", "strategy.boost=4.0", *SMALL.split()),
-            *("--cfg", "job"),
-        ],
-        capture_output=True,
-        text=True,
+    out = hydra_entry(
+        *("strategy=nova", "strategy.boost=4.0", *SMALL.split()),
+        *("--cfg", "job"),
         cwd=tmp_path,
         env=env,
         timeout=120,
-        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     job = textwrap.dedent(out.stdout)

@@ -26,7 +26,7 @@ from optuna.distributions import (
 
 from flwr_prox_strategies.experiment.sweeps.search import Search, search_space
 
-from .helpers import SMALL_JOBS, experiment_cli
+from .helpers import small_sweep
 
 
 def _space(*overrides: str) -> dict:
@@ -96,16 +96,13 @@ def test_bad_options_name_the_option(option, value) -> None:
 
 
 def _search(sweep: Path, trials: int, *extra: str) -> subprocess.CompletedProcess:
-    return experiment_cli(
-        "-m",
+    return small_sweep(
+        sweep,
         "hydra/sweeper=search",
-        "engine=inprocess",
-        *SMALL_JOBS,
         "strategy=fedprox",
         "strategy.mu=tag(log,interval(0.001,1))",
         "hydra.sweeper.objective=final-loss",
         f"hydra.sweeper.n_trials={trials}",
-        f"hydra.sweep.dir={sweep}",
         *extra,
         cwd=sweep.parent,
     )
