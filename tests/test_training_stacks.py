@@ -46,6 +46,17 @@ def fedprox_rule(problem, w_t: np.ndarray, mu: float, k: int = 1):
     return model, FedProxRule.from_message(msg, context(k), model)
 
 
+def scaffold_rule(problem, c: np.ndarray, model=None, **config):
+    """SCAFFOLD from zero with server control ``c``, on a fresh model unless given."""
+    model = torch.nn.Linear(problem.dim, 1, bias=False) if model is None else model
+    msg = train_message(
+        [np.zeros((1, problem.dim), np.float32)],
+        {"server-round": 1, **config},
+        {"control": [c]},
+    )
+    return model, ScaffoldRule.from_message(msg, context(), model)
+
+
 def data(problem, k: int = 1):
     return torch.from_numpy(problem.a[k]), torch.from_numpy(problem.b[k])
 
@@ -315,13 +326,7 @@ def test_scaffold_refuses_adam_whatever_the_route(problem):
     c = np.full((1, problem.dim), 0.3, np.float32)
     x, y = data(problem)
     for route in ("attach", "add_gradient", "none"):
-        model = torch.nn.Linear(problem.dim, 1, bias=False)
-        msg = train_message(
-            [np.zeros((1, problem.dim), np.float32)],
-            {"server-round": 1},
-            {"control": [c]},
-        )
-        rule = ScaffoldRule.from_message(msg, context(), model)
+        model, rule = scaffold_rule(problem, c)
         adam = torch.optim.Adam(model.parameters(), lr=0.01)
         if route == "attach":
             with pytest.raises(ValueError, match=r"needs torch\.optim\.SGD"):
@@ -342,12 +347,7 @@ def test_scaffold_option_two_divides_by_the_rates_applied(problem):
     model = torch.nn.Linear(problem.dim, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    msg = train_message(
-        [np.zeros((1, problem.dim), np.float32)],
-        {"server-round": 1, "scaffold-control-lr": "round"},
-        {"control": [c]},
-    )
-    rule = ScaffoldRule.from_message(msg, context(), model)
+    _, rule = scaffold_rule(problem, c, model, **{"scaffold-control-lr": "round"})
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     x, y = data(problem, 2)
@@ -372,13 +372,7 @@ def test_scaffold_option_two_divides_by_the_rates_applied(problem):
 def test_half_precision_models_reply_in_the_servers_dtype(problem, dtype):
     """A model converted after from_message (Lightning's bf16-true): float32 replies."""
     c = np.full((1, problem.dim), 0.3, np.float32)
-    model = torch.nn.Linear(problem.dim, 1, bias=False)
-    msg = train_message(
-        [np.zeros((1, problem.dim), np.float32)],
-        {"server-round": 1},
-        {"control": [c]},
-    )
-    rule = ScaffoldRule.from_message(msg, context(), model)
+    model, rule = scaffold_rule(problem, c)
     model.to(dtype)  # same Parameter objects, new dtype, as Lightning converts
     optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
     x, y = data(problem, 2)
