@@ -1,16 +1,54 @@
-"""Per-round accuracy curves of a benchmark's runs, kept as one CSV.
+"""Per-round accuracy curves of a benchmark's runs, kept as one CSV; and the
+pieces the sweep benchmarks share (their parser, their jobs, their table).
 
 A benchmark that plots curves writes them beside its table, so that its figure
 can be redrawn (``--plot-only``) without running again: one row per run and
-round, the run named by its key columns. Used by ``non_iid.py`` and
-``personalization.py``.
+round, the run named by its key columns. Used by ``non_iid.py``,
+``personalization.py`` and ``fedprox_synthetic.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+
+def sweep_parser(doc: str | None, rounds: int, out: str) -> argparse.ArgumentParser:
+    """A sweep benchmark's parser: its docstring, ``--rounds`` and ``--out``."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser
+
+
+def complete(results_path: Path) -> bool:
+    """Whether a job's ``results.json`` is there and says its run completed."""
+    return results_path.is_file() and bool(
+        json.loads(results_path.read_text())["summary"].get("complete")
+    )
+
+
+def run_job(overrides: list[str], job: Path, engine: str, clients: int) -> None:
+    """Run one job into ``job`` with ``flwr run`` (``engine="flwr"``) or in-process."""
+    from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
+
+    if engine == "flwr":
+        flwr_run(overrides, job, num_supernodes=clients)
+    else:
+        run_inprocess(overrides, job, clients)
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` as a CSV table, the first row's keys as its columns."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def write_curves(

@@ -58,7 +58,6 @@ time, measured 2026-12-04; the paper's 200 rounds and 3 seeds: about 9 h)::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -69,6 +68,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from curves import sweep_parser, write_rows
 
 from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
@@ -535,10 +535,7 @@ def dissimilarity_overview(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=200)
+    parser = sweep_parser(__doc__, 200, "benchmarks/results/fedprox_synthetic")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--worker",
@@ -550,9 +547,6 @@ def main() -> None:
     )
     parser.add_argument("--drops", type=float, nargs="+", default=list(DROPS))
     parser.add_argument("--plot-only", action="store_true")
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/fedprox_synthetic")
-    )
     args = parser.parse_args()
     index, count = (int(v) for v in args.worker.split("/"))
     if not 0 <= index < count:
@@ -566,10 +560,7 @@ def main() -> None:
     rows = collect(args.out, args.seeds, args.rounds)
     committed = args.out / "fedprox_synthetic.csv"
     if rows:
-        with open(committed, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(committed, rows)
     elif args.plot_only and committed.is_file():
         print(f"no finished run under {args.out / 'runs'}: plotting {committed}")
         rows = read_csv(committed, args.seeds, args.rounds)

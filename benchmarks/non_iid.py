@@ -33,7 +33,6 @@ Run (the full setting: 15 runs of 200 rounds)::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -43,10 +42,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from curves import read_curves, write_curves
+from curves import (
+    complete,
+    read_curves,
+    run_job,
+    sweep_parser,
+    write_curves,
+    write_rows,
+)
 from matplotlib.lines import Line2D
-
-from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
 
 # The official FedDyn/FedDC codes' settings: FedProx mu 1e-4; FedDyn alpha 1e-2
 # with its weight decay decoupled (the official penalty); FedDC alpha 0.1.
@@ -388,10 +392,7 @@ def plot(rows: list[dict], curves: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=200)
+    parser = sweep_parser(__doc__, 200, "benchmarks/results/non_iid-official")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--partitions",
@@ -404,9 +405,6 @@ def main() -> None:
     )
     parser.add_argument("--engine", choices=("flwr", "inprocess"), default="flwr")
     parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/non_iid-official")
-    )
     parser.add_argument(
         "--plot-only",
         action="store_true",
@@ -444,18 +442,12 @@ def main() -> None:
                     f"seed={seed}",
                 ]
                 results_path = job / "results.json"
-                if not (
-                    results_path.is_file()
-                    and json.loads(results_path.read_text())["summary"].get("complete")
-                ):
+                if not complete(results_path):
                     if results_path.is_file():  # an interrupted run starts over
                         for old in job.iterdir():
                             if old.is_file():
                                 old.unlink()
-                    if args.engine == "flwr":
-                        flwr_run(overrides, job, num_supernodes=args.clients)
-                    else:
-                        run_inprocess(overrides, job, args.clients)
+                    run_job(overrides, job, args.engine, args.clients)
                 summary = summarise(json.loads(results_path.read_text()))
                 curves[(partition, name, seed)] = summary.pop("curve")
                 rows.append(
@@ -468,10 +460,7 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-    with open(args.out / "non_iid.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out / "non_iid.csv", rows)
     write_curves(
         args.out / "non_iid_curves.csv", ("partition", "strategy", "seed"), curves
     )

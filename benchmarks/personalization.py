@@ -29,7 +29,6 @@ another benchmark sharing the 2 cores)::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 from pathlib import Path
@@ -38,9 +37,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from curves import read_curves, write_curves
-
-from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
+from curves import (
+    complete,
+    read_curves,
+    run_job,
+    sweep_parser,
+    write_curves,
+    write_rows,
+)
 
 RUNS = {
     "fedavg": ["strategy=fedavg", "train.finetune_steps=10"],
@@ -234,10 +238,7 @@ def plot_curves(curves: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=50)
+    parser = sweep_parser(__doc__, 50, "benchmarks/results/personalization")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, nargs="+", default=list(FEDERATIONS))
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS))
@@ -247,9 +248,6 @@ def main() -> None:
         "--only-complete",
         action="store_true",
         help="tabulate the runs already complete under --out, run nothing",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/personalization")
     )
     parser.add_argument(
         "--plot-only",
@@ -288,17 +286,11 @@ def main() -> None:
                     f"seed={args.seed}",
                 ]
                 path = job / "results.json"
-                if not (
-                    path.is_file()
-                    and json.loads(path.read_text())["summary"].get("complete")
-                ):
+                if not complete(path):
                     if args.only_complete:
                         print(f"not run: {job.name}", flush=True)
                         continue
-                    if args.engine == "flwr":
-                        flwr_run(overrides, job, num_supernodes=clients)
-                    else:
-                        run_inprocess(overrides, job, clients)
+                    run_job(overrides, job, args.engine, clients)
                 results = json.loads(path.read_text())
                 last = [r for r in results["rounds"] if r.get("evaluate")][-1]
                 evaluation = last["evaluate"]
@@ -331,10 +323,7 @@ def main() -> None:
                     )
                     curves[(clients, partition, method)] = curve(results, prefix)
                     print(json.dumps(rows[-1]), flush=True)
-    with open(args.out / "personalization.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out / "personalization.csv", rows)
     write_curves(
         args.out / "personalization_curves.csv",
         ("clients", "partition", "method"),
