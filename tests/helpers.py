@@ -41,6 +41,7 @@ __all__ = [
     "load_script",
     "logged",
     "model_arrays",
+    "node_context",
     "record",
     "reply",
     "run_app",
@@ -118,6 +119,19 @@ def context(k: int = 0) -> Context:
         node_config={"partition-id": k},
         state=RecordDict(),
         run_config={},
+    )
+
+
+def node_context(
+    node_id: int, partition: int, num_partitions: int, overrides: str | None = None
+) -> Context:
+    """A SuperNode's context: partition k of n, an empty state, the run's overrides."""
+    return Context(
+        run_id=1,
+        node_id=node_id,
+        node_config={"partition-id": partition, "num-partitions": num_partitions},
+        state=RecordDict(),
+        run_config={} if overrides is None else {"overrides": overrides},
     )
 
 

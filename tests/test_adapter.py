@@ -21,7 +21,7 @@ from flwr_prox_strategies.core.client.adapter import ErrorLog, handle_train
 from flwr_prox_strategies.core.transport.flower import MOD_FAILED_PRECONDITION
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import model_arrays, record
+from .helpers import context, model_arrays, record
 
 
 class DocsClient(NumPyClient):
@@ -87,16 +87,6 @@ def train_message(arrays: ArrayRecord, config: dict) -> Message:
         RecordDict({"arrays": arrays, "config": ConfigRecord(config)}),
         dst_node_id=1001,
         message_type=MessageType.TRAIN,
-    )
-
-
-def context() -> Context:
-    return Context(
-        run_id=1,
-        node_id=1001,
-        node_config={"partition-id": 0},
-        state=RecordDict(),
-        run_config={},
     )
 
 

@@ -21,7 +21,7 @@ from flwr_prox_strategies.algorithms.scaffold import CONTROL_STATE
 from flwr_prox_strategies.core.client.state import ClientState
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import logged
+from .helpers import logged, node_context
 from .lsq import LeastSquares
 
 LOCAL = {"local_epochs": 3, "learning_rate": 0.1}
@@ -49,13 +49,7 @@ def grid_of(problem: LeastSquares, client_cls, nodes: int = 4) -> InProcessGrid:
 
 
 def add_node(grid: InProcessGrid, node_id: int, partition: int) -> Context:
-    context = Context(
-        run_id=1,
-        node_id=node_id,
-        node_config={"partition-id": partition, "num-partitions": 5},
-        state=RecordDict(),
-        run_config={},
-    )
+    context = node_context(node_id, partition, 5)
     grid.contexts[node_id] = context
     return context
 

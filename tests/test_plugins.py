@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flwr.app import Context, RecordDict
 
 from flwr_prox_strategies.algorithms import (
     ALGORITHMS,
@@ -40,6 +39,7 @@ from flwr_prox_strategies.experiment.config import (
 )
 from flwr_prox_strategies.experiment.server import make_client
 
+from .helpers import node_context
 from .system.engine import hydra_entry
 
 SMALL = "num_clients=4 num_rounds=1 model=logreg train.local_epochs=1"
@@ -166,13 +166,7 @@ def test_a_plugin_builds_through_the_app_s_path(nova: Path) -> None:
     # flwr run: the ServerApp composes the run config, each SuperNode too.
     served = config_from_run_config({"overrides": f"strategy=nova {SMALL}"})
     assert served.strategy.boost == 2.5
-    context = Context(
-        run_id=1,
-        node_id=7,
-        node_config={"partition-id": 0, "num-partitions": 4},
-        state=RecordDict(),
-        run_config={"overrides": f"strategy=nova {SMALL}"},
-    )
+    context = node_context(7, 0, 4, f"strategy=nova {SMALL}")
     assert type(make_client(context)) is algorithm.client
 
 
