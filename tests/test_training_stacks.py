@@ -464,6 +464,15 @@ def run(problem, strategy, app, rounds=2):
     )
 
 
+def run_refused(caplog, problem, strategy, app, rounds=2) -> None:
+    """A run that aggregates no round, its warnings captured."""
+    with (
+        caplog.at_level(logging.WARNING, logger="flwr"),
+        pytest.raises(NoRoundAggregatedError),
+    ):
+        run(problem, strategy, app, rounds=rounds)
+
+
 @pytest.mark.parametrize(
     ("strategy", "rule_cls"),
     [
@@ -494,15 +503,12 @@ def test_the_server_hears_when_the_term_missed_the_update(
     assert "in 0 of the client's 3 local steps" in warnings[0]
     assert "rule.attach(optimizer)" in warnings[0]
     caplog.clear()
-    with (
-        caplog.at_level(logging.WARNING, logger="flwr"),
-        pytest.raises(NoRoundAggregatedError),
-    ):
-        run(
-            problem,
-            strategy(fraction_evaluate=0.0, strict=True),
-            own_app(problem, rule_cls, "too-early"),
-        )
+    run_refused(
+        caplog,
+        problem,
+        strategy(fraction_evaluate=0.0, strict=True),
+        own_app(problem, rule_cls, "too-early"),
+    )
     assert "rule-not-applied" in caplog.text
     clean = run(
         problem, strategy(fraction_evaluate=0.0), own_app(problem, rule_cls, "attach")
@@ -533,11 +539,9 @@ def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
     """A reply without control-delta names rule.reply, as FedDyn's does."""
     app = model_only_app()
 
-    with (
-        caplog.at_level(logging.WARNING, logger="flwr"),
-        pytest.raises(NoRoundAggregatedError),
-    ):
-        run(problem, Scaffold(num_clients=4, fraction_evaluate=0.0), app, rounds=1)
+    run_refused(
+        caplog, problem, Scaffold(num_clients=4, fraction_evaluate=0.0), app, rounds=1
+    )
     assert "expected ['arrays', 'control-delta']" in caplog.text
     assert "return rule.reply(...)" in caplog.text
 
@@ -585,11 +589,7 @@ def test_a_reply_in_another_dtype_is_told_what_the_server_accepts(problem, caplo
         )
         return Message(content, reply_to=msg)
 
-    with (
-        caplog.at_level(logging.WARNING, logger="flwr"),
-        pytest.raises(NoRoundAggregatedError),
-    ):
-        run(problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
+    run_refused(caplog, problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
     assert "has dtype float16, expected float32" in caplog.text
     assert "replies in the dtypes it received" in caplog.text
 
