@@ -69,6 +69,14 @@ def attached_sgd(problem, mu: float, lr: float):
     return w_t, model, rule, optimizer, data(problem)
 
 
+def plain_steps(optimizer, model, x, y, steps: int) -> None:
+    """``steps`` full-batch steps of the half squared error: zero, backward, step."""
+    for _ in range(steps):
+        optimizer.zero_grad()
+        half_sse(model(x), y).backward()
+        optimizer.step()
+
+
 def fedprox_by_hand(problem, w_t, mu, lr, steps, k=1) -> np.ndarray:
     a, b = problem.a[k].astype(np.float64), problem.b[k].astype(np.float64)
     w = w_t.astype(np.float32).astype(np.float64)
@@ -258,10 +266,7 @@ def test_stepping_another_optimizer_is_measured_as_missing(problem):
     rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
     stepped = torch.optim.SGD(model.parameters(), lr=0.01)  # the one the loop uses
     x, y = data(problem)
-    for _ in range(2):
-        stepped.zero_grad()
-        half_sse(model(x), y).backward()
-        stepped.step()
+    plain_steps(stepped, model, x, y, 2)
     metrics = metrics_of(rule)
     assert metrics["local-steps"] == 2
     assert metrics["proximal-mu-applied"] == 0 and metrics["term-missing-steps"] == 2
@@ -272,10 +277,7 @@ def test_no_rule_call_at_all_is_measured(problem):
     model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1.0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = data(problem)
-    for _ in range(3):
-        optimizer.zero_grad()
-        half_sse(model(x), y).backward()
-        optimizer.step()
+    plain_steps(optimizer, model, x, y, 3)
     metrics = metrics_of(rule)
     assert (metrics["local-steps"], metrics["proximal-mu-applied"]) == (3, 0)
 
@@ -398,10 +400,7 @@ def test_the_rule_follows_replaced_parameters(problem):
     model.weight = torch.nn.Parameter(old.detach().clone())  # a new object
     optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
     x, y = data(problem)
-    for _ in range(2):
-        optimizer.zero_grad()
-        half_sse(model(x), y).backward()
-        optimizer.step()
+    plain_steps(optimizer, model, x, y, 2)
     np.testing.assert_allclose(
         model.weight.detach().numpy()[0],
         fedprox_by_hand(problem, w_t, mu, lr, 2),
