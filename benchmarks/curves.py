@@ -16,14 +16,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
-def sweep_parser(doc: str | None, rounds: int, out: str) -> argparse.ArgumentParser:
-    """A sweep benchmark's parser: its docstring, ``--rounds`` and ``--out``."""
+def sweep_parser(
+    doc: str | None, rounds: int, out: str, seeds: bool = False
+) -> argparse.ArgumentParser:
+    """A sweep benchmark's parser: its docstring, ``--rounds``, ``--out`` and
+    (``seeds``) ``--seeds``, 0 1 2 unless given."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", type=Path, default=Path(out))
+    if seeds:
+        parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     return parser
+
+
+def save_figure(fig, path: Path, dpi: int = 150) -> None:
+    """Write a matplotlib figure to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def complete(results_path: Path) -> bool:

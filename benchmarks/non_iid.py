@@ -46,6 +46,7 @@ from curves import (
     complete,
     read_curves,
     run_job,
+    save_figure,
     sweep_parser,
     write_curves,
     write_rows,
@@ -387,13 +388,13 @@ def plot(rows: list[dict], curves: dict, path: Path) -> None:
             f"Fashion-MNIST{where}, seeds {' '.join(map(str, seeds))}", fontsize=11
         )
         fig.tight_layout(rect=(0, 0.06 / panel_rows, 1, 1))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def main() -> None:
-    parser = sweep_parser(__doc__, 200, "benchmarks/results/non_iid-official")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = sweep_parser(
+        __doc__, 200, "benchmarks/results/non_iid-official", seeds=True
+    )
     parser.add_argument(
         "--partitions",
         nargs="+",

@@ -41,6 +41,7 @@ from curves import (
     complete,
     read_curves,
     run_job,
+    save_figure,
     sweep_parser,
     write_curves,
     write_rows,
@@ -203,8 +204,7 @@ def plot_bars(rows: list[dict], path: Path) -> None:
             frameon=False,
         )
         fig.tight_layout(rect=(0, 0, 1, 0.925))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def plot_curves(curves: dict, path: Path) -> None:
@@ -233,8 +233,7 @@ def plot_curves(curves: dict, path: Path) -> None:
         handles, labels = next(iter(panels.values())).get_legend_handles_labels()
         fig.legend(handles, labels, loc="upper center", ncol=3, frameon=False)
         fig.tight_layout(rect=(0, 0, 1, 0.92))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def main() -> None:
