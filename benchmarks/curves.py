@@ -56,6 +56,21 @@ def run_job(overrides: list[str], job: Path, engine: str, clients: int) -> None:
         run_inprocess(overrides, job, clients)
 
 
+def ensure_run(
+    job: Path, overrides: list[str], engine: str, clients: int, restart: bool = False
+) -> Path:
+    """Run the job unless its run completed (``restart``: an interrupted run's
+    files go first); its ``results.json``."""
+    results_path = job / "results.json"
+    if not complete(results_path):
+        if restart and results_path.is_file():
+            for old in job.iterdir():
+                if old.is_file():
+                    old.unlink()
+        run_job(overrides, job, engine, clients)
+    return results_path
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     """Write ``rows`` as a CSV table, the first row's keys as its columns."""
     with open(path, "w", newline="") as handle:

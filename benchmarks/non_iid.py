@@ -34,6 +34,7 @@ Run (the full setting: 15 runs of 200 rounds)::
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -43,9 +44,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from curves import (
-    complete,
+    ensure_run,
     read_curves,
-    run_job,
     save_figure,
     sweep_parser,
     write_curves,
@@ -395,6 +395,7 @@ def main() -> None:
     parser = sweep_parser(
         __doc__, 200, "benchmarks/results/non_iid-official", seeds=True
     )
+    parser.add_argument("--clients", type=int, default=100)
     parser.add_argument(
         "--partitions",
         nargs="+",
@@ -405,7 +406,6 @@ def main() -> None:
         "--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES)
     )
     parser.add_argument("--engine", choices=("flwr", "inprocess"), default="flwr")
-    parser.add_argument("--clients", type=int, default=100)
     parser.add_argument(
         "--plot-only",
         action="store_true",
@@ -430,37 +430,34 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
-    for partition in args.partitions:
-        for name in args.strategies:
-            for seed in args.seeds:
-                job = args.out / f"{partition}-{name}-seed{seed}"
-                overrides = [
-                    "+experiment=non-iid-official",
-                    *PARTITIONS[partition],
-                    *STRATEGIES[name],
-                    f"num_rounds={args.rounds}",
-                    f"num_clients={args.clients}",
-                    f"seed={seed}",
-                ]
-                results_path = job / "results.json"
-                if not complete(results_path):
-                    if results_path.is_file():  # an interrupted run starts over
-                        for old in job.iterdir():
-                            if old.is_file():
-                                old.unlink()
-                    run_job(overrides, job, args.engine, args.clients)
-                summary = summarise(json.loads(results_path.read_text()))
-                curves[(partition, name, seed)] = summary.pop("curve")
-                rows.append(
-                    {
-                        "partition": partition,
-                        "strategy": name,
-                        "seed": seed,
-                        "engine": args.engine,
-                        **summary,
-                    }
-                )
-                print(json.dumps(rows[-1]), flush=True)
+    for partition, name, seed in itertools.product(
+        args.partitions, args.strategies, args.seeds
+    ):
+        job = args.out / f"{partition}-{name}-seed{seed}"
+        overrides = [
+            "+experiment=non-iid-official",
+            *PARTITIONS[partition],
+            *STRATEGIES[name],
+            f"num_rounds={args.rounds}",
+            f"num_clients={args.clients}",
+            f"seed={seed}",
+        ]
+        # an interrupted run starts over
+        results_path = ensure_run(
+            job, overrides, args.engine, args.clients, restart=True
+        )
+        summary = summarise(json.loads(results_path.read_text()))
+        curves[(partition, name, seed)] = summary.pop("curve")
+        rows.append(
+            {
+                "partition": partition,
+                "strategy": name,
+                "seed": seed,
+                "engine": args.engine,
+                **summary,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out / "non_iid.csv", rows)
     write_curves(
         args.out / "non_iid_curves.csv", ("partition", "strategy", "seed"), curves

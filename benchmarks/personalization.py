@@ -39,8 +39,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from curves import (
     complete,
+    ensure_run,
     read_curves,
-    run_job,
     save_figure,
     sweep_parser,
     write_curves,
@@ -275,21 +275,23 @@ def main() -> None:
         for partition in args.partitions:
             for run in args.runs:
                 job = args.out / f"{clients}-{partition}-{run}-seed{args.seed}"
-                overrides = [
-                    "+experiment=personalization",
-                    *PARTITIONS[partition],
-                    *RUNS[run],
-                    f"num_clients={clients}",
-                    f"strategy.fraction_train={FEDERATIONS.get(clients, 1.0)}",
-                    f"num_rounds={args.rounds}",
-                    f"seed={args.seed}",
-                ]
-                path = job / "results.json"
-                if not complete(path):
-                    if args.only_complete:
-                        print(f"not run: {job.name}", flush=True)
-                        continue
-                    run_job(overrides, job, args.engine, clients)
+                if args.only_complete and not complete(job / "results.json"):
+                    print(f"not run: {job.name}", flush=True)
+                    continue
+                path = ensure_run(
+                    job,
+                    [
+                        "+experiment=personalization",
+                        *PARTITIONS[partition],
+                        *RUNS[run],
+                        f"num_clients={clients}",
+                        f"strategy.fraction_train={FEDERATIONS.get(clients, 1.0)}",
+                        f"num_rounds={args.rounds}",
+                        f"seed={args.seed}",
+                    ],
+                    args.engine,
+                    clients,
+                )
                 results = json.loads(path.read_text())
                 last = [r for r in results["rounds"] if r.get("evaluate")][-1]
                 evaluation = last["evaluate"]
