@@ -91,6 +91,14 @@ def write_curves(
                 writer.writerow([*key, round_, accuracy])
 
 
+def write_tables(
+    out: Path, name: str, rows: list[dict], key_names: Sequence[str], curves: dict
+) -> None:
+    """Write ``<name>.csv`` (the rows) and ``<name>_curves.csv`` into ``out``."""
+    write_rows(out / f"{name}.csv", rows)
+    write_curves(out / f"{name}_curves.csv", key_names, curves)
+
+
 def read_curves(
     path: Path, key_types: dict[str, Callable[[str], object]]
 ) -> dict[tuple, list[tuple[int, float]]]:

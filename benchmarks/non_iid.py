@@ -43,14 +43,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from curves import (
-    ensure_run,
-    read_curves,
-    save_figure,
-    sweep_parser,
-    write_curves,
-    write_rows,
-)
+from curves import ensure_run, read_curves, save_figure, sweep_parser, write_tables
 from matplotlib.lines import Line2D
 
 # The official FedDyn/FedDC codes' settings: FedProx mu 1e-4; FedDyn alpha 1e-2
@@ -458,10 +451,7 @@ def main() -> None:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    write_rows(args.out / "non_iid.csv", rows)
-    write_curves(
-        args.out / "non_iid_curves.csv", ("partition", "strategy", "seed"), curves
-    )
+    write_tables(args.out, "non_iid", rows, ("partition", "strategy", "seed"), curves)
     plot(rows, curves, args.out / "non_iid.png")
     text = table(rows, args.partitions, args.strategies)
     (args.out / "non_iid.md").write_text(text + "\n")

@@ -43,8 +43,7 @@ from curves import (
     read_curves,
     save_figure,
     sweep_parser,
-    write_curves,
-    write_rows,
+    write_tables,
 )
 
 RUNS = {
@@ -324,11 +323,8 @@ def main() -> None:
                     )
                     curves[(clients, partition, method)] = curve(results, prefix)
                     print(json.dumps(rows[-1]), flush=True)
-    write_rows(args.out / "personalization.csv", rows)
-    write_curves(
-        args.out / "personalization_curves.csv",
-        ("clients", "partition", "method"),
-        curves,
+    write_tables(
+        args.out, "personalization", rows, ("clients", "partition", "method"), curves
     )
     plot_bars(rows, args.out / "personalization.png")
     plot_curves(curves, args.out / "personalization-curves.png")
