@@ -216,14 +216,7 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
 
     grid = InProcessGrid(timed, num_nodes=nodes, run_config=run_config)
     if overrides is None:
-        context = Context(
-            run_id=1,
-            node_id=0,
-            node_config={},
-            state=RecordDict(),
-            run_config=run_config,
-        )
-        server_main(grid, context)
+        server_main(grid, Context(1, 0, {}, RecordDict(), run_config))  # run 1, node 0
     else:
         run_experiment(grid, run_config)
         shutil.rmtree(folder, ignore_errors=True)
