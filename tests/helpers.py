@@ -1,4 +1,5 @@
-"""Shared helpers for building messages and replies by hand."""
+"""Shared helpers: messages, replies and contexts built by hand; the project's app
+run in-process; small sweeps; scripts outside the package imported; log checks."""
 
 from __future__ import annotations
 
