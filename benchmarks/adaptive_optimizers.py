@@ -105,13 +105,8 @@ def lightning_table(out: Path, seeds: list[int]) -> None:
                         example, parse_config_args([overrides])
                     )
                     grid = InProcessGrid(client_app.app, num_nodes=4, run_config=config)
-                    context = Context(
-                        run_id=1,
-                        node_id=0,
-                        node_config={},
-                        state=RecordDict(),
-                        run_config=config,
-                    )
+                    # the ServerApp's context: run 1, node 0
+                    context = Context(1, 0, {}, RecordDict(), config)
                     losses = []
                     original = server_app.make_strategy
 

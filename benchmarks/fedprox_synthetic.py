@@ -58,7 +58,6 @@ time, measured 2026-12-04; the paper's 200 rounds and 3 seeds: about 9 h)::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -69,6 +68,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from curves import save_figure, sweep_parser, write_rows
 
 from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
@@ -286,8 +286,7 @@ def grid_plot(rows: list[dict], key: str, label: str, path: Path, log: bool) -> 
                 ax.set_ylabel(label)
     fig.legend(handles=legend_handles(METHODS), loc="upper center", ncol=3)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def moving_mean(values: list[float], width: int = 10) -> list[float]:
@@ -338,8 +337,7 @@ def dissimilarity_plot(rows: list[dict], path: Path) -> None:
         handles=legend_handles(("FedAvg", "FedProx (mu=1)")), loc="upper center", ncol=2
     )
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def slug(setting: str) -> str:
@@ -467,8 +465,7 @@ def federation_plot(rows: list[dict], setting: str, path: Path) -> None:
             fontsize=11,
         )
         fig.tight_layout(rect=(0, 0, 1, 0.93))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def dissimilarity_overview(rows: list[dict], path: Path) -> None:
@@ -530,16 +527,13 @@ def dissimilarity_overview(rows: list[dict], path: Path) -> None:
             fontsize=11,
         )
         fig.tight_layout(rect=(0, 0, 1, 0.9))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = sweep_parser(
+        __doc__, 200, "benchmarks/results/fedprox_synthetic", seeds=True
     )
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--worker",
         default="0/1",
@@ -550,9 +544,6 @@ def main() -> None:
     )
     parser.add_argument("--drops", type=float, nargs="+", default=list(DROPS))
     parser.add_argument("--plot-only", action="store_true")
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/fedprox_synthetic")
-    )
     args = parser.parse_args()
     index, count = (int(v) for v in args.worker.split("/"))
     if not 0 <= index < count:
@@ -566,10 +557,7 @@ def main() -> None:
     rows = collect(args.out, args.seeds, args.rounds)
     committed = args.out / "fedprox_synthetic.csv"
     if rows:
-        with open(committed, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(committed, rows)
     elif args.plot_only and committed.is_file():
         print(f"no finished run under {args.out / 'runs'}: plotting {committed}")
         rows = read_csv(committed, args.seeds, args.rounds)

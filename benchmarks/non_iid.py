@@ -33,8 +33,8 @@ Run (the full setting: 15 runs of 200 rounds)::
 
 from __future__ import annotations
 
-import argparse
 import csv
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -43,10 +43,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from curves import read_curves, write_curves
+from curves import ensure_run, read_curves, save_figure, sweep_parser, write_tables
 from matplotlib.lines import Line2D
-
-from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
 
 # The official FedDyn/FedDC codes' settings: FedProx mu 1e-4; FedDyn alpha 1e-2
 # with its weight decay decoupled (the official penalty); FedDC alpha 0.1.
@@ -383,16 +381,14 @@ def plot(rows: list[dict], curves: dict, path: Path) -> None:
             f"Fashion-MNIST{where}, seeds {' '.join(map(str, seeds))}", fontsize=11
         )
         fig.tight_layout(rect=(0, 0.06 / panel_rows, 1, 1))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = sweep_parser(
+        __doc__, 200, "benchmarks/results/non_iid-official", seeds=True
     )
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--clients", type=int, default=100)
     parser.add_argument(
         "--partitions",
         nargs="+",
@@ -403,10 +399,6 @@ def main() -> None:
         "--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES)
     )
     parser.add_argument("--engine", choices=("flwr", "inprocess"), default="flwr")
-    parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/non_iid-official")
-    )
     parser.add_argument(
         "--plot-only",
         action="store_true",
@@ -431,50 +423,35 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
-    for partition in args.partitions:
-        for name in args.strategies:
-            for seed in args.seeds:
-                job = args.out / f"{partition}-{name}-seed{seed}"
-                overrides = [
-                    "+experiment=non-iid-official",
-                    *PARTITIONS[partition],
-                    *STRATEGIES[name],
-                    f"num_rounds={args.rounds}",
-                    f"num_clients={args.clients}",
-                    f"seed={seed}",
-                ]
-                results_path = job / "results.json"
-                if not (
-                    results_path.is_file()
-                    and json.loads(results_path.read_text())["summary"].get("complete")
-                ):
-                    if results_path.is_file():  # an interrupted run starts over
-                        for old in job.iterdir():
-                            if old.is_file():
-                                old.unlink()
-                    if args.engine == "flwr":
-                        flwr_run(overrides, job, num_supernodes=args.clients)
-                    else:
-                        run_inprocess(overrides, job, args.clients)
-                summary = summarise(json.loads(results_path.read_text()))
-                curves[(partition, name, seed)] = summary.pop("curve")
-                rows.append(
-                    {
-                        "partition": partition,
-                        "strategy": name,
-                        "seed": seed,
-                        "engine": args.engine,
-                        **summary,
-                    }
-                )
-                print(json.dumps(rows[-1]), flush=True)
-    with open(args.out / "non_iid.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    write_curves(
-        args.out / "non_iid_curves.csv", ("partition", "strategy", "seed"), curves
-    )
+    for partition, name, seed in itertools.product(
+        args.partitions, args.strategies, args.seeds
+    ):
+        job = args.out / f"{partition}-{name}-seed{seed}"
+        overrides = [
+            "+experiment=non-iid-official",
+            *PARTITIONS[partition],
+            *STRATEGIES[name],
+            f"num_rounds={args.rounds}",
+            f"num_clients={args.clients}",
+            f"seed={seed}",
+        ]
+        # an interrupted run starts over
+        results_path = ensure_run(
+            job, overrides, args.engine, args.clients, restart=True
+        )
+        summary = summarise(json.loads(results_path.read_text()))
+        curves[(partition, name, seed)] = summary.pop("curve")
+        rows.append(
+            {
+                "partition": partition,
+                "strategy": name,
+                "seed": seed,
+                "engine": args.engine,
+                **summary,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    write_tables(args.out, "non_iid", rows, ("partition", "strategy", "seed"), curves)
     plot(rows, curves, args.out / "non_iid.png")
     text = table(rows, args.partitions, args.strategies)
     (args.out / "non_iid.md").write_text(text + "\n")

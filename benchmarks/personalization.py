@@ -29,7 +29,6 @@ another benchmark sharing the 2 cores)::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 from pathlib import Path
@@ -38,9 +37,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from curves import read_curves, write_curves
-
-from flwr_prox_strategies.experiment.sweeps.sweep import flwr_run, run_inprocess
+from curves import (
+    complete,
+    ensure_run,
+    read_curves,
+    save_figure,
+    sweep_parser,
+    write_tables,
+)
 
 RUNS = {
     "fedavg": ["strategy=fedavg", "train.finetune_steps=10"],
@@ -199,8 +203,7 @@ def plot_bars(rows: list[dict], path: Path) -> None:
             frameon=False,
         )
         fig.tight_layout(rect=(0, 0, 1, 0.925))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def plot_curves(curves: dict, path: Path) -> None:
@@ -229,15 +232,11 @@ def plot_curves(curves: dict, path: Path) -> None:
         handles, labels = next(iter(panels.values())).get_legend_handles_labels()
         fig.legend(handles, labels, loc="upper center", ncol=3, frameon=False)
         fig.tight_layout(rect=(0, 0, 1, 0.92))
-        fig.savefig(path, dpi=150)
-        plt.close(fig)
+        save_figure(fig, path)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=50)
+    parser = sweep_parser(__doc__, 50, "benchmarks/results/personalization")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clients", type=int, nargs="+", default=list(FEDERATIONS))
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS))
@@ -247,9 +246,6 @@ def main() -> None:
         "--only-complete",
         action="store_true",
         help="tabulate the runs already complete under --out, run nothing",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/personalization")
     )
     parser.add_argument(
         "--plot-only",
@@ -278,27 +274,23 @@ def main() -> None:
         for partition in args.partitions:
             for run in args.runs:
                 job = args.out / f"{clients}-{partition}-{run}-seed{args.seed}"
-                overrides = [
-                    "+experiment=personalization",
-                    *PARTITIONS[partition],
-                    *RUNS[run],
-                    f"num_clients={clients}",
-                    f"strategy.fraction_train={FEDERATIONS.get(clients, 1.0)}",
-                    f"num_rounds={args.rounds}",
-                    f"seed={args.seed}",
-                ]
-                path = job / "results.json"
-                if not (
-                    path.is_file()
-                    and json.loads(path.read_text())["summary"].get("complete")
-                ):
-                    if args.only_complete:
-                        print(f"not run: {job.name}", flush=True)
-                        continue
-                    if args.engine == "flwr":
-                        flwr_run(overrides, job, num_supernodes=clients)
-                    else:
-                        run_inprocess(overrides, job, clients)
+                if args.only_complete and not complete(job / "results.json"):
+                    print(f"not run: {job.name}", flush=True)
+                    continue
+                path = ensure_run(
+                    job,
+                    [
+                        "+experiment=personalization",
+                        *PARTITIONS[partition],
+                        *RUNS[run],
+                        f"num_clients={clients}",
+                        f"strategy.fraction_train={FEDERATIONS.get(clients, 1.0)}",
+                        f"num_rounds={args.rounds}",
+                        f"seed={args.seed}",
+                    ],
+                    args.engine,
+                    clients,
+                )
                 results = json.loads(path.read_text())
                 last = [r for r in results["rounds"] if r.get("evaluate")][-1]
                 evaluation = last["evaluate"]
@@ -331,14 +323,8 @@ def main() -> None:
                     )
                     curves[(clients, partition, method)] = curve(results, prefix)
                     print(json.dumps(rows[-1]), flush=True)
-    with open(args.out / "personalization.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    write_curves(
-        args.out / "personalization_curves.csv",
-        ("clients", "partition", "method"),
-        curves,
+    write_tables(
+        args.out, "personalization", rows, ("clients", "partition", "method"), curves
     )
     plot_bars(rows, args.out / "personalization.png")
     plot_curves(curves, args.out / "personalization-curves.png")

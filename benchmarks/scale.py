@@ -44,15 +44,18 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from flwr_prox_strategies._executables import flower_env, flower_executable
 from flwr_prox_strategies.pfedavg_deploy.deployment import free_port
+from tests.system.engine import run_captured
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOWER_APP = ROOT / "benchmarks" / "scale_app"
@@ -213,14 +216,7 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
 
     grid = InProcessGrid(timed, num_nodes=nodes, run_config=run_config)
     if overrides is None:
-        context = Context(
-            run_id=1,
-            node_id=0,
-            node_config={},
-            state=RecordDict(),
-            run_config=run_config,
-        )
-        server_main(grid, context)
+        server_main(grid, Context(1, 0, {}, RecordDict(), run_config))  # run 1, node 0
     else:
         run_experiment(grid, run_config)
         shutil.rmtree(folder, ignore_errors=True)
@@ -277,15 +273,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     memory.start()
     start = time.monotonic()
     try:
-        out = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=3600,
-            check=False,
-        )
+        out = run_captured(command, env=env, cwd=ROOT, timeout=3600)
     finally:
         memory.running = False
         stop_processes(home)

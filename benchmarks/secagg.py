@@ -598,6 +598,16 @@ def ratio_line(configs: dict[str, Any], key: str) -> str:
 def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
     lines: list[str] = []
     say = lines.append
+
+    def section(title: str) -> None:
+        say("")
+        say(title)
+
+    def runs():
+        for n, configs in results.items():
+            for name, out in configs.items():
+                yield n, name, out
+
     plans = {n: schedule(args, int(n)) for n in results}
     say(
         f"SecAgg+ benchmark: model Linear({d}, {d}, bias=False) = {d * d:,} float32 "
@@ -665,8 +675,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
         "against the plain aggregate of the same clients' replies (float64); "
         "bound: the pack's secagg-error-bound metric"
     )
-    say("")
-    say("Goals")
+    section("Goals")
     for n, configs in results.items():
         if not {
             "pack FedAvg+SecAgg+",
@@ -690,40 +699,35 @@ def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
                 say(
                     f"        {family}: the SecAgg+ round takes {b / a:.1f}x the plain one"
                 )
-    say("")
-    say(
+    section(
         "Bytes per client per round, by stage (down = server to client, up = "
         "client to server; collect_masked_vectors' down holds the model and the "
         "forwarded key shares)"
     )
-    for n, configs in results.items():
-        for name, out in configs.items():
-            stages = per_client(out["traffic"], int(n))
-            parts = ", ".join(
-                f"{stage} {s['down']:,.0f} / {s['up']:,.0f}"
-                for stage, s in stages.items()
-            )
-            say(f"  {n:>3} {name:<31} {parts}")
-    say("")
-    say(
+    for n, name, out in runs():
+        stages = per_client(out["traffic"], int(n))
+        parts = ", ".join(
+            f"{stage} {s['down']:,.0f} / {s['up']:,.0f}" for stage, s in stages.items()
+        )
+        say(f"  {n:>3} {name:<31} {parts}")
+    section(
         "Where a timed round's seconds went (mean over the timed rounds; the "
         "client apps' total includes the client parts listed; server = round - "
         "client apps)"
     )
-    for n, configs in results.items():
-        for name, out in configs.items():
-            if "SecAgg" not in name:
-                continue
-            spent = dict(out["breakdown"])
-            client_total = spent.pop("client app, all told", 0.0)
-            round_s = statistics.fmean(out["timed"])
-            say(
-                f"  {n:>3} {name}: round {round_s:.2f} s = client apps "
-                f"{client_total:.2f} + server {round_s - client_total:.2f}"
-            )
-            for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-                calls = out["calls"][label]
-                say(f"        {label:<36}{seconds:>8.3f} s  ({calls:.0f} calls)")
+    for n, name, out in runs():
+        if "SecAgg" not in name:
+            continue
+        spent = dict(out["breakdown"])
+        client_total = spent.pop("client app, all told", 0.0)
+        round_s = statistics.fmean(out["timed"])
+        say(
+            f"  {n:>3} {name}: round {round_s:.2f} s = client apps "
+            f"{client_total:.2f} + server {round_s - client_total:.2f}"
+        )
+        for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+            calls = out["calls"][label]
+            say(f"        {label:<36}{seconds:>8.3f} s  ({calls:.0f} calls)")
     return "\n".join(lines)
 
 

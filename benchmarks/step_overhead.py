@@ -24,21 +24,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MessageType,
-    RecordDict,
-)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr_prox_strategies import FedProxRule
-from flwr_prox_strategies.core.transport.flower import set_task_identity
 from flwr_prox_strategies.ops.proximal import ProximalTerm
+from tests.helpers import context, train_message
 
 
 def mlp(depth: int) -> torch.nn.Module:
@@ -46,15 +42,6 @@ def mlp(depth: int) -> torch.nn.Module:
     for _ in range(depth):
         layers += [torch.nn.Linear(200, 200), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(200, 10))
-
-
-def message(model: torch.nn.Module) -> Message:
-    set_task_identity(1)
-    arrays = [v.detach().numpy().copy() for v in model.state_dict().values()]
-    content = RecordDict(
-        {"arrays": ArrayRecord(arrays), "config": ConfigRecord({"proximal-mu": 0.01})}
-    )
-    return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1)
 
 
 def run(way: str, depth: int, steps: int) -> float:
@@ -67,8 +54,9 @@ def run(way: str, depth: int, steps: int) -> float:
     term = ProximalTerm(0.01, [p.detach().clone() for p in params])
     rule = None
     if way == "rule":
-        context = Context(1, 1, {"partition-id": 0}, RecordDict(), {})
-        rule = FedProxRule.from_message(message(model), context, model)
+        arrays = [v.detach().numpy().copy() for v in model.state_dict().values()]
+        message = train_message(arrays, {"proximal-mu": 0.01})
+        rule = FedProxRule.from_message(message, context(), model)
         rule.attach(optimizer)
     loss_fn = torch.nn.functional.cross_entropy
     start = time.perf_counter()

@@ -8,9 +8,6 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
-    Message,
-    MessageType,
-    RecordDict,
 )
 from flwr.client import NumPyClient
 from flwr.common.constant import ErrorCode
@@ -21,7 +18,7 @@ from flwr_prox_strategies.core.client.adapter import ErrorLog, handle_train
 from flwr_prox_strategies.core.transport.flower import MOD_FAILED_PRECONDITION
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import model_arrays, record
+from .helpers import context, model_arrays, record, train_message
 
 
 class DocsClient(NumPyClient):
@@ -78,26 +75,6 @@ def test_pack_and_flower_fedavg_agree() -> None:
         )
         finals.append(result.arrays.to_numpy_ndarrays()[0])
     np.testing.assert_allclose(finals[0], finals[1], rtol=1e-12)
-
-
-def train_message(arrays: ArrayRecord, config: dict) -> Message:
-    grid = InProcessGrid(lambda m, c: m, num_nodes=1)  # sets the task identity
-    _ = grid
-    return Message(
-        RecordDict({"arrays": arrays, "config": ConfigRecord(config)}),
-        dst_node_id=1001,
-        message_type=MessageType.TRAIN,
-    )
-
-
-def context() -> Context:
-    return Context(
-        run_id=1,
-        node_id=1001,
-        node_config={"partition-id": 0},
-        state=RecordDict(),
-        run_config={},
-    )
 
 
 class EchoClient(NumPyClient):

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Context, RecordDict
 
 from flwr_prox_strategies.experiment import config as config_module
 from flwr_prox_strategies.experiment.build import (
@@ -32,6 +31,8 @@ from flwr_prox_strategies.experiment.config import (
     instantiate,
 )
 from flwr_prox_strategies.experiment.server import make_client, run_experiment
+
+from .helpers import node_context
 
 CONF = Path(config_module.CONF_DIR)
 
@@ -145,13 +146,7 @@ def test_a_refused_module_is_never_imported(tmp_path: Path, monkeypatch) -> None
 
 def test_the_client_side_refuses_too() -> None:
     """The ClientApp composes the run config on each SuperNode: same refusal."""
-    context = Context(
-        run_id=1,
-        node_id=7,
-        node_config={"partition-id": 0, "num-partitions": 3},
-        state=RecordDict(),
-        run_config={"overrides": "num_clients=3 client._target_=builtins.open"},
-    )
+    context = node_context(7, 0, 3, "num_clients=3 client._target_=builtins.open")
     with pytest.raises(
         ConfigNotAllowedError, match=r"client\._target_='builtins\.open'"
     ):

@@ -21,6 +21,7 @@ from flwr_prox_strategies.algorithms.scaffold import CONTROL_STATE
 from flwr_prox_strategies.core.client.state import ClientState
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
+from .helpers import logged, node_context
 from .lsq import LeastSquares
 
 LOCAL = {"local_epochs": 3, "learning_rate": 0.1}
@@ -48,13 +49,7 @@ def grid_of(problem: LeastSquares, client_cls, nodes: int = 4) -> InProcessGrid:
 
 
 def add_node(grid: InProcessGrid, node_id: int, partition: int) -> Context:
-    context = Context(
-        run_id=1,
-        node_id=node_id,
-        node_config={"partition-id": partition, "num-partitions": 5},
-        state=RecordDict(),
-        run_config={},
-    )
+    context = node_context(node_id, partition, 5)
     grid.contexts[node_id] = context
     return context
 
@@ -69,6 +64,14 @@ def scaffold_sum(strategy: Scaffold) -> np.ndarray:
     return strategy.num_clients * np.ravel(next(iter(strategy.control.values())))
 
 
+def assert_c_sums_the_clients(strategy: Scaffold, contexts, retired=None) -> None:
+    """The server's c times N is the sum of the c_i the contexts hold (+ retired)."""
+    total = sum(held(strategy, c, CONTROL_STATE) for c in contexts)
+    if retired is not None:
+        total = total + retired
+    np.testing.assert_allclose(scaffold_sum(strategy), total, rtol=1e-5, atol=1e-6)
+
+
 def scaffold(**kwargs) -> Scaffold:
     return Scaffold(num_clients=4, fraction_evaluate=0.0, min_round_nodes=1, **kwargs)
 
@@ -80,10 +83,7 @@ def test_lost_node_the_run_goes_on_and_k_stays(problem):
     lost = grid.contexts.pop(1002)  # SIGKILLed: never comes back
     arrays = run_rounds(strategy, grid, arrays, 2)
     assert strategy.num_clients == 4
-    total = sum(
-        held(strategy, c, CONTROL_STATE) for c in [*grid.contexts.values(), lost]
-    )
-    np.testing.assert_allclose(scaffold_sum(strategy), total, rtol=1e-5, atol=1e-6)
+    assert_c_sums_the_clients(strategy, [*grid.contexts.values(), lost])
 
 
 def test_restarted_node_without_state_is_retired_and_counted(problem, caplog):
@@ -97,13 +97,8 @@ def test_restarted_node_without_state_is_retired_and_counted(problem, caplog):
     with caplog.at_level(logging.WARNING, logger="flwr"):
         run_rounds(strategy, grid, arrays, 3)
     assert strategy.book.retired_states == 1 and strategy.num_clients == 5
-    assert any(
-        "client 1 (node 2002) holds no state" in r.getMessage() for r in caplog.records
-    )
-    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
-    np.testing.assert_allclose(
-        scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
-    )
+    assert logged(caplog, "client 1 (node 2002) holds no state")
+    assert_c_sums_the_clients(strategy, grid.contexts.values(), retired)
 
 
 def test_another_runs_state_is_ignored_and_retired(problem, caplog):
@@ -124,10 +119,7 @@ def test_another_runs_state_is_ignored_and_retired(problem, caplog):
     assert "client 2 (node 1003) holds no state" in text
     assert not strategy.rejections.get("aggregate_train:stale-state")
     assert strategy.book.retired_states == 1 and strategy.num_clients == 5
-    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
-    np.testing.assert_allclose(
-        scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
-    )
+    assert_c_sums_the_clients(strategy, grid.contexts.values(), retired)
 
 
 def test_stale_state_is_refused_reset_and_retired(problem, caplog):
@@ -150,10 +142,7 @@ def test_stale_state_is_refused_reset_and_retired(problem, caplog):
     assert strategy.rejections["aggregate_train:stale-state"] == 1
     assert strategy.book.retired_states == 1 and strategy.num_clients == 5
     assert not strategy.book.reset_keys  # the client started afresh and was accepted
-    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
-    np.testing.assert_allclose(
-        scaffold_sum(strategy), total + retired, rtol=1e-5, atol=1e-6
-    )
+    assert_c_sums_the_clients(strategy, grid.contexts.values(), retired)
 
 
 def test_a_joining_node_grows_k_and_keeps_c_a_mean(problem):
@@ -163,8 +152,7 @@ def test_a_joining_node_grows_k_and_keeps_c_a_mean(problem):
     add_node(grid, 2005, partition=4)
     run_rounds(strategy, grid, arrays, 2)
     assert strategy.num_clients == 5
-    total = sum(held(strategy, c, CONTROL_STATE) for c in grid.contexts.values())
-    np.testing.assert_allclose(scaffold_sum(strategy), total, rtol=1e-5, atol=1e-6)
+    assert_c_sums_the_clients(strategy, grid.contexts.values())
 
 
 def test_feddyn_drift_sum_survives_a_restart(problem):

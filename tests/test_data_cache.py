@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
 
 from flwr_prox_strategies.experiment import data
 from flwr_prox_strategies.experiment.config import compose_config
 from flwr_prox_strategies.experiment.server import make_client
+
+from .helpers import node_context
 
 
 def fresh_process() -> None:
@@ -98,13 +99,7 @@ def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
     monkeypatch.setenv(data.CACHE_DIR_ENV, str(blocked / "cache"))
     fresh_process()
     try:
-        context = Context(
-            run_id=1,
-            node_id=3,
-            node_config={"partition-id": 1, "num-partitions": 4},
-            state=RecordDict(),
-            run_config={"overrides": "num_clients=4 model=logreg"},
-        )
+        context = node_context(3, 1, 4, "num_clients=4 model=logreg")
         assert make_client(context) is not None
     finally:
         fresh_process()

@@ -6,25 +6,18 @@ finds what Sphinx's smart quotes did to commands, and nothing on a clean page.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location(
-        "check_copyable", REPO / "docs" / "check_copyable.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_copyable"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "docs" / "check_copyable.py")
 
 
 def test_a_clean_page_has_no_finding(check) -> None:

@@ -13,14 +13,14 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import yaml
+
+from .helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "flwr_prox_strategies"
@@ -30,14 +30,7 @@ PAGES = REPO / "docs" / "reference"
 
 def docs_extension(name: str):
     """Import the docs site's extension ``docs/_ext/<name>.py``."""
-    spec = importlib.util.spec_from_file_location(
-        name, REPO / "docs" / "_ext" / f"{name}.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "docs" / "_ext" / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

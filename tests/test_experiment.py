@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import inspect
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,9 @@ from flwr_prox_strategies.experiment.config import (
     overrides_from_run_config,
 )
 from flwr_prox_strategies.experiment.server import run_experiment
+
+from .helpers import run_app, small_sweep
+from .system.engine import hydra_entry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,13 +144,7 @@ def test_the_conf_tree_is_snake_case() -> None:
 def test_an_old_kebab_key_names_its_snake_case_spelling(override, snake) -> None:
     with pytest.raises(ValueError, match=f"write '{snake}'"):
         compose_config(override)
-    out = subprocess.run(
-        [sys.executable, "-m", "flwr_prox_strategies.experiment", override],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
+    out = hydra_entry(override, cwd=REPO, timeout=120)
     assert out.returncode != 0 and f"write '{snake}'" in out.stderr, out.stderr[-2000:]
 
 
@@ -167,16 +162,12 @@ def test_node_count_mismatch_is_an_error_not_a_hang() -> None:
 
 
 def test_app_path_writes_results_and_plots(tmp_path: Path) -> None:
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": "num_clients=5 num_rounds=2 model=logreg evaluate.fraction_clients=1.0"
+    out, results = run_app(
+        tmp_path,
+        "num_clients=5 num_rounds=2 model=logreg evaluate.fraction_clients=1.0"
         " evaluate.local_test_fraction=0.2",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=5, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=5,
+    )
     assert results["summary"]["complete"]
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
@@ -208,16 +199,12 @@ def test_personalised_evaluation_reaches_results_and_plots(
 ) -> None:
     """Every client evaluates the global and its personalised model on its own
     held-out split; results.json carries the per-client table and the summary."""
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": f"num_clients=4 num_rounds=2 model=logreg partition=pathological "
+    out, results = run_app(
+        tmp_path,
+        f"num_clients=4 num_rounds=2 model=logreg partition=pathological "
         f"evaluate.fraction_clients=1.0 evaluate.local_test_fraction=0.25 {overrides}",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=4,
+    )
     evaluation = results["rounds"][-1]["evaluate"]
     assert evaluation["eval-client-keys"] == [0, 1, 2, 3]
     for name in ("accuracy", personal_key):
@@ -239,22 +226,11 @@ def test_personalised_evaluation_reaches_results_and_plots(
 
 @pytest.mark.long
 def test_multirun_sweep_writes_summary_and_plot(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "flwr_prox_strategies.experiment",
-        "-m",
-        "engine=inprocess",
-        "num_clients=3",
-        "num_rounds=2",
-        "model=logreg",
+    out = small_sweep(
+        tmp_path,
         "strategy=fedavg,fedprox",
         "strategy.mu=0.01,1.0",
         "logger=tensorboard",
-        f"hydra.sweep.dir={tmp_path}",
-    ]
-    out = subprocess.run(
-        command, capture_output=True, text=True, cwd=tmp_path, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = (out.stdout + out.stderr).splitlines()
@@ -310,16 +286,12 @@ def test_a_run_where_every_client_fails_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["fedepm", "sfedprox"])
 def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -> None:
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": f"strategy={name} dataset=adult model=logreg num_clients=4 "
+    _, results = run_app(
+        tmp_path,
+        f"strategy={name} dataset=adult model=logreg num_clients=4 "
         "num_rounds=2 strategy.k0=2 train.batch_size=4096",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=4, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=4,
+    )
     assert results["summary"]["complete"]
     train = results["rounds"][-1]["train"]
     assert train["replies-valid"] == 2  # ceil(0.5 * 4)
@@ -328,16 +300,8 @@ def test_fedepm_family_runs_on_adult_and_reports_privacy(tmp_path: Path, name) -
 
 def test_pfedavg_runs_from_the_topology_group(tmp_path: Path) -> None:
     """The issue's override string, in-process: every server's model is evaluated."""
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": "strategy=pfedavg topology=ring topology.servers=4 num_clients=8 "
-        "num_rounds=2 model=logreg",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=8, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+    issue = "strategy=pfedavg topology=ring topology.servers=4 num_clients=8"
+    _, results = run_app(tmp_path, f"{issue} num_rounds=2 model=logreg", num_nodes=8)
     last = results["rounds"][-1]
     assert last["train"]["replies-valid"] == 8
     assert "consensus-distance" in last["train"]

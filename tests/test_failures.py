@@ -82,6 +82,15 @@ def train_warnings(caplog: pytest.LogCaptureFixture, server_round: int) -> list[
     ]
 
 
+def run_on(strategy, app, nodes: int, rounds: int, initial=None):
+    """``strategy.start`` over ``nodes`` in-process nodes of ``app``."""
+    return strategy.start(
+        grid=InProcessGrid(app, num_nodes=nodes),
+        initial_arrays=record(model_arrays()) if initial is None else initial,
+        num_rounds=rounds,
+    )
+
+
 def test_short_reason_reads_flowers_error_format() -> None:
     assert short_reason(FLOWER_REASON) == SHORT
     wrapped = (
@@ -153,11 +162,7 @@ def test_rejections_are_counted_by_kind_in_the_error() -> None:
 
     strategy = FedAvg(min_available_nodes=3, fraction_evaluate=0.0)
     with pytest.raises(NoRoundAggregatedError) as info:
-        strategy.start(
-            grid=InProcessGrid(wrong_shape_app, num_nodes=3),
-            initial_arrays=record(model_arrays()),
-            num_rounds=2,
-        )
+        run_on(strategy, wrong_shape_app, 3, 2)
     assert "6 replies rejected: 6 x 'array-keys: " in str(info.value)
     assert sum(info.value.reasons.rejected.values()) == 6
 
@@ -175,11 +180,7 @@ def test_a_run_that_aggregates_once_keeps_that_model_and_does_not_raise(
 
     strategy = FedAvg(min_available_nodes=3)
     with caplog.at_level(logging.WARNING):
-        result = strategy.start(
-            grid=InProcessGrid(first_round_only, num_nodes=3),
-            initial_arrays=record(initial),
-            num_rounds=3,
-        )
+        result = run_on(strategy, first_round_only, 3, 3, record(initial))
     got = as_numpy(result.arrays)
     for key in initial:  # round 1's model: every node added 1
         np.testing.assert_allclose(got[key], initial[key] + 1.0, rtol=0, atol=1e-6)
@@ -191,19 +192,13 @@ def test_a_run_that_aggregates_once_keeps_that_model_and_does_not_raise(
 
 def test_zero_rounds_return_the_initial_model() -> None:
     initial = model_arrays()
-    result = FedAvg(min_available_nodes=1).start(
-        grid=InProcessGrid(error_app, num_nodes=1),
-        initial_arrays=record(initial),
-        num_rounds=0,
-    )
+    result = run_on(FedAvg(min_available_nodes=1), error_app, 1, 0, record(initial))
     assert as_numpy(result.arrays).keys() == initial.keys()
 
 
 def test_evaluation_only_run_does_not_raise() -> None:
-    result = FedAvg(fraction_train=0.0, min_available_nodes=2).start(
-        grid=InProcessGrid(flower_plain_app, num_nodes=2),
-        initial_arrays=record(model_arrays()),
-        num_rounds=2,
+    result = run_on(
+        FedAvg(fraction_train=0.0, min_available_nodes=2), flower_plain_app, 2, 2
     )
     assert len(result.arrays) == 2
     assert result.evaluate_metrics_clientapp[2]["replies-valid"] == 2
@@ -218,11 +213,7 @@ def test_pfedavg_fails_loudly_with_every_servers_reasons() -> None:
         inner=lambda: FedAvg(min_available_nodes=1, min_train_nodes=1),
     )
     with pytest.raises(NoRoundAggregatedError) as info:
-        strategy.start(
-            grid=InProcessGrid(error_app, num_nodes=4),
-            initial_arrays=record(initial),
-            num_rounds=2,
-        )
+        run_on(strategy, error_app, 4, 2, record(initial))
     message = str(info.value)
     assert message.startswith("PFedAvg: no round aggregated: 2 round(s), 0 aggregated")
     assert f"8 replies failed: 8 x '{SHORT}'" in message
@@ -239,11 +230,7 @@ def test_central_dp_wrapper_fails_loudly_too() -> None:
         num_sampled_clients=3,
     )
     with pytest.raises(NoRoundAggregatedError) as info:
-        strategy.start(
-            grid=InProcessGrid(error_app, num_nodes=3),
-            initial_arrays=record(model_arrays()),
-            num_rounds=2,
-        )
+        run_on(strategy, error_app, 3, 2)
     assert f"6 replies failed: 6 x '{SHORT}'" in str(info.value)
     assert str(info.value).startswith("ServerSideFixedClipping(FedAvg)")
 
@@ -317,22 +304,14 @@ def test_a_reply_carrying_the_metric_is_not_warned_about(
         return plain_reply(message, {PROXIMAL_MU_APPLIED_KEY: 1})
 
     with caplog.at_level(logging.WARNING):
-        FedProx(mu=0.1, min_available_nodes=2).start(
-            grid=InProcessGrid(honest, num_nodes=2),
-            initial_arrays=linear_model(),
-            num_rounds=2,
-        )
+        run_on(FedProx(mu=0.1, min_available_nodes=2), honest, 2, 2, linear_model())
     assert mismatch_warnings(caplog) == []
 
 
 def test_strict_rejects_replies_without_the_metric() -> None:
     strategy = FedProx(mu=0.1, min_available_nodes=3, strict=True)
     with pytest.raises(NoRoundAggregatedError) as info:
-        strategy.start(
-            grid=InProcessGrid(flower_plain_app, num_nodes=3),
-            initial_arrays=linear_model(),
-            num_rounds=2,
-        )
+        run_on(strategy, flower_plain_app, 3, 2, linear_model())
     assert "6 replies rejected: 6 x 'rule-not-applied: " in str(info.value)
     assert strategy.rejections["aggregate_train:rule-not-applied"] == 6
 
@@ -342,11 +321,7 @@ def test_strict_names_the_rule_before_the_client_key() -> None:
     # rejection says what matters: the client is not running FedDyn.
     strategy = FedDyn(alpha=0.1, strict=True, min_available_nodes=2)
     with pytest.raises(NoRoundAggregatedError) as info:
-        strategy.start(
-            grid=InProcessGrid(flower_plain_app, num_nodes=2),
-            initial_arrays=linear_model(),
-            num_rounds=1,
-        )
+        run_on(strategy, flower_plain_app, 2, 1, linear_model())
     assert "rule-not-applied: no 'feddyn-applied' metric" in str(info.value)
 
 

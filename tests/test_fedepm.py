@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 
@@ -34,6 +33,8 @@ from flwr_prox_strategies.algorithms.fedepm import (
 )
 from flwr_prox_strategies.algorithms.sfed import step_size
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+
+from .helpers import run_app
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
@@ -81,6 +82,17 @@ class Federation:
 
 
 FED = Federation()
+
+
+def fedepm(**kwargs) -> FedEPM:
+    """FedEPM over FED's clients, all available, no evaluation, no noise unless set."""
+    base = {
+        "num_clients": FED.m,
+        "noise": 0.0,
+        "min_available_nodes": FED.m,
+        "fraction_evaluate": 0.0,
+    }
+    return FedEPM(**{**base, **kwargs})
 
 
 def config(**overrides):
@@ -187,16 +199,7 @@ def test_without_the_l1_term_fedepm_reaches_the_original_optimum(rho) -> None:
     """lam = 0: each sampled client's x_i -> x - g_i/eta, the server averages all
     uploads: gradient descent on F/m with step 1/eta at full participation, and the
     same fixed point x* (sum_i grad f_i = 0) with stale uploads."""
-    strategy = FedEPM(
-        num_clients=FED.m,
-        rho=rho,
-        k0=10,
-        eta=2.0,
-        lam=0.0,
-        noise=0.0,
-        min_available_nodes=FED.m,
-        fraction_evaluate=0.0,
-    )
+    strategy = fedepm(rho=rho, k0=10, eta=2.0, lam=0.0)
     result = strategy.start(
         grid=FED.grid(),
         initial_arrays=FED.initial(),
@@ -250,16 +253,7 @@ def test_with_the_l1_term_fedepm_stops_in_the_stationarity_band() -> None:
     coordinate, 0 is in sum_i phi(g_i) (phi(g) = g if |g| > lam, else [-lam, lam]):
     |sum_i grad f_i(x)| <= m lam. The original optimum is one such fixed point."""
     lam = 0.1
-    strategy = FedEPM(
-        num_clients=FED.m,
-        rho=1.0,
-        k0=10,
-        eta=2.0,
-        lam=lam,
-        noise=0.0,
-        min_available_nodes=FED.m,
-        fraction_evaluate=0.0,
-    )
+    strategy = fedepm(rho=1.0, k0=10, eta=2.0, lam=lam)
     result = strategy.start(
         grid=FED.grid(), initial_arrays=FED.initial(), num_rounds=300
     )
@@ -267,16 +261,9 @@ def test_with_the_l1_term_fedepm_stops_in_the_stationarity_band() -> None:
     total = sum(FED.gradient(k, x) for k in range(FED.m))
     assert np.all(np.abs(total) <= FED.m * lam + 1e-9)
     assert np.abs(x - FED.optimum).max() > 1e-3  # a band, not the point
-    again = FedEPM(
-        num_clients=FED.m,
-        rho=1.0,
-        k0=10,
-        eta=2.0,
-        lam=lam,
-        noise=0.0,
-        min_available_nodes=FED.m,
-        fraction_evaluate=0.0,
-    ).start(grid=FED.grid(), initial_arrays=FED.initial(FED.optimum), num_rounds=20)
+    again = fedepm(rho=1.0, k0=10, eta=2.0, lam=lam).start(
+        grid=FED.grid(), initial_arrays=FED.initial(FED.optimum), num_rounds=20
+    )
     np.testing.assert_allclose(
         again.arrays.to_numpy_ndarrays()[0].reshape(-1), FED.optimum, atol=1e-12
     )
@@ -306,16 +293,7 @@ def test_exact_penalty_theorem_on_model_iii() -> None:
     x, xi = model_iii(FED, lam=0.2 * bound, eta=0.1)
     assert max(np.abs(v - x).max() for v in xi) > 1e-2
     # FedEPM in the exact regime, started away from x*, ends in the band around it
-    strategy = FedEPM(
-        num_clients=FED.m,
-        rho=1.0,
-        k0=10,
-        eta=0.1,
-        lam=1.5 * bound,
-        noise=0.0,
-        min_available_nodes=FED.m,
-        fraction_evaluate=0.0,
-    )
+    strategy = fedepm(rho=1.0, k0=10, eta=0.1, lam=1.5 * bound)
     result = strategy.start(
         grid=FED.grid(), initial_arrays=FED.initial(FED.optimum + 0.01), num_rounds=100
     )
@@ -382,15 +360,7 @@ def test_sfedavg_and_sfedprox_follow_their_equations() -> None:
 
 
 def test_privacy_ledger_counts_every_upload() -> None:
-    strategy = FedEPM(
-        num_clients=FED.m,
-        rho=0.5,
-        k0=2,
-        eta=2.0,
-        noise=0.25,
-        min_available_nodes=FED.m,
-        fraction_evaluate=0.0,
-    )
+    strategy = fedepm(rho=0.5, k0=2, eta=2.0, noise=0.25)
     result = strategy.start(
         grid=FED.grid(seed=1), initial_arrays=FED.initial(), num_rounds=6
     )
@@ -511,16 +481,8 @@ def test_app_path_on_adult_learns(tmp_path) -> None:
         adult_matrix()
     except FileNotFoundError:
         pytest.skip("Adult files not found")
-    from apps.client_app import app as client_app
-    from flwr_prox_strategies.experiment.server import run_experiment
-
-    run_config = {
-        "overrides": "+experiment=fedepm-adult num_rounds=5",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=100, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    _, results = run_app(tmp_path, "+experiment=fedepm-adult num_rounds=5", 100)
+    rounds = results["rounds"]
     loss = [r["central"]["loss"] for r in rounds]
     accuracy = [r["central"]["accuracy"] for r in rounds]
     assert len(loss) == 6 and loss[0] == pytest.approx(math.log(2))

@@ -27,7 +27,7 @@ from flwr_prox_strategies.algorithms.fedepm import default_eta
 from flwr_prox_strategies.core.server.strategy import ValidatedFedAvg
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import configure, model_arrays, record, reply, sampling_grid
+from .helpers import configure, logged, model_arrays, record, reply, sampling_grid
 
 
 # ------------------------------------------------------------- Flower's names
@@ -177,10 +177,8 @@ def test_num_clients_is_learned_at_round_one_and_checked_later(
     with caplog.at_level(logging.INFO, logger="flwr"):
         configure(strategy, model_arrays(), sampling_grid(5))
     assert strategy.num_clients == 5
-    assert any(
-        "num_clients not given: using the 5 nodes connected at round 1"
-        in r.getMessage()
-        for r in caplog.records
+    assert logged(
+        caplog, "num_clients not given: using the 5 nodes connected at round 1"
     )
     # N is not "the nodes connected now": a sixth node is logged, and N grows
     # only when a sixth client replies (tests/test_churn.py).
@@ -188,10 +186,8 @@ def test_num_clients_is_learned_at_round_one_and_checked_later(
     with caplog.at_level(logging.INFO, logger="flwr"):
         configure(strategy, model_arrays(), sampling_grid(6), server_round=2)
     assert strategy.num_clients == 5
-    assert any(
-        "6 node(s) connected, N=5 clients (learned from the grid at round 1)"
-        in r.getMessage()
-        for r in caplog.records
+    assert logged(
+        caplog, "6 node(s) connected, N=5 clients (learned from the grid at round 1)"
     )
 
 
@@ -215,10 +211,7 @@ def test_an_explicit_num_clients_is_kept_when_nodes_are_missing(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="flwr"):
         configure(strategy, model_arrays(), sampling_grid(4))
     assert strategy.num_clients == 5
-    assert any(
-        "4 node(s) connected, N=5 clients (given)" in r.getMessage()
-        for r in caplog.records
-    )
+    assert logged(caplog, "4 node(s) connected, N=5 clients (given)")
 
 
 @pytest.mark.parametrize("name", sorted(LEARNERS))
@@ -238,7 +231,7 @@ def test_a_learned_num_clients_is_saved_and_adopted_on_resume(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="flwr"):
         configure(resumed, model_arrays(), sampling_grid(5), server_round=1)
-    assert not any("num_clients not given" in r.getMessage() for r in caplog.records)
+    assert not logged(caplog, "num_clients not given")
     configure(resumed, model_arrays(), sampling_grid(4), server_round=2)
     assert resumed.num_clients == 5  # a lost node does not change N
 

@@ -24,7 +24,7 @@ from flwr_prox_strategies.core.contract.validation import (
 from flwr_prox_strategies.core.server.strategy import ValidatedFedAvg
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import model_arrays, record, reply, sampling_grid
+from .helpers import logged, model_arrays, record, reply, sampling_grid
 from .test_contract import build_reply, good_content
 
 BIG = np.float32(3e38)  # finite; four of them overflow a float32 sum
@@ -47,6 +47,17 @@ def contents(strategy, n: int) -> list[dict[str, dict[str, np.ndarray]]]:
     out[0]["arrays"]["w"][0, 0] = BIG
     out[0]["arrays"]["b"][:] = BIG
     return out
+
+
+def huge_replies(strategy, messages: list[Message]):
+    """Four replies weighted 10 to 13, node 0's upload huge: content, weights, replies."""
+    content = contents(strategy, 4)
+    weights = [10.0 + i for i in range(4)]
+    replies = [
+        build_reply(m, c, n=w, strategy=strategy)
+        for m, c, w in zip(messages, content, weights, strict=True)
+    ]
+    return content, weights, replies
 
 
 def mean64(models: list[dict[str, np.ndarray]], weights: list[float]) -> dict:
@@ -72,12 +83,7 @@ def mean64(models: list[dict[str, np.ndarray]], weights: list[float]) -> dict:
 def test_one_huge_finite_upload_gives_the_true_mean(make) -> None:
     strategy = make()
     messages = configure(strategy, sampling_grid(4))
-    content = contents(strategy, 4)
-    weights = [10.0 + i for i in range(4)]
-    replies = [
-        build_reply(m, c, n=w, strategy=strategy)
-        for m, c, w in zip(messages, content, weights, strict=True)
-    ]
+    content, weights, replies = huge_replies(strategy, messages)
     arrays, metrics = strategy.aggregate_train(1, replies)
     got = to_np(arrays)
     want = mean64([c["arrays"] for c in content], weights)
@@ -98,12 +104,7 @@ def test_feddc_with_one_huge_upload_equals_its_float64_update(correction) -> Non
     strategy = FedDC(alpha=0.1, num_clients=4, correction=correction)
     initial = model_arrays()
     messages = configure(strategy, sampling_grid(4), initial)
-    content = contents(strategy, 4)
-    weights = [10.0 + i for i in range(4)]
-    replies = [
-        build_reply(m, c, n=w, strategy=strategy)
-        for m, c, w in zip(messages, content, weights, strict=True)
-    ]
+    content, weights, replies = huge_replies(strategy, messages)
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert metrics["replies-valid"] == 4
     models = [c["arrays"] for c in content]
@@ -133,7 +134,7 @@ def test_a_mean_at_the_float32_limit_is_recomputed_in_float64(
     assert metrics["replies-valid"] == 10
     for value in to_np(arrays).values():
         np.testing.assert_array_equal(value, F32_MAX)
-    assert any("recomputing it in float64" in r.getMessage() for r in caplog.records)
+    assert logged(caplog, "recomputing it in float64")
 
 
 def test_values_beyond_the_bound_are_named_apart_from_nan() -> None:
@@ -269,10 +270,8 @@ def test_the_default_cap_is_relative_to_the_round_median(caplog) -> None:
     want = (cap * 3.0 + 100 * 1.0 + 110 * 1.1 + 120 * 0.9) / (cap + 330)
     assert model == pytest.approx(want, rel=1e-6)
     assert metrics["replies-capped"] == 1
-    assert any(
-        "capped to 11000 (max_weight_ratio=100 x the round's median claim 110)"
-        in r.getMessage()
-        for r in caplog.records
+    assert logged(
+        caplog, "capped to 11000 (max_weight_ratio=100 x the round's median claim 110)"
     )
 
 

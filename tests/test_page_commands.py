@@ -8,25 +8,18 @@ is not run here), so no page can show a run whose result nobody checks.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "readme_commands", REPO / "benchmarks" / "readme_commands.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["readme_commands"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "benchmarks" / "readme_commands.py")
 
 
 def test_every_run_on_a_page_has_a_readable_expectation(script) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,8 @@ import pytest
 from flwr_prox_strategies.experiment.sweeps import launchers
 from flwr_prox_strategies.experiment.sweeps.launchers import job_cpus
 from flwr_prox_strategies.experiment.sweeps.sweep import SweepFailed, summarise_sweep
+
+from .helpers import small_sweep
 
 JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -125,23 +125,10 @@ def test_a_sweep_whose_jobs_all_failed_writes_its_summary_without_a_plot(
 def test_a_parallel_sweep_with_a_failed_job_finishes_the_others_and_exits_1(
     tmp_path: Path,
 ) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "flwr_prox_strategies.experiment",
-        "-m",
-        "engine=inprocess",
-        "hydra/launcher=joblib",
-        "hydra.launcher.n_jobs=2",
-        "num_clients=3",
-        "num_rounds=2",
-        "model=logreg",
-        "strategy=fedprox",
-        "strategy.mu=0.01,-1,1.0",
-        f"hydra.sweep.dir={tmp_path}",
-    ]
-    out = subprocess.run(
-        command, capture_output=True, text=True, cwd=tmp_path, timeout=300
+    out = small_sweep(
+        tmp_path,
+        *("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"),
+        *("strategy=fedprox", "strategy.mu=0.01,-1,1.0"),
     )
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-2:]

@@ -161,27 +161,14 @@ def test_the_sweep_comparison_ticks_whole_rounds_and_names_what_differs() -> Non
         }
         # One colour per strategy, one line style per straggler setting.
         by = {label.split(" (")[0]: line for label, line in lines.items()}
-        assert (
-            by["fedavg, drop_percent=0"].get_color()
-            == by["fedavg, drop_percent=0.9"].get_color()
-        )
-        assert (
-            by["fedavg, drop_percent=0"].get_color()
-            != by["fedprox, drop_percent=0"].get_color()
-        )
-        assert (
-            by["fedprox, drop_percent=0"].get_linestyle()
-            == by["fedavg, drop_percent=0"].get_linestyle()
-        )
-        assert (
-            by["fedprox, drop_percent=0"].get_linestyle()
-            != by["fedprox, drop_percent=0.9"].get_linestyle()
-        )
+        avg0, avg9 = by["fedavg, drop_percent=0"], by["fedavg, drop_percent=0.9"]
+        prox0, prox9 = by["fedprox, drop_percent=0"], by["fedprox, drop_percent=0.9"]
+        assert avg0.get_color() == avg9.get_color()
+        assert avg0.get_color() != prox0.get_color()
+        assert prox0.get_linestyle() == avg0.get_linestyle()
+        assert prox0.get_linestyle() != prox9.get_linestyle()
         # The first colour's lines are wider: drawn over, they show as an outline.
-        assert (
-            by["fedavg, drop_percent=0"].get_linewidth()
-            > by["fedprox, drop_percent=0"].get_linewidth()
-        )
+        assert avg0.get_linewidth() > prox0.get_linewidth()
         # What every job shares is in the title, not repeated in the legend.
         assert "+experiment=fedprox-stragglers partition=pathological" in ax.get_title()
     finally:

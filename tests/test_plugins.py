@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flwr.app import Context, RecordDict
 
 from flwr_prox_strategies.algorithms import (
     ALGORITHMS,
@@ -40,6 +38,9 @@ from flwr_prox_strategies.experiment.config import (
     plugin_targets,
 )
 from flwr_prox_strategies.experiment.server import make_client
+
+from .helpers import node_context
+from .system.engine import hydra_entry
 
 SMALL = "num_clients=4 num_rounds=1 model=logreg train.local_epochs=1"
 
@@ -165,13 +166,7 @@ def test_a_plugin_builds_through_the_app_s_path(nova: Path) -> None:
     # flwr run: the ServerApp composes the run config, each SuperNode too.
     served = config_from_run_config({"overrides": f"strategy=nova {SMALL}"})
     assert served.strategy.boost == 2.5
-    context = Context(
-        run_id=1,
-        node_id=7,
-        node_config={"partition-id": 0, "num-partitions": 4},
-        state=RecordDict(),
-        run_config={"overrides": f"strategy=nova {SMALL}"},
-    )
+    context = node_context(7, 0, 4, f"strategy=nova {SMALL}")
     assert type(make_client(context)) is algorithm.client
 
 
@@ -319,18 +314,12 @@ def test_the_hydra_command_line_finds_the_plugin(nova: Path, tmp_path: Path) -> 
         p for p in (str(nova), env.get("PYTHONPATH", "")) if p
     )
     env.pop(ALLOWED_TARGETS_ENV, None)
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "flwr_prox_strategies.experiment"),
-            *("strategy=nova", "strategy.boost=4.0", *SMALL.split()),
-            *("--cfg", "job"),
-        ],
-        capture_output=True,
-        text=True,
+    out = hydra_entry(
+        *("strategy=nova", "strategy.boost=4.0", *SMALL.split()),
+        *("--cfg", "job"),
         cwd=tmp_path,
         env=env,
         timeout=120,
-        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     job = textwrap.dedent(out.stdout)

@@ -45,7 +45,7 @@ from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import context, train_message
-from .lsq import LeastSquares, half_sse
+from .lsq import LeastSquares, half_sse, rule_app
 
 EPOCHS = 3
 LR = 0.05
@@ -74,13 +74,8 @@ def own_client_app(
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
 ) -> ClientApp:
     """A user's Message-API client: own loop, own optimiser, dict batches."""
-    app = ClientApp()
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        k = int(context.node_config["partition-id"])
-        model = torch.nn.Linear(problem.dim, 1, bias=False)
-        rule = rule_cls.from_message(msg, context, model)
+    def train(k: int, model: torch.nn.Module, rule: ClientRule) -> Message:
         optimizer = rule.attach(make_optimizer(model))
         loader = dict_loader(problem, k)
         for _ in range(EPOCHS):
@@ -93,7 +88,7 @@ def own_client_app(
             num_examples=len(loader.dataset), metrics={"train-loss": loss.item()}
         )
 
-    return app
+    return rule_app(problem, rule_cls, train)
 
 
 def pack_client_app(problem: LeastSquares, client_cls, **kwargs) -> ClientApp:
@@ -417,13 +412,8 @@ def test_full_gradient_rules_in_own_client(problem, strategy, rule, client):
 
 def own_apfl_app(problem: LeastSquares) -> ClientApp:
     """A user's APFL client: own loop over dict batches, the rule beside it."""
-    app = ClientApp()
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        k = int(context.node_config["partition-id"])
-        model = torch.nn.Linear(problem.dim, 1, bias=False)
-        rule = APFLRule.from_message(msg, context, model)
+    def train(k: int, model: torch.nn.Module, rule: APFLRule) -> Message:
         optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=LR))
         loader = dict_loader(problem, k)
         steps = 0
@@ -439,7 +429,7 @@ def own_apfl_app(problem: LeastSquares) -> ClientApp:
                 steps += 1
         return rule.reply(num_examples=len(loader.dataset))
 
-    return app
+    return rule_app(problem, APFLRule, train)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import optuna
@@ -26,6 +25,8 @@ from optuna.distributions import (
 )
 
 from flwr_prox_strategies.experiment.sweeps.search import Search, search_space
+
+from .helpers import small_sweep
 
 
 def _space(*overrides: str) -> dict:
@@ -95,25 +96,15 @@ def test_bad_options_name_the_option(option, value) -> None:
 
 
 def _search(sweep: Path, trials: int, *extra: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "flwr_prox_strategies.experiment",
-        "-m",
+    return small_sweep(
+        sweep,
         "hydra/sweeper=search",
-        "engine=inprocess",
-        "num_clients=3",
-        "num_rounds=2",
-        "model=logreg",
         "strategy=fedprox",
         "strategy.mu=tag(log,interval(0.001,1))",
         "hydra.sweeper.objective=final-loss",
         f"hydra.sweeper.n_trials={trials}",
-        f"hydra.sweep.dir={sweep}",
         *extra,
-    ]
-    return subprocess.run(
-        command, capture_output=True, text=True, cwd=sweep.parent, timeout=300
+        cwd=sweep.parent,
     )
 
 

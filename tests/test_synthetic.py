@@ -9,19 +9,18 @@ v_k ~ N(B_k, 1) with B_k ~ N(0, beta).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 from flwr_prox_strategies.experiment.config import compose_config
 from flwr_prox_strategies.experiment.data import client_partition, partition_sizes
-from flwr_prox_strategies.experiment.server import run_experiment
 from flwr_prox_strategies.task.datasets import ArrayDataset, TrainTest
 from flwr_prox_strategies.task.partition import natural_partition
 from flwr_prox_strategies.task.synthetic import client_sizes, load_synthetic
+
+from .helpers import run_app
 
 
 def _per_client(data: TrainTest) -> tuple[np.ndarray, np.ndarray]:
@@ -218,16 +217,12 @@ def test_the_pipeline_gives_every_client_its_generated_data() -> None:
 def test_the_preset_runs_and_records_the_training_loss(tmp_path: Path) -> None:
     """The paper's setting, cut to 2 rounds of 2 epochs: 10 of 30 clients a round,
     the global model's loss on every client's training data in central-train."""
-    from apps.client_app import app as client_app
-
-    run_config = {
-        "overrides": "+experiment=fedprox-synthetic strategy.mu=1 num_rounds=2"
+    _, results = run_app(
+        tmp_path,
+        "+experiment=fedprox-synthetic strategy.mu=1 num_rounds=2"
         " train.local_epochs=2 strategy.drop_percent=0.5",
-        "output-dir": str(tmp_path),
-    }
-    grid = InProcessGrid(client_app, num_nodes=30, run_config=run_config)
-    _, out = run_experiment(grid, run_config)
-    results = json.loads((out / "results.json").read_text())
+        num_nodes=30,
+    )
     assert results["dataset"] == "synthetic" and results["num-clients"] == 30
     assert len(results["partition-sizes"]) == 30
     rounds = results["rounds"]

@@ -29,7 +29,7 @@ from flwr_prox_strategies.core.server.outcome import NoRoundAggregatedError
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
 from .helpers import context, train_message
-from .lsq import LeastSquares, half_sse
+from .lsq import LeastSquares, half_sse, rule_app
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,35 @@ def fedprox_rule(problem, w_t: np.ndarray, mu: float, k: int = 1):
     return model, FedProxRule.from_message(msg, context(k), model)
 
 
+def scaffold_rule(problem, c: np.ndarray, model=None, **config):
+    """SCAFFOLD from zero with server control ``c``, on a fresh model unless given."""
+    model = torch.nn.Linear(problem.dim, 1, bias=False) if model is None else model
+    msg = train_message(
+        [np.zeros((1, problem.dim), np.float32)],
+        {"server-round": 1, **config},
+        {"control": [c]},
+    )
+    return model, ScaffoldRule.from_message(msg, context(), model)
+
+
 def data(problem, k: int = 1):
     return torch.from_numpy(problem.a[k]), torch.from_numpy(problem.b[k])
+
+
+def attached_sgd(problem, mu: float, lr: float):
+    """FedProx anchored at linspace(-1, 1) on client 1, attached to SGD; its data."""
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    return w_t, model, rule, optimizer, data(problem)
+
+
+def plain_steps(optimizer, model, x, y, steps: int) -> None:
+    """``steps`` full-batch steps of the half squared error: zero, backward, step."""
+    for _ in range(steps):
+        optimizer.zero_grad()
+        half_sse(model(x), y).backward()
+        optimizer.step()
 
 
 def fedprox_by_hand(problem, w_t, mu, lr, steps, k=1) -> np.ndarray:
@@ -78,10 +105,7 @@ def metrics_of(rule, **kwargs) -> dict:
 def test_attach_adds_the_term_inside_a_closure_step(problem):
     """optimizer.step(closure): the term comes after the closure's backward."""
     mu, lr = 2.0, 0.02
-    w_t = np.linspace(-1, 1, problem.dim)
-    model, rule = fedprox_rule(problem, w_t, mu)
-    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    x, y = data(problem)
+    w_t, model, rule, optimizer, (x, y) = attached_sgd(problem, mu, lr)
 
     closure = closure_of(optimizer, model, x, y)
 
@@ -158,10 +182,7 @@ def test_the_old_route_in_a_closure_step_is_measured_as_lost(problem):
 def test_accumulation_gets_the_term_once_per_step(problem):
     """Two backward passes, one step: the term is added once, after both."""
     mu, lr = 1.5, 0.01
-    w_t = np.linspace(-1, 1, problem.dim)
-    model, rule = fedprox_rule(problem, w_t, mu)
-    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    x, y = data(problem)
+    w_t, model, rule, optimizer, (x, y) = attached_sgd(problem, mu, lr)
     optimizer.zero_grad()
     for half in (slice(0, 10), slice(10, 20)):
         half_sse(model(x[half]), y[half]).backward()
@@ -245,10 +266,7 @@ def test_stepping_another_optimizer_is_measured_as_missing(problem):
     rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
     stepped = torch.optim.SGD(model.parameters(), lr=0.01)  # the one the loop uses
     x, y = data(problem)
-    for _ in range(2):
-        stepped.zero_grad()
-        half_sse(model(x), y).backward()
-        stepped.step()
+    plain_steps(stepped, model, x, y, 2)
     metrics = metrics_of(rule)
     assert metrics["local-steps"] == 2
     assert metrics["proximal-mu-applied"] == 0 and metrics["term-missing-steps"] == 2
@@ -259,20 +277,14 @@ def test_no_rule_call_at_all_is_measured(problem):
     model, rule = fedprox_rule(problem, np.zeros(problem.dim), 1.0)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = data(problem)
-    for _ in range(3):
-        optimizer.zero_grad()
-        half_sse(model(x), y).backward()
-        optimizer.step()
+    plain_steps(optimizer, model, x, y, 3)
     metrics = metrics_of(rule)
     assert (metrics["local-steps"], metrics["proximal-mu-applied"]) == (3, 0)
 
 
 def test_add_gradient_twice_in_one_step_adds_once(problem, caplog):
     mu, lr = 2.0, 0.02
-    w_t = np.linspace(-1, 1, problem.dim)
-    model, rule = fedprox_rule(problem, w_t, mu)
-    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
-    x, y = data(problem)
+    w_t, model, rule, optimizer, (x, y) = attached_sgd(problem, mu, lr)
     optimizer.zero_grad()
     half_sse(model(x), y).backward()
     with caplog.at_level(logging.WARNING, logger="flwr"):
@@ -316,13 +328,7 @@ def test_scaffold_refuses_adam_whatever_the_route(problem):
     c = np.full((1, problem.dim), 0.3, np.float32)
     x, y = data(problem)
     for route in ("attach", "add_gradient", "none"):
-        model = torch.nn.Linear(problem.dim, 1, bias=False)
-        msg = train_message(
-            [np.zeros((1, problem.dim), np.float32)],
-            {"server-round": 1},
-            {"control": [c]},
-        )
-        rule = ScaffoldRule.from_message(msg, context(), model)
+        model, rule = scaffold_rule(problem, c)
         adam = torch.optim.Adam(model.parameters(), lr=0.01)
         if route == "attach":
             with pytest.raises(ValueError, match=r"needs torch\.optim\.SGD"):
@@ -343,12 +349,7 @@ def test_scaffold_option_two_divides_by_the_rates_applied(problem):
     model = torch.nn.Linear(problem.dim, 1, bias=False)
     with torch.no_grad():
         model.weight.zero_()
-    msg = train_message(
-        [np.zeros((1, problem.dim), np.float32)],
-        {"server-round": 1, "scaffold-control-lr": "round"},
-        {"control": [c]},
-    )
-    rule = ScaffoldRule.from_message(msg, context(), model)
+    _, rule = scaffold_rule(problem, c, model, **{"scaffold-control-lr": "round"})
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     x, y = data(problem, 2)
@@ -373,13 +374,7 @@ def test_scaffold_option_two_divides_by_the_rates_applied(problem):
 def test_half_precision_models_reply_in_the_servers_dtype(problem, dtype):
     """A model converted after from_message (Lightning's bf16-true): float32 replies."""
     c = np.full((1, problem.dim), 0.3, np.float32)
-    model = torch.nn.Linear(problem.dim, 1, bias=False)
-    msg = train_message(
-        [np.zeros((1, problem.dim), np.float32)],
-        {"server-round": 1},
-        {"control": [c]},
-    )
-    rule = ScaffoldRule.from_message(msg, context(), model)
+    model, rule = scaffold_rule(problem, c)
     model.to(dtype)  # same Parameter objects, new dtype, as Lightning converts
     optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.01))
     x, y = data(problem, 2)
@@ -405,10 +400,7 @@ def test_the_rule_follows_replaced_parameters(problem):
     model.weight = torch.nn.Parameter(old.detach().clone())  # a new object
     optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
     x, y = data(problem)
-    for _ in range(2):
-        optimizer.zero_grad()
-        half_sse(model(x), y).backward()
-        optimizer.step()
+    plain_steps(optimizer, model, x, y, 2)
     np.testing.assert_allclose(
         model.weight.detach().numpy()[0],
         fedprox_by_hand(problem, w_t, mu, lr, 2),
@@ -446,13 +438,8 @@ def test_innermost_optimizer_unwraps_wrappers():
 # --------------------------------------------------------------- the server
 def own_app(problem, rule_cls, route: str) -> ClientApp:
     """A user's closure-based loop: the rule attached, or added before the step."""
-    app = ClientApp()
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        k = int(context.node_config["partition-id"])
-        model = torch.nn.Linear(problem.dim, 1, bias=False)
-        rule = rule_cls.from_message(msg, context, model)
+    def train(k: int, model: torch.nn.Module, rule) -> Message:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         if route == "attach":
             rule.attach(optimizer)
@@ -466,7 +453,7 @@ def own_app(problem, rule_cls, route: str) -> ClientApp:
             optimizer.step(closure)
         return rule.reply(num_examples=len(y))
 
-    return app
+    return rule_app(problem, rule_cls, train)
 
 
 def run(problem, strategy, app, rounds=2):
@@ -474,6 +461,15 @@ def run(problem, strategy, app, rounds=2):
     return strategy.start(
         grid=grid, initial_arrays=problem.initial(), num_rounds=rounds
     )
+
+
+def run_refused(caplog, problem, strategy, app, rounds=2) -> None:
+    """A run that aggregates no round, its warnings captured."""
+    with (
+        caplog.at_level(logging.WARNING, logger="flwr"),
+        pytest.raises(NoRoundAggregatedError),
+    ):
+        run(problem, strategy, app, rounds=rounds)
 
 
 @pytest.mark.parametrize(
@@ -506,15 +502,12 @@ def test_the_server_hears_when_the_term_missed_the_update(
     assert "in 0 of the client's 3 local steps" in warnings[0]
     assert "rule.attach(optimizer)" in warnings[0]
     caplog.clear()
-    with (
-        caplog.at_level(logging.WARNING, logger="flwr"),
-        pytest.raises(NoRoundAggregatedError),
-    ):
-        run(
-            problem,
-            strategy(fraction_evaluate=0.0, strict=True),
-            own_app(problem, rule_cls, "too-early"),
-        )
+    run_refused(
+        caplog,
+        problem,
+        strategy(fraction_evaluate=0.0, strict=True),
+        own_app(problem, rule_cls, "too-early"),
+    )
     assert "rule-not-applied" in caplog.text
     clean = run(
         problem, strategy(fraction_evaluate=0.0), own_app(problem, rule_cls, "attach")
@@ -545,11 +538,9 @@ def test_an_own_scaffold_reply_is_told_how_to_fix_it(problem, caplog):
     """A reply without control-delta names rule.reply, as FedDyn's does."""
     app = model_only_app()
 
-    with (
-        caplog.at_level(logging.WARNING, logger="flwr"),
-        pytest.raises(NoRoundAggregatedError),
-    ):
-        run(problem, Scaffold(num_clients=4, fraction_evaluate=0.0), app, rounds=1)
+    run_refused(
+        caplog, problem, Scaffold(num_clients=4, fraction_evaluate=0.0), app, rounds=1
+    )
     assert "expected ['arrays', 'control-delta']" in caplog.text
     assert "return rule.reply(...)" in caplog.text
 
@@ -597,11 +588,7 @@ def test_a_reply_in_another_dtype_is_told_what_the_server_accepts(problem, caplo
         )
         return Message(content, reply_to=msg)
 
-    with (
-        caplog.at_level(logging.WARNING, logger="flwr"),
-        pytest.raises(NoRoundAggregatedError),
-    ):
-        run(problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
+    run_refused(caplog, problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
     assert "has dtype float16, expected float32" in caplog.text
     assert "replies in the dtypes it received" in caplog.text
 

@@ -151,6 +151,19 @@ def managed_engine(flwr_home: Path) -> Iterator[dict[str, str]]:
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
+@dataclasses.dataclass
+class AppRun:
+    """One run of an app: its name, run config and output; once submitted, its id,
+    final status and (when it failed) its log."""
+
+    name: str
+    run_config: str
+    output: Path
+    run_id: str = ""
+    status: str = ""
+    log: str = ""
+
+
 def submit_app(
     app: Path, env: dict[str, str], run_config: str, *, num_supernodes: int
 ) -> str:
@@ -159,30 +172,47 @@ def submit_app(
     Ray with one CPU: one ClientApp actor per run (its nodes take turns), so
     each run starts torch once.
     """
-    out = subprocess.run(
+    return flwr_submit(
+        app,
+        env,
+        run_config,
+        f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
+        "init-args-num-cpus=1",
+    )
+
+
+def flwr_submit(
+    app: Path, env: dict[str, str], run_config: str, federation: str
+) -> str:
+    """``flwr run`` an app folder with a federation config, not streamed; its run id."""
+    out = run_captured(
         [
-            flower_executable("flwr"),
-            "run",
-            str(app),
-            "--format",
-            "json",
-            "--federation-config",
-            f"num-supernodes={num_supernodes} client-resources-num-cpus=1 "
-            "init-args-num-cpus=1",
-            "--run-config",
-            run_config,
+            *(flower_executable("flwr"), "run", str(app), "--format", "json"),
+            *("--federation-config", federation, "--run-config", run_config),
         ],
-        capture_output=True,
-        text=True,
         env=env,
         cwd=REPO,
         timeout=600,
-        check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     reply = json.loads(out.stdout)
     assert "run-id" in reply, (run_config, reply)
     return str(reply["run-id"])
+
+
+def run_captured(
+    command: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``command`` to its end, output captured as text; a failure does not raise."""
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def flwr_run(env: dict[str, str], *args: str, timeout: float = 300) -> dict:
@@ -223,17 +253,14 @@ def simulate(env: dict[str, str], overrides: str, output: Path) -> Path:
 
 
 def hydra_entry(
-    *arguments: str, env: dict[str, str], cwd: Path, timeout: float = 300
+    *arguments: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``python -m flwr_prox_strategies.experiment ARGUMENTS`` (output captured)."""
-    return subprocess.run(
+    return run_captured(
         [sys.executable, "-m", "flwr_prox_strategies.experiment", *arguments],
         env=env,
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=timeout,
-        check=False,
     )
 
 

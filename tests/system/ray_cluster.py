@@ -138,18 +138,7 @@ def cluster_jobs(address: str) -> list[ClusterJob]:
 
 
 def alive_nodes(address: str) -> int:
-    """Return how many nodes of the cluster are alive.
-
-    Parameters
-    ----------
-    address : str
-        The cluster's address.
-
-    Returns
-    -------
-    int
-        Its live nodes (the head counts).
-    """
+    """Return how many nodes of the cluster at ``address`` are alive (the head counts)."""
     from ray._raylet import GcsClient  # type: ignore[attr-defined]  # no stub
 
     nodes = GcsClient(address=address).get_all_node_info(timeout=30)

@@ -25,7 +25,7 @@ import pytest
 
 from flwr_prox_strategies.task.datasets import candidate_dirs
 
-from .engine import REPO, managed_engine, run_log, run_status, submit_app
+from .engine import REPO, AppRun, managed_engine, run_log, run_status, submit_app
 
 pytestmark = pytest.mark.slow
 
@@ -67,16 +67,9 @@ MISTAKES = {
 
 
 @dataclass
-class Run:
-    """One run: its name, run config and output root; once submitted, its id,
-    final status and (when it failed or is a mistake's) its log."""
+class Run(AppRun):
+    """One run (its log kept too when it is a mistake's), last asked about when."""
 
-    name: str
-    run_config: str
-    output: Path
-    run_id: str = ""
-    status: str = ""
-    log: str = ""
     asked: float = -float("inf")
 
     def results(self) -> list[Path]:

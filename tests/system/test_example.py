@@ -13,8 +13,6 @@ pack's loop are one rule.
 from __future__ import annotations
 
 import importlib
-import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -34,10 +32,9 @@ from flwr_prox_strategies import (
     ScaffoldClient,
     to_client_app,
 )
-from flwr_prox_strategies._executables import flower_executable
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .engine import REPO, managed_engine, run_log, wait_finished
+from .engine import REPO, flwr_submit, managed_engine, run_log, wait_finished
 
 pytestmark = pytest.mark.slow
 
@@ -76,27 +73,12 @@ def run_config(algorithm: str, output: Path) -> str:
 
 def submit_example(env: dict[str, str], overrides: str) -> str:
     """``flwr run`` the example (not streamed: runs go side by side); its run id."""
-    out = subprocess.run(
-        [
-            flower_executable("flwr"),
-            "run",
-            str(EXAMPLE),
-            "--format",
-            "json",
-            "--federation-config",
-            f"num-supernodes={NUM_NODES} client-resources-num-cpus={THREADS}",
-            "--run-config",
-            overrides,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=600,
-        check=False,
+    return flwr_submit(
+        EXAMPLE,
+        env,
+        overrides,
+        f"num-supernodes={NUM_NODES} client-resources-num-cpus={THREADS}",
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return str(json.loads(out.stdout)["run-id"])
 
 
 def pack_clients(task: ModuleType, algorithm: str, config: dict):

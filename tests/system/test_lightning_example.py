@@ -20,13 +20,11 @@ from __future__ import annotations
 import ast
 import re
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-from .engine import REPO, managed_engine, run_log, run_status, submit_app
+from .engine import REPO, AppRun, managed_engine, run_log, run_status, submit_app
 
 pytestmark = pytest.mark.slow
 
@@ -49,21 +47,11 @@ APPLIED = {
 }
 
 
-@dataclass
-class Run:
-    name: str
-    run_config: str
-    output: Path
-    run_id: str = ""
-    status: str = ""
-    log: str = ""
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, AppRun]:
     tmp = tmp_path_factory.mktemp("lightning")
     queue = [
-        Run(name, f"{BASE} {cfg} output-path='{tmp / name}.pt'", tmp / f"{name}.pt")
+        AppRun(name, f"{BASE} {cfg} output-path='{tmp / name}.pt'", tmp / f"{name}.pt")
         for name, cfg in RUNS.items()
     ]
     pending, active = list(queue), []
@@ -96,7 +84,7 @@ def train_records(log: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", list(APPLIED))
-def test_each_algorithm_really_applies_its_term(runs: dict[str, Run], name: str):
+def test_each_algorithm_really_applies_its_term(runs: dict[str, AppRun], name: str):
     run = runs[name]
     assert run.status == "finished:completed", run.log[-3000:]
     rounds = train_records(run.log)
@@ -113,7 +101,7 @@ def test_each_algorithm_really_applies_its_term(runs: dict[str, Run], name: str)
             assert apart > 1e-4, f"{name} and {other} ended on one model"
 
 
-def test_scaffold_with_adam_fails_and_says_why(runs: dict[str, Run]):
+def test_scaffold_with_adam_fails_and_says_why(runs: dict[str, AppRun]):
     run = runs["scaffold-adam"]
     assert run.status == "finished:failed", (run.status, run.log[-3000:])
     failure = [line for line in run.log.splitlines() if "no round aggregated" in line]
