@@ -46,6 +46,12 @@ def sections(doc: str | None) -> tuple[str, dict[str, str]]:
     return text[: matches[0].start()].rstrip(), found
 
 
+def _joined(summary: str, found: dict[str, str]) -> str:
+    """Return a docstring of ``summary`` and the sections ``found``, in order."""
+    parts = [summary, *(f"{t}\n{'-' * len(t)}\n{b}" for t, b in found.items())]
+    return "\n\n".join(parts) + "\n"
+
+
 def inherit_parameters(base: type) -> Callable[[T], T]:
     """Give a class the ``Parameters`` and ``Raises`` sections of ``base``.
 
@@ -72,11 +78,7 @@ def inherit_parameters(base: type) -> Callable[[T], T]:
             for title in ("Parameters", "Raises")
             if title in inherited and title not in own
         }
-        merged: dict[str, str] = {**first, **own}
-        parts = [summary]
-        for title, body in merged.items():
-            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
-        cls.__doc__ = "\n\n".join(parts) + "\n"
+        cls.__doc__ = _joined(summary, {**first, **own})
         return cls
 
     return decorate
@@ -125,10 +127,7 @@ def with_parameters_of(source: Callable[..., object], after: str) -> Callable[[T
             if name == after:
                 merged.update((n, e) for n, e in theirs[1:] if n not in mine)
         own["Parameters"] = "\n".join(merged.values())
-        parts = [summary]
-        for title, body in own.items():
-            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
-        cls.__doc__ = "\n\n".join(parts) + "\n"
+        cls.__doc__ = _joined(summary, own)
         return cls
 
     return decorate
@@ -241,10 +240,8 @@ def with_class_attributes(*sources: type) -> Callable[[T], T]:
         )
         # Before the numpydoc sections, which would take it in otherwise.
         summary, own = sections(cls.__doc__)
-        parts = [summary, f"The class attributes a subclass declares:\n\n{items}"]
-        for title, body in own.items():
-            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
-        cls.__doc__ = "\n\n".join(parts) + "\n"
+        listed = f"The class attributes a subclass declares:\n\n{items}"
+        cls.__doc__ = _joined(f"{summary}\n\n{listed}", own)
         return cls
 
     return decorate

@@ -8,87 +8,70 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 
 def _real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+_NUMBER_CHECK_DOC = """
+
+Parameters
+----------
+name : str
+    The parameter's name, as the user wrote it (named in the error).
+value : float
+    The value given.
+
+Returns
+-------
+float
+    ``value`` as a float.
+
+Raises
+------
+ValueError
+    ``"<name> must be {message}, got <value>"`` (also for {also}).
+"""
+
+_F = TypeVar("_F", bound=Callable[..., float])
+
+
+def _number_check(message: str, also: str) -> Callable[[_F], _F]:
+    """Append the sections the three number checks share to one's docstring."""
+
+    def decorate(check: _F) -> _F:
+        sections = _NUMBER_CHECK_DOC.format(message=message, also=also)
+        check.__doc__ = (check.__doc__ or "") + sections
+        return check
+
+    return decorate
+
+
+@_number_check("a number in [0, 1]", "a bool or a non-number")
 def check_fraction(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``.
-
-    Parameters
-    ----------
-    name : str
-        The parameter's name, as the user wrote it (named in the error).
-    value : float
-        The value given.
-
-    Returns
-    -------
-    float
-        ``value`` as a float.
-
-    Raises
-    ------
-    ValueError
-        ``"<name> must be a number in [0, 1], got <value>"`` (also for a
-        bool or a non-number).
-    """
+    """Raise ``ValueError`` naming ``name`` unless ``0 <= value <= 1``."""
     if not _real(value) or not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
+_FINITE = "a bool, NaN, inf or a non-number"
+
+
+@_number_check("a finite number >= 0", _FINITE)
 def check_non_negative(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0.
-
-    Parameters
-    ----------
-    name : str
-        The parameter's name, as the user wrote it (named in the error).
-    value : float
-        The value given.
-
-    Returns
-    -------
-    float
-        ``value`` as a float.
-
-    Raises
-    ------
-    ValueError
-        ``"<name> must be a finite number >= 0, got <value>"`` (also for
-        a bool, NaN, inf or a non-number).
-    """
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""
     if not _real(value) or not math.isfinite(float(value)) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
+@_number_check("a finite number > 0", _FINITE)
 def check_positive(name: str, value: float) -> float:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0.
-
-    Parameters
-    ----------
-    name : str
-        The parameter's name, as the user wrote it (named in the error).
-    value : float
-        The value given.
-
-    Returns
-    -------
-    float
-        ``value`` as a float.
-
-    Raises
-    ------
-    ValueError
-        ``"<name> must be a finite number > 0, got <value>"`` (also for
-        a bool, NaN, inf or a non-number).
-    """
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and > 0."""
     if not _real(value) or not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)

@@ -62,7 +62,9 @@ five servers on a ring with 20 clients each, no compute or delay: FedAvg takes
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -381,18 +383,7 @@ def expected_round_times(
     return float(fedavg_times.mean()), float(pfedavg_times.mean())
 
 
-def expected_speedup(
-    model_size: float,
-    clients: ClientCounts,
-    degrees: ArrayLike,
-    bandwidth: float | ArrayLike,
-    beta: float = 0.0,
-    delay: str | None = None,
-    delay_mean: float = 1.0,
-    samples: int = 10_000,
-    seed: int = 0,
-    fedavg_bandwidth: float | None = None,
-) -> float:
+def expected_speedup(*args: Any, **kwargs: Any) -> float:
     r"""Return the expected speed-up of P-FedAvg over FedAvg.
 
     .. math::
@@ -406,16 +397,11 @@ def expected_speedup(
         Above 1 when P-FedAvg's rounds are shorter; tends to :math:`M` as the
         number of clients grows (equal bandwidths).
     """
-    fedavg, pfedavg = expected_round_times(
-        model_size,
-        clients,
-        degrees,
-        bandwidth,
-        beta,
-        delay,
-        delay_mean,
-        samples,
-        seed,
-        fedavg_bandwidth,
-    )
+    fedavg, pfedavg = expected_round_times(*args, **kwargs)
     return fedavg / pfedavg
+
+
+# help() and the API reference show the parameters it passes on.
+expected_speedup.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    expected_round_times
+).replace(return_annotation="float")

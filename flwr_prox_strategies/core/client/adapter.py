@@ -125,6 +125,25 @@ def _give_extra_records(client: NumPyClient, extra: dict[str, list[Any]]) -> Non
         client.received_arrays = extra
 
 
+def _answer(
+    client_fn: ClientFn,
+    message: Message,
+    context: Context,
+    errors: ErrorLog | None,
+    run: Callable[[NumPyClient, Any], RecordDict],
+) -> Message:
+    """Build the client for ``message``, ``run`` it, and reply (or error reply)."""
+    from .rule import read_message
+
+    try:
+        received = read_message(message)
+        client = _build(client_fn, context)
+        _give_extra_records(client, received.extra)
+        return Message(run(client, received), reply_to=message)
+    except Exception as err:
+        return _error_reply(message, err, errors)
+
+
 def handle_train(
     client_fn: ClientFn,
     message: Message,
@@ -132,13 +151,9 @@ def handle_train(
     errors: ErrorLog | None = None,
 ) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
-    from .rule import read_message
 
-    try:
-        received = read_message(message)
+    def fit(client: NumPyClient, received: Any) -> RecordDict:
         keys = list(received.arrays.keys())
-        client = _build(client_fn, context)
-        _give_extra_records(client, received.extra)
         new_arrays, num_examples, metrics = client.fit(
             to_ndarrays(received.arrays), received.config
         )
@@ -152,9 +167,9 @@ def handle_train(
         for name, extra in getattr(client, "reply_arrays", {}).items():
             reply[name] = to_record(extra, keys if len(keys) == len(extra) else None)
         reply["metrics"] = _metric_record(metrics, num_examples)
-        return Message(reply, reply_to=message)
-    except Exception as err:
-        return _error_reply(message, err, errors)
+        return reply
+
+    return _answer(client_fn, message, context, errors, fit)
 
 
 def handle_evaluate(
@@ -164,19 +179,15 @@ def handle_evaluate(
     errors: ErrorLog | None = None,
 ) -> Message:
     """Run ``evaluate`` for one evaluate message and build the reply."""
-    from .rule import read_message
 
-    try:
-        received = read_message(message)
-        client = _build(client_fn, context)
-        _give_extra_records(client, received.extra)
+    def evaluate(client: NumPyClient, received: Any) -> RecordDict:
         loss, num_examples, metrics = client.evaluate(
             to_ndarrays(received.arrays), received.config
         )
         record = _metric_record({"loss": float(loss), **metrics}, num_examples)
-        return Message(RecordDict({"metrics": record}), reply_to=message)
-    except Exception as err:
-        return _error_reply(message, err, errors)
+        return RecordDict({"metrics": record})
+
+    return _answer(client_fn, message, context, errors, evaluate)
 
 
 def handle_query(message: Message, context: Context) -> Message:

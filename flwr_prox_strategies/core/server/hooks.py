@@ -213,32 +213,18 @@ class AlgorithmHooks:
         return {}
 
     def evaluate_config(self, server_round: int) -> dict[str, Any]:
-        """Return the algorithm's values for this round's evaluate ConfigRecord.
+        """Return the values added to round ``server_round``'s evaluate configs.
 
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, Any]
-            Values added to every evaluate ``ConfigRecord``; the base sends none.
+        As :meth:`train_config`, for every evaluate ``ConfigRecord``; the base
+        sends none.
         """
         return {}
 
     def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Return extra ArrayRecords sent with the model for evaluation.
 
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, ArrayRecord]
-            Record name -> record; the base sends none.
+        As :meth:`train_records` (record name -> record), for round
+        ``server_round``'s evaluate messages; the base sends none.
         """
         return {}
 
@@ -431,10 +417,7 @@ class AlgorithmHooks:
         return mean.result()
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Apply the algorithm's server rule: return the new model, state and metrics.
 
