@@ -61,42 +61,12 @@ does work:
     (a new client holds zero state: sums need nothing, a mean over N is
     rescaled). Called before ``server_update`` in a round where N grows.
 
-Class attributes declare the rest:
-
-``state_fields``
-    Attribute names of the algorithm's server state: saved by ``state_dict()``
-    (kebab-case keys), restored by ``load_state_dict()``, passed to
-    ``server_update`` and replaced by what it returns. No hand-written
-    ``state_dict``, ``__repr__`` or ``summary``.
-``resume_settings``
-    Constructor settings a checkpoint must have been made with (compared on
-    restore, so a run never resumes under another ``alpha``).
-``settings``
-    The settings ``repr()`` and the run's summary show.
-``rule_metric``
-    The metric a client reports when it runs the algorithm's client rule (its
-    rule's ``applied_metric``): the count of its steps whose update held the
-    term, beside ``local-steps``. Replies without it, or with fewer applied
-    steps than local steps, are named in one warning per run, or rejected
-    with ``strict=True``. None: any client.
-``model_linear_in_replies``
-    The model is a positive linear combination of the replies' model records:
-    their NaN/inf check can wait for the result. A class that overrides
-    ``server_update`` gets False unless it says so: every reply's model is
-    checked before its rule runs (right for a median, or a rule that builds
-    the model from other records).
-``stateful_clients``
-    Clients keep state the server sums over: the base runs the two-phase
-    commit (a client commits its pending state once told its reply was
-    aggregated) and rejects replies without an integer client key.
-``requires_num_clients``
-    The rule divides by N, the number of all clients: ``num_clients=None``
-    means "learn N from the grid at the first round" (then checked).
-``central_dp_caveat``
-    What Flower's central-DP wrappers leave uncovered when they wrap the
-    strategy (server state built from un-noised aggregates), logged as a
-    warning when one does; records uploaded besides the model are named
-    without it.
+Class attributes declare the rest: ``state_fields`` (the server state that
+``state_dict()`` saves, ``server_update`` receives and replaces; no hand-written
+``state_dict`` or ``__repr__``), ``resume_settings`` (compared on restore),
+``settings`` (shown by ``repr()``), ``rule_metric``, ``model_linear_in_replies``,
+``stateful_clients``, ``requires_num_clients``, ``central_dp_caveat`` and more,
+each documented where :class:`ValidatedFedAvg` declares it.
 
 Constructors are keyword-only and check their arguments with
 :func:`check_int`, :func:`check_positive`, :func:`check_non_negative`,
