@@ -53,21 +53,11 @@ def _joined(summary: str, found: dict[str, str]) -> str:
 
 
 def inherit_parameters(base: type) -> Callable[[T], T]:
-    """Give a class the ``Parameters`` and ``Raises`` sections of ``base``.
+    """Return a class decorator: ``base``'s ``Parameters`` and ``Raises`` sections.
 
     For a class that inherits ``base``'s constructor: the sections it does not
     write itself are copied from ``base``'s docstring, placed before its own
     sections (``Notes``, ``Examples``, ...).
-
-    Parameters
-    ----------
-    base : type
-        The class whose constructor (and docstring) the decorated class uses.
-
-    Returns
-    -------
-    Callable[[type], type]
-        The class decorator.
     """
 
     def decorate(cls: T) -> T:
@@ -97,24 +87,12 @@ def _entries(body: str) -> dict[str, str]:
 
 
 def with_parameters_of(source: Callable[..., object], after: str) -> Callable[[T], T]:
-    """Insert ``source``'s ``Parameters`` entries into a class's, after ``after``.
+    """Return a class decorator: ``source``'s ``Parameters`` entries after ``after``.
 
-    For settings a class passes on to ``source``: they are documented once, in
-    ``source``'s docstring, and read in the class's where a user looks. The
-    entries the class documents itself, and ``source``'s first (positional)
-    parameter, are not inserted.
-
-    Parameters
-    ----------
-    source : callable
-        The function whose ``Parameters`` entries to insert.
-    after : str
-        The class's entry they follow.
-
-    Returns
-    -------
-    Callable[[type], type]
-        The class decorator.
+    For settings a class passes on to the function ``source``: they are
+    documented once, in ``source``'s docstring, and read in the class's (after
+    its entry ``after``) where a user looks. The entries the class documents
+    itself, and ``source``'s first (positional) parameter, are not inserted.
     """
 
     def decorate(cls: T) -> T:
@@ -210,21 +188,12 @@ _ATTRIBUTE = re.compile(
 
 
 def with_class_attributes(*sources: type) -> Callable[[T], T]:
-    """Append the ``#:``-documented class attributes of ``sources`` to a docstring.
+    """Return a class decorator listing the ``#:``-documented attributes of ``sources``.
 
     So ``help()`` lists what an algorithm declares, with the text the API
-    reference shows, as a definition list after the class's sections.
-
-    Parameters
-    ----------
-    *sources : type
-        The classes whose attributes to list (:func:`attribute_comments`);
-        none: the decorated class's own.
-
-    Returns
-    -------
-    Callable[[type], type]
-        The class decorator.
+    reference shows, as a definition list before the class's sections.
+    ``sources``: the classes whose attributes to list (:func:`attribute_comments`);
+    none: the decorated class's own.
     """
 
     def decorate(cls: T) -> T:

@@ -325,17 +325,8 @@ class AlgorithmHooks:
         type or out of range, is rejected with a reason naming the metric
         before :meth:`check_reply` and :meth:`server_update` see it, and the
         conformance kit (:mod:`flwr_prox_strategies.testing`) builds valid
-        replies from them. ``num-examples`` is always checked.
-
-        Parameters
-        ----------
-        server_round : int
-            The round whose replies are checked.
-
-        Returns
-        -------
-        dict[str, MetricSpec]
-            Metric name -> its type and range; the base declares none.
+        replies from them. ``num-examples`` is always checked. For the replies
+        of round ``server_round``; the base declares none.
         """
         return {}
 
