@@ -423,7 +423,9 @@ class AlgorithmHooks:
             The round being aggregated.
         state : dict[str, Any]
             The current values of :attr:`state_fields` (as :meth:`grown_state`
-            left them when N grows this round). Do not mutate it.
+            left them when N grows this round), read-only: writing into it
+            (``x *= 0.9``, ``state["x"] = ...``) raises at once, and reading a
+            field not declared names :attr:`state_fields`.
         replies : list[ValidReply]
             The round's valid replies, in a fixed order (client key, else node
             id): ``reply.arrays[record][key]`` are read-only arrays.
