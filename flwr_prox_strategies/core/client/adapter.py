@@ -23,9 +23,10 @@ import math
 import traceback
 from collections.abc import Callable
 from logging import DEBUG, ERROR, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import (
+    ArrayRecord,
     Context,
     Error,
     Message,
@@ -41,6 +42,9 @@ from ..transport.flower import MOD_FAILED_PRECONDITION
 from ..transport.keys import NUM_EXAMPLES_KEY
 from ..transport.records import to_ndarrays, to_record
 from .secagg import SecAggPlusMod
+
+if TYPE_CHECKING:
+    from .message import Received
 
 # .rule and .dp (ProtocolError, read_message, PrivacyBudgetExhausted) import torch:
 # they are imported in the functions that handle a message for the client, so
@@ -130,7 +134,7 @@ def _answer(
     message: Message,
     context: Context,
     errors: ErrorLog | None,
-    run: Callable[[NumPyClient, Any], RecordDict],
+    run: Callable[[NumPyClient, Received], RecordDict],
 ) -> Message:
     """Build the client for ``message``, ``run`` it, and reply (or error reply)."""
     from .rule import read_message
@@ -152,20 +156,19 @@ def handle_train(
 ) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
 
-    def fit(client: NumPyClient, received: Any) -> RecordDict:
+    def fit(client: NumPyClient, received: Received) -> RecordDict:
         keys = list(received.arrays.keys())
         new_arrays, num_examples, metrics = client.fit(
             to_ndarrays(received.arrays), received.config
         )
-        reply = RecordDict(
-            {
-                "arrays": to_record(
-                    new_arrays, keys if len(keys) == len(new_arrays) else None
-                )
-            }
-        )
+
+        def record(arrays: list[Any]) -> ArrayRecord:
+            # The received keys, when the client kept the model's layout.
+            return to_record(arrays, keys if len(keys) == len(arrays) else None)
+
+        reply = RecordDict({"arrays": record(new_arrays)})
         for name, extra in getattr(client, "reply_arrays", {}).items():
-            reply[name] = to_record(extra, keys if len(keys) == len(extra) else None)
+            reply[name] = record(extra)
         reply["metrics"] = _metric_record(metrics, num_examples)
         return reply
 
@@ -180,7 +183,7 @@ def handle_evaluate(
 ) -> Message:
     """Run ``evaluate`` for one evaluate message and build the reply."""
 
-    def evaluate(client: NumPyClient, received: Any) -> RecordDict:
+    def evaluate(client: NumPyClient, received: Received) -> RecordDict:
         loss, num_examples, metrics = client.evaluate(
             to_ndarrays(received.arrays), received.config
         )
