@@ -1,20 +1,9 @@
-"""Mount a ``NumPyClient`` on a Message-API ``ClientApp``.
+"""Mount a ``NumPyClient`` on a Message-API ``ClientApp``: :func:`to_client_app`.
 
-Flower 1.42's ``NumPyClient`` (``flwr.compat``) does not work with Message-API
-strategies as is. :func:`to_client_app` translates between the two worlds:
-
-* ``ArrayRecord`` -> list of ndarrays, in the record's key order, and back with
-  the same keys (so the server's key and order checks hold);
-* ``ConfigRecord`` -> ``dict``;
-* the node's ``Context`` is given to the client (``client.context``), so
-  ``context.state`` can hold per-client state across rounds;
-* the reply carries one ``ArrayRecord`` (``"arrays"``), any extra ArrayRecords
-  the client put in ``client.reply_arrays``, and one ``MetricRecord``
-  (``"metrics"``) holding ``num-examples``;
-* an exception in client code becomes an error reply carrying its message
-  (``CLIENT_APP_RAISED_EXCEPTION``; a :class:`ProtocolError` gives
-  ``MOD_FAILED_PRECONDITION``, as does a client whose privacy budget is
-  spent: :class:`PrivacyBudgetExhausted`), never a dead node.
+What it translates is in its docstring. An exception in client code becomes an
+error reply carrying its message (``CLIENT_APP_RAISED_EXCEPTION``; a
+:class:`ProtocolError` gives ``MOD_FAILED_PRECONDITION``, as does a client whose
+privacy budget is spent: :class:`PrivacyBudgetExhausted`), never a dead node.
 """
 
 from __future__ import annotations
