@@ -24,79 +24,21 @@ sent), ``self.num_clients`` (N) and may call ``self.weighted_mean(replies,
 record)`` and, with stateful clients, ``self.client_held_state(reply)`` (False
 when the client held no committed state: its ``STATE_ROUND_METRIC`` was -1).
 Override only the hooks you need, and extend the base's (``super()``) where it
-does work:
+does work; each is documented on :class:`ValidatedFedAvg`. ``server_update``
+receives the round's :class:`ValidReply`\ s; it may run twice in a round (a reply
+found non-finite is dropped and the rule re-run), so it depends on its arguments
+and ``self.global_arrays`` only, and its ``state`` is read-only.
+``expected_train_arrays`` declares records, name -> :data:`RecordSpec` (array key
+-> :class:`ArraySpec`), ``expected_train_metrics`` metrics, name ->
+:class:`MetricSpec`: a reply without them is rejected before your code sees it;
+``check_reply`` raises ``ReplyRejected(kind, reason)`` to drop one more.
 
-``train_config(server_round) -> dict``
-    Values added to every sampled node's train ``ConfigRecord`` this round,
-    under kebab-case keys defined beside the algorithm (``feddyn-alpha``).
-``train_records(server_round)``, ``node_train_records(node_id, server_round)``
-    Extra ``ArrayRecord``\ s (name -> record) sent with the model: to every
-    sampled node, or to one.
-``expected_train_arrays(server_round) -> dict[str, RecordSpec]``
-    The ``ArrayRecord``\ s a train reply must carry, name -> :data:`RecordSpec`
-    (array key -> :class:`ArraySpec`).
-    Start from ``super()``'s (the model) and add yours: a reply missing one, or
-    with another key, shape or dtype, is rejected before your code sees it.
-``expected_train_metrics(server_round) -> dict[str, MetricSpec]``
-    The metrics a train reply must carry (FedNova's ``tau``), name ->
-    :class:`MetricSpec` (type and range): a reply without one, or out of
-    range, is rejected with a reason naming it.
-``check_reply(reply: ValidReply)``
-    Further checks on a structurally valid reply: raise
-    ``ReplyRejected(kind, reason)`` to drop it (logged, counted by ``kind``).
-    Call ``super().check_reply(reply)`` first.
-``server_update(server_round, state, replies) -> RoundUpdate``
-    The server rule. ``state`` holds the current values of ``state_fields``,
-    read-only: writing into it (``x *= 0.9``, ``state["x"] = ...``) raises at
-    once, and reading a field not declared names ``state_fields``; ``replies``
-    are the round's :class:`ValidReply`\ s
-    (``reply.arrays[record][key]``: read-only arrays; ``reply.num_examples``;
-    ``reply.metrics``). Return the new model, the new state values (committed
-    only if the round is aggregated) and extra metrics. It may run twice in a
-    round (a reply found non-finite is dropped and the rule re-run): depend on
-    the arguments only (and ``self.global_arrays``, the model this round sent,
-    :math:`\theta^t`). Default: ``self.weighted_mean(replies)``.
-``grown_state(state, old, new) -> dict``
-    ``state`` adjusted to the number of all clients N growing ``old`` -> ``new``
-    (a new client holds zero state: sums need nothing, a mean over N is
-    rescaled). Called before ``server_update`` in a round where N grows.
-
-Class attributes declare the rest:
-
-``state_fields``
-    Attribute names of the algorithm's server state: saved by ``state_dict()``
-    (kebab-case keys), restored by ``load_state_dict()``, passed to
-    ``server_update`` and replaced by what it returns. No hand-written
-    ``state_dict``, ``__repr__`` or ``summary``.
-``resume_settings``
-    Constructor settings a checkpoint must have been made with (compared on
-    restore, so a run never resumes under another ``alpha``).
-``settings``
-    The settings ``repr()`` and the run's summary show.
-``rule_metric``
-    The metric a client reports when it runs the algorithm's client rule (its
-    rule's ``applied_metric``): the count of its steps whose update held the
-    term, beside ``local-steps``. Replies without it, or with fewer applied
-    steps than local steps, are named in one warning per run, or rejected
-    with ``strict=True``. None: any client.
-``model_linear_in_replies``
-    The model is a positive linear combination of the replies' model records:
-    their NaN/inf check can wait for the result. A class that overrides
-    ``server_update`` gets False unless it says so: every reply's model is
-    checked before its rule runs (right for a median, or a rule that builds
-    the model from other records).
-``stateful_clients``
-    Clients keep state the server sums over: the base runs the two-phase
-    commit (a client commits its pending state once told its reply was
-    aggregated) and rejects replies without an integer client key.
-``requires_num_clients``
-    The rule divides by N, the number of all clients: ``num_clients=None``
-    means "learn N from the grid at the first round" (then checked).
-``central_dp_caveat``
-    What Flower's central-DP wrappers leave uncovered when they wrap the
-    strategy (server state built from un-noised aggregates), logged as a
-    warning when one does; records uploaded besides the model are named
-    without it.
+Class attributes declare the rest: ``state_fields`` (the server state that
+``state_dict()`` saves, ``server_update`` receives and replaces; no hand-written
+``state_dict`` or ``__repr__``), ``resume_settings`` (compared on restore),
+``settings`` (shown by ``repr()``), ``rule_metric``, ``model_linear_in_replies``,
+``stateful_clients``, ``requires_num_clients``, ``central_dp_caveat`` and more,
+each documented where :class:`ValidatedFedAvg` declares it.
 
 Constructors are keyword-only and check their arguments with
 :func:`check_int`, :func:`check_positive`, :func:`check_non_negative`,

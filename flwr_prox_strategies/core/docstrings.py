@@ -46,22 +46,18 @@ def sections(doc: str | None) -> tuple[str, dict[str, str]]:
     return text[: matches[0].start()].rstrip(), found
 
 
+def _joined(summary: str, found: dict[str, str]) -> str:
+    """Return a docstring of ``summary`` and the sections ``found``, in order."""
+    parts = [summary, *(f"{t}\n{'-' * len(t)}\n{b}" for t, b in found.items())]
+    return "\n\n".join(parts) + "\n"
+
+
 def inherit_parameters(base: type) -> Callable[[T], T]:
-    """Give a class the ``Parameters`` and ``Raises`` sections of ``base``.
+    """Return a class decorator: ``base``'s ``Parameters`` and ``Raises`` sections.
 
     For a class that inherits ``base``'s constructor: the sections it does not
     write itself are copied from ``base``'s docstring, placed before its own
     sections (``Notes``, ``Examples``, ...).
-
-    Parameters
-    ----------
-    base : type
-        The class whose constructor (and docstring) the decorated class uses.
-
-    Returns
-    -------
-    Callable[[type], type]
-        The class decorator.
     """
 
     def decorate(cls: T) -> T:
@@ -72,11 +68,7 @@ def inherit_parameters(base: type) -> Callable[[T], T]:
             for title in ("Parameters", "Raises")
             if title in inherited and title not in own
         }
-        merged: dict[str, str] = {**first, **own}
-        parts = [summary]
-        for title, body in merged.items():
-            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
-        cls.__doc__ = "\n\n".join(parts) + "\n"
+        cls.__doc__ = _joined(summary, {**first, **own})
         return cls
 
     return decorate
@@ -95,24 +87,12 @@ def _entries(body: str) -> dict[str, str]:
 
 
 def with_parameters_of(source: Callable[..., object], after: str) -> Callable[[T], T]:
-    """Insert ``source``'s ``Parameters`` entries into a class's, after ``after``.
+    """Return a class decorator: ``source``'s ``Parameters`` entries after ``after``.
 
-    For settings a class passes on to ``source``: they are documented once, in
-    ``source``'s docstring, and read in the class's where a user looks. The
-    entries the class documents itself, and ``source``'s first (positional)
-    parameter, are not inserted.
-
-    Parameters
-    ----------
-    source : callable
-        The function whose ``Parameters`` entries to insert.
-    after : str
-        The class's entry they follow.
-
-    Returns
-    -------
-    Callable[[type], type]
-        The class decorator.
+    For settings a class passes on to the function ``source``: they are
+    documented once, in ``source``'s docstring, and read in the class's (after
+    its entry ``after``) where a user looks. The entries the class documents
+    itself, and ``source``'s first (positional) parameter, are not inserted.
     """
 
     def decorate(cls: T) -> T:
@@ -125,10 +105,7 @@ def with_parameters_of(source: Callable[..., object], after: str) -> Callable[[T
             if name == after:
                 merged.update((n, e) for n, e in theirs[1:] if n not in mine)
         own["Parameters"] = "\n".join(merged.values())
-        parts = [summary]
-        for title, body in own.items():
-            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
-        cls.__doc__ = "\n\n".join(parts) + "\n"
+        cls.__doc__ = _joined(summary, own)
         return cls
 
     return decorate
@@ -211,21 +188,12 @@ _ATTRIBUTE = re.compile(
 
 
 def with_class_attributes(*sources: type) -> Callable[[T], T]:
-    """Append the ``#:``-documented class attributes of ``sources`` to a docstring.
+    """Return a class decorator listing the ``#:``-documented attributes of ``sources``.
 
     So ``help()`` lists what an algorithm declares, with the text the API
-    reference shows, as a definition list after the class's sections.
-
-    Parameters
-    ----------
-    *sources : type
-        The classes whose attributes to list (:func:`attribute_comments`);
-        none: the decorated class's own.
-
-    Returns
-    -------
-    Callable[[type], type]
-        The class decorator.
+    reference shows, as a definition list before the class's sections.
+    ``sources``: the classes whose attributes to list (:func:`attribute_comments`);
+    none: the decorated class's own.
     """
 
     def decorate(cls: T) -> T:
@@ -241,10 +209,8 @@ def with_class_attributes(*sources: type) -> Callable[[T], T]:
         )
         # Before the numpydoc sections, which would take it in otherwise.
         summary, own = sections(cls.__doc__)
-        parts = [summary, f"The class attributes a subclass declares:\n\n{items}"]
-        for title, body in own.items():
-            parts.append(f"{title}\n{'-' * len(title)}\n{body}")
-        cls.__doc__ = "\n\n".join(parts) + "\n"
+        listed = f"The class attributes a subclass declares:\n\n{items}"
+        cls.__doc__ = _joined(f"{summary}\n\n{listed}", own)
         return cls
 
     return decorate

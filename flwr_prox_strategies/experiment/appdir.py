@@ -15,6 +15,7 @@ of the app lives here instead:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,58 @@ def _make_client(context: Context) -> NumPyClient:
     return make_client(context)
 
 
+def flower_app_pyproject(
+    *,
+    name: str,
+    version: str,
+    dependencies: Sequence[str],
+    server_app: str,
+    client_app: str,
+    config: Mapping[str, str | int],
+    description: str | None = None,
+) -> str:
+    """Return the ``[project]`` and ``[tool.flwr.app]`` tables of a Flower app.
+
+    Parameters
+    ----------
+    name, version, dependencies : str, str, Sequence[str]
+        The ``[project]``'s.
+    server_app, client_app : str
+        The components, ``"module:attribute"``.
+    config : Mapping[str, str | int]
+        The run config's keys and defaults (a string is quoted).
+    description : str | None (default: None)
+        The project's description, if any.
+
+    Returns
+    -------
+    str
+        The ``pyproject.toml`` text (publisher ``flwr-prox-strategies``).
+    """
+    about = "" if description is None else f'description = "{description}"\n'
+    needs = ", ".join(f'"{dependency}"' for dependency in dependencies)
+    values = "\n".join(
+        f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
+        for key, value in config.items()
+    )
+    return f"""\
+[project]
+name = "{name}"
+version = "{version}"
+{about}dependencies = [{needs}]
+
+[tool.flwr.app]
+publisher = "flwr-prox-strategies"
+
+[tool.flwr.app.components]
+serverapp = "{server_app}"
+clientapp = "{client_app}"
+
+[tool.flwr.app.config]
+{values}
+"""
+
+
 def app_pyproject() -> str:
     """Return the ``pyproject.toml`` of a Flower app made of the installed apps.
 
@@ -105,32 +158,22 @@ def app_pyproject() -> str:
     """
     from .. import __version__
 
-    config = "\n".join(
-        f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
-        for key, value in APP_CONFIG.items()
-    )
-    return f"""\
+    header = f"""\
 # Written by {__name__}: the pack's Flower app, whose code is the installed package.
 [build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
 
-[project]
-name = "flwr-prox-strategies-app"
-version = "{__version__}"
-description = "The Flower app of flwr-prox-strategies (installed package)"
-dependencies = ["flwr-prox-strategies[all]=={__version__}"]
-
-[tool.flwr.app]
-publisher = "flwr-prox-strategies"
-
-[tool.flwr.app.components]
-serverapp = "{SERVER_APP}"
-clientapp = "{CLIENT_APP}"
-
-[tool.flwr.app.config]
-{config}
 """
+    return header + flower_app_pyproject(
+        name="flwr-prox-strategies-app",
+        version=__version__,
+        description="The Flower app of flwr-prox-strategies (installed package)",
+        dependencies=[f"flwr-prox-strategies[all]=={__version__}"],
+        server_app=SERVER_APP,
+        client_app=CLIENT_APP,
+        config=APP_CONFIG,
+    )
 
 
 def write_app_dir(folder: Path) -> Path:

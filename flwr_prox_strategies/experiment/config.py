@@ -1,37 +1,16 @@
 """Compose the ``conf/`` tree, and what a run's configuration may instantiate.
 
-The first step of an experiment (:mod:`.server`): every Flower app of the pack
-(and the sweep launcher) composes its configuration here, so an experiment means
-the same thing however it is started; :mod:`.build` then instantiates it, each
-``_target_`` through :func:`instantiate`, which holds it to the allow-list.
-
-Whoever submits a run writes its ``overrides`` (Flower's run config), and the
-config is composed and instantiated on the SuperLink host and on every
-SuperNode. So a composition may only select from the pack's tree:
-
-* every ``_target_`` (also nested ones, under ``_args_``, with ``_partial_``)
-  must be on the allow-list: the pack's own classes and functions
-  (``flwr_prox_strategies.*``, except the ``experiment`` glue that starts
-  processes and writes files), those of the installed plugins
-  (:func:`plugin_targets`), plus what the operator of *that* process adds
-  with :data:`ALLOWED_TARGETS_ENV` or :func:`allow_targets`. Not a run-config
-  key: the run's submitter writes the run config.
-* overrides may not touch Hydra's own config (``hydra.*``, ``hydra/...``: e.g.
-  ``hydra.searchpath`` would load YAML from any folder), a config group takes
-  only the options of ``conf/`` (``dataset=../../x`` would read any YAML file)
-  and ``strategy`` also those of the installed plugins, and no value may call
-  a resolver (``${oc.env:SECRET}`` would copy the host's environment into logs
-  and results); plain references like ``${seed}`` work.
-
-Plugins (:func:`~flwr_prox_strategies.algorithms.registered_algorithms`) are
-installed packages, chosen by whoever installs the environment, not by a run's
-submitter: their ``conf`` packages join Hydra's search path after ``conf/``
-(:class:`PluginSearchPath`, for the compose API and the ``python -m
-flwr_prox_strategies.experiment`` command line alike), so they add options but
-cannot replace a file of the pack's.
-
-Anything else raises :class:`ConfigNotAllowedError` before anything is
-imported or instantiated.
+Every Flower app of the pack (and the sweep launcher) composes its configuration
+here (:mod:`.build` then instantiates it). A run's ``overrides`` come from whoever
+submits it and are composed on every host, so a composition may only select from
+the pack's tree: every ``_target_`` must be on the allow-list (the pack's own
+names, the installed plugins' (:func:`plugin_targets`), and what the operator adds
+with :data:`ALLOWED_TARGETS_ENV` or :func:`allow_targets`); overrides may not
+touch ``hydra.*``, leave a group's options or call a resolver. Plugins' ``conf``
+packages join the search path after ``conf/`` (:class:`PluginSearchPath`).
+Anything else raises :class:`ConfigNotAllowedError` before anything is imported
+or instantiated. The rules and their reasons: the documentation's deployment
+guide ("What a run's overrides may do") and configuration reference.
 """
 
 from __future__ import annotations

@@ -2,17 +2,10 @@
 
 ``apps/server_app.py`` and ``apps/client_app.py`` are thin wrappers around
 :func:`run_experiment` and :func:`make_client`; the sweep launcher and the tests
-call the same functions, so there is one code path. Each step is a call into
-the module that owns it, in this order:
-
-1. :mod:`.config` composes ``conf/`` from Flower's run config;
-2. :mod:`.build` builds the run: its folder (or the resumed run's), the
-   strategy, the model, the record and the central evaluation, the wrappers;
-3. :mod:`.run` runs the rounds, each recorded as it ends (:mod:`.rounds`);
-4. :mod:`.record` completes ``results.json``, plots, closes the tracker, and
-   raises when the run failed.
-
-A new experiment feature goes into the step it belongs to, not here.
+call the same functions, so there is one code path. Each step is a call into the
+module that owns it (:mod:`.config`, :mod:`.build`, :mod:`.run`, :mod:`.record`),
+as the documentation's architecture page walks through; a new experiment
+feature goes into the step it belongs to, not here.
 """
 
 from __future__ import annotations

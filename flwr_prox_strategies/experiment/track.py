@@ -239,15 +239,7 @@ def sweep_overrides(
 def sweep_name(sweep_dir: Path) -> str:
     """Name a sweep by its folder: its last two parts (``2026-12-03_10-11-12``).
 
-    Parameters
-    ----------
-    sweep_dir : Path
-        The sweep's folder.
-
-    Returns
-    -------
-    str
-        Its last two parts, joined (one part when the date is not a folder).
+    One part, the last, when the part before it is not a date.
     """
     parts = sweep_dir.resolve().parts
     last = parts[-2:] if len(parts) > 1 else parts
@@ -261,17 +253,8 @@ def sweep_name(sweep_dir: Path) -> str:
 def where_for_sweep(cfg: DictConfig, sweep_dir: Path) -> str:
     """Return the command that opens the tracker UI of a whole sweep (``""``: none).
 
-    Parameters
-    ----------
-    cfg : DictConfig
-        The sweep's configuration.
-    sweep_dir : Path
-        The sweep's folder.
-
-    Returns
-    -------
-    str
-        The command (``tensorboard --logdir <sweep>/tensorboard``, ...).
+    For the sweep configured by ``cfg`` in the folder ``sweep_dir``:
+    ``tensorboard --logdir <sweep>/tensorboard``, ...
     """
     if not tracks(cfg):
         return ""

@@ -1,26 +1,19 @@
 """Apply a client rule inside Lightning's ``Trainer.fit``, in one line.
 
-Lightning's automatic optimisation runs ``zero_grad`` and ``backward`` inside
-``optimizer.step(closure)``: a term added to the gradients before the step is
-wiped. :class:`RuleCallback` adds the rule's term where Lightning lets a
-callback see the finished gradients (``on_before_optimizer_step``, inside the
-closure, after ``backward()`` and AMP's unscaling, before Lightning's gradient
-clipping, as the pack's own loop clips the total gradient), and attaches the
-rule to every optimiser the trainer steps, so that the rule
-
-- checks the optimiser before training starts (SCAFFOLD and FedDC refuse
-  anything but plain SGD),
-- follows the model Lightning moves to its device or converts
-  (``precision="bf16-true"``) inside ``fit()``,
-- counts the steps whose update held the term: the reply says so.
-
-Works with ``lightning.pytorch`` and with ``pytorch_lightning`` (Lightning
-calls its callbacks' hooks by name)::
+Lightning's automatic optimisation runs ``backward`` inside
+``optimizer.step(closure)``, wiping a term added before the step.
+:class:`RuleCallback` adds it in ``on_before_optimizer_step`` (after
+``backward()`` and AMP's unscaling, before Lightning's clipping) and attaches the
+rule to every optimiser the trainer steps; it works with ``lightning.pytorch``
+and ``pytorch_lightning``::
 
     rule = FedProxRule.from_message(msg, context, model)
     trainer = pl.Trainer(max_epochs=1, callbacks=[RuleCallback(rule)])
     trainer.fit(model, train_loader)
     return rule.reply(num_examples=len(train_loader.dataset))
+
+The details (devices, ``precision``, gradient accumulation): the documentation's
+guide to training frameworks.
 """
 
 from __future__ import annotations

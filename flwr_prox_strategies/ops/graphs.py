@@ -338,32 +338,15 @@ def from_adjacency(matrix: ArrayLike) -> NDArray[np.int_]:
 
 
 def is_complete(adj: NDArray[np.int_]) -> bool:
-    """Whether a validated adjacency matrix is the complete graph.
-
-    Parameters
-    ----------
-    adj : ndarray of int, shape (M, M)
-        Adjacency as returned by :func:`from_adjacency`.
-
-    Returns
-    -------
-    bool
-    """
+    """Whether ``adj`` (as :func:`from_adjacency` returns it) is the complete graph."""
     return bool(adj.sum() == len(adj) * (len(adj) - 1))
 
 
 def edges(adj: NDArray[np.int_]) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
-    """Endpoints ``(i, j)``, ``i < j``, of every edge.
+    """Return ``heads, tails``: edge ``e`` joins ``heads[e] < tails[e]``.
 
-    Parameters
-    ----------
-    adj : ndarray of int, shape (M, M)
-        Adjacency as returned by :func:`from_adjacency`.
-
-    Returns
-    -------
-    heads, tails : ndarray of intp, shape (E,)
-        Edge ``e`` joins ``heads[e]`` and ``tails[e]``, in row-major order.
+    ``adj`` is an adjacency as :func:`from_adjacency` returns it; the edges come
+    in row-major order, as two arrays of intp of shape (E,).
     """
     heads, tails = np.nonzero(np.triu(adj, k=1))
     return heads, tails

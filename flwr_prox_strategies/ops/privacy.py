@@ -44,8 +44,3 @@ def add_laplace_noise(
         noise = rng.laplace(0.0, scale, size=value.shape)
         noisy.append((value.astype(np.float64) + noise).astype(value.dtype))
     return noisy
-
-
-def basic_composition(epsilons: Sequence[float]) -> float:
-    """Total epsilon of a sequence of pure-DP releases (their sum)."""
-    return float(sum(epsilons))

@@ -1,34 +1,11 @@
 r"""P-FedAvg as M real Flower deployments on this machine: one command, on loopback.
 
-Starts, for each parameter server :math:`i`, a SuperLink of its own, its
-SuperNodes (clients ``i, i + M, i + 2M, ...`` of the ``M x clients-per-server``
-partitions) and, with ``flwr run``, its ServerApp (the pack's app with
-``deploy=peers``: :class:`~flwr_prox_strategies.PFedAvgServer`); the servers
-exchange models with their graph neighbours over gRPC. While they run it prints
-one line per round (every server's central accuracy, the consensus distance
-:math:`\sum_i \lVert x_i - \bar x\rVert^2` read from the servers, the bytes
-exchanged), and at the end writes one folder::
-
-    <output>/server-<i>/results.json   each server's run (and its checkpoint)
-    <output>/results.json              the rounds side by side, and a summary
-    <output>/pfedavg-deploy.png        accuracies and consensus distance
-    <output>/engine/                   the SuperLinks' and SuperNodes' folders, logs
-
-Every process it started is stopped, by process group, on exit, on Ctrl-C and
-on SIGTERM. Example (4 servers on a ring, 1 client each, 6 rounds; Dirichlet
-alpha 0.1 gives each server other labels, so the servers disagree and the
-consensus distance shrinks without reaching 0)::
-
-    python -m flwr_prox_strategies.pfedavg_deploy --servers 4 --clients-per-server 1 \
-        --rounds 6 --overrides "model=logreg train.local_epochs=1 partition.alpha=0.1"
-
-A ring of 3 is the complete graph: with Metropolis weights every server holds the
-average after every round, and the consensus distance is 0 (float rounding).
-
-``--kill-server I --kill-after R`` stops server I's deployment once it has
-finished round R and, with ``--restart-after S``, starts it again S seconds
-later, resumed from its checkpoint: the other servers go on without it
-(re-normalised weights) and it rejoins at their round.
+For each parameter server a SuperLink, its SuperNodes and its ServerApp
+(``deploy=peers``: :class:`~flwr_prox_strategies.PFedAvgServer`), exchanging
+models with their graph neighbours over gRPC; one line per round, one output
+folder, every process stopped by process group on exit, Ctrl-C and SIGTERM.
+The command, its options (``--kill-server``, ``--restart-after``...) and its
+folder: the documentation's page "Deploy P-FedAvg across SuperLinks".
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 r"""The conformance kit's client half: an algorithm's own client against its strategy.
 
-The strategy checks (:mod:`.checks`) build every reply by hand from what the
-*strategy* declares. These run the algorithm's *own* client (its
-``TorchClient``, else its rule in a plain loop) on a small federation made to
-expose what hand-built replies hide:
-
-* a model **with buffers** (``BatchNorm1d``: running statistics and an int64
-  counter), so a reply record laid out per parameter instead of per
-  ``state_dict`` entry is caught;
-* a first model :math:`\theta^0 \ne 0` (buffers included), so bookkeeping
-  that assumes zero is caught;
-* **partial participation**: node 1005 is not listed in round 2 (so not
-  sampled) and comes back in round 3;
-* a **rejected reply**: node 1002's round-2 reply is made invalid on its way
-  to the server, and comes back in round 3.
-
-One run of three rounds per configuration (:func:`run_clients`) feeds the
-checks of :data:`CLIENT_CHECKS`: every reply passes the strategy's screening
-(a missing or unexpected record names the side to fix), the rejected reply
-left its client's committed state as it was (the two-phase commit), every
-client's state is recognised next time (no state retired, N unchanged, no
-state saved outside the commit) and every reply applied the rule at every
-step.
+The strategy checks (:mod:`.checks`) build every reply by hand; these run the
+algorithm's *own* client (its ``TorchClient``, else its rule in a plain loop)
+for three rounds (:func:`run_clients`) on a small federation made to expose what
+hand-built replies hide: a model with buffers, a first model :math:`\theta^0 \ne
+0`, a node not sampled in round 2 (1005) and a reply made invalid on its way to
+the server (1002's). :data:`CLIENT_CHECKS` then checks the replies, the
+two-phase commit and the rule's term; the full list: the documentation's guide
+"Add an algorithm", section "What the conformance kit checks, and what it
+cannot".
 """
 
 from __future__ import annotations

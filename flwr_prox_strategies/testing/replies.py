@@ -179,10 +179,8 @@ def valid_metrics(strategy: Any, to: Message) -> dict[str, Any]:
 
     Parameters
     ----------
-    strategy : Strategy
-        The strategy that sent ``to``.
-    to : Message
-        The message replied to.
+    strategy, to
+        As in :func:`valid_reply`: the strategy and the message it sent.
 
     Returns
     -------

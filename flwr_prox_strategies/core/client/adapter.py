@@ -1,20 +1,9 @@
-"""Mount a ``NumPyClient`` on a Message-API ``ClientApp``.
+"""Mount a ``NumPyClient`` on a Message-API ``ClientApp``: :func:`to_client_app`.
 
-Flower 1.42's ``NumPyClient`` (``flwr.compat``) does not work with Message-API
-strategies as is. :func:`to_client_app` translates between the two worlds:
-
-* ``ArrayRecord`` -> list of ndarrays, in the record's key order, and back with
-  the same keys (so the server's key and order checks hold);
-* ``ConfigRecord`` -> ``dict``;
-* the node's ``Context`` is given to the client (``client.context``), so
-  ``context.state`` can hold per-client state across rounds;
-* the reply carries one ``ArrayRecord`` (``"arrays"``), any extra ArrayRecords
-  the client put in ``client.reply_arrays``, and one ``MetricRecord``
-  (``"metrics"``) holding ``num-examples``;
-* an exception in client code becomes an error reply carrying its message
-  (``CLIENT_APP_RAISED_EXCEPTION``; a :class:`ProtocolError` gives
-  ``MOD_FAILED_PRECONDITION``, as does a client whose privacy budget is
-  spent: :class:`PrivacyBudgetExhausted`), never a dead node.
+What it translates is in its docstring. An exception in client code becomes an
+error reply carrying its message (``CLIENT_APP_RAISED_EXCEPTION``; a
+:class:`ProtocolError` gives ``MOD_FAILED_PRECONDITION``, as does a client whose
+privacy budget is spent: :class:`PrivacyBudgetExhausted`), never a dead node.
 """
 
 from __future__ import annotations
@@ -23,9 +12,10 @@ import math
 import traceback
 from collections.abc import Callable
 from logging import DEBUG, ERROR, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import (
+    ArrayRecord,
     Context,
     Error,
     Message,
@@ -41,6 +31,9 @@ from ..transport.flower import MOD_FAILED_PRECONDITION
 from ..transport.keys import NUM_EXAMPLES_KEY
 from ..transport.records import to_ndarrays, to_record
 from .secagg import SecAggPlusMod
+
+if TYPE_CHECKING:
+    from .message import Received
 
 # .rule and .dp (ProtocolError, read_message, PrivacyBudgetExhausted) import torch:
 # they are imported in the functions that handle a message for the client, so
@@ -125,6 +118,25 @@ def _give_extra_records(client: NumPyClient, extra: dict[str, list[Any]]) -> Non
         client.received_arrays = extra
 
 
+def _answer(
+    client_fn: ClientFn,
+    message: Message,
+    context: Context,
+    errors: ErrorLog | None,
+    run: Callable[[NumPyClient, Received], RecordDict],
+) -> Message:
+    """Build the client for ``message``, ``run`` it, and reply (or error reply)."""
+    from .rule import read_message
+
+    try:
+        received = read_message(message)
+        client = _build(client_fn, context)
+        _give_extra_records(client, received.extra)
+        return Message(run(client, received), reply_to=message)
+    except Exception as err:
+        return _error_reply(message, err, errors)
+
+
 def handle_train(
     client_fn: ClientFn,
     message: Message,
@@ -132,29 +144,24 @@ def handle_train(
     errors: ErrorLog | None = None,
 ) -> Message:
     """Run ``fit`` for one train message and build the reply (or error reply)."""
-    from .rule import read_message
 
-    try:
-        received = read_message(message)
+    def fit(client: NumPyClient, received: Received) -> RecordDict:
         keys = list(received.arrays.keys())
-        client = _build(client_fn, context)
-        _give_extra_records(client, received.extra)
         new_arrays, num_examples, metrics = client.fit(
             to_ndarrays(received.arrays), received.config
         )
-        reply = RecordDict(
-            {
-                "arrays": to_record(
-                    new_arrays, keys if len(keys) == len(new_arrays) else None
-                )
-            }
-        )
+
+        def record(arrays: list[Any]) -> ArrayRecord:
+            # The received keys, when the client kept the model's layout.
+            return to_record(arrays, keys if len(keys) == len(arrays) else None)
+
+        reply = RecordDict({"arrays": record(new_arrays)})
         for name, extra in getattr(client, "reply_arrays", {}).items():
-            reply[name] = to_record(extra, keys if len(keys) == len(extra) else None)
+            reply[name] = record(extra)
         reply["metrics"] = _metric_record(metrics, num_examples)
-        return Message(reply, reply_to=message)
-    except Exception as err:
-        return _error_reply(message, err, errors)
+        return reply
+
+    return _answer(client_fn, message, context, errors, fit)
 
 
 def handle_evaluate(
@@ -164,19 +171,15 @@ def handle_evaluate(
     errors: ErrorLog | None = None,
 ) -> Message:
     """Run ``evaluate`` for one evaluate message and build the reply."""
-    from .rule import read_message
 
-    try:
-        received = read_message(message)
-        client = _build(client_fn, context)
-        _give_extra_records(client, received.extra)
+    def evaluate(client: NumPyClient, received: Received) -> RecordDict:
         loss, num_examples, metrics = client.evaluate(
             to_ndarrays(received.arrays), received.config
         )
         record = _metric_record({"loss": float(loss), **metrics}, num_examples)
-        return Message(RecordDict({"metrics": record}), reply_to=message)
-    except Exception as err:
-        return _error_reply(message, err, errors)
+        return RecordDict({"metrics": record})
+
+    return _answer(client_fn, message, context, errors, evaluate)
 
 
 def handle_query(message: Message, context: Context) -> Message:

@@ -304,18 +304,10 @@ class TorchClient(NumPyClient):
 
     # ---------------------------------------------------------------- hooks
     def rule_options(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Return the rule's own options (beyond what every rule takes).
+        """Return the rule's own options, from this round's train ``config``.
 
-        Parameters
-        ----------
-        config : dict[str, Any]
-            This round's train config.
-
-        Returns
-        -------
-        dict[str, Any]
-            Keyword arguments for :attr:`rule_class` (FedDyn's ``decoupled``);
-            the base passes none.
+        Keyword arguments for :attr:`rule_class` beyond what every rule takes
+        (FedDyn's ``decoupled``); the base passes none.
         """
         return {}
 

@@ -1,34 +1,12 @@
 r"""Sample-level differential privacy for every client: DP-SGD through opacus.
 
-A client built with ``dp=DPSGD(...)`` trains through opacus: a
-``GradSampleModule`` computes per-sample gradients, Poisson sampling draws each
-batch (every example joins with probability :math:`q = 1/\text{batches}`), and
-each step is
-
-.. math::
-
-    g = \frac{1}{qN}\Big(\sum_{i\in B}\mathrm{clip}_C(\nabla\ell_i(w))
-        + \mathcal N(0, \sigma^2C^2 I)\Big) + \nabla r(w), \qquad
-    w \leftarrow w - \eta\, g,
-
-where :math:`\nabla r` is the algorithm's extra gradient (FedProx's proximal
-term, FedDyn's dynamic regulariser, FedDC's drift correction, SCAFFOLD's
-control-variate correction). That term reads no data, only the model and state
-the server already holds or the client already privatised, so it is added
-*after* clipping and noise: clipping it would bias the algorithm and noising it
-would spend nothing useful. What leaves the client (its model, and every extra
-record computed from its models) is then post-processing of the noisy
-gradients, covered by the accountant.
-
-The accountant (opacus' RDP or PRV, the user's choice) counts every noisy step.
-Its history lives in the client's ``context.state`` because spending is
-irreversible: steps count even when the server rejects the reply. Each reply
-reports ``dp-epsilon`` (what this round added), ``dp-epsilon-total`` and
-``dp-delta``; the strategy collects the totals into one report
-(:func:`.privacy.privacy_metrics`). With ``target_epsilon`` a client that would
-exceed its budget in this round does not train: it answers with a
-:class:`PrivacyBudgetExhausted` error, which the pack's strategies count as an
-absent client, never as a failure.
+A client built with ``dp=DPSGD(...)`` trains through opacus (per-sample
+gradients, Poisson sampling, clipping and noise); the algorithm's own gradient
+term reads no data and is added *after* clipping and noise. The accountant's
+history lives in ``context.state`` (spent is spent); each reply reports
+``dp-epsilon``, ``dp-epsilon-total`` and ``dp-delta``, and a client over its
+``target_epsilon`` answers :class:`PrivacyBudgetExhausted` instead of training.
+The step's formula and why: the documentation's privacy guide.
 """
 
 from __future__ import annotations

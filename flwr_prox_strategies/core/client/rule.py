@@ -1,47 +1,13 @@
-r"""Client rules: an algorithm's client side, as pieces for any training loop.
+"""Client rules: an algorithm's client side, as pieces for any training loop.
 
-Every algorithm of the pack changes local training in the same three places:
-
-1. **read** what its strategy sent (config values, extra ArrayRecords) and the
-   client's own state from earlier rounds (``context.state``);
-2. **add** its gradient term to the data gradient at every optimiser step
-   (FedProx's :math:`\mu(w - w_t)`, FedDyn's regulariser, SCAFFOLD's and
-   FedDC's corrections);
-3. **reply** with the trained model, the extra records its strategy expects,
-   and its state advanced (committed only once the server confirms the reply
-   was aggregated: the two-phase commit of :mod:`.state`).
-
-A :class:`ClientRule` holds one algorithm's version of the three, and nothing
-else: the training loop, the optimiser, the loss, the batch format and the
-device stay the user's. The pack's own ``XxxClient`` NumPyClients run the very
-same rule inside :func:`.training.train_local`, so there is one implementation
-of each client rule.
-
-In a Message-API ``ClientApp`` (Flower's quickstart, for instance)::
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        model = Net()
-        rule = FedProxRule.from_message(msg, context, model)  # loads the model
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        rule.attach(optimizer)  # adds the term at every optimizer.step()
-        ...  # your loop, your loss, your batches, your device
-        return rule.reply(num_examples=len(trainloader.dataset),
-                          metrics={"train_loss": loss})
-
-``attach`` adds the term just before each update: in the optimiser's step
-pre-hook, or, for a step called with a closure (Lightning, LBFGS), after the
-closure's ``backward()``. It comes after anything the loop does between
-``backward()`` and ``step()`` (gradient clipping, say). To have the term
-clipped with the data gradient, as the pack's own loop does with
-``max_grad_norm``, call :meth:`ClientRule.add_gradient` yourself before
-clipping: the hook then adds nothing more.
-
-What the reply says is measured, not assumed (:mod:`.steps`): every
-``step()`` of a torch optimiser over the model is counted, and
-``<algorithm>-applied`` is the number of them whose update held the term. A
-training stack that wipes the term or steps another optimiser makes the reply
-say so, and the server warns (or, with ``strict=True``, rejects).
+A :class:`ClientRule` holds one algorithm's three changes to local training:
+**read** what its strategy sent and the client's state, **add** its gradient
+term at every optimiser step (:meth:`ClientRule.attach`), **reply** with the
+model, its strategy's records and its state advanced (the two-phase commit of
+:mod:`.state`); the loop, optimiser, loss and device stay the user's. The pack's
+own clients run the same rule in :func:`.training.train_local`. Usage, where
+``attach`` adds the term and what the reply's counts measure (:mod:`.steps`):
+the documentation's page "Use your own ClientApp and training loop".
 """
 
 from __future__ import annotations

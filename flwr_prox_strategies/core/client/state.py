@@ -1,21 +1,14 @@
 """Per-client state across rounds: ``context.state``, optionally mirrored to disk.
 
-Writes are two-phase. What an algorithm saves during round ``r`` is *pending*;
-it becomes the state the next round reads only once the server confirms that
-its reply of round ``r`` was aggregated (:meth:`ClientState.resolve`). A reply the
-server rejected, or a round the server did not aggregate, therefore leaves the
-client exactly as it was, and the server's sums over client states (FedDyn's
-drift sum, SCAFFOLD's and FedDC's control variates) stay equal to the sums of
-what the clients hold.
-
-Flower keeps ``context.state`` per node for the whole run (in simulation and on a
-SuperNode), so the drift, dual and control variables of FedDyn, FedDC and
-SCAFFOLD live there, on the client, where the algorithms put them. To checkpoint
-a run and resume it in a *new* run, give the client a ``state_dir``: after each
-fit it writes its state to ``<state_dir>/<client_key>.npz`` and, when its
-``context.state`` is empty (a fresh run), reads it back. Saved state is stamped
-with the run's tag (:meth:`ClientState.bind`): another run's, or an untagged one,
-is ignored, so a dead run's ``state_dir`` never leaks into a new run.
+Writes are two-phase: what an algorithm saves during round ``r`` is *pending*
+and becomes the state the next round reads only once the server confirms that
+its reply of round ``r`` was aggregated (:meth:`ClientState.resolve`), so the
+server's sums over client states stay equal to the sums of what the clients
+hold. With a ``state_dir`` the state is also written to
+``<state_dir>/<client_key>.npz`` after each fit and read back into an empty
+``context.state``, stamped with the run's tag (:meth:`ClientState.bind`: another
+run's is ignored). The protocol: the documentation's explanation of the
+two-phase commit.
 """
 
 from __future__ import annotations

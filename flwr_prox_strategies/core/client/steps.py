@@ -1,13 +1,9 @@
 r"""Which optimiser updates held the rule's term: measured at every step.
 
-A rule's reply says in how many of the client's optimiser steps the
-algorithm's term reached the update (``<algorithm>-applied``) out of how many
-steps were taken (``local-steps``). Training stacks differ in where
-``backward()`` runs: a plain loop runs it before ``optimizer.step()``, while
-Lightning's automatic optimisation, LBFGS and any ``optimizer.step(closure)``
-run it *inside* the step, after the optimiser's step pre-hooks. A term added
-to ``p.grad`` in the wrong place is wiped without a word. So the count is
-measured here, never assumed:
+What a reply's ``local-steps`` and ``<algorithm>-applied`` mean is on the
+documentation's page "Use your own ClientApp and training loop". A term added
+to ``p.grad`` in the wrong place (before an ``optimizer.step(closure)`` whose
+closure runs ``backward()``) is wiped without a word, so the count is measured:
 
 - torch's global optimiser step hooks see every ``step()`` of every optimiser;
   :class:`StepWatch` keeps those that update the model's trainable
@@ -23,11 +19,9 @@ measured here, never assumed:
   clipping, AMP's unscaling) keeps it; zeroing, a new backward pass, or a
   gradient replaced (opacus' noise) loses it.
 
-A loop that updates the parameters without a torch optimiser is counted by
-its calls to :meth:`ClientRule.add_gradient
-<flwr_prox_strategies.extend.ClientRule.add_gradient>`; such a call counts as
-applied when the parameters changed after it, before the next call or the
-reply.
+A loop without a torch optimiser is counted by its calls to
+:meth:`ClientRule.add_gradient
+<flwr_prox_strategies.extend.ClientRule.add_gradient>`.
 """
 
 from __future__ import annotations

@@ -55,11 +55,6 @@ def field_key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def snapshot(owner: Any, names: Iterable[str]) -> dict[str, Any]:
-    """Return ``{name: deep copy of owner.name}``: state a rule may not alias."""
-    return {name: copy.deepcopy(getattr(owner, name)) for name in names}
-
-
 def save_fields(owner: Any, names: Iterable[str]) -> dict[str, Any]:
     """Return the checkpoint entries of ``names`` (kebab-case keys, deep copies)."""
     return {field_key(name): copy.deepcopy(getattr(owner, name)) for name in names}

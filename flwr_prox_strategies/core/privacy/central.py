@@ -1,27 +1,15 @@
 """Central (user-level) DP: Flower's fixed-clipping wrappers around our strategies.
 
 Flower's ``DifferentialPrivacyServerSideFixedClipping`` and
-``DifferentialPrivacyClientSideFixedClipping`` wrap any strategy: the model
-updates are clipped (on the server, or on the clients by Flower's
-``fixedclipping_mod``) and Gaussian noise is added to the aggregated model. The
-pack's strategies run inside them unchanged. Two things the wrappers do not do,
-and the subclasses here add:
-
-* **Validation first.** The server-side wrapper clips every ArrayRecord of every
-  reply *before* the wrapped strategy sees it. A reply with a missing key or an
-  undecodable array then crashes the round inside Flower's clipping, and a reply
-  with a wrongly shaped array can come out of the clipping broadcast to the
-  right shape and pass every later check. :class:`ServerSideFixedClipping` and
-  :class:`ClientSideFixedClipping` hand Flower only the replies the wrapped
-  strategy accepts (error replies included: Flower's policy skips such rounds),
-  so a malformed reply is rejected and logged, as everywhere else in the pack.
-* **Saying what is not covered.** The wrappers noise the aggregated model only.
-  Where a strategy uploads more than the model (SCAFFOLD's and FedDC's control
-  variates, APFL's weighted average) or keeps server state built from the
-  un-noised aggregate (FedDyn's h, SCAFFOLD's c), the wrapper's epsilon does not
-  cover everything released; the constructor logs a warning naming it
-  (:func:`dp_caveats`: the records replies carry besides the model, and the
-  strategy's declared ``central_dp_caveat``).
+``DifferentialPrivacyClientSideFixedClipping`` wrap any strategy: updates are
+clipped and Gaussian noise is added to the aggregated model. The subclasses here
+add two things: :class:`ServerSideFixedClipping` and
+:class:`ClientSideFixedClipping` hand Flower only the replies the wrapped strategy
+accepts (Flower's server-side clipping would otherwise crash on, or reshape, a
+malformed reply), and the constructor logs what the wrapper's epsilon does not
+cover (:func:`dp_caveats`: the records replies carry besides the model, and the
+strategy's declared ``central_dp_caveat``). Why, and the table of what each
+strategy leaves uncovered: the documentation's privacy guide.
 """
 
 from __future__ import annotations

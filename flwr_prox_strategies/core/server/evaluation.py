@@ -118,14 +118,35 @@ class EvaluationRound:
         self.evaluation.nodes = set(node_ids)
         shared = {**config, keys.SERVER_ROUND_KEY: server_round}
         shared.update(self.evaluate_config(server_round))
+        records = self.evaluate_records(server_round)
+        return self.round_messages(
+            MessageType.EVALUATE, node_ids, arrays, shared, records
+        )
+
+    def round_messages(
+        self,
+        kind: str,
+        node_ids: Sequence[int],
+        arrays: ArrayRecord,
+        config: dict[str, Any],
+        records: dict[str, ArrayRecord],
+        **per_node: Any,
+    ) -> list[Message]:
+        """Build one fresh ``kind`` message per node; remember them for screening.
+
+        Train and evaluate messages alike: the model under ``arrayrecord_key``,
+        ``config`` under ``configrecord_key``, the extra ``records``, and what
+        ``per_node`` (``node_messages``' per-node keywords) adds.
+        """
         messages = node_messages(
             node_ids,
-            MessageType.EVALUATE,
+            kind,
             arrays=(self.arrayrecord_key, arrays),
-            records=self.evaluate_records(server_round),
-            config=(self.configrecord_key, shared),
+            records=records,
+            config=(self.configrecord_key, config),
+            **per_node,
         )
-        self.screen.remember("evaluate", messages)
+        self.screen.remember(kind, messages)
         return messages
 
     def aggregate_evaluate(

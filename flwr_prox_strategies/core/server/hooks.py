@@ -213,32 +213,18 @@ class AlgorithmHooks:
         return {}
 
     def evaluate_config(self, server_round: int) -> dict[str, Any]:
-        """Return the algorithm's values for this round's evaluate ConfigRecord.
+        """Return the values added to round ``server_round``'s evaluate configs.
 
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, Any]
-            Values added to every evaluate ``ConfigRecord``; the base sends none.
+        As :meth:`train_config`, for every evaluate ``ConfigRecord``; the base
+        sends none.
         """
         return {}
 
     def evaluate_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """Return extra ArrayRecords sent with the model for evaluation.
 
-        Parameters
-        ----------
-        server_round : int
-            The round being configured.
-
-        Returns
-        -------
-        dict[str, ArrayRecord]
-            Record name -> record; the base sends none.
+        As :meth:`train_records` (record name -> record), for round
+        ``server_round``'s evaluate messages; the base sends none.
         """
         return {}
 
@@ -339,17 +325,8 @@ class AlgorithmHooks:
         type or out of range, is rejected with a reason naming the metric
         before :meth:`check_reply` and :meth:`server_update` see it, and the
         conformance kit (:mod:`flwr_prox_strategies.testing`) builds valid
-        replies from them. ``num-examples`` is always checked.
-
-        Parameters
-        ----------
-        server_round : int
-            The round whose replies are checked.
-
-        Returns
-        -------
-        dict[str, MetricSpec]
-            Metric name -> its type and range; the base declares none.
+        replies from them. ``num-examples`` is always checked. For the replies
+        of round ``server_round``; the base declares none.
         """
         return {}
 
@@ -431,10 +408,7 @@ class AlgorithmHooks:
         return mean.result()
 
     def server_update(
-        self,
-        server_round: int,
-        state: Mapping[str, Any],
-        replies: list[ValidReply],
+        self, server_round: int, state: Mapping[str, Any], replies: list[ValidReply]
     ) -> RoundUpdate:
         r"""Apply the algorithm's server rule: return the new model, state and metrics.
 
@@ -449,7 +423,9 @@ class AlgorithmHooks:
             The round being aggregated.
         state : dict[str, Any]
             The current values of :attr:`state_fields` (as :meth:`grown_state`
-            left them when N grows this round). Do not mutate it.
+            left them when N grows this round), read-only: writing into it
+            (``x *= 0.9``, ``state["x"] = ...``) raises at once, and reading a
+            field not declared names :attr:`state_fields`.
         replies : list[ValidReply]
             The round's valid replies, in a fixed order (client key, else node
             id): ``reply.arrays[record][key]`` are read-only arrays.

@@ -16,6 +16,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import Result
 
 from ..contract.validation import ReplyRejected, ValidReply, client_error_text
+from ..docstrings import inherit_parameters
 
 # A reason longer than this is cut, saying by how much.
 REASON_LIMIT = 600
@@ -180,6 +181,7 @@ class AggregationStalledError(RuntimeError):
         self.reasons = reasons
 
 
+@inherit_parameters(AggregationStalledError)
 class NoRoundAggregatedError(AggregationStalledError):
     """A run ended, or stopped, without aggregating a single round.
 
@@ -194,15 +196,6 @@ class NoRoundAggregatedError(AggregationStalledError):
     silently with an empty model. The message says, counted, why the rounds
     were kept (most common reasons first) and which nodes failed; each round's
     warning in the log says more.
-
-    Parameters
-    ----------
-    message : str
-        The error message, with the counted reasons.
-    result : Result
-        The run's ``Result``.
-    reasons : ~flwr_prox_strategies.extend.ReplyTally
-        The counted reasons.
 
     Attributes
     ----------

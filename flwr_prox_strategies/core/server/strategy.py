@@ -33,7 +33,7 @@ from ..contract.ledger import record_privacy
 from ..contract.validation import ValidReply, init_keywords, reject_unknown_kwargs
 from ..docstrings import with_class_attributes
 from ..transport import keys
-from ..transport.messages import node_messages, payload_bytes
+from ..transport.messages import payload_bytes
 from ..transport.records import RecordSpec, spec_of
 from ..wrapper import RunLifecycle
 from . import metrics, screening
@@ -281,17 +281,16 @@ class ValidatedFedAvg(
                 config.update(self.book.node_config(node_id))
             return config
 
-        messages = node_messages(
-            node_ids,
+        messages = self.round_messages(
             MessageType.TRAIN,
-            arrays=(self.arrayrecord_key, arrays),
-            records=self.train_records(server_round),
-            config=(self.configrecord_key, shared),
+            node_ids,
+            arrays,
+            shared,
+            self.train_records(server_round),
             node_records=lambda node_id: self.node_train_records(node_id, server_round),
             node_config=node_config,
         )
         self._bytes_sent = payload_bytes(messages)
-        self.screen.remember("train", messages)
         return messages
 
     def collect_replies(

@@ -188,12 +188,3 @@ def record_to_dict(record: ArrayRecord) -> dict[str, NDArray]:
 def float_keys(arrays: Mapping[str, NDArray]) -> list[str]:
     """Keys of the floating-point arrays (the ones algorithms do maths on)."""
     return [k for k, v in arrays.items() if np.issubdtype(v.dtype, np.floating)]
-
-
-def copy_arrays(arrays: Mapping[str, NDArray] | None) -> dict[str, NDArray] | None:
-    """Deep copy of a name -> array mapping (for ``state_dict``), or None."""
-    return (
-        None
-        if arrays is None
-        else {k: np.array(v, copy=True) for k, v in arrays.items()}
-    )

@@ -1,24 +1,14 @@
 """SecAgg+ over the Message API: what both sides share, the wire and the arithmetic.
 
 Secure aggregation (Bell et al., 2020, "SecAgg+") lets the server learn the sum
-of the round's client vectors and nothing else about any one of them. Each
-client turns what the server rule sums into one integer vector (its weight,
-then each declared record, weighted or plain), quantises it, adds a private
-mask and one pairwise mask per neighbour, and sends only the result; the
-pairwise masks cancel in the sum, and the private masks (of clients that
-contributed) and the pairwise masks (of clients that dropped after sharing
-their keys) are rebuilt from Shamir shares the survivors hold.
-
-The cryptography is Flower's (:mod:`flwr.common.secure_aggregation`: Shamir
-sharing, key agreement, authenticated encryption, the share layout; the key
-pairs of :mod:`flwr.supercore.primitives.asymmetric`) with one exception: the
-masks. Flower's ``pseudo_rand_gen`` folds its 32-byte seed into a 32-bit seed
-of numpy's ``RandomState``, so a mask is one of about 4.3e9; :func:`expand_mask`
-expands the whole seed with AES-256 in counter mode (the ``cryptography``
-package Flower itself uses). Quantisation follows Flower's (clip to
-``[-c, c]``, scale to ``[0, T]``, stochastic rounding) but draws its rounding
-noise from a generator of its own, not numpy's global one (Flower's would
-change the user's seeded training in the same process).
+of the round's client vectors and nothing else about any one of them: each
+client quantises what the server rule sums into one integer vector, adds a
+private mask and pairwise masks, and the masks are removed with Shamir shares
+the survivors hold. The cryptography is Flower's, except the masks
+(:func:`expand_mask`: AES-256 in counter mode over the whole seed, where
+Flower's ``pseudo_rand_gen`` keeps 32 bits) and the quantisation's rounding
+noise (a generator of its own, not numpy's global one). The protocol and these
+changes: the documentation's explanation of secure aggregation.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 r"""Hyper-parameter search with Optuna, as a Hydra sweeper (``hydra/sweeper=search``).
 
-Each trial is one job of the multirun, run by the sweep's launcher (one at a
-time, side by side with ``hydra/launcher=joblib``, on SLURM or Ray); its
-objective is read from the job's ``job.json`` by key, and the direction
-follows the key (:data:`~.results.OBJECTIVES`). The study lives in SQLite in
-the sweep folder, so the same command (same ``hydra.sweep.dir``) resumes an
-interrupted search: finished trials are kept, a trial cut short runs again in
-its own job folder, and only the trials still missing run::
-
-    python -m flwr_prox_strategies.experiment -m hydra/sweeper=search \
-        engine=inprocess strategy=fedprox 'strategy.mu=tag(log,interval(0.001,1))' \
-        hydra.sweeper.objective=best-accuracy hydra.sweeper.n_trials=12 \
-        hydra.sweep.dir=multirun/tune-mu
-
-Search spaces use Hydra's override grammar, on the command line or in
-``hydra.sweeper.params``: ``interval(a,b)`` (a float), ``int(interval(a,b))``,
-``tag(log,interval(a,b))`` (log scale), ``range(a,b[,step])``, ``choice(x,y)``
-or ``x,y``. Other overrides are passed to every trial. Trials are not pruned:
-a trial is one whole federated run, whose per-round accuracy the sweeper
-only sees at its end.
-
-Hydra's own Optuna sweeper (hydra-optuna-sweeper 1.3) pins Optuna 2.10 and,
-through it, a ``rich`` that breaks flwr's ``rich<15``; this one needs only a
-current Optuna (>= 4).
+Each trial is one job of the multirun, run by the sweep's launcher; its objective
+is read from the job's ``job.json`` by key, the direction following the key
+(:data:`~.results.OBJECTIVES`). The study lives in SQLite in the sweep folder,
+so the same command resumes an interrupted search. Search spaces use Hydra's
+override grammar; trials are not pruned. Usage, settings and why not Hydra's own
+Optuna sweeper (it pins Optuna 2.10): the documentation's guide "Sweeps beyond
+one process", section "Hyper-parameter search: Optuna".
 """
 
 from __future__ import annotations
