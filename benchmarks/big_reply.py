@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flwr_prox_strategies._executables import flower_executable
+from flwr_prox_strategies.experiment.appdir import flower_app_pyproject
 from tests.system.engine import deployment, run_log, run_status
 
 APP = """
@@ -71,23 +72,14 @@ def main(grid: Grid, context: Context) -> None:
     log(20, "BIGREPLY %s", json.dumps({"round-s": time.monotonic() - start, **counts}))
 """
 
-PYPROJECT = """\
-[project]
-name = "big-reply"
-version = "1.0.0"
-dependencies = ["flwr-prox-strategies"]
-
-[tool.flwr.app]
-publisher = "flwr-prox-strategies"
-
-[tool.flwr.app.components]
-serverapp = "big_reply_app:server"
-clientapp = "big_reply_app:client"
-
-[tool.flwr.app.config]
-reply-mb = 0
-fill = "random"
-"""
+PYPROJECT = flower_app_pyproject(
+    name="big-reply",
+    version="1.0.0",
+    dependencies=["flwr-prox-strategies"],
+    server_app="big_reply_app:server",
+    client_app="big_reply_app:client",
+    config={"reply-mb": 0, "fill": "random"},
+)
 
 ROLES = ("superlink", "serverapp", "supernode 0", "clientapp 0")
 
