@@ -198,16 +198,9 @@ def optimal_mixing(
 
     Notes
     -----
-    The time is set by the cliques of the chordal extension of the graph. On
-    2 CPU cores with M = 50: ring, star, grid, torus 0.03-1 s; random 3- and
-    4-regular 0.3-0.9 s; Erdos-Renyi with p = 0.08-0.1 0.5-1.1 s. Dense
-    graphs are slower (random 6-regular 2.5 s, 8-regular 3-4.5 s,
-    Erdos-Renyi p = 0.2-0.3 5-9.5 s): their PSD blocks stay dense.
-
-    The rate is usually within 1e-7 of the optimum; on long rings (M >= 100)
-    the error grows to ~1e-5, still under 1 % of the spectral gap
-    :math:`1 - \rho`. A ``RuntimeWarning`` is raised if the returned W mixes
-    more than 1 % slower than the solver's bound.
+    Its time and accuracy: ``docs/algorithms/pfedavg.md``. A ``RuntimeWarning``
+    is raised if the returned W mixes more than 1 % slower than the solver's
+    bound.
     """
     graph = from_adjacency(adj)
     if is_complete(graph):
