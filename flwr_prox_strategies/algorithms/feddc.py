@@ -2,17 +2,9 @@ r"""FedDC (Gao et al., CVPR 2022): local drift decoupling and correction.
 
 L. Gao, H. Fu, L. Li, Y. Chen, M. Xu and C.-Z. Xu, "FedDC: Federated Learning
 with Non-IID Data via Local Drift Decoupling and Correction", CVPR 2022
-(arXiv:2203.11751); official code: github.com/gaoliang13/FedDC.
-
-Client :math:`i` trains from the global model :math:`w` on its loss plus
-:math:`\frac{\alpha}{2}\lVert\theta_i + h_i - w\rVert^2` and a gradient
-correction, then adds its update to its drift :math:`h_i` (the paper's Eqs.
-(9)-(12)). Two semantics, ``correction="official"`` (default: the mean of all
-clients' drifts, :math:`H/N`, added to the participants' mean, and SCAFFOLD's
-option-II control variate as the correction; what partial participation needs)
-and ``"paper"`` (Eq. (10) as written). The update as implemented, where the two
-differ, the state, the wire keys and the deviations: the pack's FedDC page
-(``docs/algorithms/feddc.md``).
+(arXiv:2203.11751); official code: github.com/gaoliang13/FedDC. The update as
+implemented, its two semantics (``correction``), the state, the wire keys and the
+deviations: the pack's FedDC page (``docs/algorithms/feddc.md``).
 """
 
 from __future__ import annotations

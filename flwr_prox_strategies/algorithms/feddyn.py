@@ -2,16 +2,9 @@ r"""FedDyn (Acar et al., ICLR 2021), as the paper's Algorithm 1 specifies it.
 
 D. A. E. Acar, Y. Zhao, R. Matas Navarro, M. Mattina, P. N. Whatmough and
 V. Saligrama, "Federated Learning Based on Dynamic Regularization", ICLR 2021
-(arXiv:2111.04263); official code: github.com/alpemreacar/FedDyn.
-
-Client :math:`k` adds :math:`\alpha(\theta - \theta^t + \lambda_k)` to every
-step's gradient, :math:`\lambda_k` its accumulated drift; the server keeps
-:math:`\Lambda = \sum_{k=1}^N\lambda_k` over **all** N clients and sets
-:math:`\theta^{t+1} = \mathrm{mean}_{S_t}\theta_k + \Lambda/N`, the paper's
-update exactly. The update as implemented, the state and the wire keys, the
-official code's options (``relative_size``, ``decoupled_alpha``,
-``track_all_clients``, ...) and the deviations: the pack's FedDyn page
-(``docs/algorithms/feddyn.md``).
+(arXiv:2111.04263); official code: github.com/alpemreacar/FedDyn. The update as
+implemented, the state and the wire keys, the official code's options and the
+deviations: the pack's FedDyn page (``docs/algorithms/feddyn.md``).
 """
 
 from __future__ import annotations

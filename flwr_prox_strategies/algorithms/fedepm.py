@@ -2,18 +2,11 @@ r"""FedEPM: the exact penalty method with noisy uploads (Zhou and Li, 2022).
 
 S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
 (arXiv:2208.11231); official code (MATLAB): github.com/ShenglongZhou/FedEPM.
-
-Consensus relaxed by an elastic-net penalty (model (III)). One Flower round is
-one communication: the server takes the exact elastic-net centre of the latest
-uploads of **all** :math:`m` clients (one model each); each sampled client
-computes its gradient once, at the server point, runs :math:`k_0` closed-form
-prox-linear iterations and uploads its point plus Laplace noise, spending
-:math:`\varepsilon` per upload by the paper's accounting (not a formal
-guarantee: ``LaplaceUploadMod`` gives a data-independent one). The update as
-implemented, the defaults (the paper's experiments), the state, the wire keys and
-the deviations from the official code (:func:`official_stop` is its stopping
-rules): the pack's FedEPM page (``docs/algorithms/fedepm.md``); validation and
-wire keys also in :class:`FedEPM`'s Notes.
+The update as implemented, the defaults (the paper's experiments), the privacy
+accounting, the state, the wire keys and the deviations from the official code
+(:func:`official_stop` is its stopping rules): the pack's FedEPM page
+(``docs/algorithms/fedepm.md``); validation and wire keys also in
+:class:`FedEPM`'s Notes.
 """
 
 from __future__ import annotations

@@ -2,17 +2,9 @@ r"""FedProx (Li et al., MLSys 2020), as the paper defines it.
 
 T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar and V. Smith,
 "Federated Optimization in Heterogeneous Networks", MLSys 2020
-(arXiv:1812.06127); official code: github.com/litian96/FedProx.
-
-Client :math:`k` finds a :math:`\gamma`-inexact minimiser of
-:math:`f_k(\theta) + \frac{\mu}{2}\lVert\theta - \theta_t\rVert^2` (the penalty
-**squared**) by local SGD; stragglers (``drop_percent``) keep their partial
-work; the server averages by sample counts (the official code's default). With
-``mu = 0`` and no stragglers, FedProx equals FedAvg bit for bit. The strategy
-sends ``proximal-mu`` (``PROXIMAL_MU_KEY``, the key of Flower's own
-``FedProx``). The update as implemented, the :math:`\gamma` stop, the
-dissimilarity and the deviations: the pack's FedProx page
-(``docs/algorithms/fedprox.md``).
+(arXiv:1812.06127); official code: github.com/litian96/FedProx. The update as
+implemented, the :math:`\gamma` stop, the stragglers, the dissimilarity and the
+deviations: the pack's FedProx page (``docs/algorithms/fedprox.md``).
 """
 
 from __future__ import annotations

@@ -2,19 +2,10 @@ r"""P-FedAvg: federated averaging over M parameter servers on a graph.
 
 Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng, "P-FedAvg:
 Parallelizing Federated Learning with Theoretical Guarantees", IEEE INFOCOM
-2021, Algorithm 1.
-
-Server :math:`i` owns a disjoint group :math:`C_i` of clients; each round its
-**inner strategy** (the pack's FedAvg by default, or any Flower strategy, seeing
-only its group through a ``GroupGrid`` view; all groups' messages go out in one
-``send_and_receive``) aggregates its clients into :math:`y_i`, then the servers
-mix with their neighbours, :math:`x_i = \sum_j W_{ij} y_j` (server :math:`i`
-reads only its neighbours' :math:`y_j`). Nodes that answer no node-config query
-are dealt out by sorted node id, reproducible only within a run (the log says
-so); a run in which no round mixed raises ``NoRoundAggregatedError`` with the
-reasons of every server, counted. The update, the mixing matrices, the
-assignment, the rounds without replies and the deviations: the pack's P-FedAvg
-page (``docs/algorithms/pfedavg.md``).
+2021, Algorithm 1. Each server's inner strategy sees only its group through a
+``GroupGrid`` view (all groups' messages go out in one ``send_and_receive``).
+The update, the mixing matrices, the assignment, the rounds without replies and
+the deviations: the pack's P-FedAvg page (``docs/algorithms/pfedavg.md``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-r"""One P-FedAvg parameter server on its own Flower deployment.
+"""One P-FedAvg parameter server on its own Flower deployment.
 
 Z. Zhong, Y. Zhou, D. Wu, X. Chen, M. Chen, C. Li and Q. Z. Sheng, "P-FedAvg:
 Parallelizing Federated Learning with Theoretical Guarantees", IEEE INFOCOM
-2021: the paper's servers as separate deployments.
-
-Server :math:`i` is a deployment of its own (a SuperLink, its SuperNodes
-:math:`C_i`, this ServerApp), so the clients' traffic is spread over M links.
-Each round its inner strategy aggregates its clients into :math:`y_i`; the
-:math:`y_j` of the neighbours come over gRPC with a deadline
-(``flwr_prox_strategies.pfedavg_deploy.exchange``), and :math:`x_i` is the mix
-of the models at hand, re-normalised (``ops.mixing.mix_row``): with every
-neighbour's model, exactly the logical P-FedAvg's. :math:`W` comes from
-``server_graph``, the same function and settings on every server, so all
-derive it without exchanging it. A server resumed from its checkpoint asks its
-neighbours for their round (``Status``) and rejoins them
-(:meth:`PFedAvgServer.rejoin`). Each server evaluates its own :math:`x_i` (the
-launcher, ``flwr_prox_strategies.pfedavg_deploy``, reads them all). Deadlines,
-restarts and the differences from the logical P-FedAvg: the pack's pages on
-P-FedAvg and on its deployment (``docs/howto/pfedavg-deployment.md``).
+2021: the paper's servers as separate deployments. The exchange, the mixing of
+the models at hand, the deadlines and restarts: the pack's pages on P-FedAvg
+and on its deployment (``docs/howto/pfedavg-deployment.md``).
 """
 
 from __future__ import annotations

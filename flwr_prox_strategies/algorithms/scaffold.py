@@ -2,17 +2,9 @@ r"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates.
 
 S. P. Karimireddy, S. Kale, M. Mohri, S. J. Reddi, S. U. Stich and A. T. Suresh,
 "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning", ICML 2020
-(arXiv:1910.06378), Algorithm 1 with option II.
-
-Client :math:`i` runs :math:`K` plain SGD steps
-:math:`y \leftarrow y - \eta_l(\nabla f_i(y) - c_i + c)` from :math:`y = x`, sets
-:math:`c_i^+ = c_i - c + (x - y)/(K\eta_l)` and sends :math:`\Delta y_i` and
-:math:`\Delta c_i`; the server moves :math:`x` by :math:`\eta_g` times their mean
-and :math:`c` by :math:`\frac1N\sum_S\Delta c_i` (N all clients), so :math:`c`
-stays the mean of all :math:`c_i`. The update as implemented, the state and the
-wire keys, ``control_lr`` and the deviations from the paper and the official
-codes (unscaled control variates): the pack's SCAFFOLD page
-(``docs/algorithms/scaffold.md``).
+(arXiv:1910.06378), Algorithm 1 with option II. The update as implemented, the
+state and the wire keys, ``control_lr`` and the deviations from the paper and the
+official codes: the pack's SCAFFOLD page (``docs/algorithms/scaffold.md``).
 """
 
 from __future__ import annotations

@@ -2,15 +2,8 @@ r"""SFedAvg and SFedProx: the FedEPM paper's secured baselines (Section VII).
 
 S. Zhou and G. Y. Li, "Exact Penalty Method for Federated Learning", 2022
 (arXiv:2208.11231), Section VII; official code: github.com/ShenglongZhou/FedEPM.
-
-Both run :math:`k_0` local iterations of :math:`\ell` full-gradient steps from
-the server model on the :math:`\lceil\rho m\rceil` sampled clients (SFedAvg:
-:math:`\ell = 1`, :math:`\mu = 0`; SFedProx, the paper's Algorithm 4:
-:math:`\ell = 3`, :math:`\mu = 10^{-5}`), which upload their model plus FedEPM's
-Laplace noise (the same :math:`\varepsilon` per upload, so the comparison
-isolates the optimisation method); the server takes the plain mean. Wire keys:
-FedEPM's plus ``sfed-inner-steps`` and ``sfed-mu``. The update, the step size
-and the noise scale: the pack's FedEPM page (``docs/algorithms/fedepm.md``).
+Wire keys: FedEPM's plus ``sfed-inner-steps`` and ``sfed-mu``. The update, the
+step size and the noise scale: the pack's FedEPM page (``docs/algorithms/fedepm.md``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """One ``start()`` for the pack, and one way to wrap a strategy.
 
-Flower's ``Strategy.start`` drives five hooks (``configure_train``,
-``aggregate_train``, ``configure_evaluate``, ``aggregate_evaluate``,
-``summary``). Every strategy of the pack runs that same loop between two steps
-of its own: before it, the run's diagnostics are reset; after it, a run that
-aggregated nothing fails loudly. :class:`RunLifecycle` is that ``start()``,
-once: a class says what its run needs in :meth:`~RunLifecycle.begin_run`,
-:meth:`~RunLifecycle.end_run` and :meth:`~RunLifecycle.close_run`.
-
-A wrapper (secure aggregation, tracking) changes some hooks of the strategy
-it holds and forwards the rest, as Python's ``io`` streams do:
-:class:`StrategyWrapper` forwards all of Flower's API, the run's lifecycle and
-every other attribute (``state_dict``, ``round_offset``, ``settings``...), so
-a subclass writes only what it changes. Wrappers compose: tracking around
-secure aggregation or central DP around one of the pack's strategies (those
-two need the strategy itself inside: they read its checks and its sums).
+:class:`RunLifecycle` and :class:`StrategyWrapper`, and how wrappers compose:
+``docs/explanation/architecture.md``. Secure aggregation and central DP need the
+strategy itself inside (they read its checks and its sums).
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 r"""APFL's maths (Deng et al., 2020): mixture, personal step, alpha, averages.
 
-Client :math:`k` keeps its copy :math:`\theta_k` of the global model, a personal
-model :math:`\omega_k` and a mixture weight :math:`\alpha_k`; at step :math:`t`
-
-.. math::
-    \bar\omega = \alpha\omega + (1-\alpha)\theta,\qquad
-    \omega \gets \omega - \eta_t\,g,\qquad
-    \alpha \gets \mathrm{clip}_{[0,1]}\big(\alpha - \eta_t
-    \langle\omega - \theta, \nabla f(\bar\omega)\rangle\big),
-
-with :math:`g = \nabla f(\bar\omega)` ("mixture", the gradient at the mixture) or
-:math:`\alpha\nabla f(\bar\omega)` ("chain", the paper's Eq. (10)). The final
-models average the iterates with weights :math:`p_t = (t + a)^2`.
-
-Pure functions on tensors (or numpy arrays on the server): they return new
-values and leave their arguments untouched.
+The update and the weighted final models: ``docs/algorithms/apfl.md``. Pure
+functions on tensors (or numpy arrays on the server): they return new values and
+leave their arguments untouched.
 """
 
 from __future__ import annotations

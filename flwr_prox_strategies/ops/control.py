@@ -1,19 +1,10 @@
 r"""The server control variate of SCAFFOLD (option II) and of FedDC's official form.
 
-The server keeps :math:`c`, the mean over **all** :math:`N` clients of their
-control variates :math:`c_i`. A round's participants report
-:math:`\Delta c_i = c_i^+ - c_i`; absent clients keep their :math:`c_i`, so
-
-.. math::
-    c \leftarrow c + \frac{1}{N}\sum_{i\in S}\Delta c_i
-
-keeps :math:`c` that mean. When :math:`N` grows (new clients hold
-:math:`c_i = 0`), the mean is rescaled by :math:`N_{old}/N_{new}` before the
-round's update is added.
-
-Pure numpy on name -> array mappings: :math:`c` holds every array of the model
-(zeros for integer buffers, which clients ignore), and only the floating ones
-are updated. Every function returns new arrays and leaves its inputs untouched.
+:math:`c`, the mean over **all** :math:`N` clients of their control variates, its
+update and its rescaling when :math:`N` grows: ``docs/algorithms/scaffold.md``. Pure
+numpy on name -> array mappings: :math:`c` holds every array of the model (zeros for
+integer buffers, which clients ignore), and only the floating ones are updated. Every
+function returns new arrays and leaves its inputs untouched.
 """
 
 from __future__ import annotations

@@ -1,45 +1,11 @@
 r"""FedEPM's maths: the elastic-net centre, the clients' steps, the official setup.
 
-The server step, the coordinate-wise elastic-net centre of the uploads:
-
-.. math::
-    x = \arg\min_v \sum_{j=1}^{m} \lambda\lvert v - z_j\rvert
-    + \frac{\eta}{2}(v - z_j)^2 \qquad\text{(per coordinate)}
-
-is a blend of the mean (:math:`\lambda = 0`) and the median
-(:math:`\lambda/\eta \to \infty`; Flower's ``FedMedian`` is that limit). The
-objective is convex and piecewise quadratic with kinks at the sorted uploads
-:math:`z_{(1)} \le \dots \le z_{(m)}`. Its right derivative at :math:`z_{(q)}`
-(counting position :math:`q` in the sorted order) is
-
-.. math::
-    D_q = \lambda(2q - m) + \eta(m z_{(q)} - \textstyle\sum_j z_j),
-
-non-decreasing in :math:`q`, and :math:`D_m \ge 0`. With :math:`q^*` the first
-:math:`q` where :math:`D_q \ge 0`, the minimiser lies in
-:math:`(z_{(q^*-1)}, z_{(q^*)}]`, where the derivative is
-:math:`\lambda(2(q^*-1) - m) + \eta(m v - \sum_j z_j)`; so
-
-.. math::
-    x = \min\Big(\frac{1}{m}\big(\textstyle\sum_j z_j
-        - \frac{\lambda}{\eta}(2(q^* - 1) - m)\big),\; z_{(q^*)}\Big),
-
-exact (ties included), vectorised over coordinates, :math:`O(nm\log m)` for the
-sort. ``eta = 0`` (pure :math:`\ell_1`) returns the lower median.
-
-With integer multiplicities :math:`w_j` (:func:`weighted_elastic_net_center`:
-upload :math:`z_j` stands for :math:`w_j` identical uploads, :math:`M = \sum_j w_j`)
-the same derivation holds with :math:`q` replaced by the cumulative weight
-:math:`W_q` of the first :math:`q` sorted uploads, :math:`m` by :math:`M` and
-:math:`\sum_j z_j` by :math:`\sum_j w_j z_j`. FedEPM's clients that never
-uploaded all hold the initial model: one row of weight ``m - seen`` replaces
-them (``FedEPM(table="seen")``).
-
-The server's table of uploads (:func:`with_rows`, :func:`table_center`), the
-clients' closed-form prox-linear steps (:func:`prox_linear_steps`), the paper's
-default :math:`\eta`, model (:class:`PaperLogistic`) and the official code's
-partition and stopping rules (:func:`official_partition`,
-:func:`official_stop`) are here too.
+The coordinate-wise elastic-net centre of the uploads, exact by sorting (its
+derivation, weighted too: ``docs/algorithms/fedepm.md``); the server's table of
+uploads (:func:`with_rows`, :func:`table_center`), the clients' closed-form
+prox-linear steps (:func:`prox_linear_steps`), the paper's default :math:`\eta`,
+model (:class:`PaperLogistic`) and the official code's partition and stopping
+rules (:func:`official_partition`, :func:`official_stop`).
 """
 
 from __future__ import annotations

@@ -1,45 +1,10 @@
-r"""Mixing (gossip) matrices of P-FedAvg's servers, and the mixing of their models.
+"""Mixing (gossip) matrices of P-FedAvg's servers, and the mixing of their models.
 
-What it is for: choosing :math:`W` on a graph of :mod:`.graphs` (one place for
-every P-FedAvg server: :func:`server_graph`), measuring how fast it mixes, and
-applying it to the servers' models (:func:`mix_models`,
-:func:`mix_row`, :func:`consensus_average`, :func:`consensus_model`,
-:func:`consensus_distance`), on plain ``name -> ndarray`` dicts.
-
-After aggregating its clients into :math:`y_i`, server :math:`i` mixes with
-its neighbours,
-
-.. math::
-    x_i = \sum_j W_{ij}\, y_j,
-
-with :math:`W` symmetric, :math:`W\mathbf 1 = \mathbf 1` (so doubly stochastic)
-and :math:`W_{ij} = 0` whenever :math:`i \ne j` and :math:`A_{ij} = 0` (A the
-adjacency). With :math:`J = \mathbf 1\mathbf 1^\top / M`, the mean is preserved
-and the disagreement obeys :math:`x - \bar x = (W - J)(y - \bar y)`, so it
-shrinks at least by the factor
-
-.. math::
-    \rho(W) = \lVert W - J \rVert_2 = \max\bigl(\lambda_2(W), -\lambda_M(W)\bigr)
-
-per round (the second equality holds because :math:`W` is symmetric and
-:math:`\mathbf 1` is its eigenvector of eigenvalue 1). Smaller is faster;
-:math:`\rho < 1` needs a connected graph.
-
-Mixing matrices (``MIXINGS``)
------------------------------
-metropolis
-    :math:`W_{ij} = 1 / (1 + \max(d_i, d_j))` on edges (:math:`d_i` the
-    degrees), the diagonal takes the rest of the row. Needs only the
-    neighbours' degrees; non-negative.
-max-degree
-    :math:`W_{ij} = 1 / (1 + d_{\max})` on edges, diagonal the rest.
-uniform
-    :math:`W = J`, only valid on the complete graph (:math:`\rho = 0`).
-sdp, sdp-signed
-    The fastest mixing matrix on the graph (Xiao & Boyd, *Fast linear
-    iterations for distributed averaging*, 2004): minimise :math:`\rho(W)` over
-    the matrices above, with :math:`W \ge 0` entrywise for ``sdp``. See
-    :func:`optimal_mixing`; the programme itself is in :mod:`.sdp`.
+Choosing :math:`W` on a graph of :mod:`.graphs` (:func:`server_graph`), measuring
+how fast it mixes and applying it (:func:`mix_models`, :func:`mix_row`,
+:func:`consensus_average`, :func:`consensus_model`, :func:`consensus_distance`) on
+``name -> ndarray`` dicts. The maths and the matrices (``MIXINGS``): see
+``docs/algorithms/pfedavg.md``.
 """
 
 from __future__ import annotations
@@ -233,16 +198,9 @@ def optimal_mixing(
 
     Notes
     -----
-    The time is set by the cliques of the chordal extension of the graph. On
-    2 CPU cores with M = 50: ring, star, grid, torus 0.03-1 s; random 3- and
-    4-regular 0.3-0.9 s; Erdos-Renyi with p = 0.08-0.1 0.5-1.1 s. Dense
-    graphs are slower (random 6-regular 2.5 s, 8-regular 3-4.5 s,
-    Erdos-Renyi p = 0.2-0.3 5-9.5 s): their PSD blocks stay dense.
-
-    The rate is usually within 1e-7 of the optimum; on long rings (M >= 100)
-    the error grows to ~1e-5, still under 1 % of the spectral gap
-    :math:`1 - \rho`. A ``RuntimeWarning`` is raised if the returned W mixes
-    more than 1 % slower than the solver's bound.
+    Its time and accuracy: ``docs/algorithms/pfedavg.md``. A ``RuntimeWarning``
+    is raised if the returned W mixes more than 1 % slower than the solver's
+    bound.
     """
     graph = from_adjacency(adj)
     if is_complete(graph):

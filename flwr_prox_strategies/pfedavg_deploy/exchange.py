@@ -1,34 +1,8 @@
 """P-FedAvg's server-to-server exchange: gRPC, neighbours only, deadlines, TLS.
 
-Each parameter server runs one gRPC server (grpcio, Flower's own transport) with
-two unary methods of the service ``flwr_prox_strategies.ModelExchange``, whose
-messages are Flower's own ``RecordDict`` protobuf (``flwr.common.serde``):
-
-``Deliver``
-    ``{"meta": ConfigRecord(federation, sender, round), "model": ArrayRecord}``:
-    a neighbour's model :math:`y_j` of one round, kept in a mailbox until this
-    server reaches that round (at most :data:`ROUNDS_AHEAD` rounds ahead; older
-    than the round it waits for: refused as stale). Answer ``meta.status``.
-``Status``
-    ``{"meta": ConfigRecord(federation[, round])}`` -> this server's last mixed
-    model :math:`x_i` (or that of ``round``, among the last :data:`KEPT_ROUNDS`)
-    and its round: how a restarted server catches up, and how the launcher
-    reads every server's model to compute the consensus distance.
-
-A server sends its model to its neighbours only and reads only theirs. Every
-round has a deadline (``timeout`` seconds after the server sends): a neighbour
-that has not delivered by then is left out of the round, logged, and the
-others' weights are re-normalised (:func:`..ops.mixing.mix_row`). A neighbour
-that missed the previous round, or that cannot be reached at all (connection
-refused: it is down), is waited for only ``rejoin_grace`` seconds, so a dead
-server costs its neighbours one full deadline, not one per round; it rejoins
-the round its model arrives within that grace again, and once any model of it
-arrives, even too late for its round, the next round waits for it in full.
-Nothing here ever waits without a deadline.
-
-Security: :class:`~.security.PeerSecurity` (TLS, a shared token). Which server
-sent a message is what it says (``sender``, checked to be a neighbour): TLS
-authenticates the federation, not the index.
+The service's methods ``Deliver`` and ``Status``: ``docs/reference/wire-protocol.md``;
+the deadlines, the rejoin grace: ``docs/howto/pfedavg-deployment.md``. Nothing
+here ever waits without a deadline. Security: :class:`~.security.PeerSecurity`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The FedProx paper's synthetic federations, synthetic(alpha, beta) and IID.
 
 T. Li et al., "Federated Optimization in Heterogeneous Networks" (MLSys 2020),
-Section 5.1, generated as the authors' ``generate_synthetic.py`` does: 30
-clients of power-law sizes, 60 features, 10 classes, and on client ``k``
-
-* ``n_k = floor(LogNormal(4, 2)) + 50`` samples;
-* a local model ``W_k ~ N(u_k, 1)`` (60 x 10), ``b_k ~ N(u_k, 1)``, with
-  ``u_k ~ N(0, alpha)``: alpha is how much the clients' models differ;
-* inputs ``x ~ N(v_k, Sigma)``, ``Sigma = diag(j^-1.2)``, ``v_k ~ N(B_k, 1)``
-  with ``B_k ~ N(0, beta)``: beta is how much their inputs differ;
-* labels ``y = argmax(W_k^T x + b_k)``;
-* each client's samples shuffled, its first 90% for training, the rest for test.
-
-The IID variant shares one ``W, b ~ N(0, 1)`` and sets ``v_k = B_k`` in every
-coordinate (with alpha = beta = 0: the same input distribution everywhere).
-Random numbers are drawn from one ``numpy.random.RandomState(seed)`` in the
-official script's order, so that its draws under ``np.random.seed(seed)`` are
-these; the shuffles come after, from the same stream (the official script
-shuffled with Python's unseeded ``random``).
+Section 5.1, generated as the authors' ``generate_synthetic.py`` does (the
+generative model: ``docs/howto/partitions.md``). Random numbers are drawn from one
+``numpy.random.RandomState(seed)`` in the official script's order, so that its
+draws under ``np.random.seed(seed)`` are these; the shuffles come after, from the
+same stream (the official script shuffled with Python's unseeded ``random``).
 """
 
 from __future__ import annotations

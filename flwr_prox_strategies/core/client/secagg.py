@@ -1,18 +1,8 @@
 """The client half of SecAgg+: a ClientApp mod that masks what the server sums.
 
-:class:`SecAggPlusMod` answers the protocol's stages itself (``setup``:
-key pairs; ``share_keys``: Shamir shares of its secrets, encrypted to each
-neighbour; in active-adversary mode ``consistency-check``: its signature on
-the survivor set; ``unmask``: the shares the server asks for) and, at
-``collect_masked_vectors``, lets the ClientApp train, then replaces every
-ArrayRecord of the reply by one masked integer vector.
-
-The client trusts nothing the server says about other nodes: every request
-that could let the server rebuild one client's vector (a repeated or unknown
-node id, a node both alive and dead, fewer than ``t`` distinct contributors, a
-second request of a stage, sets that differ from an earlier stage's, a
-threshold a lying server could split) is refused with the rule it breaks, and
-a refusal ends this client's part in the round.
+:class:`SecAggPlusMod` answers the protocol's stages and refuses every request that
+could let the server rebuild one client's vector, as
+``docs/explanation/secure-aggregation.md`` describes.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 r"""Which optimiser updates held the rule's term: measured at every step.
 
-What a reply's ``local-steps`` and ``<algorithm>-applied`` mean is on the
-documentation's page "Use your own ClientApp and training loop". A term added
-to ``p.grad`` in the wrong place (before an ``optimizer.step(closure)`` whose
-closure runs ``backward()``) is wiped without a word, so the count is measured:
-
-- torch's global optimiser step hooks see every ``step()`` of every optimiser;
-  :class:`StepWatch` keeps those that update the model's trainable
-  parameters (an optimiser wrapping another, such as opacus'
-  ``DPOptimizer`` or accelerate's ``AcceleratedOptimizer``, is counted once,
-  through the optimiser that updates);
-- when the term is added, the watch notes the gradient tensors it went into;
-  a hook on each parameter notes any backward pass that accumulates into its
-  gradient afterwards;
-- at the end of a step, the update held the term when it was added since the
-  previous step, no backward pass came after it, and every parameter still
-  holds the gradient tensor it was added to. Scaling in place (gradient
-  clipping, AMP's unscaling) keeps it; zeroing, a new backward pass, or a
-  gradient replaced (opacus' noise) loses it.
-
-A loop without a torch optimiser is counted by its calls to
+What the counts mean: ``docs/howto/own-client.md``. :class:`StepWatch` sees every
+``step()`` through torch's global optimiser step hooks (a wrapping optimiser is
+counted once, through the one that updates), notes the gradient tensors the term
+went into and, by a hook on each parameter, any later backward pass into them. A
+loop without a torch optimiser is counted by its calls to
 :meth:`ClientRule.add_gradient
 <flwr_prox_strategies.extend.ClientRule.add_gradient>`.
 """

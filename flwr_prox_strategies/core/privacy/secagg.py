@@ -1,18 +1,8 @@
 """The server half of SecAgg+: a wrapper that runs any summing strategy securely.
 
-:class:`SecAggPlus` wraps one of the pack's strategies, as Flower's central-DP
-wrappers do. Each training round it runs the protocol's stages over the
-Message-API ``Grid`` inside the strategy's own round: ``configure_train`` (the
-strategy samples and builds its messages) is followed by ``setup`` and
-``share_keys``; the strategy's train messages then go out as the
-``collect_masked_vectors`` stage; ``aggregate_train`` screens the replies' plain
-parts (metrics, client keys) with the strategy's own checks, runs ``unmask``
-for the replies that passed, and hands the strategy's rule the unmasked sums.
-The rule itself is unchanged: it reads the replies only through
-``weighted_mean`` and sums over the replies (its ``secure_sums()``
-declaration), and under the wrapper every reply holds the contributors' mean.
-The stages are its bases: :class:`.secagg_exchange.KeyExchange` and
-:class:`.secagg_unmask.Unmasking`.
+:class:`SecAggPlus` runs the protocol's stages (its bases
+:class:`.secagg_exchange.KeyExchange` and :class:`.secagg_unmask.Unmasking`) inside
+the strategy's own round, as ``docs/explanation/secure-aggregation.md`` describes.
 """
 
 from __future__ import annotations

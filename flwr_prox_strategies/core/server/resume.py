@@ -1,17 +1,9 @@
 """A strategy's run: its beginning and end, and the checkpoint that resumes it.
 
-:class:`RunState` gives the base strategy ``begin_run``/``check_run`` (a run
-that aggregated nothing fails loudly, :func:`.outcome.finish_run`) and
-``state_dict``/``load_state_dict``.
-
-Sampling is seeded per round, so no RNG state is saved, only the rounds done:
-after a restore, ``start()``'s round 1 continues as round ``rounds-completed + 1``.
-Besides the algorithm's declared fields (:mod:`..contract.fields`), a checkpoint
-holds the base's own parts: N and its source (:class:`.population.Population`),
-the epsilon ledger and the retired nodes, the two-phase commit
-(:class:`.commit.ClientBook`). A checkpoint of another strategy, seed, N or
-resume setting is refused, naming the difference: the run would not resume
-identically.
+:class:`RunState` gives the base strategy ``begin_run``/``check_run`` (a run that
+aggregated nothing fails loudly, :func:`.outcome.finish_run`) and
+``state_dict``/``load_state_dict``: what a checkpoint holds, how a restored run
+continues and which checkpoints are refused: ``docs/howto/resume.md``.
 """
 
 from __future__ import annotations

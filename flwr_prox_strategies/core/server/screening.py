@@ -1,17 +1,9 @@
 """Reply screening: which replies a round may use, and why the others may not.
 
-Every reply is validated against the layout of what was sent (:mod:`.validation`),
-its size and the strategy's own check; a bad reply is logged with its node and
-reason, counted (:class:`.outcome.ReplyTally`, :attr:`ReplyScreen.rejections`) and
-otherwise ignored, exactly as if it had never arrived. The screen also holds
-the caps on the ``num-examples`` a valid reply may claim
-(:meth:`ReplyScreen.cap_claims`) and warns, once per run, about replies whose
-client did not apply the rule (:meth:`ReplyScreen.rule_not_applied`, in
-:mod:`.rule_report`'s words), and re-runs the server rule without the replies
-whose values make its model non-finite (:meth:`ReplyScreen.finite_update`).
-Used by the base strategy for training and evaluation, by the central-DP
-wrappers before Flower's own aggregation (:func:`.central.screen_replies`) and,
-through its inner strategies, by P-FedAvg.
+:class:`ReplyScreen`'s steps in a round: ``docs/explanation/architecture.md``. Used
+by the base strategy for training and evaluation, by the central-DP wrappers before
+Flower's own aggregation (:func:`.central.screen_replies`) and, through its inner
+strategies, by P-FedAvg.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 r"""Shamir secret sharing over GF(2^31 - 1), with error-correcting recovery.
 
-Shamir (1979): to share a field element :math:`s` among :math:`n` holders so
-that any :math:`t` of them rebuild it and any :math:`t-1` learn nothing, draw
-a random polynomial :math:`f` of degree :math:`t-1` with :math:`f(0) = s` and
-give holder :math:`j` the value :math:`f(j)`; :math:`t` values fix :math:`f`
-(Lagrange interpolation at 0). A secret of bytes is first encoded as a vector
-of elements (its length, then its bytes three at a time, each below
-:math:`2^{24}`), and every element is shared with its own polynomial.
-
-Why the prime field :math:`p = 2^{31} - 1`: the product of two elements fits
-in int64, so sharing and interpolation are whole-array numpy operations, and
-robust decoding needs division, which a prime field gives through Fermat's
-inverse :math:`v^{p-2}`. Hiding is perfect in any field with more than
-:math:`n` elements: every element's polynomial has its own independent
-coefficients, so :math:`t-1` shares of it are uniform whatever the secret.
-
-Recovery from shares some of which are wrong (a malicious or faulty holder):
-the shares of one element are a codeword of a Reed–Solomon code of length
-:math:`N` and dimension :math:`t`, which Berlekamp–Welch decoding corrects
-from up to :math:`e = \lfloor (N - t)/2 \rfloor` wrong values. :func:`recover`
-decodes a random linear combination of the elements (one code word: a wrong
-share survives the combination but with probability :math:`1/p`), then names
-every share that disagrees with the decoded polynomials in any element.
-Beyond :math:`e` wrong shares it searches subsets of :math:`t` shares for one
-whose secret passes the caller's check, when there are few enough subsets.
+The scheme, the field, the encoding of bytes and the Berlekamp–Welch recovery
+of :func:`recover`: ``docs/explanation/secure-aggregation.md``.
 """
 
 from __future__ import annotations

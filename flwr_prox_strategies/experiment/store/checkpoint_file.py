@@ -1,13 +1,9 @@
 """The checkpoint file: one per output folder, written atomically, read safely.
 
 A checkpoint is ``<output folder>/checkpoint.npz``: numpy's zip of every array
-(the model, the strategy's arrays, the RNG states) plus, under ``__meta__``, a
-JSON document of everything else in which each array is a reference
-(``{"$array": "a3"}``). It is read with ``allow_pickle=False``, so loading a
-checkpoint named by a run config never runs code, and a SHA-256 over the JSON
-and every array detects a damaged file. It is written to a temporary file,
-flushed to disk, then renamed over the previous one (``os.replace``): a crash
-leaves the previous checkpoint or the new one, never half of one.
+plus, under ``__meta__``, a JSON document of everything else in which each array is
+a reference (``{"$array": "a3"}``); how it is written and read safely:
+``docs/howto/resume.md``.
 
 What the encoding keeps exactly: ``None``, ``bool``, ``int``, ``float``
 (NaN and infinities included), ``str``, lists, tuples, sets, dicts with any
