@@ -60,7 +60,7 @@ def test_discrete_gaussian_matches_its_closed_form(sigma2: float) -> None:
     # sqrt((E X^4 - (E X^2)^2) / N).
     second = float(np.mean(draws.astype(np.float64) ** 2))
     assert abs(second - variance) <= Z * math.sqrt((fourth - variance**2) / N)
-    # The exact variance is a little below sigma2 (CKS 2020, Cor. 9) but close.
+    # The exact variance is a little below sigma2 (Canonne et al. 2020) but close.
     assert variance <= sigma2 + 1e-12
     # The pmf at 0, +-1, +-2: binomial standard errors sqrt(p (1 - p) / N).
     for x in (-2, -1, 0, 1, 2):
@@ -403,3 +403,19 @@ BAD_INPUT = [
 def test_bad_input_raises_naming_the_parameter(name: str, call: Any) -> None:
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_the_functions_leave_their_inputs_untouched() -> None:
+    x = np.array([0.25, -1.5, 2.0])
+    before = x.copy()
+    randomized_hadamard(x, 3)
+    conditional_randomized_rounding(
+        x, beta=0.1, norm_bound=3.0, rng=np.random.default_rng(0)
+    )
+    np.testing.assert_array_equal(x, before)
+    y = np.array([1.0, -2.0, 0.5, 4.0])
+    inverse_randomized_hadamard(y, 3, 3)
+    np.testing.assert_array_equal(y, [1.0, -2.0, 0.5, 4.0])
+    v = np.array([-3, 5, 7])
+    modular_wrap(v, 4)
+    np.testing.assert_array_equal(v, [-3, 5, 7])

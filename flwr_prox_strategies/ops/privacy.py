@@ -212,7 +212,7 @@ def discrete_gaussian(
     :math:`\exp(-(|Y| - \sigma^2/t)^2 / (2\sigma^2))`. Every Bernoulli is drawn
     from uniform integers compared with rationals (no floating point), so the
     output has exactly the stated law for the rational :math:`\sigma^2` used.
-    Its variance is slightly below :math:`\sigma^2` (CKS 2020, Cor. 9).
+    Its variance is slightly below :math:`\sigma^2` (Canonne et al. 2020).
 
     Parameters
     ----------
@@ -332,7 +332,7 @@ def randomized_hadamard(x: NDArray[np.floating], seed: int) -> NDArray[np.float6
     :math:`D` is a diagonal of random signs from ``numpy.random.default_rng(seed)``
     and :math:`H` the orthonormal Walsh-Hadamard matrix, so the map is a rotation
     (it keeps the L2 norm) that spreads the mass of ``x`` over the coordinates,
-    making them small and alike before rounding (Kairouz et al. 2021, Sec. 4).
+    making them small and alike before rounding (Kairouz et al. 2021).
 
     Parameters
     ----------
@@ -428,7 +428,7 @@ def rounding_norm_bound(norm_bound: float, dim: int, beta: float) -> float:
 
     and always :math:`\|\tilde x\|_2 \leq c + \sqrt d` (every coordinate moves by
     less than 1). The bound is the smaller of the two (Kairouz, Liu & Steinke,
-    ICML 2021, Sec. 4, the rounding step of Alg. 1 / Thm. 1):
+    ICML 2021, the conditional rounding step of the client's algorithm):
 
     .. math::
 
@@ -436,7 +436,8 @@ def rounding_norm_bound(norm_bound: float, dim: int, beta: float) -> float:
         \sqrt{c^2 + \tfrac{d}{4} + \sqrt{2\log(1/\beta)}
         \left(c + \tfrac{\sqrt d}{2}\right)}\right\}.
 
-    It is the L2 sensitivity of one client's integer upload, whatever its data.
+    It bounds the L2 norm of one client's integer upload, whatever its data: what
+    the privacy analysis of the noisy sum takes as that client's contribution.
 
     Parameters
     ----------
