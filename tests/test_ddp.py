@@ -1,4 +1,4 @@
-"""The integer pieces of distributed DP (``ops.privacy``), each against its maths.
+"""Distributed DP's integer pieces (`ops.privacy.noise`, `.quantise`) against their maths.
 
 Every sampler is checked against its closed-form law: moments and probabilities
 are summed exactly over the integers, and each empirical estimate must lie
@@ -16,16 +16,18 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from flwr_prox_strategies.ops.privacy import (
+from flwr_prox_strategies.ops.privacy.noise import (
     _bernoulli_exp,
-    conditional_randomized_rounding,
     discrete_gaussian,
+    skellam,
+)
+from flwr_prox_strategies.ops.privacy.quantise import (
+    conditional_randomized_rounding,
     inverse_randomized_hadamard,
     modular_unwrap,
     modular_wrap,
     randomized_hadamard,
     rounding_norm_bound,
-    skellam,
     smallest_safe_bits,
 )
 
