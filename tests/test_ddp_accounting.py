@@ -28,7 +28,14 @@ from flwr_prox_strategies.ops.privacy.accounting import (
 )
 from flwr_prox_strategies.ops.privacy.quantise import rounding_norm_bound
 
-dp_accounting = pytest.importorskip("dp_accounting")
+try:  # the reference for the Gaussian comparisons (pip install dp-accounting)
+    import dp_accounting
+except ImportError:  # pragma: no cover - the maths tests still run
+    dp_accounting = None
+
+needs_dp_accounting = pytest.mark.skipif(
+    dp_accounting is None, reason="dp-accounting is the reference here"
+)
 
 INTEGER_ORDERS = list(range(2, 257))
 DELTA = 1e-5
@@ -66,6 +73,7 @@ def skellam_epsilon(l2: float, mu: float, dim: int, rounds: int) -> float:
 # --- the Gaussian limit, with dp-accounting as the reference ---------------------
 
 
+@needs_dp_accounting
 @pytest.mark.parametrize("rounds", [1, 100, 1000])
 def test_ddg_approaches_the_gaussian_and_never_beats_it(rounds: int) -> None:
     # n sigma^2 = 1e4: tau = 10 sum_k exp(-2 pi^2 100 k/(k+1)) underflows to 0.
@@ -77,6 +85,7 @@ def test_ddg_approaches_the_gaussian_and_never_beats_it(rounds: int) -> None:
     assert ours == pytest.approx(gaussian, rel=1e-9)  # tau = 0: the same curve
 
 
+@needs_dp_accounting
 def test_ddg_pays_for_tau_when_the_local_noise_is_small() -> None:
     # sigma^2 = 0.1: the sum of discrete Gaussians is far from one; tau > 0.
     n, sigma2, l2, dim = 1000, 0.1, 1.0, 16
@@ -86,6 +95,7 @@ def test_ddg_pays_for_tau_when_the_local_noise_is_small() -> None:
     assert ours > gaussian * 1.05
 
 
+@needs_dp_accounting
 def test_skellam_approaches_the_gaussian_from_above_as_mu_grows() -> None:
     # Fixed noise multiplier z = sqrt(mu) / l2 = 2, one coordinate per unit of l2.
     z, dim, rounds = 2.0, 4096, 100
@@ -101,6 +111,29 @@ def test_skellam_approaches_the_gaussian_from_above_as_mu_grows() -> None:
     assert gaps[-1] < 1e-3
 
 
+def test_both_bounds_are_the_gaussian_rdp_plus_a_nonnegative_term() -> None:
+    """Without dp-accounting: alpha Delta^2 / (2 variance) is the floor and the limit."""
+    orders = np.arange(2, 65, dtype=float)
+    gaussian = orders * 10.0**2 / (2 * 1e4)
+    exact = ddg_rdp(
+        orders,
+        l2_sensitivity=10.0,
+        l1_sensitivity=100.0,
+        sigma2=100.0,
+        num_clients=100,
+        dim=100,
+    )
+    np.testing.assert_allclose(exact, gaussian, rtol=1e-12)
+    for mu in (1e2, 1e4, 1e6):
+        l2 = math.sqrt(mu) / 10  # noise multiplier 10
+        sk = skellam_rdp(orders, l2_sensitivity=l2, l1_sensitivity=l2 * l2, mu=mu)
+        floor = orders * l2**2 / (2 * mu)
+        assert np.all(sk >= floor)
+        # l1 = l2^2: the correction over the floor is (2a + 5) / (2 a mu) <= 9 / (4 mu)
+        assert np.max(sk / floor - 1) <= 9 / (4 * mu) * (1 + 1e-6)
+
+
+@needs_dp_accounting
 def test_rdp_to_epsilon_is_dp_accountings_conversion() -> None:
     """Same orders (fractional ones too), same Gaussian RDP: same epsilon."""
     orders = np.asarray(DEFAULT_ORDERS)
