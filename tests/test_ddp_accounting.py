@@ -33,6 +33,9 @@ try:  # the reference for the Gaussian comparisons (pip install dp-accounting)
 except ImportError:  # pragma: no cover - the maths tests still run
     dp_accounting = None
 
+# dp-accounting pins attrs<24, so it is not in the test extra: CI runs this file
+# again in a venv of its own with it (.ci/run's dp-accounting stage), where no test
+# may skip.
 needs_dp_accounting = pytest.mark.skipif(
     dp_accounting is None, reason="dp-accounting is the reference here"
 )
