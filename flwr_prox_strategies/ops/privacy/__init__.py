@@ -11,9 +11,10 @@ Distributed DP under secure aggregation (Kairouz, Liu & Steinke, ICML 2021;
 Agarwal, Kairouz & Liu, NeurIPS 2021) needs integer uploads: each client clips
 its update, rotates, scales and rounds it (:mod:`.quantise`), adds integer noise
 (:mod:`.noise`) and wraps it into :math:`\mathbb{Z}_{2^b}`; the server unwraps
-the modular sum and undoes the scaling and the rotation. :mod:`.accounting`
-gives the privacy of the noisy sum (Renyi DP per round, composition, epsilon).
-No strategy uses those yet.
+the modular sum and undoes the scaling and the rotation; :mod:`.encoding` does
+both for a whole upload (every summed record at once). :mod:`.accounting` gives
+the privacy of the noisy sum (Renyi DP per round, composition, epsilon). No
+strategy uses those yet.
 """
 
 from __future__ import annotations
