@@ -200,7 +200,7 @@ def test_the_decoded_noise_is_unbiased_and_isotropic(noise: str) -> None:
     trials, n, gamma, local = 300, 5, 0.01, 3.0
     rng = np.random.default_rng(4)
     clients = [
-        {"model": {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=4)}}
+        {"model": {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=3)}}
         for _ in range(n)
     ]
     settings = DDPSettings(
