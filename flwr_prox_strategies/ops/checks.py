@@ -65,6 +65,14 @@ def check_fraction(name: str, value: float) -> float:
     return float(value)
 
 
+@_check_doc("float", "in (0, 1)", " (also for a bool or a non-number)")
+def check_probability(name: str, value: float) -> float:
+    """Raise ``ValueError`` naming ``name`` unless ``0 < value < 1``."""
+    if not _real(value) or not 0.0 < float(value) < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return float(value)
+
+
 @_check_doc("float", "a finite number >= 0", _FINITE)
 def check_non_negative(name: str, value: float) -> float:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is finite and >= 0."""

@@ -40,6 +40,13 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ..checks import (
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_probability,
+)
+
 #: The RDP orders used when none are given: fine steps near 1, the integers to 63
 #: and a few large orders (the grid dp-accounting's RdpAccountant uses by default).
 DEFAULT_ORDERS: tuple[float, ...] = (
@@ -50,26 +57,6 @@ DEFAULT_ORDERS: tuple[float, ...] = (
     512.0,
     1024.0,
 )
-
-
-def _number(name: str, value: float, *, positive: bool) -> float:
-    """Return ``value`` as a finite float that is > 0 (or >= 0), else raise."""
-    ok = isinstance(value, int | float | np.integer | np.floating)
-    if isinstance(value, bool) or not (ok and math.isfinite(float(value))):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if float(value) < 0 or (positive and float(value) == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return float(value)
-
-
-def _count(name: str, value: int, *, minimum: int) -> int:
-    """Return ``value`` as an int >= ``minimum``, else raise."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _orders(orders: ArrayLike) -> NDArray[np.float64]:
@@ -85,11 +72,12 @@ def _orders(orders: ArrayLike) -> NDArray[np.float64]:
     return values
 
 
-def _delta(delta: float) -> float:
-    ok = isinstance(delta, int | float | np.integer | np.floating)
-    if isinstance(delta, bool) or not (ok and 0 < float(delta) < 1):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    return float(delta)
+def _rdp(rdp: ArrayLike) -> NDArray[np.float64]:
+    """Return the RDP values as a 1-D float array, none NaN or negative, else raise."""
+    values = np.atleast_1d(np.asarray(rdp, dtype=np.float64))
+    if np.any(np.isnan(values)) or np.any(values < 0):
+        raise ValueError(f"rdp must be >= 0, got {rdp!r}")
+    return values
 
 
 def ddg_tau(sigma2: float, num_clients: int) -> float:
@@ -124,8 +112,8 @@ def ddg_tau(sigma2: float, num_clients: int) -> float:
     ValueError
         ``sigma2`` not > 0, ``num_clients`` not an int >= 1.
     """
-    s2 = _number("sigma2", sigma2, positive=True)
-    n = _count("num_clients", num_clients, minimum=1)
+    s2 = check_positive("sigma2", sigma2)
+    n = check_int("num_clients", num_clients, 1)
     k = np.arange(1, n, dtype=np.float64)
     return float(10.0 * np.sum(np.exp(-2.0 * math.pi**2 * s2 * k / (k + 1.0))))
 
@@ -155,8 +143,8 @@ def integer_l1_bound(l2_sensitivity: float, dim: int) -> float:
     ValueError
         ``l2_sensitivity`` negative or not finite, ``dim`` not an int >= 1.
     """
-    l2 = _number("l2_sensitivity", l2_sensitivity, positive=False)
-    d = _count("dim", dim, minimum=1)
+    l2 = check_non_negative("l2_sensitivity", l2_sensitivity)
+    d = check_int("dim", dim, 1)
     return l2 * min(math.sqrt(d), l2)
 
 
@@ -224,10 +212,10 @@ def ddg_rdp(
         > 0, ``num_clients`` or ``dim`` not an int >= 1.
     """
     alphas = np.ceil(_orders(orders))
-    l2 = _number("l2_sensitivity", l2_sensitivity, positive=False)
-    l1 = _number("l1_sensitivity", l1_sensitivity, positive=False)
+    l2 = check_non_negative("l2_sensitivity", l2_sensitivity)
+    l1 = check_non_negative("l1_sensitivity", l1_sensitivity)
     tau = ddg_tau(sigma2, num_clients)
-    d = _count("dim", dim, minimum=1)
+    d = check_int("dim", dim, 1)
     scale = math.sqrt(num_clients * float(sigma2))
     l2_scale, l1_scale = l2 / scale, l1 / scale
     first = alphas * l2_scale**2 / 2 + tau * d
@@ -288,9 +276,9 @@ def skellam_rdp(
         An order not finite and > 1, a sensitivity negative, ``mu`` not > 0.
     """
     alphas = np.ceil(_orders(orders))
-    l2 = _number("l2_sensitivity", l2_sensitivity, positive=False)
-    l1 = _number("l1_sensitivity", l1_sensitivity, positive=False)
-    m = _number("mu", mu, positive=True)
+    l2 = check_non_negative("l2_sensitivity", l2_sensitivity)
+    l1 = check_non_negative("l1_sensitivity", l1_sensitivity)
+    m = check_positive("mu", mu)
     gaussian = alphas * l2**2 / (2 * m)
     correction = np.minimum(
         ((2 * alphas - 1) * l2**2 + 6 * l1) / (4 * m**2), 3 * l1 / (2 * m)
@@ -321,10 +309,7 @@ def compose(rdp: ArrayLike, rounds: int) -> NDArray[np.float64]:
     ValueError
         ``rdp`` negative or NaN, ``rounds`` not an int >= 0.
     """
-    values = np.atleast_1d(np.asarray(rdp, dtype=np.float64))
-    if np.any(np.isnan(values)) or np.any(values < 0):
-        raise ValueError(f"rdp must be >= 0, got {rdp!r}")
-    return values * _count("rounds", rounds, minimum=0)
+    return _rdp(rdp) * check_int("rounds", rounds, 0)
 
 
 def rdp_to_epsilon(orders: ArrayLike, rdp: ArrayLike, delta: float) -> float:
@@ -369,14 +354,12 @@ def rdp_to_epsilon(orders: ArrayLike, rdp: ArrayLike, delta: float) -> float:
         ``delta`` outside ``(0, 1)``.
     """
     alphas = _orders(orders)
-    values = np.atleast_1d(np.asarray(rdp, dtype=np.float64))
+    values = _rdp(rdp)
     if values.shape != alphas.shape:
         raise ValueError(
             f"rdp must have one value per order ({alphas.size}), got {values.size}"
         )
-    if np.any(np.isnan(values)) or np.any(values < 0):
-        raise ValueError(f"rdp must be >= 0, got {rdp!r}")
-    d = _delta(delta)
+    d = check_probability("delta", delta)
     best = math.inf
     for alpha, r in zip(alphas.tolist(), values.tolist(), strict=True):
         if math.isinf(r):
@@ -424,11 +407,11 @@ def smallest_contributors(num_clients: int, threshold: int, colluding: int = 0) 
         ``num_clients`` not an int >= 1, ``threshold`` outside ``[1, n]``,
         ``colluding`` outside ``[0, t)``.
     """
-    n = _count("num_clients", num_clients, minimum=1)
-    t = _count("threshold", threshold, minimum=1)
+    n = check_int("num_clients", num_clients, 1)
+    t = check_int("threshold", threshold, 1)
     if t > n:
         raise ValueError(f"threshold must be <= num_clients ({n}), got {threshold!r}")
-    k = _count("colluding", colluding, minimum=0)
+    k = check_int("colluding", colluding, 0)
     if k >= t:
         raise ValueError(f"colluding must be < threshold ({t}), got {colluding!r}")
     return t - k

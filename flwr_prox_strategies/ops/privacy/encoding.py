@@ -24,8 +24,16 @@ from typing import Literal, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from ..checks import (
+    check_choice,
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_probability,
+)
 from .noise import discrete_gaussian, skellam
 from .quantise import (
+    bit_width,
     conditional_randomized_rounding,
     inverse_randomized_hadamard,
     modular_unwrap,
@@ -40,16 +48,6 @@ from .quantise import (
 LINF_FAILURE = 2.0**-30
 
 Records = Mapping[str, Mapping[str, NDArray[np.floating]]]
-
-
-def _number(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(
-        value, int | float | np.integer | np.floating
-    )
-
-
-def _integer(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | np.integer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,27 +92,13 @@ class DDPSettings:
 
     def __post_init__(self) -> None:
         """Refuse a field out of range, naming it."""
-        clip = self.l2_clip
-        if not (_number(clip) and math.isfinite(float(clip)) and float(clip) > 0):
-            raise ValueError(f"l2_clip must be finite and > 0, got {clip!r}")
-        if not (_integer(self.bits) and 2 <= self.bits <= 62):
-            raise ValueError(f"bits must be an int in [2, 62], got {self.bits!r}")
-        if not (_number(self.beta) and 0 < float(self.beta) < 1):
-            raise ValueError(f"beta must be in (0, 1), got {self.beta!r}")
-        if self.noise not in ("gaussian", "skellam"):
-            raise ValueError(
-                f"noise must be 'gaussian' or 'skellam', got {self.noise!r}"
-            )
-        var = self.local_variance
-        if not (_number(var) and math.isfinite(float(var)) and float(var) >= 0):
-            raise ValueError(f"local_variance must be finite and >= 0, got {var!r}")
-        step = self.granularity
-        if not (_number(step) and math.isfinite(float(step)) and float(step) > 0):
-            raise ValueError(f"granularity must be finite and > 0, got {step!r}")
-        if not (_integer(self.num_clients) and self.num_clients >= 1):
-            raise ValueError(
-                f"num_clients must be an int >= 1, got {self.num_clients!r}"
-            )
+        check_positive("l2_clip", self.l2_clip)
+        bit_width(self.bits)
+        check_probability("beta", self.beta)
+        check_choice("noise", self.noise, ("gaussian", "skellam"))
+        check_non_negative("local_variance", self.local_variance)
+        check_positive("granularity", self.granularity)
+        check_int("num_clients", self.num_clients, 1)
 
 
 class LayoutEntry(NamedTuple):
@@ -276,8 +260,7 @@ def clip_l2(
     ValueError
         ``l2_clip`` not finite and positive.
     """
-    if not (_number(l2_clip) and math.isfinite(float(l2_clip)) and l2_clip > 0):
-        raise ValueError(f"l2_clip must be finite and > 0, got {l2_clip!r}")
+    check_positive("l2_clip", l2_clip)
     out = np.array(vector, dtype=np.float64, copy=True)
     norm = float(np.linalg.norm(out))
     factor = 1.0 if norm <= float(l2_clip) else float(l2_clip) / norm
@@ -317,8 +300,7 @@ def linf_bound(settings: DDPSettings, dim: int) -> float:
     ValueError
         ``dim`` not an int ``>= 1``.
     """
-    if not (_integer(dim) and dim >= 1):
-        raise ValueError(f"dim must be an int >= 1, got {dim!r}")
+    check_int("dim", dim, 1)
     padded = 1 << (int(dim) - 1).bit_length()
     c = float(settings.l2_clip) / float(settings.granularity)
     hard = rounding_norm_bound(c, padded, float(settings.beta))
@@ -368,9 +350,7 @@ def check_bits(settings: DDPSettings, dim: int) -> int:
 
 
 def _seed(round_seed: int) -> int:
-    if not (_integer(round_seed) and round_seed >= 0):
-        raise ValueError(f"round_seed must be an int >= 0, got {round_seed!r}")
-    return int(round_seed)
+    return check_int("round_seed", round_seed, 0)
 
 
 def encode_upload(

@@ -14,6 +14,8 @@ from fractions import Fraction
 import numpy as np
 from numpy.typing import NDArray
 
+from ..checks import check_non_negative
+
 #: A float ``sigma2`` is read as the nearest fraction with at most this denominator.
 SIGMA2_DENOMINATOR = 10**6
 #: Below this, an integer denominator leaves numpy's int64 fast path safely.
@@ -239,12 +241,7 @@ def skellam(
     ValueError
         ``mu`` negative or not finite, ``size`` not a shape.
     """
-    if isinstance(mu, bool) or not (
-        isinstance(mu, int | float | np.integer | np.floating)
-        and math.isfinite(float(mu))
-        and mu >= 0
-    ):
-        raise ValueError(f"mu must be finite and >= 0, got {mu!r}")
+    check_non_negative("mu", mu)
     shape = _shape(size)
     half = float(mu) / 2.0
     first = rng.poisson(half, size=shape).astype(np.int64)

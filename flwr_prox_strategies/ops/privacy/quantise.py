@@ -14,6 +14,8 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
+from ..checks import check_int, check_non_negative, check_positive, check_probability
+
 
 def _walsh_hadamard(v: NDArray[np.float64]) -> NDArray[np.float64]:
     """Return ``H v`` for the orthonormal Sylvester Hadamard matrix (``len(v) = 2**k``).
@@ -36,9 +38,7 @@ def _walsh_hadamard(v: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 def _signs(seed: int, n: int) -> NDArray[np.float64]:
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    rng = np.random.default_rng(int(seed))
+    rng = np.random.default_rng(check_int("seed", seed, 0))
     return rng.integers(0, 2, size=n).astype(np.float64) * 2.0 - 1.0
 
 
@@ -120,16 +120,6 @@ def inverse_randomized_hadamard(
     return (_signs(seed, n) * _walsh_hadamard(vector.astype(np.float64)))[: int(dim)]
 
 
-def _positive_finite(name: str, value: float, *, allow_zero: bool = False) -> float:
-    number = isinstance(value, int | float | np.integer | np.floating)
-    if isinstance(value, bool) or not (number and math.isfinite(float(value))):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if float(value) < 0 or (float(value) == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return float(value)
-
-
 def rounding_norm_bound(norm_bound: float, dim: int, beta: float) -> float:
     r"""Return the L2 bound that conditional randomised rounding enforces.
 
@@ -174,12 +164,9 @@ def rounding_norm_bound(norm_bound: float, dim: int, beta: float) -> float:
     ValueError
         ``norm_bound`` negative, ``dim < 1``, ``beta`` outside ``(0, 1)``.
     """
-    c = _positive_finite("norm_bound", norm_bound, allow_zero=True)
-    if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim < 1:
-        raise ValueError(f"dim must be an int >= 1, got {dim!r}")
-    number = isinstance(beta, int | float | np.integer | np.floating)
-    if isinstance(beta, bool) or not (number and 0 < float(beta) < 1):
-        raise ValueError(f"beta must be in (0, 1), got {beta!r}")
+    c = check_non_negative("norm_bound", norm_bound)
+    check_int("dim", dim, 1)
+    check_probability("beta", beta)
     root_d = math.sqrt(int(dim))
     tail = math.sqrt(2 * math.log(1 / float(beta)))
     squared = c * c + int(dim) / 4 + tail * (c + root_d / 2)
@@ -260,7 +247,8 @@ def conditional_randomized_rounding(
     )
 
 
-def _bits(bits: int) -> int:
+def bit_width(bits: int) -> int:
+    """Return ``bits`` as an int, refusing a width outside ``[2, 62]`` by name."""
     if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
         raise ValueError(f"bits must be an int in [2, 62], got {bits!r}")
     if not 2 <= bits <= 62:
@@ -300,7 +288,7 @@ def modular_wrap(v: NDArray[np.integer], bits: int) -> NDArray[np.int64]:
     ValueError
         ``v`` not integers, ``bits`` outside ``[2, 62]``.
     """
-    width = _bits(bits)
+    width = bit_width(bits)
     return np.mod(_integers("v", v), np.int64(1) << width)
 
 
@@ -326,7 +314,7 @@ def modular_unwrap(v: NDArray[np.integer], bits: int) -> NDArray[np.int64]:
     ValueError
         ``v`` not integers or outside :math:`[0, 2^b)`, ``bits`` outside ``[2, 62]``.
     """
-    width = _bits(bits)
+    width = bit_width(bits)
     array = _integers("v", v)
     modulus = np.int64(1) << width
     if array.size and (array.min() < 0 or array.max() >= modulus):
@@ -380,9 +368,9 @@ def smallest_safe_bits(
     clients = isinstance(num_clients, int | np.integer)
     if isinstance(num_clients, bool) or not (clients and num_clients >= 1):
         raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}")
-    bound = _positive_finite("linf_bound", linf_bound, allow_zero=True)
-    stddev = _positive_finite("noise_stddev", noise_stddev, allow_zero=True)
-    k = _positive_finite("num_stddevs", num_stddevs)
+    bound = check_non_negative("linf_bound", linf_bound)
+    stddev = check_non_negative("noise_stddev", noise_stddev)
+    k = check_positive("num_stddevs", num_stddevs)
     largest = int(num_clients) * bound + k * math.sqrt(int(num_clients)) * stddev
     for width in range(2, 63):
         if largest < 2 ** (width - 1):
