@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see 
     from .core.client.rule import ClientRule, ProtocolError
     from .core.client.secagg import SecAggPlusMod
     from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
+    from .core.privacy.distributed import DistributedDP, PrivacyBudgetSpentError
     from .core.privacy.secagg import SecAggPlus
     from .core.privacy.uploads import LaplaceUploadMod
     from .core.server.outcome import (
@@ -63,6 +64,7 @@ __all__ = [
     "AggregationStalledError",
     "ClientRule",
     "ClientSideFixedClipping",
+    "DistributedDP",
     "EveryClientRetiredError",
     "FedAvg",
     "FedAvgClient",
@@ -83,6 +85,7 @@ __all__ = [
     "PFedAvg",
     "PFedAvgServer",
     "PrivacyBudgetExhausted",
+    "PrivacyBudgetSpentError",
     "ProtocolError",
     "SFedAvg",
     "SFedAvgClient",
@@ -131,6 +134,7 @@ _SOURCES = {
     ".core.client.rule": ("ClientRule", "ProtocolError"),
     ".core.client.secagg": ("SecAggPlusMod",),
     ".core.privacy.central": ("ClientSideFixedClipping", "ServerSideFixedClipping"),
+    ".core.privacy.distributed": ("DistributedDP", "PrivacyBudgetSpentError"),
     ".core.privacy.secagg": ("SecAggPlus",),
     ".core.privacy.uploads": ("LaplaceUploadMod",),
     ".core.server.outcome": (

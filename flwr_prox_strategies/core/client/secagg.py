@@ -7,6 +7,7 @@ could let the server rebuild one client's vector, as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from logging import INFO
 from pathlib import Path
@@ -16,6 +17,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common.logger import log
 
 from ..transport import signing
+from ..transport.ddp import NODE_MIN_NOISE, DDPRound
 from ..transport.secagg import (
     CONSISTENCY_STAGE,
     ROUND_KEY,
@@ -34,6 +36,7 @@ from ..transport.secagg_node import (
     Settings,
     State,
     check_order,
+    ddp_masked_vector,
     masked_vector,
     only_metrics,
     receive_shares,
@@ -104,6 +107,15 @@ class SecAggPlusMod:
         The public signing keys this node trusts (a folder of ``*.pub`` or
         ``*.pem`` files, or one file with an OpenSSH key per line); required
         with ``signing_key``. Node config: ``secagg-key-directory``.
+    min_noise_multiplier : float | None (default: None)
+        Require distributed DP (:class:`~flwr_prox_strategies.DistributedDP`)
+        at least this strong: the node then refuses a plain SecAgg+ round,
+        and a round whose noise, summed over the fewest contributors the
+        reconstruction threshold allows, is below this multiple of its own
+        L2 sensitivity (computed by the node from the clip, granularity and
+        rounding the server asks for). The floor is the node's, so a server
+        that asks for less noise gets nothing. Node config:
+        ``ddp-min-noise-multiplier``.
 
     Raises
     ------
@@ -119,6 +131,7 @@ class SecAggPlusMod:
         allow_weak_threshold: bool = False,
         signing_key: str | Path | None = None,
         key_directory: str | Path | None = None,
+        min_noise_multiplier: float | None = None,
     ) -> None:
         if not (isinstance(required, bool) or callable(required)):
             raise ValueError(f"required must be a bool or a callable, got {required!r}")
@@ -129,6 +142,7 @@ class SecAggPlusMod:
         self.required = required
         self.allow_weak_threshold = allow_weak_threshold
         self._keys = signing.load_keys(signing_key, key_directory, "signing_key")
+        self.min_noise_multiplier = _floor(min_noise_multiplier, "min_noise_multiplier")
 
     def __call__(
         self, message: Message, context: Context, call_next: CallNext
@@ -157,7 +171,9 @@ class SecAggPlusMod:
             else:
                 check_order(stage, config, state)
             if stage == Stage.COLLECT_MASKED_VECTORS:
-                reply = self._collect(message, context, call_next, config, state)
+                reply = self._collect(
+                    message, context, call_next, config, state, settings
+                )
             else:
                 answer = _STAGES[cast(str, stage)](config, state, node_id, settings)
                 reply = Message(
@@ -194,10 +210,19 @@ class SecAggPlusMod:
                 f"node config {NODE_SIGNING_KEY}",
                 SecureAggregationRefused,
             )
+        floor = self.min_noise_multiplier
+        if node.get(NODE_MIN_NOISE) is not None:  # the operator's: the stricter wins
+            theirs = _floor(
+                node.get(NODE_MIN_NOISE),
+                f"node config {NODE_MIN_NOISE}",
+                SecureAggregationRefused,
+            )
+            floor = theirs if floor is None else max(floor, cast(float, theirs))
         return Settings(
             allow_weak_threshold=self.allow_weak_threshold,
             signing_key=keys[0] if keys else None,
             directory=keys[1] if keys else frozenset(),
+            min_noise_multiplier=floor,
         )
 
     def _collect(
@@ -207,21 +232,42 @@ class SecAggPlusMod:
         call_next: CallNext,
         config: ConfigRecord,
         state: State,
+        settings: Settings,
     ) -> Message:
         node_id = message.metadata.dst_node_id
         receive_shares(config, state, node_id)
+        try:
+            plan = DDPRound.from_config(config)
+        except ValueError as err:
+            why = f"secure aggregation collect: {err}"
+            raise SecureAggregationRefused(why) from err
+        if plan is None and settings.min_noise_multiplier is not None:
+            raise SecureAggregationRefused(
+                "secure aggregation collect: this node requires distributed DP "
+                f"(noise multiplier >= {settings.min_noise_multiplier:g}) and the "
+                "server asks for a plain sum: refused before training; run the "
+                "server's SecAggPlus with distributed_dp=DistributedDP(...)"
+            )
         content = RecordDict(
             {k: v for k, v in message.content.items() if k != SECAGG_RECORD}
         )
+        sent = dict(content.array_records)
         # The train function sees the message as the strategy built it.
         message.content = content
         reply = call_next(message, context)
         if reply.has_error():
             return reply
         metrics = only_metrics(reply.content)
-        vector, clipped = masked_vector(
-            reply.content.array_records, metrics, config, state, node_id
-        )
+        if plan is None:
+            vector, clipped = masked_vector(
+                reply.content.array_records, metrics, config, state, node_id
+            )
+            what = f"{clipped} clipped"
+        else:
+            vector, factor = ddp_masked_vector(
+                reply.content.array_records, sent, plan, state, node_id, settings
+            )
+            what = f"distributed DP, clip factor {factor:.3g}"
         out = RecordDict(
             {
                 "metrics": metrics,
@@ -230,12 +276,27 @@ class SecAggPlusMod:
         )
         log(
             INFO,
-            "SecAggPlusMod: node %d sent its masked vector (%d values, %d clipped)",
+            "SecAggPlusMod: node %d sent its masked vector (%d values, %s)",
             node_id,
             vector.size,
-            clipped,
+            what,
         )
         return Message(out, reply_to=message)
+
+
+def _floor(
+    value: object, name: str, error: type[ValueError] = ValueError
+) -> float | None:
+    """Return a noise-multiplier floor (None: none); refuse anything not > 0."""
+    if value is None:
+        return None
+    try:
+        floor = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        floor = math.nan
+    if isinstance(value, bool) or not (math.isfinite(floor) and floor > 0):
+        raise error(f"{name} must be a finite number > 0, got {value!r}")
+    return floor
 
 
 def _flag(value: object, name: str) -> bool:

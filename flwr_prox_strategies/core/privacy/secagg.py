@@ -8,6 +8,7 @@ the strategy's own round, as ``docs/explanation/secure-aggregation.md`` describe
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import cast
@@ -16,10 +17,18 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
+from ...ops.privacy.accounting import (
+    DEFAULT_ORDERS,
+    rdp_to_epsilon,
+    smallest_contributors,
+)
+from ...ops.privacy.encoding import upload_layout
 from ..contract.validation import ReplyRejected, ValidReply
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
+from ..transport.ddp import DDPRound, noise_multiplier_at
 from ..transport.records import dict_to_record
 from ..transport.secagg import (
     MISSING_MOD_HINT,
@@ -32,6 +41,7 @@ from ..transport.secagg import (
     from_bytes,
 )
 from ..wrapper import StrategyWrapper
+from .distributed import Account, DistributedDP, PrivacyBudgetSpentError
 from .secagg_exchange import _Round
 from .secagg_unmask import UnmaskFailed, Unmasking
 
@@ -139,6 +149,16 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         Accept a threshold at most half of a neighbourhood, with a warning
         once per run. Clients refuse such a round unless their mod allows it
         too. For tests and federations whose server you trust.
+    distributed_dp : DistributedDP | None (default: None)
+        User-level DP against the server
+        (:class:`~flwr_prox_strategies.DistributedDP`): each client clips
+        every record it uploads together, adds its share of discrete noise
+        and masks it modulo ``2**bits`` (``clipping_range``,
+        ``quantization_range`` and ``modulus_range`` are then unused). The
+        strategy must weigh uniformly. Each round's metrics carry the
+        round's and the run's epsilon (``ddp-epsilon``,
+        ``ddp-epsilon-total``); a round that would pass ``target_epsilon``
+        is not started.
     """
 
     strategy: ValidatedFedAvg
@@ -156,6 +176,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         timeout: float | None = 300.0,
         active_adversary: bool = False,
         allow_weak_threshold: bool = False,
+        distributed_dp: DistributedDP | None = None,
     ) -> None:
         if not isinstance(strategy, ValidatedFedAvg):
             raise ValueError(
@@ -241,7 +262,21 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             )
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 or None, got {timeout!r}")
+        if distributed_dp is not None:
+            if not isinstance(distributed_dp, DistributedDP):
+                raise ValueError(
+                    f"distributed_dp must be a DistributedDP, got {distributed_dp!r}"
+                )
+            if strategy.weighting != "uniform":
+                raise ValueError(
+                    f"distributed_dp needs {name} with weighting='uniform' (it has "
+                    f"{strategy.weighting!r}): a client's weight would scale what "
+                    "it can move the sum by, so the noise would not cover it; "
+                    "distributed DP averages every client's clipped upload once"
+                )
         super().__init__(strategy)
+        self.distributed_dp = distributed_dp
+        self.account = Account(distributed_dp.delta) if distributed_dp else None
         self.num_shares = num_shares
         self.reconstruction_threshold = reconstruction_threshold
         self.max_weight = float(max_weight)
@@ -268,7 +303,13 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             f"reconstruction_threshold={self.reconstruction_threshold}, "
             f"max_weight={self.max_weight:g}, clipping_range={self.clipping_range:g}, "
             f"quantization_range={self.quantization_range}, "
-            f"modulus_range={self.modulus_range})"
+            f"modulus_range={self.modulus_range}"
+            + (
+                ""
+                if self.distributed_dp is None
+                else f", distributed_dp={self.distributed_dp!r}"
+            )
+            + ")"
         )
 
     def summary(self) -> None:
@@ -289,6 +330,23 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             if self.active_adversary
             else "",
         )
+        dp = self.distributed_dp
+        if dp is not None:
+            log(
+                INFO,
+                "SecAggPlus: distributed DP (%s noise, noise_multiplier=%g over %d "
+                "expected clients, l2_clip=%g on every summed record together, "
+                "%d bits, delta=%g, target_epsilon=%s): clients noise their uploads, "
+                "the server sees only noisy sums; each round is charged with the "
+                "fewest contributors the threshold allows",
+                dp.mechanism,
+                dp.noise_multiplier,
+                dp.expected_clients,
+                dp.l2_clip,
+                dp.bits,
+                dp.delta,
+                dp.target_epsilon,
+            )
         self.strategy.summary()
 
     # ------------------------------------------------------------------ run
@@ -296,6 +354,8 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         """Begin the strategy's run; this run's warnings are new."""
         super().begin_run(initial_arrays, num_rounds)
         self._clip_warned = self._weak_warned = False
+        if self.distributed_dp is not None:
+            self.account = Account(self.distributed_dp.delta)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -316,6 +376,8 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         self._round = state
         nodes = sorted(state.messages)
         self._size_round(state, len(nodes))
+        if state.failure is None and self.distributed_dp is not None:
+            self._plan_noise(state, arrays)
         if state.failure is None:
             self._setup(grid, state, nodes)
         if state.failure is None:
@@ -344,6 +406,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
                     Key.CIPHERTEXT_LIST: texts,
                     WEIGHT_KEY: self._weight_key(),
                     **state.layout.config(),
+                    **(state.ddp.config() if state.ddp is not None else {}),
                 }
             )
             outgoing.append(message)
@@ -369,7 +432,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             return inner.aggregate_train(server_round, replies)
         vectors: dict[int, NDArray[np.uint32]] = {}
         passed: list[Message] = []
-        length = state.layout.length if state.layout is not None else 0
+        length = state.length
         sent = {m.metadata.message_id: node for node, m in state.messages.items()}
         for reply in replies:
             node = sent.get(
@@ -439,6 +502,8 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             arrays, metrics = inner.aggregate_screened(round_, screened)
             return arrays, self._metrics(metrics, state, [], None, 0)
         assert sums is not None
+        if self.account is not None and state.rdp is not None:
+            self.account.charge(state.rdp)
         means, replies_hold, weight_sum, clipped = sums
         for valid_reply in screened.valid:
             valid_reply.arrays = replies_hold
@@ -472,7 +537,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         return from_bytes(
             cast(bytes, record.get(Key.MASKED_PARAMETERS)),
             length,
-            self.modulus_range,  # type: ignore[arg-type]
+            self.masking_modulus,
         )
 
     def _skeleton(self, reply: Message, state: _Round) -> Message:
@@ -511,8 +576,9 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             return metrics
         # What came in: the contributors' masked vectors, not the plain records
         # the strategy counted from its stand-ins.
-        assert state.layout is not None
-        metrics["bytes-received"] = 4 * state.layout.length * len(valid)
+        metrics["bytes-received"] = 4 * state.length * len(valid)
+        if state.ddp is not None:
+            return self._privacy_metrics(metrics, state, valid, weight_sum)
         metrics["secagg-contributors"] = len(valid) if weight_sum is not None else 0
         contributed = len(valid) if weight_sum is not None else 0
         metrics["secagg-dropped"] = len(state.messages) - contributed
@@ -540,6 +606,120 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             )
         return metrics
 
+    # ------------------------------------------------------ distributed DP
+    def _plan_noise(self, state: _Round, arrays: ArrayRecord) -> None:
+        """Set the round's distributed-DP encoding; stop the run past its budget.
+
+        Every declared record is uploaded; a record the train messages carry
+        (the global model) as its change. The round is charged with the fewest
+        contributors the threshold allows; when that would pass
+        ``target_epsilon``, nothing is sent (:class:`PrivacyBudgetSpentError`).
+        """
+        dp, account = self.distributed_dp, self.account
+        assert dp is not None and account is not None
+        shown = state.server_round + self.strategy.round_offset
+        names = sorted(self.strategy.secure_sums() or {})
+        sent = [m.content.array_records for m in state.messages.values()]
+        relative = [n for n in names if n in sent[0]]
+        for name in relative:
+            if any(not _same(records.get(name), sent[0][name]) for records in sent):
+                state.failure = (
+                    f"distributed DP uploads {name!r} as each client's change of "
+                    "the record sent, and the round sends different ones"
+                )
+                return
+        try:
+            upload = upload_layout(
+                {
+                    name: {
+                        key: np.broadcast_to(np.zeros((), spec.dtype), spec.shape)
+                        for key, spec in state.spec[name].items()
+                    }
+                    for name in names
+                }
+            )
+            settings = dp.encoding(upload.dim, len(state.messages))
+        except ValueError as err:
+            state.failure = f"distributed DP: {err}"
+            return
+        fewest = smallest_contributors(len(state.messages), state.threshold)
+        rdp = dp.round_rdp(settings, upload.padded_dim, fewest)
+        if account.rounds == 0 and self.strategy.round_offset > 0:
+            # A resumed run: its earlier rounds are charged at this round's rate.
+            account.charge(rdp, self.strategy.round_offset)
+            log(
+                INFO,
+                "SecAggPlus: distributed DP: resumed after round %d; its %d earlier "
+                "rounds are charged at this round's rate (epsilon %.4g so far)",
+                self.strategy.round_offset,
+                self.strategy.round_offset,
+                account.epsilon(),
+            )
+        after = account.epsilon(rdp)
+        if dp.target_epsilon is not None and after > dp.target_epsilon:
+            raise PrivacyBudgetSpentError(
+                f"SecAggPlus: distributed DP: round {shown} would take epsilon from "
+                f"{account.epsilon():.4g} to {after:.4g} (delta {dp.delta:g}), past "
+                f"target_epsilon={dp.target_epsilon:g}: training stops before it",
+                Result(arrays=arrays),
+                shown,
+            )
+        seed = secrets.randbelow(2**31)  # the rotation's: any seed keeps the bound
+        state.ddp = DDPRound(settings, seed, tuple(names), tuple(relative))
+        state.upload = upload
+        state.rdp = rdp
+        state.fewest = fewest
+
+    def _privacy_metrics(
+        self,
+        metrics: MetricRecord,
+        state: _Round,
+        valid: list[ValidReply],
+        weight_sum: float | None,
+    ) -> MetricRecord:
+        """Add the round's distributed-DP figures: what was charged, and the total."""
+        dp, account = self.distributed_dp, self.account
+        assert dp is not None and account is not None and state.ddp is not None
+        assert state.upload is not None and state.rdp is not None
+        revealed = weight_sum is not None and bool(valid)
+        settings, padded = state.ddp.settings, state.upload.padded_dim
+        multiplier = noise_multiplier_at(settings, padded, state.fewest)
+        spent = account.epsilon()
+        contributed = len(valid) if revealed else 0
+        metrics["secagg-contributors"] = contributed
+        metrics["secagg-dropped"] = len(state.messages) - contributed
+        metrics["ddp-epsilon"] = (
+            rdp_to_epsilon(DEFAULT_ORDERS, state.rdp, dp.delta) if revealed else 0.0
+        )
+        metrics["ddp-epsilon-total"] = spent
+        metrics["ddp-delta"] = float(dp.delta)
+        metrics["ddp-noise-contributors"] = state.fewest
+        metrics["ddp-noise-multiplier"] = multiplier
+        metrics["ddp-granularity"] = float(settings.granularity)
+        log(
+            INFO,
+            "SecAggPlus: round %d: distributed DP: %s; noise of at least %d "
+            "contributors (noise multiplier %.3g over the integer sensitivity, "
+            "granularity %.3g); epsilon %.4g for the run so far (delta %g)",
+            state.server_round + self.strategy.round_offset,
+            f"{len(valid)} noisy uploads summed" if revealed else "nothing revealed",
+            state.fewest,
+            multiplier,
+            settings.granularity,
+            spent,
+            dp.delta,
+        )
+        return metrics
+
     def _count(self, node: int, kind: str, why: str, server_round: int) -> None:
         log(WARNING, "SecAggPlus: round %d: node %d: %s", server_round, node, why)
         self.strategy.screen.count(node, ReplyRejected(kind, why), PHASE)
+
+
+def _same(record: ArrayRecord | None, first: ArrayRecord) -> bool:
+    """Whether a train message's record is the first message's (same values)."""
+    if record is first:
+        return True
+    if record is None or set(record) != set(first):
+        return False
+    return all(np.array_equal(record[k].numpy(), first[k].numpy()) for k in first)

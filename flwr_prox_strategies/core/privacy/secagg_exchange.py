@@ -19,10 +19,13 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from numpy.typing import NDArray
 
+from ...ops.privacy.encoding import UploadLayout
 from ..contract.validation import client_error_text
 from ..server.strategy import ValidatedFedAvg
 from ..transport import signing
+from ..transport.ddp import DDPRound
 from ..transport.flower import bytes_to_public_key
 from ..transport.records import RecordSpec
 from ..transport.secagg import (
@@ -39,6 +42,7 @@ from ..transport.secagg import (
     neighbours,
     stage_message,
 )
+from .distributed import DistributedDP
 
 
 @dataclass
@@ -61,6 +65,17 @@ class _Round:
     shared: set[int] = field(default_factory=set)  # completed share_keys
     dropped: dict[int, str] = field(default_factory=dict)  # node -> why
     failure: str | None = None  # why the round cannot be aggregated
+    ddp: DDPRound | None = None  # distributed DP's encoding of the round
+    upload: UploadLayout | None = None  # ... and the arrays of each upload
+    rdp: NDArray[np.float64] | None = None  # ... and what it charges when revealed
+    fewest: int = 0  # ... the fewest contributors whose noise the sum holds
+
+    @property
+    def length(self) -> int:
+        """The masked vector's length: the padded upload, or the layout's."""
+        if self.upload is not None:
+            return self.upload.padded_dim
+        return self.layout.length if self.layout is not None else 0
 
 
 class KeyExchange:
@@ -76,6 +91,13 @@ class KeyExchange:
     allow_weak_threshold: bool
     _weak_warned: bool
     _forwarded: dict[int, tuple[list[int], list[bytes]]]
+    distributed_dp: DistributedDP | None
+
+    @property
+    def masking_modulus(self) -> int:
+        """The masks' modulus (``2**bits`` under distributed DP)."""
+        dp = self.distributed_dp
+        return self.quantizer.modulus_range if dp is None else 1 << int(dp.bits)
 
     def _size_round(self, state: _Round, sampled: int) -> None:
         shares = self.num_shares
@@ -104,7 +126,9 @@ class KeyExchange:
                 f"{sampled} node(s) sampled, fewer than the reconstruction threshold "
                 f"{state.threshold}"
             )
-        elif sampled > self.quantizer.max_contributors():
+        elif (
+            self.distributed_dp is None and sampled > self.quantizer.max_contributors()
+        ):
             state.failure = (
                 f"{sampled} nodes sampled, more than modulus_range / "
                 f"quantization_range allows ({self.quantizer.max_contributors()})"
@@ -199,7 +223,7 @@ class KeyExchange:
             Key.THRESHOLD: state.threshold,
             Key.CLIPPING_RANGE: self.quantizer.clipping_range,
             Key.TARGET_RANGE: self.quantizer.quantization_range,
-            Key.MOD_RANGE: self.quantizer.modulus_range,
+            Key.MOD_RANGE: self.masking_modulus,
             Key.MAX_WEIGHT: self.max_weight,
             ACTIVE_KEY: self.active_adversary,
         }

@@ -19,6 +19,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
+from ...ops.privacy.encoding import decode_sum
 from ..transport import secagg as protocol
 from ..transport import shamir, signing
 from ..transport.flower import bytes_to_private_key, public_key_to_bytes
@@ -95,7 +96,7 @@ class Unmasking(KeyExchange):
                 continue
             for owner, share in zip(nids, given, strict=True):
                 shares[cast(int, owner)][holder] = cast(bytes, share)
-        total = np.zeros(state.layout.length, dtype=np.uint32)  # sums wrap mod 2**32
+        total = np.zeros(state.length, dtype=np.uint32)  # sums wrap mod 2**32
         for vector in vectors.values():
             total += vector
         for owner in sorted(contributors):
@@ -117,7 +118,9 @@ class Unmasking(KeyExchange):
                 seed = protocol.pairwise_seed(sk1, state.public_keys[other][0])
                 # ``other`` added its mask for ``owner``; take it out again.
                 protocol.add_mask(total, seed, -protocol.pairwise_sign(other, owner))
-        total = protocol.reduce(total, self.quantizer.modulus_range)
+        total = protocol.reduce(total, self.masking_modulus)
+        if state.ddp is not None:
+            return self._decode_noisy(state, total.astype(np.int64), len(weights))
         return self._decode(state, total.astype(np.int64), weights)
 
     def _consistency(self, state: _Round, contributors: set[int]) -> None:
@@ -255,6 +258,39 @@ class Unmasking(KeyExchange):
                 holds[name] = arrays
         return Sums(means, holds, weight_sum, clipped)
 
+    def _decode_noisy(
+        self, state: _Round, total: NDArray[np.int64], count: int
+    ) -> Sums:
+        """Decode distributed DP's noisy sum into each record's mean and sum.
+
+        A record uploaded as a change of the record sent gets it back
+        (``count`` times in the sum). A mean divides by the contributors, or
+        by ``expected_clients`` (``denominator="expected"``). No range check:
+        the noise can put an honest sum anywhere modulo ``2**bits``.
+        """
+        assert state.ddp is not None and state.upload is not None
+        dp = self.distributed_dp
+        assert dp is not None
+        summed = decode_sum(
+            total, state.upload, state.ddp.settings, round_seed=state.ddp.seed
+        )
+        sent = next(iter(state.messages.values())).content.array_records
+        divisor = count if dp.denominator == "contributors" else dp.expected_clients
+        means: dict[str, dict[str, NDArray]] = {}
+        holds: dict[str, dict[str, NDArray]] = {}
+        for name, arrays in summed.items():
+            base = (
+                {k: a.numpy() for k, a in sent[name].items()}
+                if name in state.ddp.relative
+                else {k: 0.0 for k in arrays}
+            )
+            spec = state.spec[name]
+            mean = {k: base[k] + arrays[k].astype(np.float64) / divisor for k in arrays}
+            hold = {k: base[k] + arrays[k].astype(np.float64) / count for k in arrays}
+            means[name] = _frozen(mean, spec)
+            holds[name] = _frozen(hold, spec)
+        return Sums(means, holds, float(count), 0)
+
 
 class Sums(NamedTuple):
     """A round's unmasked sums, decoded."""
@@ -281,6 +317,15 @@ def _public_of(private_key: bytes) -> bytes | None:
         return public_key_to_bytes(bytes_to_private_key(private_key).public_key())
     except (ValueError, TypeError):
         return None
+
+
+def _frozen(arrays: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, NDArray]:
+    out = {}
+    for key, value in arrays.items():
+        array = np.asarray(value).astype(spec[key].dtype)
+        array.flags.writeable = False
+        out[key] = array
+    return out
 
 
 def _unflatten(

@@ -30,6 +30,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 from numpy.typing import NDArray
 
 from . import shamir, signing
+from .ddp import NODE_MIN_NOISE, DDPRound, encode_records, noise_multiplier_at
 from .flower import (
     bytes_to_private_key,
     bytes_to_public_key,
@@ -84,6 +85,9 @@ class Settings:
     allow_weak_threshold: bool
     signing_key: signing.SigningKey | None = None
     directory: frozenset[bytes] = frozenset()
+    #: Distributed DP's floor: the least noise multiplier this node masks at
+    #: (None: it accepts plain SecAgg+ rounds).
+    min_noise_multiplier: float | None = None
 
     @property
     def signs(self) -> bool:
@@ -532,12 +536,60 @@ def masked_vector(
     # The clipped count travels masked: capped at T, the round's sum cannot wrap.
     header = np.array([code, min(clipped, quantizer.quantization_range)], np.int64)
     vector = np.concatenate([header, *parts]).astype(np.uint32)
+    return _masked(vector, state, node_id, quantizer.modulus_range), clipped
+
+
+def _masked(
+    vector: NDArray[np.uint32], state: State, node_id: int, modulus: int
+) -> NDArray[np.uint32]:
+    """Return ``vector`` with its private and pairwise masks, modulo ``modulus``."""
     add_mask(vector, state["seed"], 1)
     seeds = dict(zip(state["nids"], state["mask-seeds"], strict=True))
     for other in state["share-owners"]:
         if other != node_id:
             add_mask(vector, seeds[other], pairwise_sign(node_id, other))
-    return reduce(vector, quantizer.modulus_range), clipped
+    return reduce(vector, modulus)
+
+
+def ddp_masked_vector(
+    records: Mapping[str, ArrayRecord],
+    sent: Mapping[str, ArrayRecord],
+    plan: DDPRound,
+    state: State,
+    node_id: int,
+    settings: Settings,
+) -> tuple[NDArray[np.uint32], float]:
+    """Return the reply's distributed-DP upload, masked, and its clip factor.
+
+    Refused before anything is masked when the round's noise is below this
+    node's floor (``settings.min_noise_multiplier``) at the fewest
+    contributors the threshold allows, or when the masks' modulus is not
+    ``2**bits``.
+    """
+    modulus = int(state[Key.MOD_RANGE])
+    bits = int(plan.settings.bits)
+    if bits > 32 or modulus != 1 << bits:
+        raise _not_masked(
+            f"distributed DP sums modulo 2**{bits} but the round's masks are "
+            f"modulo {modulus}"
+        )
+    rng = np.random.default_rng()
+    try:
+        upload = encode_records(records, sent, plan, rng)
+    except ValueError as err:
+        raise _not_masked(str(err)) from err
+    floor = settings.min_noise_multiplier
+    if floor is not None:
+        threshold = int(state[Key.THRESHOLD])
+        reach = noise_multiplier_at(plan.settings, upload.layout.padded_dim, threshold)
+        if reach < floor:
+            raise _not_masked(
+                f"distributed DP: the round's noise gives a noise multiplier of "
+                f"{reach:.4g} at the threshold's {threshold} contributors, below "
+                f"this node's floor {floor:g} ({NODE_MIN_NOISE})"
+            )
+    vector = upload.values.astype(np.uint32)
+    return _masked(vector, state, node_id, modulus), upload.clip_factor
 
 
 def _not_masked(why: str) -> SecureAggregationRefused:
