@@ -33,6 +33,7 @@ from ..core.client.client import ProtocolError
 from ..core.client.dp import make_private_model
 from ..core.client.training import evaluate_model
 from ..core.privacy.central import central_dp
+from ..core.privacy.distributed import DistributedDP
 from ..core.privacy.secagg import SecAggPlus
 from ..core.server.strategy import ValidatedFedAvg
 from ..tracking import Tracker
@@ -127,16 +128,21 @@ def wrap_central_dp(cfg: DictConfig, strategy: Any) -> Any:
     if node is None:
         return strategy
     # (central_dp refuses a strategy without one global model, P-FedAvg, clearly.)
-    sampled = max(
-        int(int(cfg["num_clients"]) * float(getattr(strategy, "fraction_train", 1))),
-        int(getattr(strategy, "min_train_nodes", 1)),
-    )
+    sampled = sampled_per_round(cfg, strategy)
     return central_dp(
         strategy,
         clipping=str(node.clipping),
         noise_multiplier=float(node.noise_multiplier),
         clipping_norm=float(node.clipping_norm),
         num_sampled_clients=sampled,
+    )
+
+
+def sampled_per_round(cfg: DictConfig, strategy: Any) -> int:
+    """Return the nodes a round of ``strategy`` samples from ``num_clients``."""
+    return max(
+        int(int(cfg["num_clients"]) * float(getattr(strategy, "fraction_train", 1))),
+        int(getattr(strategy, "min_train_nodes", 1)),
     )
 
 
@@ -149,13 +155,20 @@ def wrap_secure_aggregation(
     ``num-examples`` exceeds it, and no larger bound costs precision).
     """
     node = cfg.get("secure_aggregation")
+    distributed = cfg.get("privacy", {}).get("distributed")
     if node is None:
+        if distributed is not None:
+            raise ValueError(
+                "privacy=distributed needs secure_aggregation=secaggplus: the "
+                "clients' noise protects only a sum the server cannot unpick"
+            )
         return strategy
     if cfg.get("privacy", {}).get("central") is not None:
         raise ValueError(
             "secure_aggregation=secaggplus with privacy=central is not supported: "
             "Flower's central-DP wrappers clip each reply on the server, which "
-            "secure aggregation hides; use privacy=dp-sgd (clients add the noise)"
+            "secure aggregation hides; use privacy=distributed (the clients add "
+            "the noise, the server sees only noisy sums)"
         )
     options = {
         str(k): v
@@ -163,6 +176,14 @@ def wrap_secure_aggregation(
     }
     if options.get("max_weight") is None:
         options["max_weight"] = float(largest_partition())
+    if distributed is not None:
+        settings = {
+            str(k): v
+            for k, v in OmegaConf.to_container(distributed, resolve=True).items()  # type: ignore[union-attr]
+        }
+        if settings.get("expected_clients") is None:
+            settings["expected_clients"] = sampled_per_round(cfg, strategy)
+        options["distributed_dp"] = DistributedDP(**settings)
     return SecAggPlus(strategy, **options)
 
 

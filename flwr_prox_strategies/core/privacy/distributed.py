@@ -254,6 +254,16 @@ class PrivacyBudgetSpentError(EveryClientRetiredError):
     before any key leaves for that round; the pack's ServerApp records it as
     the end of training (``results.json``'s ``stopped-early``), as it does when
     every DP-SGD client has retired.
+
+    Parameters
+    ----------
+    message : str
+        The round, the epsilon it would reach and the budget.
+    result : Result
+        The run so far: ``result.arrays`` is the model the round would have
+        trained.
+    stopped_at : int
+        The round that was not started.
     """
 
     def __init__(self, message: str, result: Result, stopped_at: int) -> None:

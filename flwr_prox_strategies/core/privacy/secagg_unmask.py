@@ -321,8 +321,8 @@ def _public_of(private_key: bytes) -> bytes | None:
 
 def _frozen(arrays: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, NDArray]:
     out = {}
-    for key, value in arrays.items():
-        array = np.asarray(value).astype(spec[key].dtype)
+    for key in spec:  # the model's order: a client may load arrays by position
+        array = np.asarray(arrays[key]).astype(spec[key].dtype)
         array.flags.writeable = False
         out[key] = array
     return out
