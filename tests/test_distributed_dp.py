@@ -454,3 +454,49 @@ def test_the_encoding_picks_the_finest_granularity_that_cannot_wrap():
             noise_multiplier=1.0, l2_clip=1.0, expected_clients=1, bits=4
         ).encoding(1000, 10)
     assert ConfigRecord(DDPRound(settings, 1, ("a",), ()).config())
+
+
+# ------------------------------------------------------------- the app
+def test_privacy_distributed_runs_through_the_app_and_records_epsilon(tmp_path):
+    """``privacy=distributed``: SecAgg+ with distributed DP, uniform means, the
+    run's epsilon in results.json every round; with a clip of 1e-9 and no
+    noise the model cannot move (the clip applies), and it moves without it."""
+    import json
+
+    from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
+
+    base = ["strategy=scaffold", "num_clients=3", "num_rounds=2", "model=logreg"]
+    pinned = [
+        *base,
+        "privacy=distributed",
+        "privacy.distributed.noise_multiplier=1e-9",
+        "privacy.distributed.l2_clip=1e-9",
+        "privacy.distributed.bits=32",
+    ]
+    results = json.loads(run_inprocess(pinned, tmp_path / "pinned", 3).read_text())
+    assert "distributed_dp=DistributedDP(" in results["secure-aggregation"]
+    train = [r["train"] for r in results["rounds"] if r["round"] > 0]
+    assert [t["secagg-contributors"] for t in train] == [3, 3]
+    totals = [t["ddp-epsilon-total"] for t in train]
+    assert 0 < totals[0] < totals[1]
+    loss = [r["central"]["loss"] for r in results["rounds"]]
+    assert loss[-1] == pytest.approx(loss[0], abs=1e-6)
+    free = [
+        *base,
+        "privacy=distributed",
+        "privacy.distributed.l2_clip=1e3",
+        "privacy.distributed.noise_multiplier=1e-9",
+        "privacy.distributed.bits=32",
+    ]
+    moved = json.loads(run_inprocess(free, tmp_path / "free", 3).read_text())
+    assert moved["rounds"][-1]["central"]["loss"] < loss[0] - 0.05
+
+
+def test_privacy_distributed_without_secure_aggregation_is_refused():
+    from flwr_prox_strategies.experiment.build import wrap_secure_aggregation
+    from flwr_prox_strategies.experiment.config import compose_config
+
+    cfg = compose_config("privacy=distributed secure_aggregation=none")
+    inner = strategy(ALGORITHMS["FedAvg"][0], {}, weighting="uniform")
+    with pytest.raises(ValueError, match="needs secure_aggregation=secaggplus"):
+        wrap_secure_aggregation(cfg, inner, lambda: 100)
