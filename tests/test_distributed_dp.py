@@ -500,3 +500,14 @@ def test_privacy_distributed_without_secure_aggregation_is_refused():
     inner = strategy(ALGORITHMS["FedAvg"][0], {}, weighting="uniform")
     with pytest.raises(ValueError, match="needs secure_aggregation=secaggplus"):
         wrap_secure_aggregation(cfg, inner, lambda: 100)
+
+
+def test_colluding_clients_are_charged_out_of_the_threshold():
+    dp = ddp(noise_multiplier=1.0, l2_clip=10.0, bits=20)
+    _, honest, _ = run("FedAvg", dp=dp)
+    _, colluding, _ = run("FedAvg", dp=ddp(**{**dp.__dict__, "colluding": 1}))
+    t = honest[0]["ddp-noise-contributors"]
+    assert colluding[0]["ddp-noise-contributors"] == t - 1
+    assert colluding[0]["ddp-epsilon"] > honest[0]["ddp-epsilon"]
+    with pytest.raises(NoRoundAggregatedError):  # t - k < 1: nothing starts
+        run("FedAvg", dp=ddp(**{**dp.__dict__, "colluding": t}))

@@ -89,6 +89,11 @@ class DistributedDP:
         (unbiased when clients drop), or ``expected_clients`` (TFF's fixed
         denominator). Means are uniform: a weighted mean would let a client's
         weight scale its sensitivity, so the strategy must weigh uniformly.
+    colluding : int (default: 0)
+        :math:`k \geq 0`: clients assumed to give the server their own noise
+        (or to add none); each round is charged with :math:`t - k` noisy
+        contributors, :math:`t` the reconstruction threshold. A round whose
+        threshold is not above :math:`k` is not started.
     beta : float (default: exp(-1/2))
         :math:`\beta \in (0, 1)` of the conditional rounding.
 
@@ -108,6 +113,7 @@ class DistributedDP:
     delta: float = 1e-5
     target_epsilon: float | None = None
     denominator: Literal["contributors", "expected"] = "contributors"
+    colluding: int = 0
     beta: float = math.exp(-0.5)
 
     def __post_init__(self) -> None:
@@ -126,6 +132,7 @@ class DistributedDP:
         if self.target_epsilon is not None:
             check_positive("target_epsilon", self.target_epsilon)
         check_choice("denominator", self.denominator, ("contributors", "expected"))
+        check_int("colluding", self.colluding, 0)
         check_probability("beta", self.beta)
         # At the coarsest granularity each client's coordinate is a rounded
         # zero (|x| <= 1) with almost no noise: below this width nothing fits.

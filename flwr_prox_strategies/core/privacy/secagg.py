@@ -642,7 +642,13 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         except ValueError as err:
             state.failure = f"distributed DP: {err}"
             return
-        fewest = smallest_contributors(len(state.messages), state.threshold)
+        try:
+            fewest = smallest_contributors(
+                len(state.messages), state.threshold, dp.colluding
+            )
+        except ValueError as err:
+            state.failure = f"distributed DP: {err}"
+            return
         rdp = dp.round_rdp(settings, upload.padded_dim, fewest)
         if account.rounds == 0 and self.strategy.round_offset > 0:
             # A resumed run: its earlier rounds are charged at this round's rate.
