@@ -479,6 +479,10 @@ def test_privacy_distributed_runs_through_the_app_and_records_epsilon(tmp_path):
     assert [t["secagg-contributors"] for t in train] == [3, 3]
     totals = [t["ddp-epsilon-total"] for t in train]
     assert 0 < totals[0] < totals[1]
+    # The summary, log line and privacy plot read the run's user-level figure.
+    assert results["summary"]["final-epsilon-max"] == totals[-1]
+    assert results["summary"]["delta"] == 1e-5
+    assert (tmp_path / "pinned" / "privacy.png").is_file()
     loss = [r["central"]["loss"] for r in results["rounds"]]
     assert loss[-1] == pytest.approx(loss[0], abs=1e-6)
     free = [

@@ -26,6 +26,7 @@ from ...ops.privacy.accounting import (
     smallest_contributors,
 )
 from ...ops.privacy.encoding import upload_layout
+from ..contract.ledger import DELTA_METRIC, EPSILON_TOTAL_METRIC
 from ..contract.validation import ReplyRejected, ValidReply
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
 from ..transport.ddp import DDPRound, noise_multiplier_at
@@ -46,6 +47,8 @@ from .secagg_exchange import _Round
 from .secagg_unmask import UnmaskFailed, Unmasking
 
 PHASE = "aggregate_train"
+EPSILON_MAX_METRIC = f"{EPSILON_TOTAL_METRIC}-max"
+EPSILON_MEAN_METRIC = f"{EPSILON_TOTAL_METRIC}-mean"
 #: The error code of the stand-in reply of a node the protocol dropped.
 SECAGG_DROPPED_CODE = 0
 
@@ -702,6 +705,11 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         metrics["ddp-noise-contributors"] = state.fewest
         metrics["ddp-noise-multiplier"] = multiplier
         metrics["ddp-granularity"] = float(settings.granularity)
+        if EPSILON_MAX_METRIC not in metrics:  # no client reports its own (DP-SGD)
+            # User level: every client is charged the same, so the ledger's
+            # summary, plot and log line read the run's figure.
+            metrics[EPSILON_MAX_METRIC] = metrics[EPSILON_MEAN_METRIC] = spent
+            metrics[DELTA_METRIC] = float(dp.delta)
         log(
             INFO,
             "SecAggPlus: round %d: distributed DP: %s; noise of at least %d "
