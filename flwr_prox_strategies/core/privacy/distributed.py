@@ -76,26 +76,28 @@ class DistributedDP:
         :math:`b \in [2, 32]`: the sum is masked modulo :math:`2^b`. Fewer
         bits mean a coarser granularity (each round picks the finest that
         cannot wrap) and a larger sensitivity.
-    mechanism : {"gaussian", "skellam"} (default: "gaussian")
-        The distributed discrete Gaussian or the Skellam mechanism.
+    mechanism : str (default: "gaussian")
+        ``"gaussian"``, the distributed discrete Gaussian, or ``"skellam"``,
+        the Skellam mechanism.
     delta : float (default: 1e-5)
         :math:`\delta \in (0, 1)` of the reported :math:`(\varepsilon,
         \delta)`.
     target_epsilon : float | None (default: None)
         The run's budget: a round that would take :math:`\varepsilon` past it
         is not started (:class:`PrivacyBudgetSpentError`). None: no budget.
-    denominator : {"contributors", "expected"} (default: "contributors")
-        What a mean divides the noisy sum by: the round's contributors
-        (unbiased when clients drop), or ``expected_clients`` (TFF's fixed
-        denominator). Means are uniform: a weighted mean would let a client's
+    denominator : str (default: "contributors")
+        What a mean divides the noisy sum by: ``"contributors"``, the
+        round's (unbiased when clients drop), or ``"expected"``,
+        ``expected_clients`` (TFF's fixed denominator). Means are uniform: a weighted mean would let a client's
         weight scale its sensitivity, so the strategy must weigh uniformly.
     colluding : int (default: 0)
         :math:`k \geq 0`: clients assumed to give the server their own noise
         (or to add none); each round is charged with :math:`t - k` noisy
         contributors, :math:`t` the reconstruction threshold. A round whose
         threshold is not above :math:`k` is not started.
-    beta : float (default: exp(-1/2))
-        :math:`\beta \in (0, 1)` of the conditional rounding.
+    beta : float, optional
+        :math:`\beta \in (0, 1)` of the conditional rounding; by default
+        :math:`e^{-1/2}`, as in Kairouz, Liu & Steinke (2021).
 
     Raises
     ------
