@@ -465,14 +465,16 @@ def test_privacy_distributed_runs_through_the_app_and_records_epsilon(tmp_path):
 
     from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
 
-    base = ["strategy=scaffold", "num_clients=3", "num_rounds=2", "model=logreg"]
-    pinned = [
-        *base,
-        "privacy=distributed",
-        "privacy.distributed.noise_multiplier=1e-9",
-        "privacy.distributed.l2_clip=1e-9",
-        "privacy.distributed.bits=32",
-    ]
+    def run_with(clip: float) -> list[str]:
+        return [
+            *("strategy=scaffold", "num_clients=3", "num_rounds=2", "model=logreg"),
+            "privacy=distributed",
+            "privacy.distributed.noise_multiplier=1e-9",
+            f"privacy.distributed.l2_clip={clip}",
+            "privacy.distributed.bits=32",
+        ]
+
+    pinned = run_with(1e-9)
     results = json.loads(run_inprocess(pinned, tmp_path / "pinned", 3).read_text())
     assert "distributed_dp=DistributedDP(" in results["secure-aggregation"]
     train = [r["train"] for r in results["rounds"] if r["round"] > 0]
@@ -485,14 +487,7 @@ def test_privacy_distributed_runs_through_the_app_and_records_epsilon(tmp_path):
     assert (tmp_path / "pinned" / "privacy.png").is_file()
     loss = [r["central"]["loss"] for r in results["rounds"]]
     assert loss[-1] == pytest.approx(loss[0], abs=1e-6)
-    free = [
-        *base,
-        "privacy=distributed",
-        "privacy.distributed.l2_clip=1e3",
-        "privacy.distributed.noise_multiplier=1e-9",
-        "privacy.distributed.bits=32",
-    ]
-    moved = json.loads(run_inprocess(free, tmp_path / "free", 3).read_text())
+    moved = json.loads(run_inprocess(run_with(1e3), tmp_path / "free", 3).read_text())
     assert moved["rounds"][-1]["central"]["loss"] < loss[0] - 0.05
 
 
