@@ -88,8 +88,9 @@ class DistributedDP:
     denominator : str (default: "contributors")
         What a mean divides the noisy sum by: ``"contributors"``, the
         round's (unbiased when clients drop), or ``"expected"``,
-        ``expected_clients`` (TFF's fixed denominator). Means are uniform: a weighted mean would let a client's
-        weight scale its sensitivity, so the strategy must weigh uniformly.
+        ``expected_clients`` (TFF's fixed denominator). Means are uniform: a
+        weighted mean would let a client's weight scale its sensitivity, so
+        the strategy must weigh uniformly.
     colluding : int (default: 0)
         :math:`k \geq 0`: clients assumed to give the server their own noise
         (or to add none); each round is charged with :math:`t - k` noisy
