@@ -601,3 +601,87 @@ def test_an_own_reply_is_not_said_to_skip_the_term(problem, caplog):
         run(problem, FedProx(mu=0.1, fraction_evaluate=0.0), app, rounds=1)
     assert "so nothing says their clients apply FedProx's proximal term" in caplog.text
     assert "return rule.reply(...)" in caplog.text
+
+
+# ------------------------------------------------------- every order of calls
+# One step of FedProx from w_t + 0.1, in each order of zero_grad (Z),
+# add_gradient (A), backward (B, twice for accumulation: B1 B2) and step (S),
+# with and without attach: the update against the hand computation, and the
+# counters. "term" says how many times the term is in the update (0: lost or
+# never added).
+ORDERS = [
+    # (order, attach, term in update, applied, lost, missing)
+    ("Z B A S", False, 1, 1, 0, 0),
+    ("Z A B S", False, 1, 1, 0, 0),  # backward accumulates onto the term
+    ("A Z B S", False, 0, 0, 1, 0),  # zero_grad clears it
+    ("Z A z B S", False, 0, 0, 1, 0),  # zero_grad(set_to_none=False) zeroes it
+    ("Z B S", False, 0, 0, 0, 1),
+    ("Z B1 A B2 S", False, 1, 1, 0, 0),  # accumulation over two passes
+    ("Z B S", True, 1, 1, 0, 0),
+    ("Z A B S", True, 1, 1, 0, 0),  # the hook sees the term and adds no second
+    ("Z B A S", True, 1, 1, 0, 0),
+    ("A Z B S", True, 1, 1, 0, 0),  # the hook adds the lost term again
+    ("Z B1 A B2 S", True, 1, 1, 0, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("order", "attach", "term", "applied", "lost", "missing"), ORDERS
+)
+def test_every_order_of_calls_steps_and_counts_what_the_gradient_held(
+    problem, order, attach, term, applied, lost, missing
+):
+    mu, lr = 3.0, 0.05
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    start = w_t.astype(np.float32) + 0.1
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(start).reshape(1, -1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    if attach:
+        rule.attach(optimizer)
+    x, y = data(problem)
+    calls = {
+        "Z": lambda: optimizer.zero_grad(),
+        "z": lambda: optimizer.zero_grad(set_to_none=False),
+        "A": lambda: rule.add_gradient(),
+        "B": lambda: half_sse(model(x), y).backward(),
+        "B1": lambda: half_sse(model(x[:10]), y[:10]).backward(),
+        "B2": lambda: half_sse(model(x[10:]), y[10:]).backward(),
+        "S": lambda: optimizer.step(),
+    }
+    for call in order.split():
+        calls[call]()
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+    w0 = start.astype(np.float64)
+    w = w_t.astype(np.float32).astype(np.float64)
+    expected = w0 - lr * (a.T @ (a @ w0 - b) + term * mu * (w0 - w))
+    np.testing.assert_allclose(
+        model.weight.detach().numpy()[0], expected, rtol=1e-5, atol=1e-6
+    )
+    metrics = metrics_of(rule)
+    assert metrics["local-steps"] == 1
+    assert metrics["proximal-mu-applied"] == applied
+    assert metrics.get("term-lost-steps", 0) == lost
+    assert metrics.get("term-missing-steps", 0) == missing
+
+
+def test_a_closure_that_only_accumulates_keeps_the_term(problem):
+    """add_gradient, then step(closure) whose closure only runs backward: kept."""
+    mu, lr = 3.0, 0.05
+    w_t = np.zeros(problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = data(problem)
+    optimizer.zero_grad()
+    rule.add_gradient()
+
+    def closure():
+        loss = half_sse(model(x), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    metrics = metrics_of(rule)
+    assert metrics["proximal-mu-applied"] == 1
+    assert metrics.get("term-lost-steps", 0) == 0

@@ -3,7 +3,9 @@ r"""Which optimiser updates held the rule's term: measured at every step.
 What the counts mean: ``docs/howto/own-client.md``. :class:`StepWatch` sees every
 ``step()`` through torch's global optimiser step hooks (a wrapping optimiser is
 counted once, through the one that updates), notes the gradient tensors the term
-went into and, by a hook on each parameter, any later backward pass into them. A
+went into and follows them through later backward passes (which accumulate onto
+the term and keep it) by hooks on each parameter; gradients cleared, zeroed or
+replaced before the update lose it. A
 loop without a torch optimiser is counted by its calls to
 :meth:`ClientRule.add_gradient
 <flwr_prox_strategies.extend.ClientRule.add_gradient>`.
@@ -70,8 +72,9 @@ class StepCounts:
     applied : int (default: 0)
         Those whose update held the term (the reply's ``<algorithm>-applied``).
     lost : int (default: 0)
-        Those for which the term was added, then lost before the update (a
-        backward pass after it, or the gradients cleared or replaced).
+        Those for which the term was added, then lost before the update (the
+        gradients cleared, zeroed or replaced after it: a closure's
+        ``zero_grad()``; a backward pass accumulates onto it and keeps it).
     missing : int (default: 0)
         Those with no term added since the previous step.
     lr_sum : float (default: 0.0)
@@ -160,10 +163,14 @@ class StepWatch:
         self._params: list[torch.Tensor] = []
         self._ids: set[int] = set()
         self._known: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        # The gradients the term went into since the last step (None: not
-        # added). Held until the step ends, as the parameters hold them.
+        # The gradients that hold the term added since the last step (None:
+        # not added), their versions, and whether each still holds it: a
+        # backward pass accumulates onto them (followed), anything else that
+        # clears or replaces them loses it. Held until the step ends.
         self._term_grads: list[torch.Tensor | None] | None = None
-        self._backward_after_term = False
+        self._term_versions: list[int | None] = []
+        self._term_nonzero: list[bool] = []
+        self._term_kept: list[bool] = []
         self._step_lr: float | None = None
         # A loop without a torch optimiser: its add_gradient calls, and the
         # parameters at the last one (their versions and a checksum: an update
@@ -210,7 +217,9 @@ class StepWatch:
         gradients (APFL's personal step): nothing there can be lost.
         """
         self._term_grads = [p.grad for p in self._params] if in_gradients else []
-        self._backward_after_term = False
+        self._term_versions = [_version(g) for g in self._term_grads]
+        self._term_nonzero = [g is not None and bool(g.any()) for g in self._term_grads]
+        self._term_kept = [True] * len(self._term_grads)
         if not self.observed:
             if self._versions_at_add is not None and self._params_moved():
                 self.manual_applied += 1
@@ -223,12 +232,19 @@ class StepWatch:
             return False
         if not self._term_grads:
             return True  # nothing was added to the gradients (see term_added)
-        if self._backward_after_term:
-            return False
-        return all(
-            p.grad is grad
-            for p, grad in zip(self._params, self._term_grads, strict=True)
-        )
+        return all(kept and self._holds(i) for i, kept in enumerate(self._term_kept))
+
+    def _holds(self, index: int) -> bool:
+        """Whether parameter ``index``'s gradient is the term's, unchanged."""
+        grad = self._params[index].grad
+        assert self._term_grads is not None
+        if grad is not self._term_grads[index]:
+            return False  # cleared (None) or replaced
+        if grad is None or _version(grad) == self._term_versions[index]:
+            return True
+        # Changed in place: clipping, unscaling or weight decay keep the term
+        # (scaled); zeroing it (zero_grad(set_to_none=False)) loses it.
+        return not self._term_nonzero[index] or bool(grad.any())
 
     @property
     def observed(self) -> bool:
@@ -275,14 +291,38 @@ class StepWatch:
         self._ids = {id(p) for p in self._params}
         this = weakref.ref(self)
 
-        def accumulated(param: torch.Tensor) -> None:
-            watch = this()
-            if watch is not None and watch._term_grads is not None:
-                watch._backward_after_term = True
+        def following(index: int) -> Callable[[bool], Callable[..., None]]:
+            def hook(after: bool) -> Callable[..., None]:
+                def run(*_: Any) -> None:
+                    watch = this()
+                    if watch is not None:
+                        watch._backward(index, after)
 
-        self._param_handles = [
-            p.register_post_accumulate_grad_hook(accumulated) for p in self._params
-        ]
+                return run
+
+            return hook
+
+        self._param_handles = []
+        for index, p in enumerate(self._params):
+            hook = following(index)
+            self._param_handles.append(p.register_hook(hook(False)))
+            self._param_handles.append(p.register_post_accumulate_grad_hook(hook(True)))
+
+    def _backward(self, index: int, after: bool) -> None:
+        """Follow a backward pass into parameter ``index``'s gradient.
+
+        Before it accumulates: does the gradient still hold the term? After:
+        the new gradient holds it too (accumulation adds onto it, in place or
+        into a new tensor).
+        """
+        if self._term_grads is None or not self._term_grads:
+            return
+        if not after:
+            self._term_kept[index] = self._term_kept[index] and self._holds(index)
+        elif self._term_kept[index]:
+            grad = self._params[index].grad
+            self._term_grads[index] = grad
+            self._term_versions[index] = _version(grad)
 
     def _params_moved(self) -> bool:
         assert self._versions_at_add is not None
@@ -331,8 +371,12 @@ class StepWatch:
         if self._step_lr is not None:
             counts.add_lr(self._step_lr)
         self._term_grads = None
-        self._backward_after_term = False
         self._step_lr = None
+
+
+def _version(grad: torch.Tensor | None) -> int | None:
+    """Return a gradient's version counter (in-place changes bump it)."""
+    return None if grad is None else grad._version
 
 
 def _fingerprint(param: torch.Tensor) -> tuple[int, float]:
@@ -349,12 +393,13 @@ def shortfall_text(lost: int, missing: int, rule: str, *, counted: bool = True) 
     if lost:
         causes.append(
             f"{f'{lost} ' if counted else 'steps '}lost (the term was added, "
-            "then a backward pass or cleared gradients came before the update: "
-            "the step runs backward() inside "
+            "then the gradients were cleared, zeroed or replaced before the "
+            "update: the step runs zero_grad() and backward() inside "
             "optimizer.step(closure), as Lightning's automatic optimisation and "
-            "LBFGS do, or the term is added before backward(); attach the rule "
+            "LBFGS do, or zero_grad() comes after the term; attach the rule "
             "to the optimiser, rule.attach(optimizer), which adds it inside the "
-            "closure, or use the pack's Lightning or Hugging Face callback)"
+            "closure, or use the pack's RuleCallback for Lightning or Hugging "
+            "Face)"
         )
     if missing:
         causes.append(
@@ -362,7 +407,8 @@ def shortfall_text(lost: int, missing: int, rule: str, *, counted: bool = True) 
             "added before these updates: the optimiser that steps the model is "
             "not the one attached, or "
             f"{rule}.add_gradient() was not called at every step; attach the "
-            "optimiser your training stack steps)"
+            "optimiser your training stack steps, or, under Lightning or Hugging "
+            "Face, add the pack's RuleCallback)"
         )
     return "; ".join(causes) or "no step lacked the term"
 
