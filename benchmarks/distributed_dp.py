@@ -111,11 +111,14 @@ def main() -> None:
         default=["none", "central", "secagg", "ddp-16", "ddp-18", "ddp-20"],
     )
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument(
+        "--jobs", type=Path, default=None, help="job folders (kept: a rerun resumes)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
         rows, curves = [], {}
-        jobs = Path(tempfile.mkdtemp(prefix="distributed-dp-"))
+        jobs = args.jobs or Path(tempfile.mkdtemp(prefix="distributed-dp-"))
         for name, strategy in STRATEGIES.items():
             for kind in args.kinds:
                 for seed in args.seeds:
