@@ -35,7 +35,7 @@ from flwr_prox_strategies import (
 )
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
-from .helpers import context, train_message
+from .helpers import context, logged, train_message
 from .lsq import LeastSquares, half_sse
 
 L = pytest.importorskip("lightning.pytorch")
@@ -368,8 +368,11 @@ def hf_fit(rule_cls, config, extra, optimizer="sgd", tmp_path=None):
 
 
 @pytest.mark.long
-def test_hugging_face_trainer_applies_fedprox_and_scaffold(tmp_path):
+def test_hugging_face_trainer_applies_fedprox_and_scaffold(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="flwr")
     big = hf_fit(FedProxRule, {"proximal-mu": 100.0}, None, tmp_path=tmp_path)
+    # The Trainer's own linear decay around the user's SGD is named.
+    assert logged(caplog, "lr_scheduler_type=linear")
     zero = hf_fit(FedProxRule, {"proximal-mu": 0.0}, None, tmp_path=tmp_path)
     metrics = big.content["metrics"]
     assert metrics["proximal-mu-applied"] == metrics["local-steps"] == 3

@@ -685,3 +685,21 @@ def test_a_closure_that_only_accumulates_keeps_the_term(problem):
     metrics = metrics_of(rule)
     assert metrics["proximal-mu-applied"] == 1
     assert metrics.get("term-lost-steps", 0) == 0
+
+
+def test_a_dtype_change_after_the_first_step_is_followed(problem):
+    """model.to(float64) between steps: the anchor and the term follow it exactly."""
+    mu, lr = 2.0, 0.05
+    w_t = np.linspace(-1, 1, problem.dim)
+    model, rule = fedprox_rule(problem, w_t, mu)
+    optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=lr))
+    x, y = data(problem)
+    plain_steps(optimizer, model, x, y, 1)
+    w1 = model.weight.detach().double().numpy()[0].copy()
+    model.to(torch.float64)
+    plain_steps(optimizer, model, x.double(), y.double(), 1)
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+    w = w_t.astype(np.float32).astype(np.float64)
+    expected = w1 - lr * (a.T @ (a @ w1 - b) + mu * (w1 - w))
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], expected, atol=1e-12)
+    assert metrics_of(rule)["proximal-mu-applied"] == 2

@@ -17,7 +17,10 @@ counts the steps whose update held the term::
 
 from __future__ import annotations
 
+from logging import INFO
 from typing import Any
+
+from flwr.common.logger import log
 
 from ..core.client.rule import ClientRule
 from . import checked_rule
@@ -61,6 +64,20 @@ class RuleCallback(TrainerCallback):  # type: ignore[misc]
                 "on_train_begin; pass optimizers=(optimizer, None) to the Trainer"
             )
         self.rule.attach(optimizer)
+        schedule = getattr(args, "lr_scheduler_type", "constant")
+        schedule = str(getattr(schedule, "value", schedule))  # an enum in transformers
+        if schedule != "constant":
+            # The Trainer wraps the user's optimiser in its own schedule: say so
+            # once, and that the rule reads the rates it actually applies.
+            log(
+                INFO,
+                "RuleCallback: the Trainer changes the learning rate every step "
+                "(lr_scheduler_type=%s); %s reads each step's rate from the "
+                "optimiser, so its update stays exact; pass "
+                "lr_scheduler_type='constant' for the papers' constant rate",
+                schedule,
+                type(self.rule).__name__,
+            )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Remove the optimiser hook (the rule's counts stay for its reply)."""
