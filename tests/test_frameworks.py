@@ -399,3 +399,56 @@ def test_hugging_face_trainer_applies_fedprox_and_scaffold(tmp_path, caplog):
     assert all(np.isfinite(d).all() for d in deltas)
     with pytest.raises(ValueError, match="got AdamW"):
         hf_fit(ScaffoldRule, {"server-round": 1}, control, "adamw", tmp_path=tmp_path)
+
+
+class LitTwoParts(L.LightningModule):
+    """Manual optimisation with two optimisers, one per part, stepped in turn."""
+
+    def __init__(self, dim: int, lr: float = 0.02):
+        super().__init__()
+        self.split = dim // 2
+        self.a = torch.nn.Linear(self.split, 1, bias=False)
+        self.b = torch.nn.Linear(dim - self.split, 1, bias=False)
+        self.lr = lr
+        self.automatic_optimization = False
+
+    def forward(self, x):
+        return self.a(x[:, : self.split]) + self.b(x[:, self.split :])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+            self.manual_backward(half_sse(self(x), y))
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.SGD(self.a.parameters(), lr=self.lr),
+            torch.optim.SGD(self.b.parameters(), lr=self.lr),
+        )
+
+
+def test_lightning_manual_optimisation_with_two_optimisers(problem):
+    """The callback attaches both; each part's update gets the term once."""
+    mu, lr = 2.0, 0.02
+    w_t = np.linspace(-1, 1, problem.dim).astype(np.float32)
+    model = LitTwoParts(problem.dim, lr)
+    split = model.split
+    msg = train_message(
+        [w_t[:split].reshape(1, -1), w_t[split:].reshape(1, -1)], {"proximal-mu": mu}
+    )
+    rule = FedProxRule.from_message(msg, context(1), model)
+    trainer([RuleCallback(rule)], max_epochs=2).fit(model, loader(problem))
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+    anchor = w_t.astype(np.float64)
+    w = anchor.copy()
+    for _ in range(2):
+        for part in (slice(0, split), slice(split, None)):
+            w[part] -= lr * (a.T @ (a @ w - b) + mu * (w - anchor))[part]
+    got = np.concatenate(
+        [model.a.weight.detach().numpy()[0], model.b.weight.detach().numpy()[0]]
+    )
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    metrics = rule.reply(num_examples=20).content["metrics"]
+    assert metrics["local-steps"] == 4 and metrics["proximal-mu-applied"] == 4

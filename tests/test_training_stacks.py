@@ -703,3 +703,107 @@ def test_a_dtype_change_after_the_first_step_is_followed(problem):
     expected = w1 - lr * (a.T @ (a @ w1 - b) + mu * (w1 - w))
     np.testing.assert_allclose(model.weight.detach().numpy()[0], expected, atol=1e-12)
     assert metrics_of(rule)["proximal-mu-applied"] == 2
+
+
+# ------------------------------------------------- several optimisers, one each part
+class TwoParts(torch.nn.Module):
+    """A linear model in two parts over disjoint features (the state_dict: a, b)."""
+
+    def __init__(self, dim: int, split: int) -> None:
+        super().__init__()
+        self.split = split
+        self.a = torch.nn.Linear(split, 1, bias=False)
+        self.b = torch.nn.Linear(dim - split, 1, bias=False)
+
+    def forward(self, x):
+        return self.a(x[:, : self.split]) + self.b(x[:, self.split :])
+
+
+def two_parts(problem, rule_cls=FedProxRule, config=None, extra=None):
+    split = problem.dim // 2
+    w_t = np.linspace(-1, 1, problem.dim).astype(np.float32)
+    model = TwoParts(problem.dim, split)
+    arrays = [w_t[:split].reshape(1, -1), w_t[split:].reshape(1, -1)]
+    msg = train_message(
+        arrays, config or {"proximal-mu": 3.0, "server-round": 1}, extra
+    )
+    rule = rule_cls.from_message(msg, context(1), model)
+    return model, rule, w_t.astype(np.float64), split
+
+
+def grad_at(problem, w, w_t, mu):
+    a, b = problem.a[1].astype(np.float64), problem.b[1].astype(np.float64)
+    return a.T @ (a @ w - b) + mu * (w - w_t)
+
+
+@pytest.mark.parametrize("route", ["attach", "add_gradient"])
+def test_two_optimisers_one_backward_each_part_gets_the_term_once(problem, route):
+    """One backward, then each optimiser steps its part with its own rate."""
+    mu, rates = 3.0, (0.05, 0.02)
+    model, rule, w_t, split = two_parts(problem)
+    opt_a = torch.optim.SGD(model.a.parameters(), lr=rates[0])
+    opt_b = torch.optim.SGD(model.b.parameters(), lr=rates[1])
+    if route == "attach":
+        assert rule.attach(opt_a, opt_b) == (opt_a, opt_b)
+    x, y = data(problem)
+    for opt in (opt_a, opt_b):
+        opt.zero_grad()
+    half_sse(model(x), y).backward()
+    for opt in (opt_a, opt_b):
+        if route == "add_gradient":
+            rule.add_gradient()  # before each step: each part gets it once
+        opt.step()
+    g = grad_at(problem, w_t, w_t, mu)
+    step = np.concatenate([rates[0] * g[:split], rates[1] * g[split:]])
+    got = np.concatenate(
+        [model.a.weight.detach().numpy()[0], model.b.weight.detach().numpy()[0]]
+    )
+    np.testing.assert_allclose(got, w_t - step, rtol=1e-5, atol=1e-6)
+    metrics = metrics_of(rule, lr=0.05)
+    assert metrics["local-steps"] == 2 and metrics["proximal-mu-applied"] == 2
+
+
+def test_two_optimisers_in_turn_as_a_gan_trains(problem):
+    """zero, backward, step of one part, then of the other at the moved model."""
+    mu, lr = 3.0, 0.05
+    model, rule, w_t, split = two_parts(problem)
+    opt_a = torch.optim.SGD(model.a.parameters(), lr=lr)
+    opt_b = torch.optim.SGD(model.b.parameters(), lr=lr)
+    rule.attach(opt_a, opt_b)
+    x, y = data(problem)
+    for opt in (opt_a, opt_b):
+        opt.zero_grad()
+        half_sse(model(x), y).backward()
+        opt.step()
+    w = w_t.copy()
+    w[:split] -= lr * grad_at(problem, w, w_t, mu)[:split]
+    w[split:] -= lr * grad_at(problem, w, w_t, mu)[split:]
+    got = np.concatenate(
+        [model.a.weight.detach().numpy()[0], model.b.weight.detach().numpy()[0]]
+    )
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    metrics = metrics_of(rule)
+    assert metrics["local-steps"] == 2 and metrics["proximal-mu-applied"] == 2
+
+
+def test_a_part_left_out_of_attach_is_refused_naming_the_fix(problem):
+    model, rule, _, _ = two_parts(problem)
+    only_a = torch.optim.SGD(model.a.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"attach\(optimizer_a, optimizer_b\)"):
+        rule.attach(only_a)
+
+
+def test_scaffold_checks_plain_sgd_in_every_part(problem):
+    split = problem.dim // 2
+    control = [
+        np.zeros((1, split), np.float32),
+        np.zeros((1, problem.dim - split), np.float32),
+    ]
+    _, rule, _, _ = two_parts(
+        problem, ScaffoldRule, {"server-round": 1}, {"control": control}
+    )
+    model = rule.model
+    sgd = torch.optim.SGD(model.a.parameters(), lr=0.1)
+    adam = torch.optim.Adam(model.b.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="got Adam"):
+        rule.attach(sgd, adam)

@@ -68,8 +68,10 @@ class RuleCallback(_lightning_callback()):  # type: ignore[misc]
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Attach the rule to every optimiser the trainer will step."""
-        for optimizer in trainer.optimizers:
-            self.rule.attach(optimizer)
+        # Together: several optimisers may each step a part of the module
+        # (manual optimisation of a GAN's generator and discriminator).
+        if trainer.optimizers:
+            self.rule.attach(*trainer.optimizers)
 
     def on_before_optimizer_step(
         self, trainer: Any, pl_module: Any, optimizer: Any

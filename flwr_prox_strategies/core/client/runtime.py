@@ -87,8 +87,13 @@ class RuleRuntime:
         """The local steps taken so far this round (measured)."""
         return self.counts.steps
 
-    def attach(self, optimizer: Any) -> Any:
+    def attach(self, optimizer: Any, *more: Any) -> Any:
         """Add the term at every ``optimizer.step()``, once, just before the update.
+
+        Several optimisers that each step a disjoint part of the model (a GAN's
+        generator and discriminator, an encoder with its own learning rate):
+        ``rule.attach(optimizer_a, optimizer_b)``; each update gets the term
+        on its own part, and counts as applied when its whole part held it.
 
         For a step called with a closure (Lightning, LBFGS) the term is added
         after the closure's ``backward()`` and the closure's loss includes the
@@ -101,18 +106,18 @@ class RuleRuntime:
 
         Returns
         -------
-        torch.optim.Optimizer
-            The same optimiser, hooked (:meth:`detach` and :meth:`reply`
-            remove the hook).
+        torch.optim.Optimizer | tuple
+            The same optimiser (the optimisers, as a tuple, when several),
+            hooked (:meth:`detach` and :meth:`reply` remove the hooks).
 
         Raises
         ------
         ValueError
-            If the optimiser does not update every trainable parameter of the
-            model, or the rule assumes plain SGD (``plain_sgd``) and the
+            If the optimisers together do not update every trainable parameter
+            of the model, or the rule assumes plain SGD (``plain_sgd``) and an
             optimiser is not ``torch.optim.SGD`` without momentum.
         """
-        return self.wiring.attach(optimizer)
+        return self.wiring.attach(optimizer, *more)
 
     def add_gradient(self, lr: float | None = None) -> None:
         """Add the term's gradient to every ``p.grad``, once per step.

@@ -163,14 +163,21 @@ class StepWatch:
         self._params: list[torch.Tensor] = []
         self._ids: set[int] = set()
         self._known: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        # The gradients that hold the term added since the last step (None:
-        # not added), their versions, and whether each still holds it: a
-        # backward pass accumulates onto them (followed), anything else that
-        # clears or replaces them loses it. Held until the step ends.
-        self._term_grads: list[torch.Tensor | None] | None = None
+        # Per parameter, since its last update: whether the term was added
+        # (False: not), whether it went into no gradient (APFL's personal
+        # step), the gradient that holds it, its version, whether it was
+        # non-zero, and whether it still holds the term: a backward pass
+        # accumulates onto it (followed), clearing or replacing loses it.
+        # Several optimisers over disjoint parts each reset their own part.
+        self._added: list[bool] = []
+        self._free: list[bool] = []
+        self._term_grads: list[torch.Tensor | None] = []
         self._term_versions: list[int | None] = []
         self._term_nonzero: list[bool] = []
         self._term_kept: list[bool] = []
+        self._parts: weakref.WeakKeyDictionary[Any, list[int]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._step_lr: float | None = None
         # A loop without a torch optimiser: its add_gradient calls, and the
         # parameters at the last one (their versions and a checksum: an update
@@ -210,34 +217,58 @@ class StepWatch:
             old.close()
 
     # ------------------------------------------------------------ the term
-    def term_added(self, *, in_gradients: bool = True) -> None:
-        """Note that the term was just added to the parameters' gradients.
+    def term_added(
+        self, indices: Sequence[int] | None = None, *, in_gradients: bool = True
+    ) -> None:
+        """Note that the term was just added to the gradients of ``indices`` (all).
 
         ``in_gradients=False``: the rule acted this step without touching the
         gradients (APFL's personal step): nothing there can be lost.
         """
-        self._term_grads = [p.grad for p in self._params] if in_gradients else []
-        self._term_versions = [_version(g) for g in self._term_grads]
-        self._term_nonzero = [g is not None and bool(g.any()) for g in self._term_grads]
-        self._term_kept = [True] * len(self._term_grads)
-        if not self.observed:
+        every = indices is None
+        for i in range(len(self._params)) if indices is None else indices:
+            grad = self._params[i].grad
+            self._added[i] = True
+            self._free[i] = not in_gradients
+            self._term_grads[i] = grad
+            self._term_versions[i] = _version(grad)
+            self._term_nonzero[i] = grad is not None and bool(grad.any())
+            self._term_kept[i] = True
+        if every and not self.observed:
             if self._versions_at_add is not None and self._params_moved():
                 self.manual_applied += 1
             self.manual_adds += 1
             self._versions_at_add = [_fingerprint(p) for p in self._params]
 
-    def term_intact(self) -> bool:
-        """Return whether the term added since the last step is in the gradients."""
-        if self._term_grads is None:
+    def term_intact(self, indices: Sequence[int] | None = None) -> bool:
+        """Return whether the term added since the last update is in the gradients.
+
+        ``indices``: of those parameters only (all by default).
+        """
+        return not self.without_term(indices)
+
+    def without_term(self, indices: Sequence[int] | None = None) -> list[int]:
+        """Return the parameters (of ``indices``, all) whose gradient lacks the term."""
+        chosen = range(len(self._params)) if indices is None else indices
+        return [i for i in chosen if not self._intact(i)]
+
+    def part_of(self, optimizer: Any) -> list[int]:
+        """Return the indices of the watched parameters ``optimizer`` updates."""
+        part = self._parts.get(optimizer)
+        if part is None:
+            ids = {id(p) for p in optimizer_parameters(innermost_optimizer(optimizer))}
+            part = [i for i, p in enumerate(self._params) if id(p) in ids]
+            self._parts[optimizer] = part
+        return part
+
+    def _intact(self, index: int) -> bool:
+        if not self._added[index]:
             return False
-        if not self._term_grads:
-            return True  # nothing was added to the gradients (see term_added)
-        return all(kept and self._holds(i) for i, kept in enumerate(self._term_kept))
+        return self._free[index] or (self._term_kept[index] and self._holds(index))
 
     def _holds(self, index: int) -> bool:
         """Whether parameter ``index``'s gradient is the term's, unchanged."""
         grad = self._params[index].grad
-        assert self._term_grads is not None
         if grad is not self._term_grads[index]:
             return False  # cleared (None) or replaced
         if grad is None or _version(grad) == self._term_versions[index]:
@@ -289,6 +320,12 @@ class StepWatch:
             handle.remove()
         self._params = list(params)
         self._ids = {id(p) for p in self._params}
+        count = len(self._params)
+        self._added, self._free = [False] * count, [False] * count
+        self._term_grads = [None] * count
+        self._term_versions = [None] * count
+        self._term_nonzero, self._term_kept = [False] * count, [False] * count
+        self._parts = weakref.WeakKeyDictionary()
         this = weakref.ref(self)
 
         def following(index: int) -> Callable[[bool], Callable[..., None]]:
@@ -315,7 +352,7 @@ class StepWatch:
         the new gradient holds it too (accumulation adds onto it, in place or
         into a new tensor).
         """
-        if self._term_grads is None or not self._term_grads:
+        if not self._added[index] or self._free[index]:
             return
         if not after:
             self._term_kept[index] = self._term_kept[index] and self._holds(index)
@@ -362,15 +399,18 @@ class StepWatch:
             return
         counts = self.counts
         counts.steps += 1
-        if self._term_grads is None:
+        part = self.part_of(optimizer)
+        if not all(self._added[i] for i in part):
             counts.missing += 1
-        elif self.term_intact():
+        elif self.term_intact(part):
             counts.applied += 1
         else:
             counts.lost += 1
         if self._step_lr is not None:
             counts.add_lr(self._step_lr)
-        self._term_grads = None
+        for i in part:  # this part was updated: its next step needs the term again
+            self._added[i] = False
+            self._term_grads[i] = None
         self._step_lr = None
 
 

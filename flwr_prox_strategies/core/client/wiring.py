@@ -192,10 +192,20 @@ class TermWiring:
         )
 
     # ------------------------------------------------------ in the user's loop
-    def add_gradient(self, lr: float | None = None) -> None:
-        """Add the term's gradient to every ``p.grad``, once per step."""
+    def add_gradient(
+        self, lr: float | None = None, part: list[int] | None = None
+    ) -> None:
+        """Add the term's gradient to every ``p.grad`` (of ``part``), once per step.
+
+        Only the parameters whose gradient lacks it get it: with several
+        optimisers over disjoint parts, a part updated since the last call
+        gets it again, the others keep theirs.
+        """
         self.prepare()
-        if self.watch.term_intact():
+        todo = self.watch.without_term(part)
+        if not todo:
+            if part is not None:
+                return
             if not self._warned_twice:
                 self._warned_twice = True
                 log(
@@ -208,32 +218,67 @@ class TermWiring:
             return
         term = self.rule.term
         if term is not None:
-            term.add_(self.rule.params)
-        self.watch.term_added(in_gradients=term is not None)
+            self._add_term(todo)
+        every = len(todo) == len(self.rule.params) and part is None
+        self.watch.term_added(None if every else todo, in_gradients=term is not None)
         if lr is not None:
             self.given_lrs.append(float(lr))
 
-    def ensure_term(self) -> None:
-        """Add the term unless this step's gradients already hold it."""
-        if not self.watch.term_intact():
-            self.add_gradient()
+    def _add_term(self, indices: list[int]) -> None:
+        """Add the term to the gradients of ``indices``, and to no other."""
+        term, params = self.rule.term, self.rule.params
+        assert term is not None
+        if len(indices) == len(params):
+            term.add_(params)
+            return
+        chosen = set(indices)
+        kept = {i: p.grad for i, p in enumerate(params) if i not in chosen}
+        for i in kept:
+            params[i].grad = None
+        try:
+            term.add_(params)  # a term is elementwise: the others' share is dropped
+        finally:
+            for i, grad in kept.items():
+                params[i].grad = grad
 
-    def attach(self, optimizer: Any) -> Any:
-        """Add the term before every update of ``optimizer`` (through any wrapper)."""
-        target = innermost_optimizer(optimizer)
+    def ensure_term(self, optimizer: Any = None) -> None:
+        """Add the term where ``optimizer``'s part (every part) lacks it."""
+        part = None if optimizer is None else self.watch.part_of(optimizer)
+        if self.watch.without_term(part):
+            self.add_gradient(part=part)
+
+    def attach(self, optimizer: Any, *more: Any) -> Any:
+        """Add the term before every update of each optimiser (through any wrapper).
+
+        Several optimisers over disjoint parts of the model (a GAN's generator
+        and discriminator, an encoder with its own rate) together must update
+        every trainable parameter; each one's update gets the term on its own
+        part.
+        """
+        given = (optimizer, *more)
+        targets = [innermost_optimizer(o) for o in given]
         if self.rule.plain_sgd:
-            self.check_plain_sgd(target)
-        optimized = {id(p) for group in target.param_groups for p in group["params"]}
+            for target in targets:
+                self.check_plain_sgd(target)
+        optimized = {
+            id(p)
+            for target in targets
+            for group in target.param_groups
+            for p in group["params"]
+        }
         params = trainable(self.rule.model)
         missing = [i for i, p in enumerate(params) if id(p) not in optimized]
         if missing:
+            what = "optimizer does" if not more else f"{len(given)} optimizers do"
             raise ValueError(
-                f"{self.name}.attach: the optimizer does not update "
-                f"{len(missing)} of the model's trainable parameters; build it "
-                "from model.parameters() of the model given to the rule"
+                f"{self.name}.attach: the {what} not update {len(missing)} of the "
+                "model's trainable parameters; build one from model.parameters() "
+                "of the model given to the rule, or attach every optimiser that "
+                "steps a part of it: rule.attach(optimizer_a, optimizer_b)"
             )
-        self.handles.append(target.register_step_pre_hook(self.before_update))
-        return optimizer
+        for target in targets:
+            self.handles.append(target.register_step_pre_hook(self.before_update))
+        return optimizer if not more else given
 
     def before_update(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: Any
@@ -242,12 +287,12 @@ class TermWiring:
         # (args[0] is the optimiser itself: torch passes step's own arguments.)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            self.ensure_term()
+            self.ensure_term(optimizer)
             return None
 
         def closure_with_term() -> Any:
             loss = closure()
-            self.ensure_term()
+            self.ensure_term(optimizer)
             value = getattr(self.rule.term, "value", None)
             if isinstance(loss, torch.Tensor) and callable(value):
                 loss = loss + value(self.rule.params)
