@@ -12,7 +12,9 @@ noise multiplier is z sqrt(n / t): the sum's noise over the t honest clients the
 account counts is then z C, central DP's. Epsilon: central DP's from the
 Gaussian's RDP over the rounds (the same orders and conversion as the pack's
 accountant; no amplification, every client is sampled), distributed DP's from
-the run's own ``ddp-epsilon-total``. Central DP's epsilon covers the model only:
+the run's own ``ddp-epsilon-total``. ``ddp-20-all`` sets the reconstruction
+threshold to every client (no dropout tolerated): the account then counts all
+n noise shares and the noise multiplier is central DP's own. Central DP's epsilon covers the model only:
 SCAFFOLD's control variates leave un-noised; distributed DP's covers them.
 
 Reports per run: final and last-five-rounds central accuracy, epsilon, seconds per
@@ -68,9 +70,17 @@ def privacy_overrides(kind: str, z: float, clip: float) -> list[str]:
             f"privacy.central.clipping_norm={clip}",
         ]
     bits = int(kind.split("-")[1])
+    if kind.endswith("-all"):  # every client must survive: t = n, z as central's
+        threshold, survive = (
+            CLIENTS,
+            ["secure_aggregation.reconstruction_threshold=1.0"],
+        )
+    else:
+        threshold, survive = THRESHOLD, []
     return [
+        *survive,
         "privacy=distributed",
-        f"privacy.distributed.noise_multiplier={z * math.sqrt(CLIENTS / THRESHOLD)}",
+        f"privacy.distributed.noise_multiplier={z * math.sqrt(CLIENTS / threshold)}",
         f"privacy.distributed.l2_clip={clip}",
         f"privacy.distributed.bits={bits}",
         f"privacy.distributed.delta={DELTA}",
