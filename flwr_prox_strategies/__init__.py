@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see 
     from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
     from .core.client.rule import ClientRule, ProtocolError
     from .core.client.secagg import SecAggPlusMod
+    from .core.client.training import FederatedPart, federated_part
     from .core.privacy.central import ClientSideFixedClipping, ServerSideFixedClipping
     from .core.privacy.distributed import DistributedDP, PrivacyBudgetSpentError
     from .core.privacy.secagg import SecAggPlus
@@ -80,6 +81,7 @@ __all__ = [
     "FedProx",
     "FedProxClient",
     "FedProxRule",
+    "FederatedPart",
     "LaplaceUploadMod",
     "NoRoundAggregatedError",
     "PFedAvg",
@@ -98,6 +100,7 @@ __all__ = [
     "SecAggPlus",
     "SecAggPlusMod",
     "ServerSideFixedClipping",
+    "federated_part",
     "make_private_model",
     "to_client_app",
 ]
@@ -133,6 +136,7 @@ _SOURCES = {
     ".core.client.dp": ("DPSGD", "PrivacyBudgetExhausted", "make_private_model"),
     ".core.client.rule": ("ClientRule", "ProtocolError"),
     ".core.client.secagg": ("SecAggPlusMod",),
+    ".core.client.training": ("FederatedPart", "federated_part"),
     ".core.privacy.central": ("ClientSideFixedClipping", "ServerSideFixedClipping"),
     ".core.privacy.distributed": ("DistributedDP", "PrivacyBudgetSpentError"),
     ".core.privacy.secagg": ("SecAggPlus",),

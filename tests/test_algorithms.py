@@ -92,7 +92,7 @@ USER_API = {
     "to_client_app", "PROXIMAL_MU_KEY", "ProtocolError", "NoRoundAggregatedError",
     "EveryClientRetiredError", "AggregationStalledError",
     "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod", "SecAggPlus", "SecAggPlusMod",
-    "DistributedDP", "PrivacyBudgetSpentError",
+    "DistributedDP", "PrivacyBudgetSpentError", "FederatedPart", "federated_part",
     "ClientSideFixedClipping", "ServerSideFixedClipping",
 }  # fmt: skip
 

@@ -183,6 +183,110 @@ def trainable(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+class FederatedPart(nn.Module):
+    """The part of a model that is federated: a view sharing the model's parameters.
+
+    Build it with :func:`federated_part` and give it to a rule in place of the
+    model (``XxxRule.from_message(msg, context, federated_part(model))``): the
+    rule loads the received arrays into the part, builds its anchor, control
+    variates and state over the part's parameters, and replies with the part's
+    ``state_dict`` only; the rest of the model stays local and untouched by
+    the federation. The part holds the model's own ``Parameter`` objects under
+    their names in the model, so an optimiser built on ``model.parameters()``
+    steps them, and calling the part runs the whole model.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The whole model.
+    names : Sequence[str]
+        The names (as in ``model.named_parameters()``) of the federated
+        parameters, in the model's order.
+    """
+
+    source: nn.Module
+    names: tuple[str, ...]
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "source", model)  # not a submodule: its parts only
+        found = dict(model.named_parameters())
+        for name in names:
+            holder: nn.Module = self
+            *path, leaf = name.split(".")
+            for step in path:  # mirror the dotted path: the same state_dict keys
+                if step not in holder._modules:
+                    holder.add_module(step, nn.Module())
+                holder = holder._modules[step]  # type: ignore[assignment]
+            holder.register_parameter(leaf, found[name])
+        self.names = tuple(names)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the whole model."""
+        return self.source(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        """Name the model and how many tensors are federated."""
+        return (
+            f"FederatedPart({type(self.source).__name__}, {len(self.names)} of "
+            f"{len(list(self.source.parameters()))} parameter tensors)"
+        )
+
+
+def federated_part(
+    model: nn.Module,
+    which: str | Sequence[str] | Callable[[str, torch.Tensor], bool] = "trainable",
+) -> FederatedPart:
+    """Return the part of ``model`` that is federated (see :class:`FederatedPart`).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The whole model, for example a ``peft`` model or a network whose
+        backbone has ``requires_grad=False``.
+    which : str | Sequence[str] | Callable (default: "trainable")
+        ``"trainable"``: every parameter with ``requires_grad`` (a ``peft``
+        model's adapters: the tensors ``get_peft_model_state_dict`` returns,
+        in its order, under the model's own names); a list of parameter
+        names; or ``which(name, parameter) -> bool``. Buffers are never
+        federated.
+
+    Returns
+    -------
+    FederatedPart
+        The view the rule is built on; ``part.state_dict()`` gives the
+        server's initial arrays (``ArrayRecord(part.state_dict())``).
+
+    Raises
+    ------
+    ValueError
+        ``which`` selects no parameter, or names one the model does not have.
+    """
+    named = dict(model.named_parameters())
+    if isinstance(which, str) and which == "trainable":
+        names = [n for n, p in named.items() if p.requires_grad]
+    elif isinstance(which, str):
+        raise ValueError(
+            f"which must be 'trainable', a list of parameter names or a "
+            f"callable, got {which!r}"
+        )
+    elif callable(which):
+        names = [n for n, p in named.items() if which(n, p)]
+    else:
+        wanted = list(which)
+        unknown = [n for n in wanted if n not in named]
+        if unknown:
+            raise ValueError(
+                f"which names parameters the model does not have: {unknown[:5]}"
+            )
+        names = [n for n in named if n in set(wanted)]
+    if not names:
+        raise ValueError(
+            "which selects no parameter of the model: nothing would be federated"
+        )
+    return FederatedPart(model, names)
+
+
 def full_gradient(
     model: nn.Module,
     loader: Iterable[tuple[torch.Tensor, torch.Tensor]],

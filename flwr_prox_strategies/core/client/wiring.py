@@ -19,7 +19,7 @@ from flwr.common.logger import log
 
 from .layout import rule_precision
 from .steps import StepCounts, StepWatch, innermost_optimizer, shortfall_text
-from .training import GradientTerm, trainable
+from .training import FederatedPart, GradientTerm, trainable
 
 
 class WiredRule(Protocol):
@@ -276,6 +276,22 @@ class TermWiring:
                 "of the model given to the rule, or attach every optimiser that "
                 "steps a part of it: rule.attach(optimizer_a, optimizer_b)"
             )
+        if isinstance(self.rule.model, FederatedPart):
+            part = {id(p) for p in self.rule.model.parameters()}
+            outside = [
+                p
+                for target in targets
+                for group in target.param_groups
+                for p in group["params"]
+                if p.requires_grad and id(p) not in part
+            ]
+            if outside:
+                raise ValueError(
+                    f"{self.name}.attach: the optimizer steps {len(outside)} "
+                    "trainable parameter tensors outside the federated part, which "
+                    "the server would never see; freeze them (requires_grad=False) "
+                    "or federate them too (federated_part(model, which=...))"
+                )
         for target in targets:
             self.handles.append(target.register_step_pre_hook(self.before_update))
         return optimizer if not more else given
