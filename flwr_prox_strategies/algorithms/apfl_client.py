@@ -18,7 +18,13 @@ from torch import nn
 from ..core.client.client import TorchClient
 from ..core.client.rule import ClientRule, ProtocolError, arrays_from_params
 from ..core.client.state import ClientState
-from ..core.client.training import LossFn, TrainReport, cycle_batches, trainable
+from ..core.client.training import (
+    FederatedPart,
+    LossFn,
+    TrainReport,
+    cycle_batches,
+    trainable,
+)
 from ..core.docstrings import inherit_parameters
 from ..core.transport.keys import LOCAL_STEPS_KEY
 from ..ops import apfl as maths
@@ -233,8 +239,14 @@ class APFLRule(ClientRule):
                 [w.detach() for w in self.omega],
                 [p.detach() for p in self.params],
             )
+            # A federated part runs its whole model, under the same names.
+            whole = (
+                self.model.source
+                if isinstance(self.model, FederatedPart)
+                else self.model
+            )
             personal_loss, mixture_grad = maths.gradient_at_mixture(
-                self.model, self.names, point, inputs, targets, loss_fn, untracked
+                whole, self.names, point, inputs, targets, loss_fn, untracked
             )
             grads = maths.personal_gradient(mixture_grad, alpha, self.gradient_form)
             for w, g in zip(self.omega, grads, strict=True):

@@ -59,6 +59,7 @@ from .clients import CLIENT_CHECKS as _CLIENT_CHECKS
 from .clients import (
     ClientRun,
     buffered_model,
+    check_frozen_part,
     client_app_of,
     initial_model,
     run_clients,
@@ -166,6 +167,9 @@ def conformance_checks(algorithm: Any) -> dict[str, Callable[[], None]]:
             run = functools.cache(functools.partial(run_clients, algorithm, make))
             for name, client_check in CLIENT_CHECKS.items():
                 checks[f"{case}/{name}"] = _on_run(client_check, run)
+            checks[f"{case}/client/frozen-part"] = functools.partial(
+                check_frozen_part, algorithm, make
+            )
         kinds = bad_reply_kinds(make(NUM_NODES))
         for kind in kinds:
             checks[f"{case}/bad-reply/{kind}"] = functools.partial(

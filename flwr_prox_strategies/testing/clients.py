@@ -43,7 +43,7 @@ _ABSENT_ROUND = _REJECTED_ROUND = 2
 _LR = 0.05
 
 
-def buffered_model() -> nn.Module:
+def buffered_model() -> nn.Sequential:
     """Return the kit's model: Linear(3, 4), BatchNorm1d(4), ReLU, Linear(4, 1).
 
     Returns
@@ -465,3 +465,91 @@ def runs_client(algorithm: Any) -> bool:
     return algorithm.client is not None or (
         algorithm.rule is not None and algorithm.rule is not ClientRule
     )
+
+
+def frozen_model() -> nn.Sequential:
+    """Return :func:`buffered_model` with its first layer frozen (a backbone).
+
+    Returns
+    -------
+    torch.nn.Module
+        Its trainable part: BatchNorm's weight and bias and the last layer.
+    """
+    model = buffered_model()
+    with torch.no_grad():  # the same frozen layer on every node
+        generator = torch.Generator().manual_seed(11)
+        for p in model[0].parameters():
+            p.copy_(torch.randn(tuple(p.shape), generator=generator))
+    model[0].requires_grad_(False)
+    return model
+
+
+def check_frozen_part(algorithm: Any, make: Callable[[int], Any]) -> None:
+    """Check that the algorithm federates a model's part and leaves the rest alone.
+
+    Two rounds on 5 nodes whose client (or rule, in a plain loop) gets
+    ``federated_part(frozen_model())``: every reply must pass screening, the
+    server's model must have the part's layout, and no node's frozen layer
+    may change.
+    """
+    from ..core.client.training import federated_part
+
+    frozen: dict[int, list[bool]] = {}
+    client_cls = algorithm.client
+
+    def train(message: Message, context: Context) -> Message:
+        model = frozen_model()
+        before = [p.detach().clone() for p in model[0].parameters()]
+        partition = int(context.node_config["partition-id"])
+        part = federated_part(model)
+        if client_cls is not None:
+            app = to_client_app(
+                lambda _: client_cls(
+                    part,
+                    node_loader(partition),
+                    loss_fn=_mse,
+                    learning_rate=_LR,
+                    local_epochs=1,
+                )
+            )
+            reply = app(message, context)
+        else:
+            rule = algorithm.rule.from_message(message, context, part)
+            optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=_LR))
+            for x, y in node_loader(partition):
+                optimizer.zero_grad()
+                _mse(model(x), y).backward()
+                optimizer.step()
+            reply = rule.reply(num_examples=16)
+        unchanged = [
+            torch.equal(p, q)
+            for p, q in zip(model[0].parameters(), before, strict=True)
+        ]
+        frozen.setdefault(partition, []).extend(unchanged)
+        return reply
+
+    strategy = make(CLIENT_NODES)
+    initial = ArrayRecord(federated_part(frozen_model()).state_dict())
+    try:
+        result = strategy.start(
+            grid=InProcessGrid(train, num_nodes=CLIENT_NODES),
+            initial_arrays=initial,
+            num_rounds=2,
+        )
+    except Exception as err:  # the kit reports what broke as an assertion
+        raise AssertionError(
+            f"a federation of the federated part failed: {type(err).__name__}: {err}"
+        ) from err
+    shapes = [a.shape for a in result.arrays.to_numpy_ndarrays()]
+    expected = [a.shape for a in initial.to_numpy_ndarrays()]
+    assert shapes == expected, (
+        f"the server's model has {shapes}, the federated part {expected}"
+    )
+    for server_round, metrics in result.train_metrics_clientapp.items():
+        valid = metrics.get("replies-valid")
+        assert valid == CLIENT_NODES, (
+            f"round {server_round}: {valid} of {CLIENT_NODES} replies of the "
+            "federated part were valid"
+        )
+    moved = [k for k, same in frozen.items() if not all(same)]
+    assert not moved, f"the frozen layer changed on partitions {moved}"
