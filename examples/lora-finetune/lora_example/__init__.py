@@ -1,0 +1,1 @@
+"""lora_example: federated LoRA fine-tuning with the pack's strategies."""
