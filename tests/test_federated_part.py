@@ -94,7 +94,7 @@ def test_what_breaks_the_parts_contract_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="outside the federated part"):
         rule.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     whole = [p.detach().numpy() for p in model.state_dict().values()]
-    with pytest.raises(ProtocolError, match="received 2 arrays, the model has 1"):
+    with pytest.raises(ProtocolError, match=r"the model has 1 tensors \(the server"):
         FedProxRule.from_message(
             train_message(whole, {"proximal-mu": 1.0}), context(1), part
         )
@@ -103,6 +103,13 @@ def test_what_breaks_the_parts_contract_is_refused_naming_the_fix():
             train_message([np.zeros((1, 7), np.float32)], {"proximal-mu": 1.0}),
             context(1),
             part,
+        )
+    # The whole model given where the server sends the part: the fix is named.
+    with pytest.raises(ProtocolError, match=r"on federated_part\(model\), whose 1"):
+        FedProxRule.from_message(
+            train_message([np.zeros((1, 6), np.float32)], {"proximal-mu": 1.0}),
+            context(1),
+            backbone_and_head(),
         )
     with pytest.raises(ValueError, match="selects no parameter"):
         federated_part(torch.nn.Linear(2, 1).requires_grad_(False))

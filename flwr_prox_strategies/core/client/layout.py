@@ -19,7 +19,7 @@ from torch import nn
 
 from ..transport.records import to_ndarrays, to_record
 from .message import ProtocolError
-from .training import trainable
+from .training import FederatedPart, trainable
 
 
 def params_from_arrays(
@@ -109,8 +109,26 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord | Sequence[NDArray]) -> No
     values = to_ndarrays(arrays) if isinstance(arrays, ArrayRecord) else arrays
     state = model.state_dict()
     if len(values) != len(state):
+        trainable_count = sum(1 for p in model.parameters() if p.requires_grad)
+        hint = ""
+        if len(values) < len(state) and not isinstance(model, FederatedPart):
+            hint = (
+                " (fewer than the model's: if the server federates a part of it, "
+                "build the rule or client on federated_part(model)"
+                + (
+                    f", whose {trainable_count} trainable tensors would match)"
+                    if trainable_count == len(values)
+                    else ")"
+                )
+            )
+        elif isinstance(model, FederatedPart):
+            hint = (
+                " (the server sends another layout than this federated part: "
+                "give the server ArrayRecord(federated_part(model).state_dict()) "
+                "as its initial arrays)"
+            )
         raise ProtocolError(
-            f"received {len(values)} arrays, the model has {len(state)} tensors"
+            f"received {len(values)} arrays, the model has {len(state)} tensors{hint}"
         )
     new_state = {}
     for (key, current), value in zip(state.items(), values, strict=True):
