@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 from curves import (
+    complete,
     ensure_run,
     read_curves,
     save_figure,
@@ -124,6 +125,11 @@ def main() -> None:
     parser.add_argument(
         "--jobs", type=Path, default=None, help="job folders (kept: a rerun resumes)"
     )
+    parser.add_argument(
+        "--skip-missing",
+        action="store_true",
+        help="tabulate the complete jobs in --jobs; start none",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
@@ -140,6 +146,8 @@ def main() -> None:
                         f"num_rounds={args.rounds}",
                         f"seed={seed}",
                     ]
+                    if args.skip_missing and not complete(job / "results.json"):
+                        continue  # a table of the runs made, none started
                     path = ensure_run(job, overrides, "inprocess", CLIENTS)
                     found = summarise(json.loads(path.read_text()), kind, args.z)
                     curves[(name, kind, seed)] = found.pop("curve")
