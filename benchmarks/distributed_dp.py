@@ -98,7 +98,8 @@ def summarise(results: dict, kind: str, z: float) -> dict:
     rows = [r for r in results["rounds"] if r["round"] > 0 and "central" in r]
     accuracy = [r["central"]["accuracy"] for r in rows]
     if kind.startswith("ddp"):
-        epsilon = float(rows[-1]["train"]["ddp-epsilon-total"])
+        spent = [r["train"]["ddp-epsilon-total"] for r in rows if "train" in r]
+        epsilon = float(max(spent, default=0.0))
     elif kind == "central":
         epsilon = central_epsilon(z, len(rows))
     else:
@@ -146,10 +147,20 @@ def main() -> None:
                         f"num_rounds={args.rounds}",
                         f"seed={seed}",
                     ]
-                    if args.skip_missing and not complete(job / "results.json"):
+                    failed = job / "failed.txt"
+                    done = complete(job / "results.json") or failed.is_file()
+                    if args.skip_missing and not done:
                         continue  # a table of the runs made, none started
-                    path = ensure_run(job, overrides, "inprocess", CLIENTS)
+                    try:
+                        if not failed.is_file():
+                            ensure_run(job, overrides, "inprocess", CLIENTS)
+                    except Exception as err:  # a run that stops is a result too
+                        failed.write_text(f"{type(err).__name__}: {err}")
+                    path = job / "results.json"
                     found = summarise(json.loads(path.read_text()), kind, args.z)
+                    found["stopped"] = (
+                        failed.read_text()[:160] if failed.is_file() else ""
+                    )
                     curves[(name, kind, seed)] = found.pop("curve")
                     rows.append(
                         {"strategy": name, "privacy": kind, "seed": seed, **found}
@@ -173,8 +184,8 @@ def table(out: Path) -> None:
         groups.setdefault((row["strategy"], row["privacy"]), []).append(row)
     lines = [
         "| strategy | privacy | seeds | final accuracy | last 5 rounds | epsilon "
-        "(delta 1e-5) | s / round |",
-        "|---|---|---|---|---|---|---|",
+        "(delta 1e-5) | s / round | runs stopped |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (strategy, kind), found in groups.items():
         mean = {
@@ -182,9 +193,11 @@ def table(out: Path) -> None:
             for key in ("final", "last5", "epsilon", "seconds_per_round")
         }
         epsilon = "-" if math.isinf(mean["epsilon"]) else f"{mean['epsilon']:.2f}"
+        stopped = sum(1 for r in found if r.get("stopped"))
         lines.append(
             f"| {strategy} | {kind} | {len(found)} | {mean['final']:.4f} | "
-            f"{mean['last5']:.4f} | {epsilon} | {mean['seconds_per_round']:.2f} |"
+            f"{mean['last5']:.4f} | {epsilon} | {mean['seconds_per_round']:.2f} | "
+            f"{stopped} |"
         )
     (out / "distributed_dp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -207,8 +220,10 @@ def plot(out: Path) -> None:
         kinds = sorted({key[1] for key in curves if key[0] == name})
         for kind in kinds:
             runs = [points for key, points in curves.items() if key[:2] == (name, kind)]
-            rounds = [r for r, _ in runs[0]]
-            mean = np.mean([[a for _, a in points] for points in runs], axis=0)
+            # A run that stopped (diverged) ends early: the mean over its rounds.
+            length = min(len(points) for points in runs)
+            rounds = [r for r, _ in runs[0][:length]]
+            mean = np.mean([[a for _, a in points[:length]] for points in runs], axis=0)
             ax.plot(rounds, mean, label=kind)
         ax.set_title(name)
         ax.set_xlabel("round")
