@@ -181,6 +181,36 @@ def submit_app(
     )
 
 
+def run_apps(
+    app: Path,
+    env: dict[str, str],
+    queue: list[AppRun],
+    *,
+    num_supernodes: int,
+    parallel: int,
+    timeout: float,
+) -> None:
+    """Run each of ``queue`` (at most ``parallel`` at once); keep status and log."""
+    pending, active = list(queue), []
+    deadline = time.monotonic() + timeout
+    while pending or active:
+        while pending and len(active) < parallel:
+            run = pending.pop(0)
+            run.run_id = submit_app(
+                app, env, run.run_config, num_supernodes=num_supernodes
+            )
+            active.append(run)
+        for run in list(active):
+            status = str(run_status(run.run_id, env)["status"])
+            if status.startswith("finished"):
+                run.status = status
+                run.log = run_log(run.run_id, env)
+                active.remove(run)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still running: {[r.name for r in active]}")
+        time.sleep(3)
+
+
 def flwr_submit(
     app: Path, env: dict[str, str], run_config: str, federation: str
 ) -> str:

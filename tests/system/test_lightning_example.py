@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 
 import pytest
 import torch
 
-from .engine import REPO, AppRun, managed_engine, run_log, run_status, submit_app
+from .engine import REPO, AppRun, managed_engine, run_apps
 
 pytestmark = pytest.mark.slow
 
@@ -54,26 +53,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, AppRun]:
         AppRun(name, f"{BASE} {cfg} output-path='{tmp / name}.pt'", tmp / f"{name}.pt")
         for name, cfg in RUNS.items()
     ]
-    pending, active = list(queue), []
     with managed_engine(tmp / "home") as env:
         env = {**env, "OMP_NUM_THREADS": "1"}
-        deadline = time.monotonic() + 900
-        while pending or active:
-            while pending and len(active) < PARALLEL:
-                run = pending.pop(0)
-                run.run_id = submit_app(
-                    EXAMPLE, env, run.run_config, num_supernodes=NUM_NODES
-                )
-                active.append(run)
-            for run in list(active):
-                status = str(run_status(run.run_id, env)["status"])
-                if status.startswith("finished"):
-                    run.status = status
-                    run.log = run_log(run.run_id, env)
-                    active.remove(run)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"still running: {[r.name for r in active]}")
-            time.sleep(3)
+        run_apps(
+            EXAMPLE,
+            env,
+            queue,
+            num_supernodes=NUM_NODES,
+            parallel=PARALLEL,
+            timeout=900,
+        )
     return {run.name: run for run in queue}
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 
 import pytest
 import torch
 
-from .engine import REPO, AppRun, managed_engine, run_log, run_status, submit_app
+from .engine import REPO, AppRun, managed_engine, run_apps
 
 pytestmark = pytest.mark.slow
 
@@ -43,22 +42,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, AppRun]:
     ]
     with managed_engine(tmp / "home") as env:
         env = {**env, "OMP_NUM_THREADS": "1"}
-        for run in queue:
-            run.run_id = submit_app(
-                EXAMPLE, env, run.run_config, num_supernodes=NUM_NODES
-            )
-        deadline = time.monotonic() + 600
-        active = list(queue)
-        while active:
-            for run in list(active):
-                status = str(run_status(run.run_id, env)["status"])
-                if status.startswith("finished"):
-                    run.status = status
-                    run.log = run_log(run.run_id, env)
-                    active.remove(run)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"still running: {[r.name for r in active]}")
-            time.sleep(3)
+        run_apps(
+            EXAMPLE,
+            env,
+            queue,
+            num_supernodes=NUM_NODES,
+            parallel=len(queue),
+            timeout=600,
+        )
     return {run.name: run for run in queue}
 
 

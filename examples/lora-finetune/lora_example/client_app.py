@@ -11,7 +11,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from flwr_prox_strategies import FedProxRule, ScaffoldRule, federated_part
-from lora_example.task import loss_on, shard, tiny_lora_model
+from lora_example.task import loss_on, model_of, shard
 
 app = ClientApp()
 RULES = {"fedprox": FedProxRule, "scaffold": ScaffoldRule}
@@ -21,12 +21,7 @@ RULES = {"fedprox": FedProxRule, "scaffold": ScaffoldRule}
 def train(msg: Message, context: Context) -> Message:
     """Fine-tune this node's adapters for ``local-steps`` SGD steps."""
     config = context.run_config
-    model = tiny_lora_model(
-        int(config["layers"]),
-        int(config["width"]),
-        int(config["lora-rank"]),
-        int(config["seed"]),
-    )
+    model = model_of(config)
     rule = RULES[str(config["algorithm"])].from_message(
         msg, context, federated_part(model)
     )

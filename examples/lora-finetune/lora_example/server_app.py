@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from flwr_prox_strategies import FedProx, Scaffold, federated_part
-from lora_example.task import tiny_lora_model
+from lora_example.task import model_of
 
 app = ServerApp()
 
@@ -16,12 +16,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Federate the adapters for ``num-server-rounds`` rounds; save them."""
     config = context.run_config
-    model = tiny_lora_model(
-        int(config["layers"]),
-        int(config["width"]),
-        int(config["lora-rank"]),
-        int(config["seed"]),
-    )
+    model = model_of(config)
     part = federated_part(model)
     adapters = ArrayRecord(part.state_dict())
     whole = sum(p.numel() for p in model.parameters())

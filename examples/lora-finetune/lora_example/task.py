@@ -8,6 +8,9 @@ per node, read character by character.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -46,6 +49,16 @@ def tiny_lora_model(layers: int, width: int, rank: int, seed: int) -> torch.nn.M
         init_lora_weights=False,  # random B too: rounds move from a non-zero start
     )
     return get_peft_model(GPT2LMHeadModel(config), lora)
+
+
+def model_of(config: Mapping[str, Any]) -> torch.nn.Module:
+    """Return the model the run config describes (``layers``, ``width``, ...)."""
+    return tiny_lora_model(
+        int(config["layers"]),
+        int(config["width"]),
+        int(config["lora-rank"]),
+        int(config["seed"]),
+    )
 
 
 def shard(node: int, num_nodes: int) -> torch.Tensor:
