@@ -510,3 +510,28 @@ def test_colluding_clients_are_charged_out_of_the_threshold():
     assert colluding[0]["ddp-epsilon"] > honest[0]["ddp-epsilon"]
     with pytest.raises(NoRoundAggregatedError):  # t - k < 1: nothing starts
         run("FedAvg", dp=ddp(**{**dp.__dict__, "colluding": t}))
+
+
+def test_a_resumed_runs_earlier_rounds_are_charged_once():
+    """Offset 2; the first resumed round reveals nothing, the next does: 2 + 1."""
+    rec = Recorder(ALGORITHMS["FedAvg"][1])
+    corrupted: set[int] = set()
+
+    def first_vector_garbage(node):
+        def tamper(reply):
+            if node not in corrupted:
+                corrupted.add(node)
+                record = reply.content.config_records[SECAGG_RECORD]
+                record[Key.MASKED_PARAMETERS] = b"x"
+
+        return tamper
+
+    for node in range(1001, 1001 + NODES):
+        rec.tamper[(node, Stage.COLLECT_MASKED_VECTORS)] = first_vector_garbage(node)
+    inner = strategy(ALGORITHMS["FedAvg"][0], {}, weighting="uniform")
+    inner.round_offset = 2
+    wrapped = SecAggPlus(inner, distributed_dp=ddp(noise_multiplier=2.0, l2_clip=10.0))
+    metrics = round_metrics(wrapped)
+    rec.run(wrapped, 2)
+    assert [m["secagg-contributors"] for m in metrics] == [0, NODES]
+    assert wrapped.account.rounds == 3  # two earlier rounds, one revealed now
