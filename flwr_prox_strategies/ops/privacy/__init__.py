@@ -13,8 +13,8 @@ its update, rotates, scales and rounds it (:mod:`.quantise`), adds integer noise
 (:mod:`.noise`) and wraps it into :math:`\mathbb{Z}_{2^b}`; the server unwraps
 the modular sum and undoes the scaling and the rotation; :mod:`.encoding` does
 both for a whole upload (every summed record at once). :mod:`.accounting` gives
-the privacy of the noisy sum (Renyi DP per round, composition, epsilon). No
-strategy uses those yet.
+the privacy of the noisy sum (Renyi DP per round, composition, epsilon).
+:class:`~flwr_prox_strategies.DistributedDP` puts them to work under SecAgg+.
 """
 
 from __future__ import annotations

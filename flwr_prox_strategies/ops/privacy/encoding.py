@@ -11,7 +11,9 @@ adds integer noise (:mod:`.noise`) and wraps it into :math:`\mathbb{Z}_{2^b}`
 :func:`decode_sum` unwraps the modular sum, multiplies by :math:`\gamma`, undoes
 the rotation and splits the vector back into records. :func:`upload_layout`
 builds the layout from the model alone, so the server needs no client's data.
-Not yet wired into SecAgg+.
+:class:`~flwr_prox_strategies.SecAggPlus` uses both under
+:class:`~flwr_prox_strategies.DistributedDP` (through
+``core/transport/ddp.py``).
 """
 
 from __future__ import annotations
