@@ -583,11 +583,11 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         # What came in: the contributors' masked vectors, not the plain records
         # the strategy counted from its stand-ins.
         metrics["bytes-received"] = 4 * state.length * len(valid)
-        if state.ddp is not None:
-            return self._privacy_metrics(metrics, state, valid, weight_sum)
-        metrics["secagg-contributors"] = len(valid) if weight_sum is not None else 0
         contributed = len(valid) if weight_sum is not None else 0
+        metrics["secagg-contributors"] = contributed
         metrics["secagg-dropped"] = len(state.messages) - contributed
+        if state.ddp is not None:
+            return self._privacy_metrics(metrics, state, contributed)
         metrics["secagg-clipped"] = total_clipped  # unmasked: the round's total
         if total_clipped and not self._clip_warned:
             self._clip_warned = True
@@ -645,10 +645,6 @@ class SecAggPlus(Unmasking, StrategyWrapper):
                 }
             )
             settings = dp.encoding(upload.dim, len(state.messages))
-        except ValueError as err:
-            state.failure = f"distributed DP: {err}"
-            return
-        try:
             fewest = smallest_contributors(
                 len(state.messages), state.threshold, dp.colluding
             )
@@ -687,20 +683,16 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         self,
         metrics: MetricRecord,
         state: _Round,
-        valid: list[ValidReply],
-        weight_sum: float | None,
+        contributed: int,
     ) -> MetricRecord:
         """Add the round's distributed-DP figures: what was charged, and the total."""
         dp, account = self.distributed_dp, self.account
         assert dp is not None and account is not None and state.ddp is not None
         assert state.upload is not None and state.rdp is not None
-        revealed = weight_sum is not None and bool(valid)
+        revealed = contributed > 0  # the sum was unmasked: the round was charged
         settings, padded = state.ddp.settings, state.upload.padded_dim
         multiplier = noise_multiplier_at(settings, padded, state.fewest)
         spent = account.epsilon()
-        contributed = len(valid) if revealed else 0
-        metrics["secagg-contributors"] = contributed
-        metrics["secagg-dropped"] = len(state.messages) - contributed
         metrics["ddp-epsilon"] = (
             rdp_to_epsilon(DEFAULT_ORDERS, state.rdp, dp.delta) if revealed else 0.0
         )
@@ -720,7 +712,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             "contributors (noise multiplier %.3g over the integer sensitivity, "
             "granularity %.3g); epsilon %.4g for the run so far (delta %g)",
             state.server_round + self.strategy.round_offset,
-            f"{len(valid)} noisy uploads summed" if revealed else "nothing revealed",
+            f"{contributed} noisy uploads summed" if revealed else "nothing revealed",
             state.fewest,
             multiplier,
             settings.granularity,
