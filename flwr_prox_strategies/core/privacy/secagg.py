@@ -280,7 +280,6 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         super().__init__(strategy)
         self.distributed_dp = distributed_dp
         self.account = Account(distributed_dp.delta) if distributed_dp else None
-        self._earlier_rounds_due = False
         self.num_shares = num_shares
         self.reconstruction_threshold = reconstruction_threshold
         self.max_weight = float(max_weight)
@@ -360,8 +359,6 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         self._clip_warned = self._weak_warned = False
         if self.distributed_dp is not None:
             self.account = Account(self.distributed_dp.delta)
-            # A resumed run's earlier rounds are charged once, at its first round.
-            self._earlier_rounds_due = self.strategy.round_offset > 0
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -652,9 +649,9 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             state.failure = f"distributed DP: {err}"
             return
         rdp = dp.round_rdp(settings, upload.padded_dim, fewest)
-        if self._earlier_rounds_due:
-            # A resumed run: its earlier rounds are charged at this round's rate.
-            self._earlier_rounds_due = False
+        if account.rounds == 0 and self.strategy.round_offset > 0:
+            # A resumed run: its earlier rounds are charged at this round's rate
+            # (once: the charge counts them, so account.rounds is no longer 0).
             account.charge(rdp, self.strategy.round_offset)
             log(
                 INFO,
