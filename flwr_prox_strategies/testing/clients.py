@@ -106,15 +106,15 @@ def client_app_of(
         train_loader, loss_fn=..., learning_rate=0.05, local_epochs=1)``; when
         None, its ``rule``, in the loop of a Message-API ``ClientApp``
         (``from_message``, plain SGD ``attach``-ed, ``reply``).
+    make_model : Callable[[], torch.nn.Module] (default: buffered_model)
+        Builds each node's model every round (or the part of it the client
+        or rule gets).
 
     Returns
     -------
     Callable[[Message, Context], Message]
         What :class:`~flwr_prox_strategies.testing.InProcessGrid` runs on
         every node (node ``1001 + k`` holds partition ``k``).
-    make_model : Callable[[], torch.nn.Module] (default: buffered_model)
-        Builds each node's model every round (or the part of it the client
-        or rule gets).
     """
     client_cls = algorithm.client
     if client_cls is not None:
