@@ -13,6 +13,7 @@ and each rank counts its own steps; rank 0's reply is the client's.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -45,11 +46,20 @@ def _rank(
     backend, port, out = settings
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # The ranks of one client talk on this machine: over loopback, whatever
+    # interface the hostname resolves to.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         reply = train(rank, world_size, message, context)
+        # Free the training's DistributedDataParallel (its reducer holds the
+        # process group) before the group goes: torch aborts the process at
+        # exit otherwise, now and then ("terminate called without an active
+        # exception").
+        gc.collect()
         if rank == 0:
             Path(out).write_bytes(pickle.dumps((reply, context.state)))
+        dist.barrier()  # no rank leaves while another still talks to it
     finally:
         dist.destroy_process_group()
 
