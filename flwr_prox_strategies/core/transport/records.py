@@ -109,6 +109,38 @@ def _expected_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
     return buffer.getvalue()
 
 
+def to_array(value: NDArray) -> Array:
+    """Return ``Array(value)`` with the payload built in one copy.
+
+    Flower's ``Array(ndarray)`` writes ``np.save`` into a ``BytesIO`` and copies
+    its value out, so a model-sized array briefly exists three times (the
+    array, the stream, the payload): the peak of every aggregation. Here the
+    payload is the ``.npy`` header ``np.save`` writes followed by the array's
+    bytes, joined in one allocation; the result equals ``Array(value)`` byte for
+    byte (object, non-C-ordered and unusual dtypes take Flower's path).
+
+    Parameters
+    ----------
+    value : NDArray
+        The array; copied once, into the payload.
+
+    Returns
+    -------
+    Array
+        The same ``Array`` Flower's constructor builds.
+    """
+    array = np.asarray(value)
+    if array.dtype.hasobject or not array.flags.c_contiguous:
+        return Array(np.array(array, order="C", copy=None))
+    header = _expected_header(str(array.dtype), tuple(array.shape))
+    if header is None:
+        return Array(array)
+    data = b"".join((header, memoryview(array.reshape(-1)).cast("B")))
+    return Array(
+        dtype=str(array.dtype), shape=tuple(array.shape), stype=NUMPY_STYPE, data=data
+    )
+
+
 def to_ndarrays(record: ArrayRecord) -> list[NDArray]:
     """Return the record's arrays as writable numpy arrays, in key order."""
     return [arr.numpy() for arr in record.values()]
@@ -132,7 +164,7 @@ def to_record(
         raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
     record = ArrayRecord()
     for key, value in zip(keys, arrays, strict=True):
-        record[key] = Array(np.array(value, order="C", copy=None))
+        record[key] = to_array(value)
     return record
 
 
