@@ -135,7 +135,8 @@ def to_array(value: NDArray) -> Array:
     header = _expected_header(str(array.dtype), tuple(array.shape))
     if header is None:
         return Array(array)
-    data = b"".join((header, memoryview(array.reshape(-1)).cast("B")))
+    payload = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    data = b"".join((header, payload))
     return Array(
         dtype=str(array.dtype), shape=tuple(array.shape), stype=NUMPY_STYPE, data=data
     )
