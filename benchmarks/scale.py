@@ -8,6 +8,12 @@ actors on 2 cores), side by side in one run:
     Flower's own ``FedAvg`` (``benchmarks/scale_app``) with a trivial client that
     keeps two model-sized arrays in ``context.state`` (a FedDC-sized client
     state), on the MLP 784-200-200-10 (0.8 MB).
+``flower+payload``
+    The same app carrying SCAFFOLD's and FedDC's extra records: a model-sized
+    ``control`` record sent with the model and one back in every reply,
+    averaged by Flower's own ``aggregate_arrayrecords``. The pack's SCAFFOLD
+    and FedDC are priced against it (``x payload``): what moving their
+    payload costs on Flower's engine, apart from the pack's own work.
 ``pack:<strategy>``
     The pack's app (``flwr run .``) on Fashion-MNIST (iid), the same MLP, each
     client one local epoch in batches of 64 (``train.local_epochs=1
@@ -48,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+from math import nan
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +76,13 @@ PARTS = ("grid-s", "strategy-s", "central-s", "write-s")
 
 FEDEPM = "strategy.k0=1 strategy.eta=10 strategy.noise=0"
 # case -> pack overrides (None: Flower's app)
+# Flower's app cases -> its extra run config
+FLOWER_CASES = {"flower": "extra-records=0", "flower+payload": "extra-records=1"}
+# the pack's cases priced against the payload case (two model-sized records each way)
+PAYLOAD_CASES = ("pack:scaffold", "pack:feddc")
 CASES: dict[str, str | None] = {
     "flower": None,
+    "flower+payload": None,
     "pack:fedavg": "strategy=fedavg",
     "pack:fedavg+checkpoint": "strategy=fedavg checkpoint_every=1",
     "pack:fedavg+central": "strategy=fedavg evaluate.central=true",
@@ -196,6 +208,7 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
             "per-round": PER_ROUND,
             "num-nodes": nodes,
             "times-file": os.devnull,
+            "extra-records": int(FLOWER_CASES[case].split("=")[1]),
         }
     else:
         from flwr_prox_strategies.experiment.appdir import make_client_app
@@ -259,7 +272,7 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
             *("--federation-config", federation),
             "--run-config",
             f"num-rounds={rounds} per-round={PER_ROUND} num-nodes={nodes} "
-            f"times-file='{times}'",
+            f"times-file='{times}' {FLOWER_CASES[case]}",
         ]
     else:
         everything = pack_overrides(overrides, nodes, rounds)
@@ -373,11 +386,12 @@ def main() -> None:
     rows = []
     header = (
         f"{'case':24}{'nodes':>7}{'s/round':>9}{'x flower':>9}{'round 1 s':>10}"
-        f"{'server MB':>10}{'all MB':>9}{'results KB':>11}"
+        f"{'server MB':>10}{'all MB':>9}{'results KB':>11}{'x payload':>10}"
+        f"{'MB x payload':>13}"
     )
     print(header, flush=True)
     for nodes in args.nodes:
-        base = None
+        base: dict[str, Any] = {}
         for case in args.cases:
             if case == "pack:fedepm" and nodes > DENSE_FEDEPM_NODES:
                 print(
@@ -392,14 +406,23 @@ def main() -> None:
             except (RuntimeError, OSError, ValueError, KeyError) as err:
                 print(f"{case:24}{nodes:>7}  FAILED: {err}", flush=True)
                 continue
-            if case == "flower":
-                base = row["s-per-round"]
-            row["ratio"] = row["s-per-round"] / base if base else float("nan")
+            if case in FLOWER_CASES:
+                base[case] = row
+            flower = base.get("flower")
+            row["ratio"] = row["s-per-round"] / flower["s-per-round"] if flower else nan
+            payload = base.get("flower+payload") if case in PAYLOAD_CASES else None
+            row["x-payload"] = (
+                row["s-per-round"] / payload["s-per-round"] if payload else nan
+            )
+            row["server-mb-x-payload"] = (
+                row["server-peak-mb"] / payload["server-peak-mb"] if payload else nan
+            )
             rows.append(row)
             print(
                 f"{case:24}{nodes:>7}{row['s-per-round']:9.3f}{row['ratio']:9.2f}"
                 f"{row['first-round-s']:10.1f}{row['server-peak-mb']:10.0f}"
-                f"{row['all-peak-mb']:9.0f}{row['results-kb']:11.1f}",
+                f"{row['all-peak-mb']:9.0f}{row['results-kb']:11.1f}"
+                f"{row['x-payload']:10.2f}{row['server-mb-x-payload']:13.2f}",
                 flush=True,
             )
     if args.breakdown:

@@ -1,4 +1,9 @@
-"""A trivial client that keeps a FedDC-sized state: two model-sized arrays."""
+"""A trivial client that keeps a FedDC-sized state: two model-sized arrays.
+
+When the server sends a ``control`` record with the model (``extra-records=1``
+on the server), the reply carries a model-sized ``control`` record too: the
+payload of SCAFFOLD's and FedDC's replies.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 app = ClientApp()
+CONTROL = "control"
 
 
 @app.train()
@@ -23,4 +29,6 @@ def train(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})}
     )
+    if CONTROL in msg.content.array_records:  # a control change back, as SCAFFOLD
+        content[CONTROL] = context.state.array_records["control"]
     return Message(content=content, reply_to=msg)
