@@ -20,6 +20,7 @@ def fresh_process() -> None:
     data._load.cache_clear()
     data._standardised.cache_clear()
     data._partitions.cache_clear()
+    data._train_labels.cache_clear()
 
 
 @pytest.fixture
@@ -116,3 +117,17 @@ def test_a_partition_file_changed_in_place_is_read_again(cache, tmp_path):
     second = data.client_partition(cfg, 0, 2)
     assert len(first) + len(second) == n
     assert not [p for p in cache.iterdir() if p.name.startswith("partition-")]
+
+
+def test_the_server_partitions_from_the_labels_without_holding_the_images(cache):
+    # The ServerApp computes every client's partition size but never trains:
+    # a new process reads only the labels from the cache, not the images.
+    cfg = compose_config("partition=dirichlet")
+    sizes = data.partition_sizes(cfg, 5)
+    fresh_process()
+    assert data.partition_sizes(cfg, 5) == sizes
+    assert data._load.cache_info().currsize == 0  # no TrainTest with images kept
+    labels, owners = data._train_labels(data.OmegaConf.to_yaml(cfg.dataset.loader))
+    assert owners is None and labels.ndim == 1
+    # and the clients' partitions are those sizes
+    assert [len(p) for p in parts("partition=dirichlet")] == sizes

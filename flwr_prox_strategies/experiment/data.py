@@ -70,9 +70,16 @@ def _task_code_hash() -> str:
 
 
 def _cached(
-    kind: str, key: list[Any], compute: Callable[[], dict[str, np.ndarray]]
+    kind: str,
+    key: list[Any],
+    compute: Callable[[], dict[str, np.ndarray]],
+    names: Sequence[str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Return ``compute()``, read from or written to the disk cache."""
+    """Return ``compute()``, read from or written to the disk cache.
+
+    ``names``: read only these arrays from the cache (all of them are
+    computed and written when it misses).
+    """
     folder = cache_dir()
     if folder is None:
         return compute()
@@ -81,8 +88,8 @@ def _cached(
         json.dumps([key, versions, _task_code_hash()]).encode()
     ).hexdigest()[:32]
     path = folder / f"{kind}-{digest}.npz"
-    with contextlib.suppress(OSError, ValueError), np.load(path) as saved:
-        return {name: saved[name] for name in saved.files}
+    with contextlib.suppress(OSError, ValueError, KeyError), np.load(path) as saved:
+        return {name: saved[name] for name in (names or saved.files)}
     arrays = compute()
     # A cache that cannot be written (read-only home) only costs time.
     with contextlib.suppress(OSError):
@@ -128,25 +135,27 @@ def _standardised(loader_yaml: str, mean: float, std: float) -> TrainTest:
     return dataclasses.replace(data, train=scaled(data.train), test=scaled(data.test))
 
 
+def _is_cached_loader(loader: Any) -> bool:
+    return isinstance(loader, DictConfig) and loader.get("_target_") in _CACHED_LOADERS
+
+
+def _loaded_arrays(loader: Any) -> dict[str, np.ndarray]:
+    data: TrainTest = instantiate(loader)
+    return {
+        "train-x": data.train.x,
+        "train-y": data.train.y,
+        "test-x": data.test.x,
+        "test-y": data.test.y,
+        "info": np.array([data.name, data.num_features, data.num_classes]),
+    }
+
+
 @functools.lru_cache(maxsize=4)
 def _load(loader_yaml: str) -> TrainTest:
     loader = OmegaConf.create(loader_yaml)
-    if not isinstance(loader, DictConfig) or loader.get("_target_") not in (
-        _CACHED_LOADERS
-    ):
+    if not _is_cached_loader(loader):
         return instantiate(loader)
-
-    def load() -> dict[str, np.ndarray]:
-        data: TrainTest = instantiate(loader)
-        return {
-            "train-x": data.train.x,
-            "train-y": data.train.y,
-            "test-x": data.test.x,
-            "test-y": data.test.y,
-            "info": np.array([data.name, data.num_features, data.num_classes]),
-        }
-
-    arrays = _cached("data", [loader_yaml], load)
+    arrays = _cached("data", [loader_yaml], lambda: _loaded_arrays(loader))
     name, num_features, num_classes = (str(v) for v in arrays["info"])
     return TrainTest(
         train=ArrayDataset(arrays["train-x"], arrays["train-y"], int(num_classes)),
@@ -158,18 +167,35 @@ def _load(loader_yaml: str) -> TrainTest:
 
 
 @functools.lru_cache(maxsize=4)
+def _train_labels(loader_yaml: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Return the training labels and owners: all that partitioning reads.
+
+    The ServerApp partitions (for every client's size) but never trains: read
+    from the disk cache, the images stay on disk (Fashion-MNIST's are 180 MB
+    as float32, which every ServerApp process used to hold for the run).
+    """
+    loader = OmegaConf.create(loader_yaml)
+    if not _is_cached_loader(loader):
+        data = _load(loader_yaml)
+        return data.train.y, data.train_owners
+    arrays = _cached(
+        "data", [loader_yaml], lambda: _loaded_arrays(loader), names=("train-y",)
+    )
+    return arrays["train-y"], None
+
+
+@functools.lru_cache(maxsize=4)
 def _partitions(
     loader_yaml: str, partition_yaml: str, num_partitions: int, seed: int
 ) -> tuple[np.ndarray, ...]:
-    data = _load(loader_yaml)
-    labels = data.train.y
+    labels, owners = _train_labels(loader_yaml)
     config = OmegaConf.create(partition_yaml)
 
     def split() -> dict[str, np.ndarray]:
         partition = instantiate(config)
         extra = {}
         if "owners" in inspect.signature(partition).parameters:
-            extra["owners"] = data.train_owners  # the data set's own clients
+            extra["owners"] = owners  # the data set's own clients
         parts = partition(labels, num_partitions=num_partitions, seed=seed, **extra)
         return {str(i): np.asarray(part) for i, part in enumerate(parts)}
 
@@ -179,8 +205,8 @@ def _partitions(
     if reads_file or not str(target).startswith("flwr_prox_strategies."):
         return tuple(split().values())
     labels_hash = hashlib.sha256(labels.tobytes()).hexdigest()
-    if data.train_owners is not None:
-        labels_hash += hashlib.sha256(data.train_owners.tobytes()).hexdigest()
+    if owners is not None:
+        labels_hash += hashlib.sha256(owners.tobytes()).hexdigest()
     key = [partition_yaml, num_partitions, seed, labels_hash]
     arrays = _cached("partition", key, split)
     return tuple(arrays[str(i)] for i in range(num_partitions))
