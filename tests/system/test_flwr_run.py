@@ -127,6 +127,9 @@ def test_a_parallel_sweep_outside_a_checkout_runs_engine_jobs_side_by_side(
     printed = out.stdout + out.stderr
     assert "1 job(s) of the sweep did not complete" in out.stderr, out.stderr[-3000:]
     assert f"flwr run {app} job --stream" in printed, printed[-2000:]
+    # The console ends with what the completed job produced, as other routes do.
+    assert "Finished: final accuracy" in printed, printed[-2000:]
+    assert f"Output folder: {sweep / '0'}" in printed, printed[-2000:]
     with open(sweep / "summary.csv") as handle:
         rows = {r["job"]: r for r in csv.DictReader(handle)}
     assert (

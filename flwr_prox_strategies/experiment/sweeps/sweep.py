@@ -41,6 +41,7 @@ from ..._executables import flower_env, flower_executable
 from .. import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
 from ..appdir import make_client_app, write_app_dir
 from ..checkpoint import CHECKPOINT_FILE
+from ..record import log_summary
 from ..results import OBJECTIVES, RESULTS_FILE
 from ..track import sweep_overrides, where_for_sweep
 from .launchers import CPUS_PER_JOB, JobCpus, available_cpus, job_cpus
@@ -369,6 +370,9 @@ def run_job(cfg: DictConfig) -> float:
         strategy=results.get("strategy"),
     )
     (job_dir / JOB_SUMMARY).write_text(json.dumps(record, indent=2))
+    if engine == "flwr":  # the run's own lines went to its log: say what it gave
+        log_summary(results["summary"], float(cfg["target_accuracy"]))
+        log(INFO, "Output folder: %s", job_dir)
     final = record["final-accuracy"]
     return float(final) if final is not None else float("nan")
 
