@@ -8,7 +8,11 @@ This reads every page of the built HTML and reports:
 * in code (``<pre>``, ``<code>``, ``<kbd>``): any en or em dash or curly quote;
 * anywhere else: an en or em dash right before a word (``–logdir``, a mangled
   ``--logdir``), and a curly double quote in a table cell that holds a
-  command (``pip``, ``python``, ``flwr``, ``mlflow``, ``tensorboard`` ...).
+  command (``pip``, ``python``, ``flwr``, ``mlflow``, ``tensorboard`` ...);
+* in a shell block (``bash``, ``sh``, ``shell``, ``console``), a placeholder
+  in angle brackets outside a comment (``kill <pid>``): pasted, the shell
+  reads it as a redirection. Write a variable set on a line of its own
+  (``RUN_ID=...``), or show a template as ``text``.
 
 Usage: ``python docs/check_copyable.py docs/_build/html`` (exit status 1 and
 one line per finding when something is wrong). ``.ci/run`` runs it after the
@@ -28,6 +32,15 @@ _COMMAND = re.compile(
     r"\b(pip|python|flwr|flower-\w+|mlflow|tensorboard|wandb|git|export|bash)\b"
 )
 _CODE = {"pre", "code", "kbd", "samp"}
+_SHELL_BLOCKS = (
+    "highlight-bash",
+    "highlight-sh",
+    "highlight-shell",
+    "highlight-console",
+)
+# <run-id>, <repository URL>; not a redirection such as `sort <in >out`.
+_PLACEHOLDER = re.compile(r"<[A-Za-z][\w .-]*[\w.]>")
+_COMMENT = re.compile(r"(?:^|\s)#.*$")
 _CELLS = {"td", "th"}
 
 
@@ -35,6 +48,8 @@ class _Page(HTMLParser):
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.code_depth = 0
+        self.divs: list[bool] = []  # open <div>s: is it a shell block?
+        self.shell_text: list[str] | None = None  # a shell block's <pre> text
         self.cells: list[list[str]] = []
         self.findings: list[str] = []
 
@@ -43,16 +58,33 @@ class _Page(HTMLParser):
             self.code_depth += 1
         if tag in _CELLS:
             self.cells.append([])
+        if tag == "div":
+            classes = (dict(attrs).get("class") or "").split()
+            self.divs.append(any(c in _SHELL_BLOCKS for c in classes))
+        if tag == "pre" and any(self.divs):
+            self.shell_text = []
 
     def handle_endtag(self, tag: str) -> None:
         if tag in _CODE and self.code_depth:
             self.code_depth -= 1
+        if tag == "div" and self.divs:
+            self.divs.pop()
+        if tag == "pre" and self.shell_text is not None:
+            for line in "".join(self.shell_text).splitlines():
+                command = _COMMENT.sub("", line)
+                if _PLACEHOLDER.search(command):
+                    self.findings.append(
+                        f"placeholder in a shell command: {line.strip()[:80]!r}"
+                    )
+            self.shell_text = None
         if tag in _CELLS and self.cells:
             text = "".join(self.cells.pop())
             if _COMMAND.search(text) and any(c in text for c in "\u201c\u201d"):
                 self.findings.append(f"curly quote in a command: {text.strip()[:80]!r}")
 
     def handle_data(self, data: str) -> None:
+        if self.shell_text is not None:
+            self.shell_text.append(data)
         for cell in self.cells:
             cell.append(data)
         shown = repr(data.strip()[:80])

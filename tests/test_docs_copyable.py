@@ -55,3 +55,41 @@ def test_the_built_site_is_checked_page_by_page(check, tmp_path: Path) -> None:
     assert [line.split(":")[0] for line in check.check_site(tmp_path)] == ["a.html"]
     assert check.main([str(tmp_path)]) == 1
     assert check.main([str(tmp_path / "empty")]) == 1
+
+
+def _shell(lines: str, language: str = "bash") -> str:
+    """A code block as Sphinx renders it (Pygments splits the tokens)."""
+    spans = "".join(f'<span class="o">{part}</span>' for part in lines.split("<"))
+    return (
+        f'<div class="highlight-{language} notranslate"><div class="highlight">'
+        f"<pre>{spans}</pre></div></div>"
+    )
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["kill &lt;pid&gt;", "flwr ls --run-id &lt;run-id&gt; --format json"],
+)
+def test_a_placeholder_in_a_shell_block_is_found(check, command) -> None:
+    (found,) = check.check_page(_shell(command))
+    assert "placeholder in a shell command" in found
+
+
+def test_a_clone_placeholder_with_spaces_is_found(check) -> None:
+    page = _shell("git clone &lt;repository URL&gt; flwr-prox-strategies\ncd x")
+    (found,) = check.check_page(page)
+    assert "git clone" in found
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        _shell('RUN_ID=...  # the id "flwr ls" shows\nflwr stop "$RUN_ID"'),
+        _shell("flwr ls  # then flwr stop &lt;run-id&gt;"),  # in a comment
+        _shell("sort &lt;in &gt;out"),  # a redirection
+        _shell("kill &lt;pid&gt;", language="text"),  # a template, shown as text
+        "<pre>kill &lt;pid&gt;</pre>",  # not a shell block
+    ],
+)
+def test_variables_comments_redirections_and_templates_pass(check, page) -> None:
+    assert check.check_page(page) == []

@@ -574,3 +574,15 @@ def test_partition_bad_arguments(labels, kwargs, param):
 def test_partition_bad_labels(bad):
     with pytest.raises(ValueError, match="labels"):
         partition_indices(bad, num_partitions=1)
+
+
+def test_missing_data_says_where_it_looked_and_what_a_running_superlink_keeps(
+    tmp_path,
+) -> None:
+    from flwr_prox_strategies.task.datasets import adult_matrix
+
+    with pytest.raises(FileNotFoundError) as caught:
+        adult_matrix(data_dir=tmp_path)
+    message = str(caught.value)
+    assert str(tmp_path) in message and "FLWR_PROX_DATA_DIR" in message
+    assert "keeps the environment it started with" in message

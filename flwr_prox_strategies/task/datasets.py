@@ -105,7 +105,10 @@ def _not_found_message(name: str, files: str, tried: list[Path], source: str) ->
     return (
         f"{name} data not found: {files} missing. Searched:\n{listing}\n"
         f"Put the files in one of these folders, pass data_dir=..., or set "
-        f"{DATA_DIR_ENV} to a folder holding a '{name}' sub-folder. "
+        f"{DATA_DIR_ENV} to a folder holding a '{name}' sub-folder (under "
+        "`flwr run`, in the environment that starts the SuperLink: an already "
+        "running managed SuperLink keeps the environment it started with, so "
+        "stop it first, `pkill -f flower-superlink`). "
         f"Source: {source}"
     )
 
