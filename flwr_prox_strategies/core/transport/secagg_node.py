@@ -29,6 +29,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 )
 from numpy.typing import NDArray
 
+from ...ops.privacy.neighbourhoods import neighbourhood_size
 from . import shamir, signing
 from .ddp import NODE_MIN_NOISE, DDPRound, encode_records, noise_multiplier_at
 from .flower import (
@@ -65,6 +66,7 @@ STATE_RECORD = "secagg-plus-state"
 NODE_REQUIRED = "secagg-required"
 NODE_SIGNING_KEY = "secagg-signing-key"
 NODE_KEY_DIRECTORY = "secagg-key-directory"
+NODE_MIN_NEIGHBOURHOOD = "secagg-min-neighbourhood"
 
 #: Each stage and the one it must follow (active-adversary mode signs between).
 _AFTER = {
@@ -88,6 +90,9 @@ class Settings:
     #: Distributed DP's floor: the least noise multiplier this node masks at
     #: (None: it accepts plain SecAgg+ rounds).
     min_noise_multiplier: float | None = None
+    #: The fewest members (itself included) this node shares its secrets with
+    #: (None: only the automatic size's floor).
+    min_neighbourhood: int | None = None
 
     @property
     def signs(self) -> bool:
@@ -168,6 +173,7 @@ def setup(
         state[key] = config[key]
     if state[Key.THRESHOLD] < 1:
         raise refuse("setup", f"threshold {state[Key.THRESHOLD]} below 1")
+    check_neighbourhood(config, state, settings)
     active = config.get(ACTIVE_KEY, False)
     if not isinstance(active, bool):
         raise refuse("setup", f"{ACTIVE_KEY!r} = {active!r} is not a bool")
@@ -207,6 +213,52 @@ def setup(
     return answer
 
 
+def check_neighbourhood(config: ConfigRecord, state: State, settings: Settings) -> None:
+    """Refuse a round whose neighbourhoods are too small to hide this node.
+
+    The server picks the neighbourhoods: a lying one could make a node's
+    neighbourhood of its colluders. Before any secret leaves, the node asks for at least
+    what ``num_shares="auto"`` gives (at the pack's default assumptions) for
+    the nodes the server declares, and at least its own floor
+    (``min_neighbourhood``); at ``share_keys`` the threshold ``t > k/2``
+    then keeps the neighbourhood it is given above half of that.
+    """
+    sampled, size = config.get(Key.SAMPLE_NUMBER), state[Key.SHARE_NUMBER]
+    threshold = state[Key.THRESHOLD]
+    if type(sampled) is not int or not 1 <= size <= sampled:
+        raise refuse(
+            "setup",
+            f"{Key.SAMPLE_NUMBER!r} = {sampled!r} is not an int at least the "
+            f"neighbourhood {size}",
+        )
+    floor = settings.min_neighbourhood
+    if floor is not None and size < floor:
+        raise refuse(
+            "setup",
+            f"neighbourhoods of {size}, below this node's floor {floor} "
+            "(SecAggPlusMod(min_neighbourhood=...), node config "
+            f"{NODE_MIN_NEIGHBOURHOOD})",
+        )
+    if settings.allow_weak_threshold:
+        return  # a server this node trusts (tests, tiny federations)
+    least = min(sampled, neighbourhood_size(sampled).size)
+    if size < least:
+        raise refuse(
+            "setup",
+            f"neighbourhoods of {size} among {sampled} nodes, below the {least} "
+            "that num_shares='auto' gives (a server could surround this node "
+            "with its colluders); run the server's SecAggPlus with "
+            "num_shares='auto'",
+        )
+    if 2 * threshold <= size:
+        raise refuse(
+            "setup",
+            f"the threshold {threshold} is at most half of the neighbourhoods of "
+            f"{size}: a server could ask one half for its mask seed and the other "
+            f"half for its key; it must exceed {size // 2}",
+        )
+
+
 def send_shares(
     config: ConfigRecord, state: State, node_id: int, settings: Settings
 ) -> dict[str, Any]:
@@ -243,6 +295,13 @@ def send_shares(
         raise refuse(
             "share_keys",
             f"{len(keys)} neighbours, fewer than the threshold {threshold}",
+        )
+    floor = settings.min_neighbourhood
+    if floor is not None and len(keys) < floor:
+        raise refuse(
+            "share_keys",
+            f"a neighbourhood of {len(keys)}, below this node's floor {floor} "
+            f"({NODE_MIN_NEIGHBOURHOOD})",
         )
     if 2 * threshold <= len(keys) and not settings.allow_weak_threshold:
         raise refuse(

@@ -1,4 +1,4 @@
-r"""SecAgg+'s neighbourhood size: the smallest ring that keeps a round private and whole.
+r"""SecAgg+'s neighbourhood size: the smallest ring keeping a round private and whole.
 
 SecAgg+ (Bell et al., CCS 2020, "Secure single-server aggregation with
 (poly)logarithmic overhead") masks each client only with its neighbours in a
@@ -59,7 +59,9 @@ def _log_comb(n: int, k: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 
 
-def hypergeometric_tail(population: int, marked: int, draws: int, at_least: int) -> float:
+def hypergeometric_tail(
+    population: int, marked: int, draws: int, at_least: int
+) -> float:
     """Return ``P[X >= at_least]``, ``X`` the marked among ``draws`` drawn unordered.
 
     Parameters
@@ -114,7 +116,9 @@ def runs_removed(n: int, removed: int, run: int) -> float:
     return p
 
 
-def _counts(n: int, corrupt_fraction: float, dropout_fraction: float) -> tuple[int, int]:
+def _counts(
+    n: int, corrupt_fraction: float, dropout_fraction: float
+) -> tuple[int, int]:
     # Rounded up: a positive fraction of a small federation is one node, not
     # none (round(0.1 * 5) = 0 would assume a server colluding with nobody).
     corrupt = math.ceil(round(corrupt_fraction * n, 9))
@@ -184,8 +188,9 @@ def check_settings(
 
     Parameters
     ----------
-    threshold : float | None
-        A fraction in (0.5, 1], or None.
+    threshold : int | float | None
+        A fraction in (0, 1], a count, or None (at most one half, no ``k < n``
+        qualifies).
     security_bits : float
         ``sigma`` > 0.
     correctness_bits : float
@@ -219,12 +224,13 @@ def check_settings(
             raise ValueError(f"{name} must be a number in [0, 0.5), got {value!r}")
     if threshold is not None and (
         isinstance(threshold, bool)
-        or not isinstance(threshold, float)
-        or not 0.5 < threshold <= 1.0
+        or not isinstance(threshold, (int, float))
+        or (isinstance(threshold, float) and not 0.0 < threshold <= 1.0)
+        or (isinstance(threshold, int) and threshold < 1)
     ):
         raise ValueError(
-            f"reconstruction_threshold must be None or a fraction in (0.5, 1] with "
-            f"an automatic neighbourhood size, got {threshold!r}"
+            "reconstruction_threshold must be None, a fraction in (0, 1] or a "
+            f"count >= 1, got {threshold!r}"
         )
 
 
@@ -245,7 +251,7 @@ def fraction_threshold(fraction: float, size: int) -> int:
 def neighbourhood_size(
     n: int,
     *,
-    threshold: float | None = None,
+    threshold: int | float | None = None,
     security_bits: float = SECURITY_BITS,
     correctness_bits: float = CORRECTNESS_BITS,
     corrupt_fraction: float = CORRUPT_FRACTION,
@@ -263,9 +269,10 @@ def neighbourhood_size(
     ----------
     n : int
         The round's sampled nodes (>= 1).
-    threshold : float | None
+    threshold : int | float | None
         A fixed fraction of the neighbourhood (``t = ceil(threshold * k)``,
-        at least 2), or None to choose the least ``t`` that qualifies.
+        at least 2), a fixed count, or None to choose the least ``t`` that
+        qualifies.
     security_bits : float
         ``sigma``: (a) and (b) fail with probability at most ``2**-sigma``.
     correctness_bits : float
@@ -303,9 +310,9 @@ def neighbourhood_size(
         if disconnection_failure(n, size, corrupt + dropped) > secure:
             continue
         candidates = (
-            [fraction_threshold(threshold, size)]
-            if threshold is not None
-            else range(size // 2 + 1, size + 1)
+            range(size // 2 + 1, size + 1)
+            if threshold is None
+            else [_threshold_at(threshold, size)]
         )
         for t in candidates:
             if 2 * t <= size or t > size:
@@ -316,4 +323,12 @@ def neighbourhood_size(
                 return Neighbourhood(size, t)
             break  # larger t only lose more to dropouts
     # As SecAgg's own sizing: a threshold above ``n`` fails the round, named.
-    return Neighbourhood(n, fraction_threshold(threshold or everyone_threshold, n))
+    return Neighbourhood(
+        n, _threshold_at(everyone_threshold if threshold is None else threshold, n)
+    )
+
+
+def _threshold_at(threshold: int | float, size: int) -> int:
+    if isinstance(threshold, int):
+        return threshold
+    return fraction_threshold(threshold, size)
