@@ -98,7 +98,8 @@ class Unmasking(KeyExchange):
                 shares[cast(int, owner)][holder] = cast(bytes, share)
         total = np.zeros(state.length, dtype=np.uint32)  # sums wrap mod 2**32
         for vector in vectors.values():
-            total += vector
+            np.add(total, vector, out=total)
+        masks: list[tuple[bytes, int]] = []
         for owner in sorted(contributors):
             seed = self._recover(
                 state,
@@ -106,7 +107,7 @@ class Unmasking(KeyExchange):
                 shares[owner],
                 _matches(protocol.commitment, state.commitments[owner]),
             )
-            protocol.add_mask(total, seed, -1)
+            masks.append((seed, -1))
         for owner in sorted(dead):
             sk1 = self._recover(
                 state,
@@ -117,7 +118,8 @@ class Unmasking(KeyExchange):
             for other in sorted(state.neighbours[owner] & contributors):
                 seed = protocol.pairwise_seed(sk1, state.public_keys[other][0])
                 # ``other`` added its mask for ``owner``; take it out again.
-                protocol.add_mask(total, seed, -protocol.pairwise_sign(other, owner))
+                masks.append((seed, -protocol.pairwise_sign(other, owner)))
+        protocol.add_masks(total, masks)  # one buffer for every mask
         total = protocol.reduce(total, self.masking_modulus)
         if state.ddp is not None:
             return self._decode_noisy(state, total.astype(np.int64), len(weights))

@@ -43,6 +43,7 @@ from .secagg import (
     ACTIVE_KEY,
     COMMITMENT_KEY,
     CONSISTENCY_STAGE,
+    HEADER,
     ROUND_KEY,
     SIGNATURE_KEY,
     SIGNERS_KEY,
@@ -53,11 +54,10 @@ from .secagg import (
     Layout,
     Quantizer,
     Stage,
-    add_mask,
+    add_masks,
     commitment,
     pairwise_seed,
     pairwise_sign,
-    reduce,
 )
 
 STATE_RECORD = "secagg-plus-state"
@@ -569,7 +569,9 @@ def masked_vector(
     else:
         code = quantizer.quantization_range  # uniform: every r is 1
     rng = np.random.default_rng()
-    parts: list[NDArray[np.int64]] = []
+    # The codes go straight into the masked vector: no list of parts to join.
+    vector = np.empty(layout.length, dtype=np.uint32)
+    start = HEADER
     clipped = 0
     for name, kind, size, keys in zip(
         layout.records, layout.kinds, layout.sizes, layout.keys, strict=True
@@ -590,11 +592,13 @@ def masked_vector(
         if not np.isfinite(values).all():
             bad = int((~np.isfinite(values)).sum())
             raise _not_masked(f"record {name!r} holds {bad} NaN or inf values")
-        clipped += int((np.abs(values) > quantizer.clipping_range).sum())
-        parts.append(quantizer.encode(values, rng, code if kind == "mean" else None))
+        clipped += int(np.count_nonzero(np.abs(values) > quantizer.clipping_range))
+        vector[start : start + size] = quantizer.encode(
+            values, rng, code if kind == "mean" else None
+        )
+        start += size
     # The clipped count travels masked: capped at T, the round's sum cannot wrap.
-    header = np.array([code, min(clipped, quantizer.quantization_range)], np.int64)
-    vector = np.concatenate([header, *parts]).astype(np.uint32)
+    vector[0], vector[1] = code, min(clipped, quantizer.quantization_range)
     return _masked(vector, state, node_id, quantizer.modulus_range), clipped
 
 
@@ -602,12 +606,18 @@ def _masked(
     vector: NDArray[np.uint32], state: State, node_id: int, modulus: int
 ) -> NDArray[np.uint32]:
     """Return ``vector`` with its private and pairwise masks, modulo ``modulus``."""
-    add_mask(vector, state["seed"], 1)
     seeds = dict(zip(state["nids"], state["mask-seeds"], strict=True))
-    for other in state["share-owners"]:
-        if other != node_id:
-            add_mask(vector, seeds[other], pairwise_sign(node_id, other))
-    return reduce(vector, modulus)
+    add_masks(
+        vector,
+        [(state["seed"], 1)]
+        + [
+            (seeds[other], pairwise_sign(node_id, other))
+            for other in state["share-owners"]
+            if other != node_id
+        ],
+    )
+    np.bitwise_and(vector, np.uint32(modulus - 1), out=vector)  # reduce, in place
+    return vector
 
 
 def ddp_masked_vector(
