@@ -115,8 +115,11 @@ class Unmasking(KeyExchange):
                 shares[owner],
                 _matches(_public_of, state.public_keys[owner][0]),
             )
-            for other in sorted(state.neighbours[owner] & contributors):
-                seed = protocol.pairwise_seed(sk1, state.public_keys[other][0])
+            others = sorted(state.neighbours[owner] & contributors)
+            seeds = protocol.pairwise_seeds(
+                sk1, [state.public_keys[other][0] for other in others]
+            )
+            for other, seed in zip(others, seeds, strict=True):
                 # ``other`` added its mask for ``owner``; take it out again.
                 masks.append((seed, -protocol.pairwise_sign(other, owner)))
         protocol.add_masks(total, masks)  # one buffer for every mask

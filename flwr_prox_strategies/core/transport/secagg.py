@@ -196,10 +196,18 @@ def add_masks(vector: NDArray[np.uint32], masks: Iterable[tuple[bytes, int]]) ->
 
 def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
     """Return the seed of the mask two nodes share (ECDH, then HKDF: Flower's)."""
-    key = generate_shared_key(
-        bytes_to_private_key(own_sk1), bytes_to_public_key(their_pk1)
-    )
-    return base64.urlsafe_b64decode(key)
+    return pairwise_seeds(own_sk1, [their_pk1])[0]
+
+
+def pairwise_seeds(own_sk1: bytes, their_pk1s: Sequence[bytes]) -> list[bytes]:
+    """Return :func:`pairwise_seed` with each of ``their_pk1s`` (the key read once)."""
+    private = bytes_to_private_key(own_sk1)  # PEM parsing costs as much as ECDH
+    return [
+        base64.urlsafe_b64decode(
+            generate_shared_key(private, bytes_to_public_key(public))
+        )
+        for public in their_pk1s
+    ]
 
 
 def pairwise_sign(node: int, other: int) -> int:

@@ -56,7 +56,7 @@ from .secagg import (
     Stage,
     add_masks,
     commitment,
-    pairwise_seed,
+    pairwise_seeds,
     pairwise_sign,
 )
 
@@ -316,14 +316,13 @@ def send_shares(
     secrets: dict[int, bytes] = {}
     seed_shares, sk1_shares = shamir.split([seed, state["sk1"]], threshold, len(order))
     dsts, ciphertexts = [], []
+    sk2 = bytes_to_private_key(state["sk2"])  # read once, not once a neighbour
     for index, other in enumerate(order):
         if other == node_id:
             state["own-seed-share"] = seed_shares[index]
             state["own-sk1-share"] = sk1_shares[index]
             continue
-        secret = generate_shared_key(
-            bytes_to_private_key(state["sk2"]), bytes_to_public_key(keys[other][1])
-        )
+        secret = generate_shared_key(sk2, bytes_to_public_key(keys[other][1]))
         secrets[other] = secret
         plaintext = share_keys_plaintext_concat(
             node_id, other, seed_shares[index], sk1_shares[index]
@@ -336,9 +335,15 @@ def send_shares(
     # Each neighbour's two shared secrets, agreed once: the key its shares are
     # encrypted with (from the second key pairs) and its mask seed (the first).
     state["share-keys"] = [secrets.get(n, b"") for n in order]
-    state["mask-seeds"] = [
-        b"" if n == node_id else pairwise_seed(state["sk1"], keys[n][0]) for n in order
-    ]
+    others = [n for n in order if n != node_id]
+    seeds = dict(
+        zip(
+            others,
+            pairwise_seeds(state["sk1"], [keys[n][0] for n in others]),
+            strict=True,
+        )
+    )
+    state["mask-seeds"] = [seeds.get(n, b"") for n in order]
     return {
         Key.DESTINATION_LIST: dsts,
         Key.CIPHERTEXT_LIST: ciphertexts,
