@@ -587,13 +587,17 @@ def masked_vector(
                 f"record {name!r} missing or with other keys ({found}; expected "
                 f"{list(keys)})"
             )
-        flat = [records[name][k].numpy().astype(np.float64).ravel() for k in keys]
-        values = np.concatenate(flat) if flat else np.zeros(0)
-        if values.size != size:
+        arrays = [records[name][k].numpy() for k in keys]
+        held = sum(a.size for a in arrays)
+        if held != size:
             raise _not_masked(
-                f"record {name!r} holds {values.size} values, the server's layout "
-                f"{size}"
+                f"record {name!r} holds {held} values, the server's layout {size}"
             )
+        values = np.empty(size, dtype=np.float64)  # one copy, cast on the way in
+        at = 0
+        for array in arrays:
+            values[at : at + array.size] = array.ravel()
+            at += array.size
         if not np.isfinite(values).all():
             bad = int((~np.isfinite(values)).sum())
             raise _not_masked(f"record {name!r} holds {bad} NaN or inf values")
