@@ -270,3 +270,21 @@ def test_a_node_floor_refuses_smaller_neighbourhoods(where):
     wrapped = SecAggPlus(fed.strategy(), num_shares=1.0, clipping_range=CLIP)
     _, (arrays, _) = fed.round(wrapped)
     assert arrays is not None
+
+
+def test_distributed_dp_keeps_everyone_and_explicit_sizes_are_kept():
+    """Distributed DP counts the noise of t contributors: auto stays everyone."""
+    from flwr_prox_strategies import DistributedDP
+    from flwr_prox_strategies.core.privacy.secagg_exchange import _Round
+
+    dp = DistributedDP(noise_multiplier=1.0, l2_clip=1.0, expected_clients=N)
+    inner = FedAvg(min_train_nodes=2, weighting="uniform")
+    for wrapped, expected in (
+        (SecAggPlus(inner, distributed_dp=dp), (N, 36)),
+        (SecAggPlus(inner), neighbourhood_size(N)),
+        (SecAggPlus(inner, num_shares=1.0), (N, 36)),
+        (SecAggPlus(inner, num_shares=21, reconstruction_threshold=0.6), (21, 13)),
+    ):
+        state = _Round(1, {})
+        wrapped._size_round(state, N)
+        assert (state.num_shares, state.threshold) == expected

@@ -126,7 +126,9 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         up to 5;
         :func:`~flwr_prox_strategies.ops.privacy.neighbourhoods.neighbourhood_size`);
         a count (>= 3); or a fraction of the round's sampled nodes (1.0:
-        everyone, SecAgg).
+        everyone, SecAgg). Under ``distributed_dp``, ``"auto"`` is everyone:
+        its account counts the noise of only ``t`` contributors, and a small
+        neighbourhood's ``t`` would spend the budget faster.
     reconstruction_threshold : int | float | None (default: None)
         Shares needed to rebuild a secret: a count (>= 2), or a fraction of
         ``num_shares`` (rounded up, at least 2); None: the least the

@@ -105,6 +105,10 @@ class KeyExchange:
 
     def _size_round(self, state: _Round, sampled: int) -> None:
         shares, threshold = self.num_shares, self.reconstruction_threshold
+        if shares == "auto" and self.distributed_dp is not None:
+            # Distributed DP counts the noise of the fewest contributors a
+            # revealed sum holds, t: a sparse ring's small t would cost budget.
+            shares = 1.0
         if shares == "auto":
             auto = neighbourhood_size(
                 max(sampled, 1),
