@@ -124,7 +124,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         ``corrupt_fraction`` and ``dropout_fraction`` (it grows as ``log n``:
         13 of 50 sampled nodes, 23 of 100, 33 of 200, 47 of 1,000; everyone
         up to 5;
-        :func:`~flwr_prox_strategies.ops.privacy.neighbourhoods.neighbourhood_size`);
+        ``ops.privacy.neighbourhoods.neighbourhood_size``);
         a count (>= 3); or a fraction of the round's sampled nodes (1.0:
         everyone, SecAgg). Under ``distributed_dp``, ``"auto"`` is everyone:
         its account counts the noise of only ``t`` contributors, and a small
