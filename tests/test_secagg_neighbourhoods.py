@@ -288,3 +288,21 @@ def test_distributed_dp_keeps_everyone_and_explicit_sizes_are_kept():
         state = _Round(1, {})
         wrapped._size_round(state, N)
         assert (state.num_shares, state.threshold) == expected
+
+
+def test_the_hydra_keys_reach_the_wrapper_and_null_keeps_its_defaults():
+    from flwr_prox_strategies.experiment.build import wrap_secure_aggregation
+    from flwr_prox_strategies.experiment.config import compose_config
+
+    cfg = compose_config(
+        "secure_aggregation=secaggplus secure_aggregation.corrupt_fraction=0.2"
+    )
+    wrapped = wrap_secure_aggregation(cfg, FedAvg(min_train_nodes=2), lambda: 100)
+    assert wrapped.num_shares == "auto" and wrapped.reconstruction_threshold is None
+    assert wrapped.corrupt_fraction == 0.2
+    default = SecAggPlus(FedAvg())
+    assert (wrapped.security_bits, wrapped.correctness_bits) == (
+        default.security_bits,
+        default.correctness_bits,
+    )
+    assert wrapped.dropout_fraction == default.dropout_fraction

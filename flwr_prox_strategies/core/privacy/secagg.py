@@ -374,7 +374,13 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             "max_weight=%g%s); the server sees per-client metrics only",
             type(self.strategy).__name__,
             self.strategy.secure_sums(),
-            self.num_shares,
+            (
+                f"auto: sized for {self.corrupt_fraction:g} colluding and "
+                f"{self.dropout_fraction:g} dropping, 2**-{self.security_bits:g} "
+                f"leak, 2**-{self.correctness_bits:g} lost round"
+            )
+            if self.num_shares == "auto"
+            else self.num_shares,
             self.reconstruction_threshold,
             self.clipping_range,
             self.quantization_range,
