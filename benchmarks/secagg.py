@@ -194,7 +194,7 @@ def instrumented() -> Iterator[None]:
         (pack_client, "decrypt", "client: share decryption"),
         (pack_protocol.Quantizer, "encode", "client: quantisation"),
         (pack_protocol, "add_masks", "server: mask expansion"),
-        (pack_shamir, "recover", "server: Shamir combine"),
+        (pack_shamir, "recover_many", "server: Shamir combine"),
         (pack_protocol, "pairwise_seeds", "server: key agreement (ECDH+HKDF)"),
         (flower_mod, "pseudo_rand_gen", "client: mask expansion"),
         (flower_mod, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
