@@ -247,6 +247,20 @@ def test_a_server_declaring_the_auto_size_but_giving_three_gets_nothing(monkeypa
     assert all("fewer than the threshold 8" in w for w in dropped.values()), dropped
 
 
+def test_a_server_giving_more_neighbours_than_declared_gets_nothing(monkeypatch):
+    def large(nodes, num_shares, rng):
+        return neighbours(nodes, 21, rng)
+
+    monkeypatch.setattr(secagg_exchange, "neighbours", large)
+    fed = Federation()
+    wrapped = SecAggPlus(fed.strategy(), clipping_range=CLIP)
+    messages, _ = fed.round(wrapped)
+    assert messages == []
+    dropped = wrapped._round.dropped
+    assert len(dropped) == N
+    assert all("more than the neighbourhood of 15" in w for w in dropped.values())
+
+
 @pytest.mark.parametrize("where", ["mod", "node config"])
 def test_a_node_floor_refuses_smaller_neighbourhoods(where):
     if where == "mod":

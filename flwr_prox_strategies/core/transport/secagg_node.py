@@ -216,12 +216,13 @@ def setup(
 def check_neighbourhood(config: ConfigRecord, state: State, settings: Settings) -> None:
     """Refuse a round whose neighbourhoods are too small to hide this node.
 
-    The server picks the neighbourhoods: a lying one could make a node's
-    neighbourhood of its colluders. Before any secret leaves, the node asks for at least
+    The server picks the neighbourhoods: a lying one could fill a node's
+    with its colluders. Before any secret leaves, the node asks for at least
     what ``num_shares="auto"`` gives (at the pack's default assumptions) for
     the nodes the server declares, and at least its own floor
     (``min_neighbourhood``); at ``share_keys`` the threshold ``t > k/2``
-    then keeps the neighbourhood it is given above half of that.
+    then keeps the neighbourhood it is given above half of that (and no
+    larger than declared).
     """
     sampled, size = config.get(Key.SAMPLE_NUMBER), state[Key.SHARE_NUMBER]
     threshold = state[Key.THRESHOLD]
@@ -295,6 +296,12 @@ def send_shares(
         raise refuse(
             "share_keys",
             f"{len(keys)} neighbours, fewer than the threshold {threshold}",
+        )
+    if len(keys) > state[Key.SHARE_NUMBER]:
+        raise refuse(
+            "share_keys",
+            f"{len(keys)} neighbours, more than the neighbourhood of "
+            f"{state[Key.SHARE_NUMBER]} declared at setup",
         )
     floor = settings.min_neighbourhood
     if floor is not None and len(keys) < floor:
