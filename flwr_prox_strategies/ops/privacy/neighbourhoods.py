@@ -6,10 +6,11 @@ random graph, so its cost grows as :math:`O(\log n)` instead of :math:`O(n)`.
 The pack's graph is a ring: the ``n`` sampled nodes in a uniformly random
 order, each with the :math:`h = \lfloor k/2 \rfloor` nodes on either side (a
 Harary graph; ``k = 2h + 1`` counts the node itself). Among the ``n`` nodes,
-:math:`C = \mathrm{round}(\gamma n)` are corrupt (they collude with the server)
-and :math:`D = \mathrm{round}(\delta n)` drop out. :func:`neighbourhood_size`
-returns the smallest odd ``k`` and a threshold ``t > k/2`` for which, computed
-exactly for this ring (hypergeometric tails, union bounds over the nodes):
+:math:`C = \lceil \gamma n \rceil` are corrupt (they collude with the server)
+and :math:`D = \lceil \delta n \rceil` drop out (rounded up: one of five, not
+none). :func:`neighbourhood_size` returns the smallest odd ``k`` and a
+threshold ``t > k/2`` for which, computed exactly for this ring
+(hypergeometric tails, union bounds over the nodes):
 
 (a) privacy: :math:`n \, P[X_a \ge t] \le 2^{-\sigma}`, :math:`X_a \sim
     \mathrm{Hyp}(n - 1, C, k - 1)` the corrupt nodes among a node's ``k - 1``
@@ -22,8 +23,9 @@ exactly for this ring (hypergeometric tails, union bounds over the nodes):
     :math:`\frac{n^2}{2} \prod_{i<2h} \frac{R-i}{n-i} \le 2^{-\sigma}`;
 (c) correctness: :math:`n \, P[X_c \ge k - t] \le 2^{-\eta}`, :math:`X_c \sim
     \mathrm{Hyp}(n - 1, D, k - 1)` the dropped nodes among a node's
-    neighbours: a secret needs ``t`` surviving holders (counting the node
-    itself as dropped: conservative for survivors, exact for the dropped).
+    neighbours: a secret needs ``t`` surviving holders (the node itself not
+    counted, and all ``D`` dropped among the others: conservative for every
+    node).
 
 :math:`\sigma = 40` is the statistical security parameter Bell et al. use;
 :math:`\eta = 20` bounds a round that cannot be unmasked (it then keeps the
