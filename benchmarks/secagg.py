@@ -29,9 +29,21 @@ functions); and the largest difference between the round-1 aggregate and the
 plain aggregate of the same replies (the clients' plain replies are summed
 aside in float64 before the mod masks them), beside the pack's bound.
 
-Run: ``python benchmarks/secagg.py [--clients 10 50] [--params 1000000]
-[--rounds 3] [--warmup 1] [--large 50] [--quick]``; writes
-``benchmarks/results/secagg/secagg.txt`` and ``secagg.json`` (``--out``).
+Neighbourhoods: by default (``--shares auto``) the pack runs
+``num_shares="auto"`` (each client masks with a neighbourhood that grows as
+``log n``) and Flower's workflow gets the same neighbourhood and threshold as
+counts, so both do the same protocol work; ``--shares everyone`` runs SecAgg
+(everyone with everyone, threshold 0.6) on both sides. Flower's legacy workflow
+runs only up to ``--flower-max`` clients (its server is O(n^2)); ``--no-flower``
+leaves it out. The report gives, per client count, the neighbourhood chosen and
+the per-client secure cost, ``(secure round - plain round) / n`` seconds,
+and ``secagg-cost.png`` plots it against ``n`` (log axis): flat if each
+client's work grows as ``log n``.
+
+Run: ``python benchmarks/secagg.py [--clients 10 50 100 200] [--params 1000000]
+[--rounds 3] [--warmup 1] [--large 50] [--shares auto] [--no-flower]
+[--flower-max 50] [--quick]``; writes ``benchmarks/results/secagg/secagg.txt``,
+``secagg.json`` and ``secagg-cost.png`` (``--out``).
 """
 
 from __future__ import annotations
@@ -77,16 +89,18 @@ from flwr_prox_strategies import (
     SecAggPlusMod,
 )
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+from flwr_prox_strategies.ops.privacy.neighbourhoods import neighbourhood_size
 
-# The protocol parameters, the same on both sides (the pack's defaults = Flower's).
+# The protocol parameters, the same on both sides; the neighbourhood and the
+# threshold per client count (:func:`neighbourhoods`, ``--shares``).
 PROTOCOL: dict[str, Any] = {
-    "num_shares": 1.0,  # everyone is everyone's neighbour (SecAgg)
-    "reconstruction_threshold": 0.6,
     "max_weight": 1000.0,
     "clipping_range": 8.0,
     "quantization_range": 2**22,
     "modulus_range": 2**32,
 }
+#: ``--shares``: "auto" (the pack's default, log n) or "everyone" (SecAgg).
+SHARES = {"mode": "auto"}
 LR = 0.5
 BATCH = 8
 PACK_STAGE_RECORD = "secagg-plus"
@@ -101,6 +115,24 @@ CONFIGS = (
     ("Flower FedAvg (legacy)", "flower-fedavg", False),
     ("Flower FedAvg+SecAgg+ (legacy)", "flower-fedavg", True),
 )
+
+
+def neighbourhoods(n: int) -> dict[str, Any]:
+    """Return each side's neighbourhood settings at ``n`` clients, and the (k, t)."""
+    if SHARES["mode"] == "everyone":
+        k, t = n, max(2, math.ceil(round(0.6 * n, 9)))
+        pack: dict[str, Any] = {"num_shares": 1.0, "reconstruction_threshold": 0.6}
+        flower: dict[str, Any] = {"num_shares": 1.0, "reconstruction_threshold": 0.6}
+    else:
+        k, t = neighbourhood_size(n)
+        k = min(k, n)
+        pack = {"num_shares": "auto", "reconstruction_threshold": None}
+        # Flower's workflow takes counts: the same ring, the same threshold.
+        flower = {
+            "num_shares": k if k < n else 1.0,
+            "reconstruction_threshold": t,
+        }
+    return {"k": k, "t": t, "pack": pack, "flower": flower}
 
 
 # --------------------------------------------------------------------- timing
@@ -153,17 +185,17 @@ def instrumented() -> Iterator[None]:
 
     targets = [
         # module, attribute, label
-        (pack_client, "add_mask", "client: mask expansion"),
+        (pack_client, "add_masks", "client: mask expansion"),
         (pack_client, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
-        (pack_client, "pairwise_seed", "client: key agreement (ECDH+HKDF)"),
+        (pack_client, "pairwise_seeds", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "generate_key_pairs", "client: key generation"),
         (pack_shamir, "split", "client: Shamir split"),
         (pack_client, "encrypt", "client: share encryption"),
         (pack_client, "decrypt", "client: share decryption"),
         (pack_protocol.Quantizer, "encode", "client: quantisation"),
-        (pack_protocol, "add_mask", "server: mask expansion"),
-        (pack_shamir, "recover", "server: Shamir combine"),
-        (pack_protocol, "pairwise_seed", "server: key agreement (ECDH+HKDF)"),
+        (pack_protocol, "add_masks", "server: mask expansion"),
+        (pack_shamir, "recover_many", "server: Shamir combine"),
+        (pack_protocol, "pairwise_seeds", "server: key agreement (ECDH+HKDF)"),
         (flower_mod, "pseudo_rand_gen", "client: mask expansion"),
         (flower_mod, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
         (flower_mod, "generate_key_pairs", "client: key generation"),
@@ -412,7 +444,8 @@ def run_pack(family: str, secure: bool, n: int, d: int, total: int) -> dict[str,
         "fraction_evaluate": 0.0,
     }
     inner: Any = Scaffold(num_clients=n, **common) if scaffold else FedAvg(**common)
-    strategy: Any = SecAggPlus(inner, **PROTOCOL) if secure else inner
+    settings = {**PROTOCOL, **neighbourhoods(n)["pack"]}
+    strategy: Any = SecAggPlus(inner, **settings) if secure else inner
     captured: dict[str, Any] = {}
     configure, aggregate = strategy.configure_train, strategy.aggregate_train
 
@@ -486,10 +519,11 @@ def run_flower(secure: bool, n: int, d: int, total: int) -> dict[str, Any]:
 
     strategy.configure_fit = configure_fit  # type: ignore[method-assign]
     strategy.aggregate_fit = aggregate_fit  # type: ignore[method-assign]
+    shares = neighbourhoods(n)["flower"]
     fit_workflow = (
         SecAggPlusWorkflow(
-            PROTOCOL["num_shares"],
-            PROTOCOL["reconstruction_threshold"],
+            shares["num_shares"],
+            shares["reconstruction_threshold"],
             max_weight=PROTOCOL["max_weight"],
             clipping_range=PROTOCOL["clipping_range"],
             quantization_range=PROTOCOL["quantization_range"],
@@ -595,6 +629,72 @@ def ratio_line(configs: dict[str, Any], key: str) -> str:
     )
 
 
+#: (family, plain configuration, secure configuration) of each cost curve.
+COST_PAIRS = (
+    ("pack FedAvg", "pack FedAvg", "pack FedAvg+SecAgg+"),
+    ("pack SCAFFOLD", "pack SCAFFOLD", "pack SCAFFOLD+SecAgg+"),
+    (
+        "Flower FedAvg (legacy)",
+        "Flower FedAvg (legacy)",
+        "Flower FedAvg+SecAgg+ (legacy)",
+    ),
+)
+
+
+def per_client_costs(
+    results: dict[str, Any], key: str = "median"
+) -> dict[str, dict[str, float]]:
+    """Return family -> clients -> ``(secure round - plain round) / n`` seconds."""
+    costs: dict[str, dict[str, float]] = {}
+    for n, configs in results.items():
+        for family, plain, secure in COST_PAIRS:
+            if plain in configs and secure in configs:
+                extra = configs[secure][key] - configs[plain][key]
+                costs.setdefault(family, {})[n] = extra / int(n)
+    return costs
+
+
+def plot_costs(
+    costs: dict[str, dict[str, float]], hoods: dict[str, Any], path: Path
+) -> None:
+    """Write the per-client secure cost against n (log axis), k beside each point."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for family, points in costs.items():
+        ns = sorted(points, key=int)
+        ax.plot([int(n) for n in ns], [points[n] for n in ns], "o-", label=family)
+        if family.startswith("pack FedAvg"):
+            for n in ns:
+                ax.annotate(
+                    f"k={hoods[n]['k']}",
+                    (int(n), points[n]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=8,
+                )
+    ax.set_xscale("log")
+    sizes = sorted({int(n) for points in costs.values() for n in points})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("clients per round n (log scale)")
+    ax.set_ylabel("secure cost per client per round (s)")
+    ax.set_title(
+        "SecAgg+: (secure round - plain round) / n, neighbourhood k "
+        f"({SHARES['mode']})",
+        fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
     lines: list[str] = []
     say = lines.append
@@ -635,6 +735,15 @@ def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
         "protocol (both sides): "
         + ", ".join(f"{k}={v}" for k, v in PROTOCOL.items())
         + f"; clients: 1 SGD step (batch {BATCH}, lr {LR}), num-examples 100..597"
+    )
+    say(
+        f"neighbourhoods ({SHARES['mode']}; k = a client's neighbourhood, itself "
+        "included, t = the threshold): "
+        + "; ".join(
+            f"{n} clients: k={neighbourhoods(int(n))['k']}, "
+            f"t={neighbourhoods(int(n))['t']}"
+            for n in results
+        )
     )
     say(
         f"python {platform.python_version()}, torch {torch.__version__}, numpy "
@@ -700,6 +809,23 @@ def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
                     f"        {family}: the SecAgg+ round takes {b / a:.1f}x the plain one"
                 )
     section(
+        "Per-client secure cost: (secure round - plain round) / n, seconds per "
+        "client per round (median wall-clock; cpu in brackets), against the "
+        "neighbourhood k: with k ~ log n it should grow no faster than log n"
+    )
+    costs, cpu_costs = (
+        per_client_costs(results),
+        per_client_costs(results, "median_cpu"),
+    )
+    for n in results:
+        hood = neighbourhoods(int(n))
+        parts = ", ".join(
+            f"{family} {points[n]:.4f} ({cpu_costs[family][n]:.4f})"
+            for family, points in costs.items()
+            if n in points
+        )
+        say(f"  {n:>4} clients (k={hood['k']}, t={hood['t']}): {parts or '-'}")
+    section(
         "Bytes per client per round, by stage (down = server to client, up = "
         "client to server; collect_masked_vectors' down holds the model and the "
         "forwarded key shares)"
@@ -733,7 +859,26 @@ def report(results: dict[str, Any], args: argparse.Namespace, d: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50])
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100, 200])
+    parser.add_argument(
+        "--shares",
+        choices=("auto", "everyone"),
+        default="auto",
+        help="neighbourhoods: auto (the pack's num_shares='auto', the same counts "
+        "for Flower) or everyone (SecAgg, threshold 0.6, on both sides)",
+    )
+    parser.add_argument(
+        "--no-flower",
+        action="store_true",
+        help="leave out Flower's legacy configurations",
+    )
+    parser.add_argument(
+        "--flower-max",
+        type=int,
+        default=50,
+        help="run Flower's legacy configurations only up to this many clients "
+        "(its server is O(n^2))",
+    )
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
@@ -770,6 +915,7 @@ def main() -> None:
         args.clients, args.params, args.rounds, args.warmup = [5], 10_000, 1, 1
     if args.large == 0:
         args.large = None
+    SHARES["mode"] = args.shares
     torch.set_num_threads(args.torch_threads)
     FLOWER_LOGGER.setLevel(logging.ERROR)
     logging.getLogger("flwr").setLevel(logging.ERROR)
@@ -781,6 +927,10 @@ def main() -> None:
             results[str(n)] = {}
             for name, family, secure in CONFIGS:
                 if args.only and name not in args.only:
+                    continue
+                if family.startswith("flower") and (
+                    args.no_flower or n > args.flower_max
+                ):
                     continue
                 warmup, rounds = schedule(args, n, secure)
                 out = run(family, secure, n, d, warmup, rounds)
@@ -801,6 +951,10 @@ def main() -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "secagg.txt").write_text(text + "\n")
+    hoods = {n: neighbourhoods(int(n)) for n in results}
+    costs = per_client_costs(results)
+    if costs:
+        plot_costs(costs, hoods, args.out / "secagg-cost.png")
     payload = {
         "command": "python " + " ".join(sys.argv),
         "params": d * d,
@@ -817,6 +971,10 @@ def main() -> None:
             for n in results
         },
         "protocol": PROTOCOL,
+        "shares": args.shares,
+        "neighbourhoods": {n: {"k": h["k"], "t": h["t"]} for n, h in hoods.items()},
+        "per_client_cost_s": costs,
+        "per_client_cost_cpu_s": per_client_costs(results, "median_cpu"),
         "torch_threads": torch.get_num_threads(),
         "run_time_s": elapsed,
         "load_average_end": os.getloadavg(),

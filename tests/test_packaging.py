@@ -102,6 +102,7 @@ def test_clientapp_answers_a_key_exchange_stage_without_torch_or_the_model() -> 
             {{
                 Key.STAGE: Stage.SETUP,
                 "server-round": 1,
+                Key.SAMPLE_NUMBER: 1,
                 Key.SHARE_NUMBER: 1,
                 Key.THRESHOLD: 1,
                 Key.CLIPPING_RANGE: 8.0,

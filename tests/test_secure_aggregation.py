@@ -412,6 +412,7 @@ def _mod_in_collect_stage(reply_arrays, num_examples=10.0, threshold=1):
         {
             Key.STAGE: Stage.SETUP,
             "server-round": 1,
+            Key.SAMPLE_NUMBER: 1,
             Key.SHARE_NUMBER: 1,
             Key.THRESHOLD: threshold,
             Key.CLIPPING_RANGE: 8.0,

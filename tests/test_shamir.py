@@ -22,6 +22,7 @@ from flwr_prox_strategies.core.transport.shamir import (
     ShamirError,
     combine,
     recover,
+    recover_many,
     split,
 )
 
@@ -319,3 +320,44 @@ def test_shares_are_little_endian_uint32_below_the_prime() -> None:
     (row,) = split([bytes(range(100))], 5, 9)
     values = np.frombuffer(b"".join(row), "<u4")
     assert values.max() < PRIME
+
+
+def test_recover_many_gives_what_recover_gives_secret_by_secret():
+    """Vectorised over secrets: the same secrets, the same holders named, the
+    same errors, whatever is wrong with the shares (and secrets of two lengths)."""
+    rng = random.Random(3)
+    t, k = 5, 9
+    sharings, expected = [], []
+    for i in range(48):
+        secret = bytes(rng.randrange(256) for _ in range(32 if i % 2 else 45))
+        shares = split([secret], t, k)[0]
+        given = {x + 1: shares[x] for x in range(k) if rng.random() > 0.15}
+        first = list(given)
+        kind = i % 8
+        if kind == 1 and len(first) > t:  # a wrong share past the first t
+            given[first[-1]] = bytes([given[first[-1]][0] ^ 1]) + given[first[-1]][1:]
+        elif kind == 2:  # a wrong share among the first t
+            given[first[0]] = given[first[0]][:4] + bytes(4) + given[first[0]][8:]
+        elif kind == 3:  # a malformed one
+            given[first[1]] = b"abc"
+        elif kind == 4:  # too few good ones
+            for x in first[1:]:
+                given[x] = struct.pack("<I", rng.randrange(PRIME)) * (
+                    len(given[x]) // 4
+                )
+        elif kind == 5:  # another length
+            given[first[2]] = given[first[2]] + bytes(4)
+        valid = (lambda s: lambda candidate: candidate == s)(secret)
+        sharings.append((given, valid))
+        try:
+            expected.append(recover(given, t, valid))
+        except ShamirError as err:
+            expected.append(err)
+    got = recover_many(sharings, t)
+    for want, have in zip(expected, got, strict=True):
+        if isinstance(want, ShamirError):
+            assert isinstance(have, ShamirError) and str(have) == str(want)
+        else:
+            assert have == want
+    assert any(isinstance(r, ShamirError) for r in got)
+    assert any(isinstance(r, Recovery) and r.disagreeing for r in got)

@@ -146,6 +146,15 @@ def sampled_per_round(cfg: DictConfig, strategy: Any) -> int:
     )
 
 
+#: ``secure_aggregation`` keys whose null means SecAggPlus's default.
+_SECAGG_DEFAULTED = (
+    "security_bits",
+    "correctness_bits",
+    "corrupt_fraction",
+    "dropout_fraction",
+)
+
+
 def wrap_secure_aggregation(
     cfg: DictConfig, strategy: Any, largest_partition: Callable[[], int]
 ) -> Any:
@@ -176,6 +185,9 @@ def wrap_secure_aggregation(
     }
     if options.get("max_weight") is None:
         options["max_weight"] = float(largest_partition())
+    for key in _SECAGG_DEFAULTED:
+        if options.get(key) is None:  # null: SecAggPlus's own default, kept there
+            options.pop(key, None)
     if distributed is not None:
         settings = {
             str(k): v

@@ -29,6 +29,7 @@ from ..transport.secagg import (
 )
 from ..transport.secagg_node import (
     NODE_KEY_DIRECTORY,
+    NODE_MIN_NEIGHBOURHOOD,
     NODE_REQUIRED,
     NODE_SIGNING_KEY,
     STATE_RECORD,
@@ -50,6 +51,7 @@ from ..transport.secagg_node import (
 # half imports the same wire); their public names stay importable from here.
 __all__ = [
     "NODE_KEY_DIRECTORY",
+    "NODE_MIN_NEIGHBOURHOOD",
     "NODE_REQUIRED",
     "NODE_SIGNING_KEY",
     "STATE_RECORD",
@@ -93,9 +95,10 @@ class SecAggPlusMod:
         A callable decides per message. A SuperNode's operator can also set it
         with ``--node-config "secagg-required=true"``; either one is enough.
     allow_weak_threshold : bool (default: False)
-        Accept a threshold at most half of the neighbourhood. Only for tests
-        and tiny federations you trust: a lying server can then rebuild a
-        client's update.
+        Accept a threshold at most half of the neighbourhood, and
+        neighbourhoods below the automatic size. Only for tests and tiny
+        federations you trust: a lying server can then rebuild a client's
+        update.
     signing_key : str | Path | None (default: None)
         This node's private signing key (OpenSSH or PEM; its SuperNode
         authentication key will do). With it the node runs only in
@@ -116,6 +119,15 @@ class SecAggPlusMod:
         rounding the server asks for). The floor is the node's, so a server
         that asks for less noise gets nothing. Node config:
         ``ddp-min-noise-multiplier``.
+    min_neighbourhood : int | None (default: None)
+        The fewest nodes (this one included) it shares its secrets with and
+        masks against: a round whose declared neighbourhoods, or the one it
+        is given at ``share_keys``, are smaller is refused before anything
+        secret leaves. Whatever it is, the node also refuses neighbourhoods
+        below what ``num_shares="auto"`` gives (at the pack's default
+        assumptions) for the nodes the server says it sampled, and a
+        threshold at most half of them, unless ``allow_weak_threshold``.
+        Node config: ``secagg-min-neighbourhood`` (the larger floor wins).
 
     Raises
     ------
@@ -132,6 +144,7 @@ class SecAggPlusMod:
         signing_key: str | Path | None = None,
         key_directory: str | Path | None = None,
         min_noise_multiplier: float | None = None,
+        min_neighbourhood: int | None = None,
     ) -> None:
         if not (isinstance(required, bool) or callable(required)):
             raise ValueError(f"required must be a bool or a callable, got {required!r}")
@@ -143,6 +156,7 @@ class SecAggPlusMod:
         self.allow_weak_threshold = allow_weak_threshold
         self._keys = signing.load_keys(signing_key, key_directory, "signing_key")
         self.min_noise_multiplier = _floor(min_noise_multiplier, "min_noise_multiplier")
+        self.min_neighbourhood = _size_floor(min_neighbourhood, "min_neighbourhood")
 
     def __call__(
         self, message: Message, context: Context, call_next: CallNext
@@ -218,8 +232,17 @@ class SecAggPlusMod:
                 SecureAggregationRefused,
             )
             floor = theirs if floor is None else max(floor, cast(float, theirs))
+        size = self.min_neighbourhood
+        if node.get(NODE_MIN_NEIGHBOURHOOD) is not None:  # the stricter wins
+            theirs = _size_floor(
+                node.get(NODE_MIN_NEIGHBOURHOOD),
+                f"node config {NODE_MIN_NEIGHBOURHOOD}",
+                SecureAggregationRefused,
+            )
+            size = theirs if size is None else max(size, cast(int, theirs))
         return Settings(
             allow_weak_threshold=self.allow_weak_threshold,
+            min_neighbourhood=size,
             signing_key=keys[0] if keys else None,
             directory=keys[1] if keys else frozenset(),
             min_noise_multiplier=floor,
@@ -297,6 +320,19 @@ def _floor(
     if isinstance(value, bool) or not (math.isfinite(floor) and floor > 0):
         raise error(f"{name} must be a finite number > 0, got {value!r}")
     return floor
+
+
+def _size_floor(
+    value: object, name: str, error: type[ValueError] = ValueError
+) -> int | None:
+    """Return a neighbourhood floor (None: none); refuse anything not an int >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # a node config given on the command line
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def _flag(value: object, name: str) -> bool:

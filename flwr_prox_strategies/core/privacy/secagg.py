@@ -26,6 +26,13 @@ from ...ops.privacy.accounting import (
     smallest_contributors,
 )
 from ...ops.privacy.encoding import upload_layout
+from ...ops.privacy.neighbourhoods import (
+    CORRECTNESS_BITS,
+    CORRUPT_FRACTION,
+    DROPOUT_FRACTION,
+    SECURITY_BITS,
+    check_settings,
+)
 from ..contract.ledger import DELTA_METRIC, EPSILON_TOTAL_METRIC
 from ..contract.validation import ReplyRejected, ValidReply
 from ..server.strategy import ScreenedRound, ValidatedFedAvg
@@ -53,7 +60,9 @@ EPSILON_MEAN_METRIC = f"{EPSILON_TOTAL_METRIC}-mean"
 SECAGG_DROPPED_CODE = 0
 
 
-def _check_strong_threshold(num_shares: int | float, threshold: int | float) -> None:
+def _check_strong_threshold(
+    num_shares: int | float | str, threshold: int | float | None
+) -> None:
     """Refuse a threshold a lying server could split (at most half a neighbourhood)."""
     fix = (
         "a lying server could ask one half of a client's neighbours for its mask "
@@ -108,13 +117,23 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         what its rule reads (FedAvg, FedProx, SCAFFOLD, FedDyn, FedDC, APFL,
         SFedAvg, SFedProx). FedEPM, a rule of your own that was not declared,
         and ``monitor_dissimilarity=True`` (it reads each reply) are refused.
-    num_shares : int | float (default: 1.0)
+    num_shares : int | float | str (default: "auto")
         Each client's neighbourhood (itself included), which holds the shares
-        of its secrets and masks with it: a count (>= 3), or a fraction of
-        the round's sampled nodes (1.0: everyone, SecAgg).
-    reconstruction_threshold : int | float (default: 0.6)
+        of its secrets and masks with it: ``"auto"``, the smallest that keeps
+        the round private, connected and unmaskable under
+        ``corrupt_fraction`` and ``dropout_fraction`` (it grows as ``log n``:
+        13 of 50 sampled nodes, 23 of 100, 33 of 200, 47 of 1,000; everyone
+        up to 5;
+        ``ops.privacy.neighbourhoods.neighbourhood_size``);
+        a count (>= 3); or a fraction of the round's sampled nodes (1.0:
+        everyone, SecAgg). Under ``distributed_dp``, ``"auto"`` is everyone:
+        its account counts the noise of only ``t`` contributors, and a small
+        neighbourhood's ``t`` would spend the budget faster.
+    reconstruction_threshold : int | float | None (default: None)
         Shares needed to rebuild a secret: a count (>= 2), or a fraction of
-        ``num_shares`` (rounded up, at least 2). Up to ``num_shares -
+        ``num_shares`` (rounded up, at least 2); None: the least the
+        automatic size allows (it survives the most dropouts), else 0.6.
+        Up to ``num_shares -
         reconstruction_threshold`` neighbours may drop after sharing keys;
         fewer than the threshold cannot learn anything. It must exceed half
         of every neighbourhood: at or below half, a lying server can ask one
@@ -152,6 +171,20 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         Accept a threshold at most half of a neighbourhood, with a warning
         once per run. Clients refuse such a round unless their mod allows it
         too. For tests and federations whose server you trust.
+    security_bits : float (default: 40)
+        ``sigma`` of ``num_shares="auto"`` (Bell et al. 2020's statistical
+        security parameter): a round leaks (some client has ``t`` colluding
+        neighbours, or the honest survivors split) with probability at most
+        ``2**-sigma``.
+    correctness_bits : float (default: 20)
+        ``eta`` of ``num_shares="auto"``: a round cannot be unmasked (it keeps
+        the previous model) with probability at most ``2**-eta``.
+    corrupt_fraction : float (default: 0.1)
+        The fraction of sampled clients ``num_shares="auto"`` assumes collude
+        with the server (rounded up), in ``[0, 0.5)``.
+    dropout_fraction : float (default: 0.1)
+        The fraction of sampled clients ``num_shares="auto"`` assumes drop
+        out during a round (rounded up), in ``[0, 0.5)``.
     distributed_dp : DistributedDP | None (default: None)
         User-level DP against the server
         (:class:`~flwr_prox_strategies.DistributedDP`): each client clips
@@ -170,8 +203,8 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         self,
         strategy: ValidatedFedAvg,
         *,
-        num_shares: int | float = 1.0,
-        reconstruction_threshold: int | float = 0.6,
+        num_shares: int | float | str = "auto",
+        reconstruction_threshold: int | float | None = None,
         max_weight: float = 1000.0,
         clipping_range: float = 8.0,
         quantization_range: int = 2**22,
@@ -179,6 +212,10 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         timeout: float | None = 300.0,
         active_adversary: bool = False,
         allow_weak_threshold: bool = False,
+        security_bits: float = SECURITY_BITS,
+        correctness_bits: float = CORRECTNESS_BITS,
+        corrupt_fraction: float = CORRUPT_FRACTION,
+        dropout_fraction: float = DROPOUT_FRACTION,
         distributed_dp: DistributedDP | None = None,
     ) -> None:
         if not isinstance(strategy, ValidatedFedAvg):
@@ -203,10 +240,19 @@ class SecAggPlus(Unmasking, StrategyWrapper):
                 f"but secure_sums() declares {sorted(declared)}; every record must "
                 "be declared (or not uploaded)"
             )
-        _check_fraction_or_count("num_shares", num_shares, 3)
-        _check_fraction_or_count(
-            "reconstruction_threshold", reconstruction_threshold, 2
+        if num_shares != "auto":
+            _check_fraction_or_count("num_shares", num_shares, 3)
+        check_settings(
+            threshold=None,  # checked below, as every threshold
+            security_bits=security_bits,
+            correctness_bits=correctness_bits,
+            corrupt_fraction=corrupt_fraction,
+            dropout_fraction=dropout_fraction,
         )
+        if reconstruction_threshold is not None:
+            _check_fraction_or_count(
+                "reconstruction_threshold", reconstruction_threshold, 2
+            )
         if (
             isinstance(num_shares, int)
             and isinstance(reconstruction_threshold, int)
@@ -222,7 +268,7 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         ):
             if not isinstance(flag, bool):
                 raise ValueError(f"{key} must be a bool, got {flag!r}")
-        if not allow_weak_threshold:
+        if not allow_weak_threshold and reconstruction_threshold is not None:
             _check_strong_threshold(num_shares, reconstruction_threshold)
         if (
             isinstance(reconstruction_threshold, int)
@@ -282,6 +328,10 @@ class SecAggPlus(Unmasking, StrategyWrapper):
         self.account = Account(distributed_dp.delta) if distributed_dp else None
         self.num_shares = num_shares
         self.reconstruction_threshold = reconstruction_threshold
+        self.security_bits = security_bits
+        self.correctness_bits = correctness_bits
+        self.corrupt_fraction = corrupt_fraction
+        self.dropout_fraction = dropout_fraction
         self.max_weight = float(max_weight)
         self.quantizer = Quantizer(
             float(clipping_range), quantization_range, modulus_range
@@ -324,7 +374,13 @@ class SecAggPlus(Unmasking, StrategyWrapper):
             "max_weight=%g%s); the server sees per-client metrics only",
             type(self.strategy).__name__,
             self.strategy.secure_sums(),
-            self.num_shares,
+            (
+                f"auto: sized for {self.corrupt_fraction:g} colluding and "
+                f"{self.dropout_fraction:g} dropping, 2**-{self.security_bits:g} "
+                f"leak, 2**-{self.correctness_bits:g} lost round"
+            )
+            if self.num_shares == "auto"
+            else self.num_shares,
             self.reconstruction_threshold,
             self.clipping_range,
             self.quantization_range,

@@ -9,7 +9,6 @@ shares to its neighbours.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -22,6 +21,7 @@ from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
 from ...ops.privacy.encoding import UploadLayout
+from ...ops.privacy.neighbourhoods import fraction_threshold, neighbourhood_size
 from ..contract.validation import client_error_text
 from ..server.strategy import ValidatedFedAvg
 from ..transport import signing
@@ -82,8 +82,12 @@ class KeyExchange:
     """The stages of a SecAgg+ round up to the collection of masked vectors."""
 
     strategy: ValidatedFedAvg
-    num_shares: int | float
-    reconstruction_threshold: int | float
+    num_shares: int | float | str
+    reconstruction_threshold: int | float | None
+    security_bits: float
+    correctness_bits: float
+    corrupt_fraction: float
+    dropout_fraction: float
     max_weight: float
     quantizer: Quantizer
     timeout: float | None
@@ -100,27 +104,44 @@ class KeyExchange:
         return self.quantizer.modulus_range if dp is None else 1 << int(dp.bits)
 
     def _size_round(self, state: _Round, sampled: int) -> None:
-        shares = self.num_shares
-        count = (
-            sampled
-            if isinstance(shares, float) and shares >= 1.0
-            else min(
-                sampled,
-                round(shares * sampled) if isinstance(shares, float) else shares,
+        shares, threshold = self.num_shares, self.reconstruction_threshold
+        if shares == "auto" and self.distributed_dp is not None:
+            # Distributed DP counts the noise of the fewest contributors a
+            # revealed sum holds, t: a sparse ring's small t would cost budget.
+            shares = 1.0
+        if shares == "auto":
+            auto = neighbourhood_size(
+                max(sampled, 1),
+                threshold=threshold,
+                security_bits=self.security_bits,
+                correctness_bits=self.correctness_bits,
+                corrupt_fraction=self.corrupt_fraction,
+                dropout_fraction=self.dropout_fraction,
             )
-        )
-        if count < 3:
-            count = sampled  # as Flower: too small a fraction means everyone
-        if count < sampled and count % 2 == 0:
-            count += 1  # a ring neighbourhood is the node and as many on each side
-        threshold = self.reconstruction_threshold
-        state.num_shares = count
-        state.threshold = (
-            # Rounded up (0.6 of 4 is 3, not 2): above half at every size.
-            max(2, math.ceil(round(threshold * count, 9)))
-            if isinstance(threshold, float)
-            else threshold
-        )
+            state.num_shares, state.threshold = min(auto.size, sampled), auto.threshold
+        else:
+            count = (
+                sampled
+                if isinstance(shares, float) and shares >= 1.0
+                else min(
+                    sampled,
+                    round(shares * sampled)
+                    if isinstance(shares, float)
+                    else cast(int, shares),
+                )
+            )
+            if count < 3:
+                count = sampled  # as Flower: too small a fraction means everyone
+            if count < sampled and count % 2 == 0:
+                count += 1  # a ring neighbourhood is the node and as many each side
+            state.num_shares = count
+            state.threshold = (
+                # Rounded up (0.6 of 4 is 3, not 2): above half at every size.
+                fraction_threshold(0.6 if threshold is None else threshold, count)
+                if not isinstance(threshold, int)
+                else threshold
+            )
+        count = state.num_shares
         if sampled < state.threshold or sampled < 2:
             state.failure = (
                 f"{sampled} node(s) sampled, fewer than the reconstruction threshold "

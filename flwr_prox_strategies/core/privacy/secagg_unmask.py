@@ -98,26 +98,34 @@ class Unmasking(KeyExchange):
                 shares[cast(int, owner)][holder] = cast(bytes, share)
         total = np.zeros(state.length, dtype=np.uint32)  # sums wrap mod 2**32
         for vector in vectors.values():
-            total += vector
-        for owner in sorted(contributors):
-            seed = self._recover(
-                state,
-                owner,
-                shares[owner],
-                _matches(protocol.commitment, state.commitments[owner]),
-            )
-            protocol.add_mask(total, seed, -1)
+            np.add(total, vector, out=total)
+        owners = sorted(contributors) + sorted(dead)
+        secrets = self._recover_all(
+            state,
+            [
+                (
+                    owner,
+                    shares[owner],
+                    _matches(protocol.commitment, state.commitments[owner])
+                    if owner in contributors
+                    else _matches(_public_of, state.public_keys[owner][0]),
+                )
+                for owner in owners
+            ],
+        )
+        masks: list[tuple[bytes, int]] = [
+            (secrets[owner], -1) for owner in sorted(contributors)
+        ]
         for owner in sorted(dead):
-            sk1 = self._recover(
-                state,
-                owner,
-                shares[owner],
-                _matches(_public_of, state.public_keys[owner][0]),
+            sk1 = secrets[owner]
+            others = sorted(state.neighbours[owner] & contributors)
+            seeds = protocol.pairwise_seeds(
+                sk1, [state.public_keys[other][0] for other in others]
             )
-            for other in sorted(state.neighbours[owner] & contributors):
-                seed = protocol.pairwise_seed(sk1, state.public_keys[other][0])
+            for other, seed in zip(others, seeds, strict=True):
                 # ``other`` added its mask for ``owner``; take it out again.
-                protocol.add_mask(total, seed, -protocol.pairwise_sign(other, owner))
+                masks.append((seed, -protocol.pairwise_sign(other, owner)))
+        protocol.add_masks(total, masks)  # one buffer for every mask
         total = protocol.reduce(total, self.masking_modulus)
         if state.ddp is not None:
             return self._decode_noisy(state, total.astype(np.int64), len(weights))
@@ -164,44 +172,61 @@ class Unmasking(KeyExchange):
             state.threshold,
         )
 
-    def _recover(
+    def _recover_all(
         self,
         state: _Round,
-        owner: int,
-        shares: dict[int, bytes],
-        valid: Callable[[bytes], bool],
-    ) -> bytes:
-        """Rebuild one secret from the shares that came back; name holders of bad ones.
+        wanted: list[tuple[int, dict[int, bytes], Callable[[bytes], bool]]],
+    ) -> dict[int, bytes]:
+        """Rebuild each owner's secret from the shares that came back, together.
 
         The owner split its secrets over its neighbourhood as the server sent
         it at ``share_keys`` (sorted), so a holder's share is the polynomials
-        at the holder's position there plus one. Recovery tolerates wrong
-        shares (error correction, then a search of subsets checked against the
+        at the holder's position there plus one. Recovery (vectorised over
+        the secrets, :func:`shamir.recover_many`) tolerates wrong shares
+        (error correction, then a search of subsets checked against the
         owner's commitment or public key) and drops every holder whose share
-        disagrees with the secret found.
+        disagrees with the secret found. The first owner, in ``wanted``'s
+        order, whose secret cannot be rebuilt fails the round.
         """
-        order = sorted(state.neighbours[owner] & set(state.public_keys))
-        x_of = {node: position + 1 for position, node in enumerate(order)}
-        given = {x_of[holder]: share for holder, share in shares.items()}
         t = state.threshold
-        if len(given) < t:
-            raise UnmaskFailed(
-                f"{len(given)} share(s) of node {owner}'s secret came back, fewer "
-                f"than the threshold {t}"
+        orders, sharings = {}, {}
+        for owner, shares, valid in wanted:
+            order = sorted(state.neighbours[owner] & set(state.public_keys))
+            x_of = {node: position + 1 for position, node in enumerate(order)}
+            orders[owner] = order
+            sharings[owner] = (
+                {x_of[holder]: share for holder, share in shares.items()},
+                valid,
             )
-        try:
-            found = shamir.recover(given, t, valid)
-        except shamir.ShamirError as err:
-            raise UnmaskFailed(
-                f"no {t} of the {len(given)} shares of node {owner}'s secret "
-                f"rebuild it (corrupt shares): {err}"
-            ) from err
-        for x in found.disagreeing:
-            state.dropped.setdefault(
-                order[x - 1],
-                f"unmask: its share of node {owner}'s secret is corrupt (ignored)",
+        enough = [owner for owner, _, _ in wanted if len(sharings[owner][0]) >= t]
+        found = dict(
+            zip(
+                enough,
+                shamir.recover_many([sharings[o] for o in enough], t),
+                strict=True,
             )
-        return found.secret
+        )
+        secrets: dict[int, bytes] = {}
+        for owner, _, _ in wanted:
+            given = sharings[owner][0]
+            if owner not in found:
+                raise UnmaskFailed(
+                    f"{len(given)} share(s) of node {owner}'s secret came back, "
+                    f"fewer than the threshold {t}"
+                )
+            result = found[owner]
+            if isinstance(result, shamir.ShamirError):
+                raise UnmaskFailed(
+                    f"no {t} of the {len(given)} shares of node {owner}'s secret "
+                    f"rebuild it (corrupt shares): {result}"
+                ) from result
+            for x in result.disagreeing:
+                state.dropped.setdefault(
+                    orders[owner][x - 1],
+                    f"unmask: its share of node {owner}'s secret is corrupt (ignored)",
+                )
+            secrets[owner] = result.secret
+        return secrets
 
     def _decode(
         self, state: _Round, total: NDArray[np.int64], weights: Mapping[int, int]

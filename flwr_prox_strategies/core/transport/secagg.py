@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -95,12 +95,20 @@ class Quantizer:
         """
         c, t = self.clipping_range, self.quantization_range
         weight = t if weight_code is None else weight_code
-        clipped = np.clip(values, -c, c)
-        scaled = (clipped * (weight / t) + c) / self.step
+        # One float buffer, updated in place: the same operations in the same
+        # order as ``(clip(x) * (w / t) + c) / step``, so the same codes.
+        scaled = np.clip(values, -c, c)  # a new array, in the values' precision
+        if not np.issubdtype(scaled.dtype, np.floating):
+            scaled = scaled.astype(np.float64)
+        scaled *= weight / t
+        scaled += c
+        scaled /= self.step
         floor = np.floor(scaled)
-        up = rng.random(scaled.shape) < (scaled - floor)
+        scaled -= floor  # the fraction: rounded up with that probability
+        floor += rng.random(scaled.shape) < scaled
         low, high = self.code_range(weight)
-        return np.clip(floor + up, low, high).astype(np.int64)
+        np.clip(floor, low, high, out=floor)
+        return floor.astype(np.int64)
 
     def code_range(self, weight_code: int) -> tuple[int, int]:
         """Return the least and the greatest code of ``r x``, ``|x| <= c``.
@@ -154,26 +162,52 @@ def expand_mask(seed: bytes, size: int) -> NDArray[np.uint32]:
     any power-of-2 modulus up to ``2**32`` divides it, so the low bits are the
     masks modulo that modulus (:func:`reduce`).
     """
-    key = hashlib.sha256(seed).digest()
-    stream = Cipher(algorithms.AES(key), modes.CTR(b"\0" * 16)).encryptor()
-    return np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4").astype(np.uint32)
+    words = np.zeros(size, dtype=np.uint32)
+    add_masks(words, [(seed, 1)])
+    return words
 
 
 def add_mask(vector: NDArray[np.uint32], seed: bytes, sign: int) -> None:
     """Add (``sign=1``) or subtract (``-1``) the mask of ``seed``, mod 2**32."""
-    mask = expand_mask(seed, vector.size)
-    if sign > 0:
-        vector += mask
-    else:
-        vector -= mask
+    add_masks(vector, [(seed, sign)])
+
+
+def add_masks(vector: NDArray[np.uint32], masks: Iterable[tuple[bytes, int]]) -> None:
+    """Add (sign 1) or subtract (-1) each ``(seed, sign)``'s mask, in place.
+
+    One buffer for all the masks: each is written into it by the cipher
+    (``update_into``) and added in place, so a client with ``k`` neighbours
+    (or the server unmasking a round) allocates two vectors, not ``3k``.
+    """
+    size = vector.size
+    zeros = bytes(4 * size)  # the keystream is AES-CTR over zeros
+    # update_into asks for a block's slack beyond the data.
+    buffer = np.empty(size + 4, dtype="<u4")
+    mask, out = buffer[:size], memoryview(buffer.data).cast("B")
+    for seed, sign in masks:
+        key = hashlib.sha256(seed).digest()
+        stream = Cipher(algorithms.AES(key), modes.CTR(b"\0" * 16)).encryptor()
+        stream.update_into(zeros, out)
+        if sign > 0:
+            np.add(vector, mask, out=vector)
+        else:
+            np.subtract(vector, mask, out=vector)
 
 
 def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
     """Return the seed of the mask two nodes share (ECDH, then HKDF: Flower's)."""
-    key = generate_shared_key(
-        bytes_to_private_key(own_sk1), bytes_to_public_key(their_pk1)
-    )
-    return base64.urlsafe_b64decode(key)
+    return pairwise_seeds(own_sk1, [their_pk1])[0]
+
+
+def pairwise_seeds(own_sk1: bytes, their_pk1s: Sequence[bytes]) -> list[bytes]:
+    """Return :func:`pairwise_seed` with each of ``their_pk1s`` (the key read once)."""
+    private = bytes_to_private_key(own_sk1)  # PEM parsing costs as much as ECDH
+    return [
+        base64.urlsafe_b64decode(
+            generate_shared_key(private, bytes_to_public_key(public))
+        )
+        for public in their_pk1s
+    ]
 
 
 def pairwise_sign(node: int, other: int) -> int:

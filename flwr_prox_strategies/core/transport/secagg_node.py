@@ -29,6 +29,7 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 )
 from numpy.typing import NDArray
 
+from ...ops.privacy.neighbourhoods import neighbourhood_size
 from . import shamir, signing
 from .ddp import NODE_MIN_NOISE, DDPRound, encode_records, noise_multiplier_at
 from .flower import (
@@ -42,6 +43,7 @@ from .secagg import (
     ACTIVE_KEY,
     COMMITMENT_KEY,
     CONSISTENCY_STAGE,
+    HEADER,
     ROUND_KEY,
     SIGNATURE_KEY,
     SIGNERS_KEY,
@@ -52,11 +54,10 @@ from .secagg import (
     Layout,
     Quantizer,
     Stage,
-    add_mask,
+    add_masks,
     commitment,
-    pairwise_seed,
+    pairwise_seeds,
     pairwise_sign,
-    reduce,
 )
 
 STATE_RECORD = "secagg-plus-state"
@@ -65,6 +66,7 @@ STATE_RECORD = "secagg-plus-state"
 NODE_REQUIRED = "secagg-required"
 NODE_SIGNING_KEY = "secagg-signing-key"
 NODE_KEY_DIRECTORY = "secagg-key-directory"
+NODE_MIN_NEIGHBOURHOOD = "secagg-min-neighbourhood"
 
 #: Each stage and the one it must follow (active-adversary mode signs between).
 _AFTER = {
@@ -88,6 +90,9 @@ class Settings:
     #: Distributed DP's floor: the least noise multiplier this node masks at
     #: (None: it accepts plain SecAgg+ rounds).
     min_noise_multiplier: float | None = None
+    #: The fewest members (itself included) this node shares its secrets with
+    #: (None: only the automatic size's floor).
+    min_neighbourhood: int | None = None
 
     @property
     def signs(self) -> bool:
@@ -168,6 +173,7 @@ def setup(
         state[key] = config[key]
     if state[Key.THRESHOLD] < 1:
         raise refuse("setup", f"threshold {state[Key.THRESHOLD]} below 1")
+    check_neighbourhood(config, state, settings)
     active = config.get(ACTIVE_KEY, False)
     if not isinstance(active, bool):
         raise refuse("setup", f"{ACTIVE_KEY!r} = {active!r} is not a bool")
@@ -207,6 +213,53 @@ def setup(
     return answer
 
 
+def check_neighbourhood(config: ConfigRecord, state: State, settings: Settings) -> None:
+    """Refuse a round whose neighbourhoods are too small to hide this node.
+
+    The server picks the neighbourhoods: a lying one could fill a node's
+    with its colluders. Before any secret leaves, the node asks for at least
+    what ``num_shares="auto"`` gives (at the pack's default assumptions) for
+    the nodes the server declares, and at least its own floor
+    (``min_neighbourhood``); at ``share_keys`` the threshold ``t > k/2``
+    then keeps the neighbourhood it is given above half of that (and no
+    larger than declared).
+    """
+    sampled, size = config.get(Key.SAMPLE_NUMBER), state[Key.SHARE_NUMBER]
+    threshold = state[Key.THRESHOLD]
+    if type(sampled) is not int or not 1 <= size <= sampled:
+        raise refuse(
+            "setup",
+            f"{Key.SAMPLE_NUMBER!r} = {sampled!r} is not an int at least the "
+            f"neighbourhood {size}",
+        )
+    floor = settings.min_neighbourhood
+    if floor is not None and size < floor:
+        raise refuse(
+            "setup",
+            f"neighbourhoods of {size}, below this node's floor {floor} "
+            "(SecAggPlusMod(min_neighbourhood=...), node config "
+            f"{NODE_MIN_NEIGHBOURHOOD})",
+        )
+    if settings.allow_weak_threshold:
+        return  # a server this node trusts (tests, tiny federations)
+    least = min(sampled, neighbourhood_size(sampled).size)
+    if size < least:
+        raise refuse(
+            "setup",
+            f"neighbourhoods of {size} among {sampled} nodes, below the {least} "
+            "that num_shares='auto' gives (a server could surround this node "
+            "with its colluders); run the server's SecAggPlus with "
+            "num_shares='auto'",
+        )
+    if 2 * threshold <= size:
+        raise refuse(
+            "setup",
+            f"the threshold {threshold} is at most half of the neighbourhoods of "
+            f"{size}: a server could ask one half for its mask seed and the other "
+            f"half for its key; it must exceed {size // 2}",
+        )
+
+
 def send_shares(
     config: ConfigRecord, state: State, node_id: int, settings: Settings
 ) -> dict[str, Any]:
@@ -244,6 +297,19 @@ def send_shares(
             "share_keys",
             f"{len(keys)} neighbours, fewer than the threshold {threshold}",
         )
+    if len(keys) > state[Key.SHARE_NUMBER]:
+        raise refuse(
+            "share_keys",
+            f"{len(keys)} neighbours, more than the neighbourhood of "
+            f"{state[Key.SHARE_NUMBER]} declared at setup",
+        )
+    floor = settings.min_neighbourhood
+    if floor is not None and len(keys) < floor:
+        raise refuse(
+            "share_keys",
+            f"a neighbourhood of {len(keys)}, below this node's floor {floor} "
+            f"({NODE_MIN_NEIGHBOURHOOD})",
+        )
     if 2 * threshold <= len(keys) and not settings.allow_weak_threshold:
         raise refuse(
             "share_keys",
@@ -257,14 +323,13 @@ def send_shares(
     secrets: dict[int, bytes] = {}
     seed_shares, sk1_shares = shamir.split([seed, state["sk1"]], threshold, len(order))
     dsts, ciphertexts = [], []
+    sk2 = bytes_to_private_key(state["sk2"])  # read once, not once a neighbour
     for index, other in enumerate(order):
         if other == node_id:
             state["own-seed-share"] = seed_shares[index]
             state["own-sk1-share"] = sk1_shares[index]
             continue
-        secret = generate_shared_key(
-            bytes_to_private_key(state["sk2"]), bytes_to_public_key(keys[other][1])
-        )
+        secret = generate_shared_key(sk2, bytes_to_public_key(keys[other][1]))
         secrets[other] = secret
         plaintext = share_keys_plaintext_concat(
             node_id, other, seed_shares[index], sk1_shares[index]
@@ -277,9 +342,15 @@ def send_shares(
     # Each neighbour's two shared secrets, agreed once: the key its shares are
     # encrypted with (from the second key pairs) and its mask seed (the first).
     state["share-keys"] = [secrets.get(n, b"") for n in order]
-    state["mask-seeds"] = [
-        b"" if n == node_id else pairwise_seed(state["sk1"], keys[n][0]) for n in order
-    ]
+    others = [n for n in order if n != node_id]
+    seeds = dict(
+        zip(
+            others,
+            pairwise_seeds(state["sk1"], [keys[n][0] for n in others]),
+            strict=True,
+        )
+    )
+    state["mask-seeds"] = [seeds.get(n, b"") for n in order]
     return {
         Key.DESTINATION_LIST: dsts,
         Key.CIPHERTEXT_LIST: ciphertexts,
@@ -510,7 +581,9 @@ def masked_vector(
     else:
         code = quantizer.quantization_range  # uniform: every r is 1
     rng = np.random.default_rng()
-    parts: list[NDArray[np.int64]] = []
+    # The codes go straight into the masked vector: no list of parts to join.
+    vector = np.empty(layout.length, dtype=np.uint32)
+    start = HEADER
     clipped = 0
     for name, kind, size, keys in zip(
         layout.records, layout.kinds, layout.sizes, layout.keys, strict=True
@@ -521,21 +594,27 @@ def masked_vector(
                 f"record {name!r} missing or with other keys ({found}; expected "
                 f"{list(keys)})"
             )
-        flat = [records[name][k].numpy().astype(np.float64).ravel() for k in keys]
-        values = np.concatenate(flat) if flat else np.zeros(0)
-        if values.size != size:
+        arrays = [records[name][k].numpy() for k in keys]
+        held = sum(a.size for a in arrays)
+        if held != size:
             raise _not_masked(
-                f"record {name!r} holds {values.size} values, the server's layout "
-                f"{size}"
+                f"record {name!r} holds {held} values, the server's layout {size}"
             )
+        values = np.empty(size, dtype=np.float64)  # one copy, cast on the way in
+        at = 0
+        for array in arrays:
+            values[at : at + array.size] = array.ravel()
+            at += array.size
         if not np.isfinite(values).all():
             bad = int((~np.isfinite(values)).sum())
             raise _not_masked(f"record {name!r} holds {bad} NaN or inf values")
-        clipped += int((np.abs(values) > quantizer.clipping_range).sum())
-        parts.append(quantizer.encode(values, rng, code if kind == "mean" else None))
+        clipped += int(np.count_nonzero(np.abs(values) > quantizer.clipping_range))
+        vector[start : start + size] = quantizer.encode(
+            values, rng, code if kind == "mean" else None
+        )
+        start += size
     # The clipped count travels masked: capped at T, the round's sum cannot wrap.
-    header = np.array([code, min(clipped, quantizer.quantization_range)], np.int64)
-    vector = np.concatenate([header, *parts]).astype(np.uint32)
+    vector[0], vector[1] = code, min(clipped, quantizer.quantization_range)
     return _masked(vector, state, node_id, quantizer.modulus_range), clipped
 
 
@@ -543,12 +622,18 @@ def _masked(
     vector: NDArray[np.uint32], state: State, node_id: int, modulus: int
 ) -> NDArray[np.uint32]:
     """Return ``vector`` with its private and pairwise masks, modulo ``modulus``."""
-    add_mask(vector, state["seed"], 1)
     seeds = dict(zip(state["nids"], state["mask-seeds"], strict=True))
-    for other in state["share-owners"]:
-        if other != node_id:
-            add_mask(vector, seeds[other], pairwise_sign(node_id, other))
-    return reduce(vector, modulus)
+    add_masks(
+        vector,
+        [(state["seed"], 1)]
+        + [
+            (seeds[other], pairwise_sign(node_id, other))
+            for other in state["share-owners"]
+            if other != node_id
+        ],
+    )
+    np.bitwise_and(vector, np.uint32(modulus - 1), out=vector)  # reduce, in place
+    return vector
 
 
 def ddp_masked_vector(

@@ -165,6 +165,117 @@ def recover(
     )
 
 
+def recover_many(
+    sharings: Sequence[tuple[Mapping[int, bytes], Callable[[bytes], bool]]],
+    threshold: int,
+    max_subsets: int = 20_000,
+) -> list[Recovery | ShamirError]:
+    """Run :func:`recover` on many secrets at once; the same answers.
+
+    The common case is vectorised over the secrets: every share well-formed and
+    of one length, the first ``threshold`` shares rebuilding a valid secret
+    that at most ``(N - threshold) // 2`` shares disagree with. Secrets of the
+    same share count and length are interpolated together (one pass per
+    share, over all of them); any other secret goes through :func:`recover`.
+
+    Parameters
+    ----------
+    sharings : Sequence of (Mapping of int to bytes, Callable[[bytes], bool])
+        Each secret's shares (x -> share) and its ``valid`` check.
+    threshold : int
+        The sharings' threshold.
+    max_subsets : int
+        As :func:`recover`'s (default: 20 000).
+
+    Returns
+    -------
+    list of Recovery or ShamirError
+        One per secret, in order: its recovery, or the error :func:`recover`
+        raises for it.
+    """
+    results: list[Recovery | ShamirError | None] = [None] * len(sharings)
+    groups: dict[tuple[int, int], list[tuple[int, _Elements, _Elements]]] = {}
+    for index, (shares, _) in enumerate(sharings):
+        _checked(threshold, list(shares))
+        try:
+            parsed = [_parse(share) for share in shares.values()]
+        except ValueError:
+            continue  # malformed: recover() sorts it out
+        if len(parsed) < threshold or len({v.size for v in parsed}) != 1:
+            continue
+        groups.setdefault((len(parsed), parsed[0].size), []).append(
+            (index, np.array(list(shares), np.int64), np.stack(parsed))
+        )
+    for (count, _), members in groups.items():
+        nodes = np.stack([m[1] for m in members])
+        values = np.stack([m[2] for m in members])
+        # Every secret's polynomials through its first t shares, at 0 and at
+        # the x of each of its other shares.
+        at = np.concatenate(
+            [np.zeros((len(members), 1), np.int64), nodes[:, threshold:]], 1
+        )
+        found = _evaluate_many(nodes[:, :threshold], values[:, :threshold], at)
+        radius = (count - threshold) // 2
+        for row, (index, member_nodes, _) in enumerate(members):
+            try:
+                secret = _decode(found[row, 0])
+            except ValueError:
+                continue
+            if not sharings[index][1](secret):
+                continue
+            off = np.any(found[row, 1:] != values[row, threshold:], axis=1)
+            if int(off.sum()) <= radius:
+                bad = sorted(int(x) for x in member_nodes[threshold:][off])
+                results[index] = Recovery(secret, tuple(bad))
+    out: list[Recovery | ShamirError] = []
+    for index, result in enumerate(results):
+        if result is None:
+            shares, valid = sharings[index]
+            try:
+                result = recover(shares, threshold, valid, max_subsets)
+            except ShamirError as err:
+                result = err
+        out.append(result)
+    return out
+
+
+def _evaluate_many(nodes: _Elements, values: _Elements, at: _Elements) -> _Elements:
+    """Return :func:`_evaluate` of many sharings at once, shaped (m, a, L).
+
+    ``nodes`` is (m, t), ``values`` (m, t, L) and ``at`` (m, a): sharing ``i``'s
+    polynomials through ``(nodes[i, j], values[i, j])`` at ``at[i]``.
+    """
+    m, t = nodes.shape
+    numerators = np.ones((m, at.shape[1], t), np.int64)
+    denominators = np.ones((m, t), np.int64)
+    for i in range(t):
+        factor = (at[:, :, None] - nodes[:, i, None, None]) % PRIME
+        factor = np.broadcast_to(factor, numerators.shape).copy()
+        factor[:, :, i] = 1
+        numerators = numerators * factor % PRIME
+        difference = (nodes - nodes[:, i, None]) % PRIME
+        difference[:, i] = 1
+        denominators = denominators * difference % PRIME
+    basis = numerators * _inverse(denominators)[:, None, :] % PRIME
+    result = np.zeros((m, at.shape[1], values.shape[2]), np.int64)
+    for j in range(t):
+        result = (result + basis[:, :, j, None] * values[:, j, None, :]) % PRIME
+    return result
+
+
+def _inverse(elements: _Elements) -> _Elements:
+    """Return each element's inverse mod p (Fermat: ``e**(p - 2)``), vectorised."""
+    result = np.ones_like(elements)
+    base = elements % PRIME
+    exponent = PRIME - 2
+    while exponent:
+        if exponent & 1:
+            result = result * base % PRIME
+        base = base * base % PRIME
+        exponent >>= 1
+    return result
+
+
 def _recover_aligned(
     nodes: _Elements,
     values: _Elements,
