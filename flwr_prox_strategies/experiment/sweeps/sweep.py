@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -40,7 +41,7 @@ from omegaconf import DictConfig
 from ..._executables import flower_env, flower_executable
 from .. import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
 from ..appdir import make_client_app, write_app_dir
-from ..checkpoint import CHECKPOINT_FILE
+from ..checkpoint import CHECKPOINT_FILE, CLIENT_STATE_DIR
 from ..results import OBJECTIVES, RESULTS_FILE
 from ..track import sweep_overrides, where_for_sweep
 from .launchers import CPUS_PER_JOB, JobCpus, available_cpus, job_cpus
@@ -60,6 +61,10 @@ from .overview import (  # noqa: F401
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
 
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
+#: Environment variable a search sets (``hydra.job.env_set``) on the job of a
+#: trial it runs again after an interruption: the job continues its run from
+#: the checkpoint in its folder (:func:`rerun_of_cut_short`).
+CUT_SHORT_ENV = "FLWR_PROX_CUT_SHORT"
 ENGINES = ("flwr", "inprocess")
 # Project names of this pack's Flower apps: the repository's, and the one
 # appdir.write_app_dir writes for an installed pack.
@@ -403,7 +408,7 @@ def _run_engine(
 
     ``cpus``: the bound :func:`_cpu_bound` decided (None: none of the job's).
     """
-    resume = requeued_with_checkpoint(job_dir)
+    resume = requeued_with_checkpoint(job_dir) or rerun_of_cut_short(job_dir)
     if engine == "flwr":
         return flwr_run(
             overrides,
@@ -442,6 +447,50 @@ def requeued_with_checkpoint(job_dir: Path) -> bool:
         job_dir / CHECKPOINT_FILE,
     )
     return True
+
+
+def rerun_of_cut_short(job_dir: Path) -> bool:
+    """Return True when this job continues a search trial cut short in its folder.
+
+    A search (``hydra/sweeper=search``) runs a trial an interruption cut short
+    again in the same job folder, with :data:`CUT_SHORT_ENV` set. With the
+    checkpoint the cut-short run wrote there, the job continues from it (run
+    config ``resume``); without one (cut short before its first checkpoint) it
+    starts again from round 0, and client state the cut-short run mirrored
+    (which no checkpoint pairs with, so no run can use) is moved aside to
+    ``client-state.cut-short``, else the new run would refuse the folder.
+
+    Parameters
+    ----------
+    job_dir : Path
+        The job's folder (``hydra.runtime.output_dir``).
+
+    Returns
+    -------
+    bool
+        Whether the job resumes from ``job_dir``'s checkpoint.
+    """
+    if not os.environ.get(CUT_SHORT_ENV):
+        return False
+    if (job_dir / CHECKPOINT_FILE).is_file():
+        log(
+            INFO,
+            "Job: its search trial was cut short: resuming from %s",
+            job_dir / CHECKPOINT_FILE,
+        )
+        return True
+    states = job_dir / CLIENT_STATE_DIR
+    if states.is_dir():
+        aside = job_dir / f"{CLIENT_STATE_DIR}.cut-short"
+        if aside.exists():  # cut short twice before a checkpoint: keep the last
+            shutil.rmtree(aside)
+        states.rename(aside)
+    log(
+        INFO,
+        "Job: its search trial was cut short before its first checkpoint: it "
+        "starts again from round 0",
+    )
+    return False
 
 
 class PrintedByFlower(logging.Filter):
