@@ -361,3 +361,28 @@ def test_a_search_killed_during_a_trial_resumes_it_from_its_checkpoint(
         counted = [t for t in found["trials"] if not t.get("interrupted")]
         assert [t["job"] for t in counted] == [0, 1, 2, 3]
         assert counted[3]["params"]["strategy.mu"] not in mus
+
+
+def test_a_cut_short_trials_job_resumes_only_from_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a checkpoint the job starts again, with the client state the
+    cut-short run mirrored moved aside (no checkpoint pairs with it, and the
+    new run would refuse the folder that holds it)."""
+    from flwr_prox_strategies.experiment.sweeps.sweep import (
+        CUT_SHORT_ENV,
+        rerun_of_cut_short,
+    )
+
+    job = tmp_path / "1"
+    (job / "client-state").mkdir(parents=True)
+    (job / "client-state" / "node-1.npz").write_bytes(b"state")
+    monkeypatch.delenv(CUT_SHORT_ENV, raising=False)
+    assert not rerun_of_cut_short(job)  # not a search's rerun: left alone
+    assert (job / "client-state" / "node-1.npz").is_file()
+    monkeypatch.setenv(CUT_SHORT_ENV, "1")
+    assert not rerun_of_cut_short(job)
+    assert not (job / "client-state").exists()
+    assert (job / "client-state.cut-short" / "node-1.npz").read_bytes() == b"state"
+    (job / "checkpoint.npz").write_bytes(b"")
+    assert rerun_of_cut_short(job)
