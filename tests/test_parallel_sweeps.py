@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from flwr_prox_strategies.experiment.sweeps import launchers
-from flwr_prox_strategies.experiment.sweeps.launchers import job_cpus
+from flwr_prox_strategies.experiment.sweeps.launchers import available_cpus, job_cpus
 from flwr_prox_strategies.experiment.sweeps.sweep import SweepFailed, summarise_sweep
 
 from .helpers import small_sweep
+from .system.engine import hydra_entry
 
 JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -209,7 +212,10 @@ def test_a_sweep_whose_jobs_wrote_nothing_here_fails(tmp_path: Path) -> None:
     ("engine", "settings", "omp", "bound", "applied"),
     [
         ("inprocess", {}, None, 2, {"threads": 1}),
-        ("inprocess", {}, "3", None, {"threads": None}),
+        # The user's OMP_NUM_THREADS: no bound of the job's, torch as told...
+        ("inprocess", {}, "3", None, {"threads": 3}),
+        # ... unless cpus_per_job, this sweep's own setting, says otherwise.
+        ("inprocess", {"cpus_per_job": 2}, "3", 2, {"threads": 1}),
         ("flwr", {}, None, 2, {"job_cpus": 2}),
         ("flwr", {"ray_address": "10.0.0.1:6379"}, None, None, {"job_cpus": None}),
     ],
@@ -218,7 +224,7 @@ def test_the_cpus_a_job_records_are_the_bound_its_engine_gets(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     engine: str,
-    settings: dict[str, str],
+    settings: dict[str, str | int],
     omp: str | None,
     bound: int | None,
     applied: dict[str, int | None],
@@ -228,14 +234,10 @@ def test_the_cpus_a_job_records_are_the_bound_its_engine_gets(
     from flwr_prox_strategies.experiment.sweeps import sweep
     from flwr_prox_strategies.experiment.sweeps.launchers import JobCpus
 
-    if omp is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
     cfg = OmegaConf.create(
         {"num_clients": 3, "num_cpus_per_client": 1, "ray_address": "", **settings}
     )
-    decided = sweep._cpu_bound(cfg, engine, JobCpus(2, "2 jobs at a time", 1))
+    decided = sweep._cpu_bound(cfg, engine, JobCpus(2, "2 jobs at a time", 1), omp)
     assert decided == bound
     calls: dict[str, int | None] = {}
 
@@ -245,5 +247,130 @@ def test_the_cpus_a_job_records_are_the_bound_its_engine_gets(
 
     monkeypatch.setattr(sweep, "run_inprocess", engine_called)
     monkeypatch.setattr(sweep, "flwr_run", engine_called)
-    sweep._run_engine(cfg, engine, [], tmp_path, decided)
+    sweep._run_engine(cfg, engine, [], tmp_path, decided, omp)
     assert calls == applied
+
+
+def _sweep_env(omp: str | None) -> dict[str, str]:
+    """This environment, with the user's ``OMP_NUM_THREADS`` = ``omp`` (None: unset)."""
+    from flwr_prox_strategies.experiment.sweeps.launchers import USER_THREADS_ENV
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", USER_THREADS_ENV)
+    }
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    return env
+
+
+def _jobs(sweep: Path) -> list[dict]:
+    """The jobs' summaries (``job.json``), in job order, with their summary.csv row."""
+    with open(sweep / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    jobs = []
+    for row in rows:
+        record = json.loads((sweep / row["job"] / "job.json").read_text())
+        jobs.append({**record, "row-cpus": row["cpus"]})
+    return jobs
+
+
+@pytest.mark.long
+def test_inprocess_jobs_under_joblib_keep_to_their_share_not_joblibs_threads(
+    tmp_path: Path,
+) -> None:
+    """Joblib sets OMP_NUM_THREADS in its workers (the CPUs // n_jobs): a job
+    must not take it for the user's. The share is recorded and applied, and
+    cpus_per_job is honoured; the user's own OMP_NUM_THREADS still counts."""
+    sweep = tmp_path / "share"
+    out = hydra_entry(
+        *("-m", "engine=inprocess", "num_clients=3", "num_rounds=1", "model=logreg"),
+        *("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"),
+        *("num_cpus_per_client=3", "cpus_per_job=null,3"),
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        env=_sweep_env(None),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    share = max(available_cpus() // 2, 1)
+    shared, explicit = _jobs(sweep)
+    assert (shared["cpus"], shared["row-cpus"]) == (share, str(share))
+    assert shared["torch-threads"] == min(3, share)
+    assert (explicit["cpus"], explicit["row-cpus"]) == (3, "3")
+    assert explicit["torch-threads"] == 3
+    assert f"Job CPUs: {share} (2 jobs at a time (joblib) on" in out.stderr
+    assert "Job CPUs: 3 (cpus_per_job=3)" in out.stderr
+
+    sweep = tmp_path / "yours"
+    out = hydra_entry(
+        *("-m", "engine=inprocess", "num_clients=3", "num_rounds=1", "model=logreg"),
+        *("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=0,1"),
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        env=_sweep_env("2"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for job in _jobs(sweep):
+        # The user's setting: no bound of the job's own, torch as told.
+        assert (job["cpus"], job["row-cpus"], job["torch-threads"]) == (None, "", 2)
+    assert "torch threads from your OMP_NUM_THREADS=2" in out.stderr
+
+
+def test_a_job_tells_the_users_omp_num_threads_from_its_launchers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flwr_prox_strategies.experiment.sweeps.launchers import (
+        USER_THREADS_ENV,
+        record_user_threads,
+        user_threads,
+    )
+
+    monkeypatch.delenv(USER_THREADS_ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as a joblib or Ray worker has it
+    # No record (a worker the sweep's environment did not reach): the
+    # launchers that set it themselves set it, the others left the user's.
+    assert user_threads({"_target_": JOBLIB}) is None
+    assert user_threads({"_target_": RAY}) is None
+    assert user_threads({"_target_": BASIC}) == "1"
+    # Recorded in the sweep's process: what the user had, whatever is set now.
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    record_user_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert user_threads({"_target_": JOBLIB}) is None
+    monkeypatch.setenv(USER_THREADS_ENV, "3")
+    record_user_threads()  # an outer sweep's record is the user's: kept
+    assert user_threads({"_target_": RAY}) == "3"
+
+
+@pytest.mark.slow
+def test_inprocess_jobs_under_ray_keep_to_the_ray_tasks_cpus(tmp_path: Path) -> None:
+    """Ray sets OMP_NUM_THREADS to a task's CPUs in its workers: the same as
+    joblib's, through a real local Ray (about 50 s: Ray's start)."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    sweep = tmp_path / "ray"
+    out = hydra_entry(
+        *("-m", "engine=inprocess", "num_clients=3", "num_rounds=1", "model=logreg"),
+        *("hydra/launcher=ray", "num_cpus_per_client=2", "cpus_per_job=null,2"),
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        env={
+            **_sweep_env(None),
+            "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        },
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    default, explicit = _jobs(sweep)
+    assert (default["cpus"], default["row-cpus"], default["torch-threads"]) == (
+        1,
+        "1",
+        1,
+    )
+    assert (explicit["cpus"], explicit["row-cpus"], explicit["torch-threads"]) == (
+        2,
+        "2",
+        2,
+    )
+    printed = out.stdout + out.stderr
+    assert "Job CPUs: 1 (a Ray task's default of 1 CPU)" in printed
+    assert "Job CPUs: 2 (cpus_per_job=2)" in printed

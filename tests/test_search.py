@@ -3,15 +3,18 @@
 The search space comes from Hydra's sweep grammar, the objective from a job's
 summary by key (its direction follows the key), and the study lives in SQLite
 in the sweep folder: a second command with more trials runs only the missing
-ones, and a trial an interrupted search left running runs again in its own
-job folder.
+ones, at new points, and a trial an interrupted search left running runs again
+in its own job folder, from its checkpoint there.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -27,6 +30,7 @@ from optuna.distributions import (
 from flwr_prox_strategies.experiment.sweeps.search import Search, search_space
 
 from .helpers import small_sweep
+from .system.engine import hydra_entry
 
 
 def _space(*overrides: str) -> dict:
@@ -221,6 +225,9 @@ def test_an_interrupted_study_resumes_where_it_stopped(tmp_path: Path) -> None:
     search, jobs = _study(tmp_path, record, objective="final-loss", n_trials=5)
     search.sweep(arguments)
     assert [name for name, _ in jobs.launched] == ["3", "4"]
+    # The cut-short trial's job, alone, is told to continue from its checkpoint.
+    told = "++hydra.job.env_set.FLWR_PROX_CUT_SHORT=1"
+    assert [told in overrides for _, overrides in jobs.launched] == [True, False]
     found = json.loads((tmp_path / "search.json").read_text())
     states = [
         (t["job"], t["state"], t.get("interrupted", False)) for t in found["trials"]
@@ -241,3 +248,141 @@ def test_an_interrupted_study_resumes_where_it_stopped(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="optimises final-loss"):
         search.sweep(arguments)
     assert jobs.launched == []
+
+
+def test_an_extended_study_proposes_new_points(tmp_path: Path) -> None:
+    """The sampler keeps no state in the storage: a second command with more
+    trials must not draw the first command's points again (same seed)."""
+
+    def record(mu: float) -> dict:
+        return {"status": "completed", "final-loss": mu}
+
+    arguments = ["strategy.mu=tag(log,interval(0.001,1))"]
+    search, _ = _study(tmp_path, record, objective="final-loss", n_trials=3)
+    search.sweep(arguments)
+    search, jobs = _study(tmp_path, record, objective="final-loss", n_trials=6)
+    search.sweep(arguments)
+    assert [name for name, _ in jobs.launched] == ["3", "4", "5"]
+    found = json.loads((tmp_path / "search.json").read_text())
+    mus = [t["params"]["strategy.mu"] for t in found["trials"]]
+    assert len(mus) == 6 and len(set(mus)) == 6, mus
+    # A new study with the same seed still draws the same points: reproducible.
+    again, _ = _study(tmp_path / "again", record, objective="final-loss", n_trials=3)
+    (tmp_path / "again").mkdir()
+    again.sweep(arguments)
+    first = json.loads((tmp_path / "again" / "search.json").read_text())
+    assert [t["params"]["strategy.mu"] for t in first["trials"]] == mus[:3]
+
+
+def _kill_during_trial(sweep: Path, sig: signal.Signals, trials: int) -> None:
+    """Start a search of ``trials`` and send ``sig`` while job 1 runs, after its
+    first checkpoint: the search stops with trial 1 cut short."""
+    command = [
+        sys.executable,
+        "-m",
+        "flwr_prox_strategies.experiment",
+        *_SEARCH,
+        f"hydra.sweeper.n_trials={trials}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    sweep.mkdir(parents=True)
+    with open(sweep.parent / f"{sweep.name}-killed.log", "w") as sink:
+        proc = subprocess.Popen(command, cwd=sweep.parent, stdout=sink, stderr=sink)
+        checkpoint = sweep / "1" / "checkpoint.npz"
+        deadline = time.monotonic() + 120
+        while not checkpoint.exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "job 1 wrote no checkpoint"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+    assert code != 0, "the search ended before it was interrupted"
+    # Cut short: a checkpoint, but no summary of the job.
+    assert checkpoint.exists() and not (sweep / "1" / "job.json").exists()
+
+
+# Rounds of a few tenths of a second, a checkpoint each: the kill lands in a
+# trial, after its first checkpoint, before its end.
+_SEARCH = (
+    "-m",
+    "engine=inprocess",
+    "num_clients=3",
+    "num_rounds=12",
+    "model=logreg",
+    "checkpoint_every=1",
+    "hydra/sweeper=search",
+    "hydra.sweeper.sampler=random",
+    "strategy=fedprox",
+    "strategy.mu=tag(log,interval(0.001,1))",
+    "hydra.sweeper.objective=final-loss",
+)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"]
+)
+def test_a_search_killed_during_a_trial_resumes_it_from_its_checkpoint(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    sweep = tmp_path / "search"
+    _kill_during_trial(sweep, sig, trials=3)
+    out = hydra_entry(
+        *_SEARCH, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming from {sweep / '1' / 'checkpoint.npz'}" in out.stderr
+    assert "Resuming" in out.stderr and "from round" in out.stderr
+    found = json.loads((sweep / "search.json").read_text())
+    counted = [t for t in found["trials"] if not t.get("interrupted")]
+    cut_short = [t for t in found["trials"] if t.get("interrupted")]
+    assert [t["job"] for t in counted] == [0, 1, 2]
+    assert all(t["state"] == "complete" for t in counted)
+    mus = [t["params"]["strategy.mu"] for t in counted]
+    assert len(set(mus)) == 3, mus
+    assert [t["job"] for t in cut_short] == [1]
+    assert cut_short[0]["params"] == counted[1]["params"]
+    # Job 1 ran to its end in its own folder: every round, once.
+    results = json.loads((sweep / "1" / "results.json").read_text())
+    assert results["summary"]["complete"] is True
+    assert [r["round"] for r in results["rounds"]] == list(range(13))
+    with open(sweep / "summary.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["status"] for r in rows] == ["completed"] * 3
+    if sig == signal.SIGTERM:
+        # Extending the study spends the new trial on a new point.
+        out = hydra_entry(
+            *_SEARCH,
+            "hydra.sweeper.n_trials=4",
+            f"hydra.sweep.dir={sweep}",
+            cwd=tmp_path,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        found = json.loads((sweep / "search.json").read_text())
+        counted = [t for t in found["trials"] if not t.get("interrupted")]
+        assert [t["job"] for t in counted] == [0, 1, 2, 3]
+        assert counted[3]["params"]["strategy.mu"] not in mus
+
+
+def test_a_cut_short_trials_job_resumes_only_from_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a checkpoint the job starts again, with the client state the
+    cut-short run mirrored moved aside (no checkpoint pairs with it, and the
+    new run would refuse the folder that holds it)."""
+    from flwr_prox_strategies.experiment.sweeps.sweep import (
+        CUT_SHORT_ENV,
+        rerun_of_cut_short,
+    )
+
+    job = tmp_path / "1"
+    (job / "client-state").mkdir(parents=True)
+    (job / "client-state" / "node-1.npz").write_bytes(b"state")
+    monkeypatch.delenv(CUT_SHORT_ENV, raising=False)
+    assert not rerun_of_cut_short(job)  # not a search's rerun: left alone
+    assert (job / "client-state" / "node-1.npz").is_file()
+    monkeypatch.setenv(CUT_SHORT_ENV, "1")
+    assert not rerun_of_cut_short(job)
+    assert not (job / "client-state").exists()
+    assert (job / "client-state.cut-short" / "node-1.npz").read_bytes() == b"state"
+    (job / "checkpoint.npz").write_bytes(b"")
+    assert rerun_of_cut_short(job)

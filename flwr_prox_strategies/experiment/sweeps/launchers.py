@@ -7,6 +7,12 @@ its Ray gets that many CPUs (``init-args-num-cpus``), under
 ``engine=inprocess`` torch gets at most that many threads. Without the share,
 two jobs on 2 cores each start a Ray of 2 CPUs and a thread per core, and wait
 for each other.
+
+Hydra's joblib and Ray launchers set ``OMP_NUM_THREADS`` in their workers
+themselves (joblib: the CPUs // ``n_jobs``; Ray: the task's CPUs), so a job
+cannot read the user's setting there: the sweep's own process records it in
+:data:`USER_THREADS_ENV` before the launcher starts its workers
+(:func:`record_user_threads`), and a job reads it back (:func:`user_threads`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,45 @@ from typing import Any
 
 #: conf key: the CPUs of one job (null: from the launcher, see :func:`job_cpus`).
 CPUS_PER_JOB = "cpus_per_job"
+#: Environment variable: the user's ``OMP_NUM_THREADS`` as the sweep's own
+#: process saw it ("": unset), which the launcher's workers inherit.
+USER_THREADS_ENV = "FLWR_PROX_USER_OMP_NUM_THREADS"
+#: Launchers that set ``OMP_NUM_THREADS`` in their workers, by class name.
+_SETS_THREADS = frozenset({"JoblibLauncher", "RayLauncher"})
+
+
+def record_user_threads() -> None:
+    """Record the user's ``OMP_NUM_THREADS`` for the jobs a launcher will start.
+
+    Called in the sweep's own process before its launcher starts workers. A
+    value recorded already (a sweep started by a job of another) is kept: it
+    is the user's.
+    """
+    os.environ.setdefault(USER_THREADS_ENV, os.environ.get("OMP_NUM_THREADS", ""))
+
+
+def user_threads(launcher: Mapping[str, Any]) -> str | None:
+    """Return the user's ``OMP_NUM_THREADS`` in a job (None: the user set none).
+
+    Parameters
+    ----------
+    launcher : Mapping[str, Any]
+        The job's ``hydra.launcher`` config (its ``_target_`` names the launcher).
+
+    Returns
+    -------
+    str | None
+        What :func:`record_user_threads` recorded; without a record, the
+        environment's value, except under a launcher that sets it itself
+        (joblib, Ray: a worker on another machine, whose environment the
+        record did not reach), where it is the launcher's, not the user's.
+    """
+    if USER_THREADS_ENV in os.environ:
+        return os.environ[USER_THREADS_ENV] or None
+    name = str(launcher.get("_target_", "")).rsplit(".", 1)[-1]
+    if name in _SETS_THREADS:
+        return None
+    return os.environ.get("OMP_NUM_THREADS") or None
 
 
 def available_cpus() -> int:

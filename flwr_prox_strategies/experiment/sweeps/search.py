@@ -3,7 +3,10 @@ r"""Hyper-parameter search with Optuna, as a Hydra sweeper (``hydra/sweeper=sear
 Each trial is one job of the multirun, run by the sweep's launcher; its objective
 is read from the job's ``job.json`` by key, the direction following the key
 (:data:`~.results.OBJECTIVES`). The study lives in SQLite in the sweep folder,
-so the same command resumes an interrupted search. Search spaces use Hydra's
+so the same command resumes an interrupted search: a trial that was cut short
+continues from its job's checkpoint, in its job folder, and the sampler is
+seeded from the study's size, so that a resumed or extended study proposes
+new points. Search spaces use Hydra's
 override grammar; trials are not pruned. Usage, settings and why not Hydra's own
 Optuna sweeper (it pins Optuna 2.10): the documentation's guide "Sweeps beyond
 one process", section "Hyper-parameter search: Optuna".
@@ -33,6 +36,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from ..results import OBJECTIVES, pyplot
+from .sweep import CUT_SHORT_ENV
 
 #: What ``search.json`` and ``search.png`` are called in the sweep folder.
 SEARCH_FILE = "search.json"
@@ -162,7 +166,9 @@ class Search:
     sampler : str
         ``tpe`` (Optuna's default) or ``random``.
     seed : int | None
-        The sampler's seed.
+        The sampler's seed for a new study; a resumed or extended study's
+        sampler is seeded from it and the study's size, so that it proposes
+        new points (None: unseeded).
     storage : str | None
         Optuna's storage URL; None: ``sqlite:///<sweep dir>/study.db``.
     study_name : str
@@ -222,16 +228,11 @@ class Search:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, self.sweep_dir / "multirun.yaml")
         storage = self.storage or f"sqlite:///{self.sweep_dir.resolve()}/study.db"
-        samplers = {
-            "tpe": optuna.samplers.TPESampler,
-            "random": optuna.samplers.RandomSampler,
-        }
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
             study_name=self.study_name,
             storage=storage,
             direction=self.direction,  # type: ignore[arg-type]
-            sampler=samplers[self.sampler](seed=self.seed),
             load_if_exists=True,
         )
         earlier = study.user_attrs.get("objective")
@@ -242,6 +243,10 @@ class Search:
             )
         study.set_user_attr("objective", self.objective)
         rerun = self._take_back_interrupted(study)
+        # The sampler keeps no state in the storage: seeded alike on every
+        # invocation, it would propose the points it proposed the first time
+        # again (an extended study measuring mu values it already has).
+        study.sampler = self._sampler(len(study.trials))
         log(
             INFO,
             "Search: %s %s over %s, %d of %d trials done, study %r in %s",
@@ -254,7 +259,7 @@ class Search:
             storage,
         )
         for job in rerun:  # a trial cut short earlier, in its own job folder
-            self._run_trials(study, space, fixed, job, 1)
+            self._run_trials(study, space, fixed, job, 1, cut_short=True)
         while len(self._finished(study)) < self.n_trials:
             left = self.n_trials - len(self._finished(study))
             count = min(int(self.n_jobs), left)
@@ -269,18 +274,73 @@ class Search:
         fixed: list[str],
         first_job: int,
         count: int,
+        *,
+        cut_short: bool = False,
     ) -> None:
-        """Ask ``count`` trials, launch them as jobs ``first_job``..., tell results."""
+        """Ask ``count`` trials, launch them as jobs ``first_job``..., tell results.
+
+        Parameters
+        ----------
+        study : optuna.Study
+            The search's study.
+        space : dict[str, Any]
+            ``{key: distribution}`` (:func:`search_space`).
+        fixed : list[str]
+            The overrides every trial gets.
+        first_job : int
+            The first trial's job number (the next ones follow).
+        count : int
+            How many trials to launch together.
+        cut_short : bool, default False
+            The trials re-run trials an interruption cut short: their jobs
+            continue from the checkpoints in their folders
+            (:func:`~.sweep.rerun_of_cut_short`).
+        """
         trials = [study.ask(space) for _ in range(count)]
+        # A Hydra override, not a config key: the job's config stays the one
+        # its checkpoint was written with, which a resume checks.
+        extra = [f"++hydra.job.env_set.{CUT_SHORT_ENV}=1"] if cut_short else []
         batch = []
         for offset, trial in enumerate(trials):
             trial.set_user_attr("job", first_job + offset)
             batch.append(
-                [*fixed, *(_override_text(k, v) for k, v in trial.params.items())]
+                [
+                    *fixed,
+                    *(_override_text(k, v) for k, v in trial.params.items()),
+                    *extra,
+                ]
             )
         returns = self.launcher.launch(batch, initial_job_idx=first_job)
         for trial, ret in zip(trials, returns, strict=True):
             self._tell(study, trial, ret)
+
+    def _sampler(self, known: int) -> Any:
+        """Return the sampler for a study that holds ``known`` trials.
+
+        Parameters
+        ----------
+        known : int
+            The study's trials so far (any state).
+
+        Returns
+        -------
+        optuna.samplers.BaseSampler
+            Seeded with ``seed`` for a new study (so a fresh search is
+            reproducible), else with a seed drawn from ``seed`` and ``known``:
+            each invocation that resumes or extends the study draws new
+            points, and the same command on the same study draws the same.
+        """
+        import numpy as np
+        import optuna
+
+        samplers = {
+            "tpe": optuna.samplers.TPESampler,
+            "random": optuna.samplers.RandomSampler,
+        }
+        seed = self.seed
+        if seed is not None and known:
+            seed = int(np.random.SeedSequence([int(seed), known]).generate_state(1)[0])
+        return samplers[self.sampler](seed=seed)
 
     def _finished(self, study: Any) -> list[Any]:
         """Trials that ran to their end (completed or failed, not cut short)."""
@@ -302,7 +362,8 @@ class Search:
         """Close the trials an earlier sweep left running; return their jobs.
 
         They are failed and recorded as interrupted (not counted), and their
-        parameters are queued, so they run again first.
+        parameters are queued, so they run again first, in their job folders,
+        where they continue from their checkpoints.
         """
         from optuna.trial import TrialState
 
@@ -315,7 +376,8 @@ class Search:
             jobs.append(int(trial.user_attrs["job"]))
             log(
                 WARNING,
-                "Search: trial %d (job %s) was cut short: it runs again",
+                "Search: trial %d (job %s) was cut short: it runs again in its job "
+                "folder, from its checkpoint there if it wrote one",
                 trial.number,
                 trial.user_attrs["job"],
             )

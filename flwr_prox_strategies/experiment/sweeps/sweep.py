@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -40,11 +41,18 @@ from omegaconf import DictConfig
 from ..._executables import flower_env, flower_executable
 from .. import RUN_OUTPUT_DIR, RUN_OVERRIDES, RUN_RESUME
 from ..appdir import make_client_app, write_app_dir
-from ..checkpoint import CHECKPOINT_FILE
+from ..checkpoint import CHECKPOINT_FILE, CLIENT_STATE_DIR
 from ..record import log_summary
 from ..results import OBJECTIVES, RESULTS_FILE
 from ..track import sweep_overrides, where_for_sweep
-from .launchers import CPUS_PER_JOB, JobCpus, available_cpus, job_cpus
+from .launchers import (
+    CPUS_PER_JOB,
+    JobCpus,
+    available_cpus,
+    job_cpus,
+    record_user_threads,
+    user_threads,
+)
 from .overview import (  # noqa: F401
     JOB_SUMMARY,
     SUMMARY_FIELDS,
@@ -61,6 +69,10 @@ from .overview import (  # noqa: F401
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
 
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
+#: Environment variable a search sets (``hydra.job.env_set``) on the job of a
+#: trial it runs again after an interruption: the job continues its run from
+#: the checkpoint in its folder (:func:`rerun_of_cut_short`).
+CUT_SHORT_ENV = "FLWR_PROX_CUT_SHORT"
 ENGINES = ("flwr", "inprocess")
 # Project names of this pack's Flower apps: the repository's, and the one
 # appdir.write_app_dir writes for an installed pack.
@@ -127,6 +139,7 @@ def flwr_run(
     job_cpus: int | None = None,
     resume: bool = False,
     ray_address: str = "",
+    omp_num_threads: str | None = None,
     log_file: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
@@ -143,7 +156,10 @@ def flwr_run(
     ``job_cpus`` (None: every CPU) bounds the run's Ray (``init-args-num-cpus``)
     and a client's CPUs, so that jobs side by side share the cores instead of
     each starting a Ray of all of them; the ServerApp and the clients get
-    ``OMP_NUM_THREADS`` = a client's CPUs unless it is set. ``resume``
+    ``OMP_NUM_THREADS`` = ``omp_num_threads``: None, the environment's when
+    set, else a client's CPUs; ``""``, a client's CPUs whatever the
+    environment holds (a sweep's job in a launcher's worker, whose
+    ``OMP_NUM_THREADS`` is the launcher's, not the user's). ``resume``
     continues the run from the checkpoint in ``output_dir``.
 
     ``ray_address`` (``host:port`` of a running Ray cluster) runs the
@@ -163,11 +179,13 @@ def flwr_run(
         ray_cpus = job_cpus or available_cpus()
         client_cpus = min(float(cpus_per_client), ray_cpus)
         ray_init = f" init-args-num-cpus={ray_cpus}"
-    threads = max(math.floor(client_cpus), 1)
+    threads = str(max(math.floor(client_cpus), 1))
+    if omp_num_threads is None:
+        omp_num_threads = os.environ.get("OMP_NUM_THREADS", threads)
     run_env = {
         **flower_env(),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+        "OMP_NUM_THREADS": omp_num_threads or threads,
         **(env or {}),
     }
     log_file = log_file or output_dir / "flwr.log"
@@ -262,10 +280,13 @@ def run_inprocess(
     *,
     threads: int | None = None,
     resume: bool = False,
+    used: dict[str, Any] | None = None,
 ) -> Path:
     """Run one experiment on an in-process grid with the app's ClientApp.
 
-    ``resume`` continues the run from the checkpoint in ``output_dir``.
+    ``resume`` continues the run from the checkpoint in ``output_dir``;
+    ``used``, when given, gets ``torch-threads``: torch's intra-op threads
+    while the run ran.
 
     ``threads``: torch's intra-op threads while it runs (None: leave them as
     they are). The sweep gives ``num_cpus_per_client``, what a client gets under
@@ -285,23 +306,25 @@ def run_inprocess(
     grid = InProcessGrid(
         make_client_app(), num_nodes=num_clients, run_config=run_config
     )
-    with _torch_threads(threads):
+    with _torch_threads(threads) as in_use:
+        if used is not None:
+            used["torch-threads"] = in_use
         run_experiment(grid, run_config)
     return output_dir / RESULTS_FILE
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with ``threads`` torch threads (None: unchanged)."""
-    if threads is None:
-        yield
-        return
+def _torch_threads(threads: int | None) -> Iterator[int]:
+    """Run the block with ``threads`` torch threads (None: as they are); yield them."""
     import torch
 
+    if threads is None:
+        yield torch.get_num_threads()
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        yield
+        yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
 
@@ -341,7 +364,8 @@ def run_job(cfg: DictConfig) -> float:
             total=total,
             at_once=share.at_once,
         )
-    bound = _cpu_bound(cfg, engine, share)
+    omp = user_threads(hydra_cfg.launcher)
+    bound = _cpu_bound(cfg, engine, share, omp)
     record: dict[str, Any] = {
         "overrides": " ".join(overrides),
         "engine": engine,
@@ -349,7 +373,7 @@ def run_job(cfg: DictConfig) -> float:
     }
     start = time.monotonic()
     try:
-        results_path = _run_engine(cfg, engine, ran, job_dir, bound)
+        results_path = _run_engine(cfg, engine, ran, job_dir, bound, omp, record)
     except Exception as err:
         if not multirun:
             raise
@@ -377,20 +401,40 @@ def run_job(cfg: DictConfig) -> float:
     return float(final) if final is not None else float("nan")
 
 
-def _cpu_bound(cfg: DictConfig, engine: str, share: JobCpus) -> int | None:
+def _cpu_bound(
+    cfg: DictConfig, engine: str, share: JobCpus, omp: str | None = None
+) -> int | None:
     """Decide and log the CPU bound the job applies (None: it applies none).
 
     ``engine=flwr`` gives its own Ray the share (``init-args-num-cpus``), but a
     ``ray_address`` cluster's CPUs bound its actors instead; ``engine=inprocess``
-    sets torch's threads to ``min(num_cpus_per_client, share)``, unless
-    ``OMP_NUM_THREADS`` sets them. :func:`_run_engine` applies what this
-    returns, and the job's summary records it: one decision for both.
+    sets torch's threads to ``min(num_cpus_per_client, share)``, unless the
+    user's ``OMP_NUM_THREADS`` sets them and ``cpus_per_job`` does not (the
+    setting of this sweep wins over the shell's). :func:`_run_engine` applies
+    what this returns, and the job's summary records it: one decision for both.
+
+    Parameters
+    ----------
+    cfg : DictConfig
+        The job's config (``ray_address``, ``cpus_per_job``).
+    engine : str
+        ``flwr`` or ``inprocess``.
+    share : JobCpus
+        The job's share of the CPUs (:func:`~.launchers.job_cpus`).
+    omp : str | None, default None
+        The user's ``OMP_NUM_THREADS`` (:func:`~.launchers.user_threads`),
+        never a launcher's: None when the user set none.
     """
     if engine == "flwr" and cfg.get("ray_address"):
         log(INFO, "Job CPUs: the Ray cluster's at ray_address=%s", cfg.ray_address)
         return None
-    if engine == "inprocess" and os.environ.get("OMP_NUM_THREADS"):
-        log(INFO, "Job CPUs: torch threads from OMP_NUM_THREADS (%s)", share.reason)
+    if engine == "inprocess" and omp and cfg.get(CPUS_PER_JOB) is None:
+        log(
+            INFO,
+            "Job CPUs: torch threads from your OMP_NUM_THREADS=%s (%s)",
+            omp,
+            share.reason,
+        )
         return None
     log(INFO, "Job CPUs: %d (%s)", share.cpus, share.reason)
     return share.cpus
@@ -402,12 +446,31 @@ def _run_engine(
     overrides: list[str],
     job_dir: Path,
     cpus: int | None,
+    omp: str | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Path:
     """Run the job on its engine within ``cpus`` CPUs; return its results file.
 
-    ``cpus``: the bound :func:`_cpu_bound` decided (None: none of the job's).
+    Parameters
+    ----------
+    cfg : DictConfig
+        The job's config.
+    engine : str
+        ``flwr`` or ``inprocess``.
+    overrides : list[str]
+        The overrides the run is composed from.
+    job_dir : Path
+        The job's folder: the run's output folder.
+    cpus : int | None
+        The bound :func:`_cpu_bound` decided (None: none of the job's).
+    omp : str | None, default None
+        The user's ``OMP_NUM_THREADS`` (None: the user set none), which
+        ``engine=flwr`` hands to Flower; the environment's may be a
+        launcher's.
+    record : dict[str, Any] | None, default None
+        The job's summary: ``engine=inprocess`` adds ``torch-threads``.
     """
-    resume = requeued_with_checkpoint(job_dir)
+    resume = requeued_with_checkpoint(job_dir) or rerun_of_cut_short(job_dir)
     if engine == "flwr":
         return flwr_run(
             overrides,
@@ -417,14 +480,23 @@ def _run_engine(
             job_cpus=cpus,
             resume=resume,
             ray_address=str(cfg.get("ray_address") or ""),
+            omp_num_threads=omp or "",
         )
-    threads = (
-        None
-        if cpus is None
-        else min(math.ceil(float(cfg["num_cpus_per_client"])), cpus)
-    )
+    threads = None
+    if cpus is not None:
+        threads = min(math.ceil(float(cfg["num_cpus_per_client"])), cpus)
+    elif omp and omp.isdigit() and int(omp) > 0:
+        # Applied, not left to the environment: a launcher's worker may hold
+        # the user's OMP_NUM_THREADS beside its own MKL_NUM_THREADS (joblib
+        # sets 1), which torch's default follows.
+        threads = int(omp)
     return run_inprocess(
-        overrides, job_dir, int(cfg["num_clients"]), threads=threads, resume=resume
+        overrides,
+        job_dir,
+        int(cfg["num_clients"]),
+        threads=threads,
+        resume=resume,
+        used=record,
     )
 
 
@@ -448,6 +520,50 @@ def requeued_with_checkpoint(job_dir: Path) -> bool:
     return True
 
 
+def rerun_of_cut_short(job_dir: Path) -> bool:
+    """Return True when this job continues a search trial cut short in its folder.
+
+    A search (``hydra/sweeper=search``) runs a trial an interruption cut short
+    again in the same job folder, with :data:`CUT_SHORT_ENV` set. With the
+    checkpoint the cut-short run wrote there, the job continues from it (run
+    config ``resume``); without one (cut short before its first checkpoint) it
+    starts again from round 0, and client state the cut-short run mirrored
+    (which no checkpoint pairs with, so no run can use) is moved aside to
+    ``client-state.cut-short``, else the new run would refuse the folder.
+
+    Parameters
+    ----------
+    job_dir : Path
+        The job's folder (``hydra.runtime.output_dir``).
+
+    Returns
+    -------
+    bool
+        Whether the job resumes from ``job_dir``'s checkpoint.
+    """
+    if not os.environ.get(CUT_SHORT_ENV):
+        return False
+    if (job_dir / CHECKPOINT_FILE).is_file():
+        log(
+            INFO,
+            "Job: its search trial was cut short: resuming from %s",
+            job_dir / CHECKPOINT_FILE,
+        )
+        return True
+    states = job_dir / CLIENT_STATE_DIR
+    if states.is_dir():
+        aside = job_dir / f"{CLIENT_STATE_DIR}.cut-short"
+        if aside.exists():  # cut short twice before a checkpoint: keep the last
+            shutil.rmtree(aside)
+        states.rename(aside)
+    log(
+        INFO,
+        "Job: its search trial was cut short before its first checkpoint: it "
+        "starts again from round 0",
+    )
+    return False
+
+
 class PrintedByFlower(logging.Filter):
     """Leave out the records of Flower's logger: its own handler prints them.
 
@@ -467,6 +583,18 @@ class SweepFailed(SystemExit):
     exceptions into warnings, and the sweep's exit status must say it failed
     (1, with the message on stderr).
     """
+
+
+class UserThreads(Callback):
+    """Hydra callback: record the user's ``OMP_NUM_THREADS`` for the sweep's jobs.
+
+    It runs in the sweep's own process before the launcher starts workers,
+    which inherit the record: joblib's and Ray's workers have their launcher's
+    ``OMP_NUM_THREADS`` (:func:`~.launchers.record_user_threads`).
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        record_user_threads()
 
 
 class SweepSummary(Callback):
