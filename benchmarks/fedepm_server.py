@@ -28,6 +28,8 @@ Run (about 10 minutes on 2 cores; the old centre is most of it)::
 from __future__ import annotations
 
 import argparse
+import csv
+import importlib.util
 import json
 import sys
 import time
@@ -297,6 +299,57 @@ def strategy_rounds(nodes: int, rounds: int, kind: str, seed: int) -> list[dict]
     return rows
 
 
+def adult_check(splits: list[int], k0s: list[int]) -> list[dict[str, Any]]:
+    """FedEPM on Adult (``benchmarks/fedepm_adult.py``'s run) with both centres.
+
+    Returns per (split, k0): the largest |F/m difference| over the rounds between
+    the old and the new centre, and between the new run and the committed
+    ``fedepm_adult.csv`` (final F/m and F/m at round 15).
+    """
+    spec = importlib.util.spec_from_file_location(
+        "fedepm_adult", Path(__file__).resolve().parent / "fedepm_adult.py"
+    )
+    assert spec is not None and spec.loader is not None
+    adult = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adult)
+    committed = {}
+    with open(OUT.parent / "fedepm_adult" / "fedepm_adult.csv", newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["method"] == "FedEPM":
+                committed[int(row["split"]), int(row["k0"])] = row
+    rows = []
+    centre = fedepm_module.table_center
+    for split in splits:
+        for k0 in k0s:
+            traces = {}
+            try:
+                for label in ("old", "new"):
+                    fedepm_module.table_center = (
+                        old_table_center if label == "old" else centre
+                    )
+                    trace, *_ = adult.run("FedEPM", k0, split, 20, 0.1, 100, 0.5)
+                    traces[label] = np.array([t["f/m"] for t in trace])
+            finally:
+                fedepm_module.table_center = centre
+            new = traces["new"]
+            row = {
+                "split": split,
+                "k0": k0,
+                "max |f/m old - new|": float(np.max(np.abs(traces["old"] - new))),
+            }
+            if (split, k0) in committed:
+                saved = committed[split, k0]
+                row["|f/m final - committed|"] = abs(
+                    new[-1] - float(saved["f/m final"])
+                )
+                row["|f/m round 15 - committed|"] = abs(
+                    new[min(15, len(new) - 1)] - float(saved["f/m at round 15"])
+                )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def summary(rows: list[dict], keys: tuple[str, ...]) -> list[str]:
     """Markdown lines: per case, mean seconds a round old and new, worst diff."""
     lines = [
@@ -326,7 +379,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--nodes", type=int, nargs="+", default=[10_000, 1_000])
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        nargs="*",
+        default=[10_000, 1_000],
+        help="none: only the Adult check (with --adult)",
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--kinds", nargs="+", default=["sparse", "dense"])
     parser.add_argument(
@@ -336,6 +395,11 @@ def main() -> None:
         help="also time the dense table at this many nodes and fewer",
     )
     parser.add_argument("--strategy", action="store_true")
+    parser.add_argument(
+        "--adult",
+        action="store_true",
+        help="also run FedEPM on Adult with both centres (about 10 s a run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -351,6 +415,11 @@ def main() -> None:
         for nodes in args.nodes:
             strategy_rows += strategy_rounds(nodes, args.rounds, "sparse", args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.adult:
+        adult_rows = adult_check([0, 1, 2], [4, 10, 20])
+        (args.out / "adult.json").write_text(json.dumps(adult_rows, indent=1))
+    if not rows:
+        return
     (args.out / "centre.json").write_text(json.dumps(rows, indent=1))
     lines = ["# FedEPM's server step: sorted centre vs hinted centre", ""]
     lines += summary(rows, ("nodes", "table", "uploads"))
