@@ -24,7 +24,18 @@ ArrayT = TypeVar("ArrayT", bound=Any)
 
 
 def _check_penalties(lam: float, eta: float) -> None:
-    """Refuse a negative or non-finite penalty, and lam = eta = 0."""
+    """Refuse a negative or non-finite penalty, and lam = eta = 0.
+
+    Parameters
+    ----------
+    lam, eta : float
+        As :func:`elastic_net_center`.
+
+    Raises
+    ------
+    ValueError
+        If either is negative or not finite, or both are 0.
+    """
     if not (np.isfinite(lam) and lam >= 0 and np.isfinite(eta) and eta >= 0):
         raise ValueError(f"need lam >= 0 and eta >= 0, got lam={lam}, eta={eta}")
     if lam == 0 and eta == 0:
@@ -32,7 +43,20 @@ def _check_penalties(lam: float, eta: float) -> None:
 
 
 def _sorted_center(z: NDArray[np.float64], lam: float, eta: float) -> NDArray:
-    """Return the centre of each column of ``z`` (m, n) by sorting it: the reference."""
+    """Return the centre of each column of ``z`` by sorting it: the reference.
+
+    Parameters
+    ----------
+    z : ndarray, shape (m, n), float64
+        The uploads of ``n`` coordinates.
+    lam, eta : float
+        As :func:`elastic_net_center`.
+
+    Returns
+    -------
+    ndarray, shape (n,), float64
+        The centre, the uploads' total summed in sorted order.
+    """
     m = z.shape[0]
     flat = np.sort(z, axis=0)
     if eta == 0:
@@ -57,8 +81,22 @@ def _sorted_weighted_center(
 ) -> NDArray[np.float64]:
     """Return the weighted centre of each column of ``cols`` by sorting: the reference.
 
-    ``total`` is ``weight @ cols`` (None when ``eta`` is 0), computed by the caller
-    so that the sorted and the certified columns share it bit for bit.
+    Parameters
+    ----------
+    cols : ndarray, shape (r, n), float64
+        The uploads of ``n`` coordinates.
+    weight : ndarray, shape (r,), float64
+        Integer weights, each >= 1.
+    total : ndarray, shape (n,), float64, or None
+        ``weight @ cols`` (None when ``eta`` is 0), computed by the caller so
+        that the sorted and the certified columns share it bit for bit.
+    lam, eta : float
+        As :func:`elastic_net_center`.
+
+    Returns
+    -------
+    ndarray, shape (n,), float64
+        The centre.
     """
     total_weight = int(weight.sum())
     order = np.argsort(cols, axis=0, kind="stable")
@@ -82,8 +120,23 @@ def _sorted_weighted_center(
 def _masked_weight(
     mask: NDArray[np.bool_], weight: NDArray[np.float64], unit_tail: bool
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
-    """Return the weight and the number of the rows ``mask`` holds, per column."""
-    # Summing bytes is 2-5x faster than numpy's bool sum, and exact below 2**31 rows.
+    """Return the weight and the number of the rows ``mask`` holds, per column.
+
+    Parameters
+    ----------
+    mask : ndarray, shape (r, n), bool
+        Which uploads count.
+    weight : ndarray, shape (r,), float64
+        The rows' weights.
+    unit_tail : bool
+        Every row but row 0 weighs 1 (the count then gives the weight).
+
+    Returns
+    -------
+    tuple[ndarray, ndarray]
+        The weight (float64) and the number of rows (int64) of each column.
+    """
+    # Summing the bytes as integers is 2-5x faster than numpy's sum of bools.
     count = np.add.reduce(mask.view(np.uint8), axis=0, dtype=np.int64)
     if unit_tail:  # only row 0 weighs more than 1 (FedEPM's "seen" table)
         return count + (weight[0] - 1) * mask[0], count
@@ -91,15 +144,33 @@ def _masked_weight(
 
 
 def _right_derivative(
-    before: NDArray, at: NDArray, total: NDArray, lam: float, eta: float, w: int
+    through: NDArray, at: NDArray, total: NDArray, lam: float, eta: float, w: int
 ) -> NDArray[np.float64]:
-    """Return the sorted solvers' right derivative, float operation for float operation.
+    r"""Return the sorted solvers' right derivative, float operation for float operation.
 
-    Nondecreasing in ``before`` and in ``at`` (every rounding is monotone), which
+    Nondecreasing in ``through`` and in ``at`` (every rounding is monotone), which
     is what lets a certificate at two positions stand for the whole sorted order.
+
+    Parameters
+    ----------
+    through : ndarray
+        The cumulative weight up to and including the position (:math:`W_q`).
+    at : ndarray
+        The upload at the position (:math:`z_{(q)}`).
+    total : ndarray
+        The weighted sum of the uploads.
+    lam, eta : float
+        As :func:`elastic_net_center`.
+    w : int
+        The total weight :math:`M`.
+
+    Returns
+    -------
+    ndarray, float64
+        :math:`\lambda(2W_q - M) + \eta(M z_{(q)} - \sum_j w_j z_j)`.
     """
-    before = np.asarray(before, dtype=np.float64)
-    return lam * (2 * before - w) + eta * (w * np.asarray(at, np.float64) - total)
+    through = np.asarray(through, dtype=np.float64)
+    return lam * (2 * through - w) + eta * (w * np.asarray(at, np.float64) - total)
 
 
 def _certified_center(
@@ -115,9 +186,20 @@ def _certified_center(
 
     A coordinate whose optimum moved past an upload (the mean-like regime,
     small ``lam``) is usually certified by a second guess: the stationary point
-    of the piece the first one pointed to. Parameters and returns as
-    :func:`_certify`; ``tries`` bounds the extra rounds, each on the columns
-    still failing only.
+    of the piece the first one pointed to.
+
+    Parameters
+    ----------
+    cols, weight, total, lam, eta, hint
+        As :func:`_certify`.
+    tries : int (default: 3)
+        Extra guesses at most, each on the columns still failing only.
+
+    Returns
+    -------
+    tuple[ndarray, ndarray]
+        The centre (float64; meaningless where not certified) and the mask of
+        the certified columns.
     """
     out, ok, guess = _certify(cols, weight, total, lam, eta, hint)
     if total is None:  # eta 0: the median's group, no stationary point to try
@@ -252,8 +334,31 @@ def _position_in_ties(
     """Find where in a group of ties the sorted test first holds; check it.
 
     The group's k-th row sorted ends at weight ``low + first_weight + k - 1``
-    (the rest weigh 1). Returns whether the solved ``k`` passes the test and
-    its predecessor fails it, and the weight sorted before the k-th row.
+    (the rest weigh 1): ``k`` is solved from the test's linear form, then the
+    test itself (:func:`_right_derivative`) is evaluated at ``k`` and ``k - 1``.
+
+    Parameters
+    ----------
+    low : ndarray, float64
+        The weight below the group (``L``), per column.
+    first_weight : ndarray, float64
+        The weight of the group's first row (row 0's when it is tied, else 1).
+    count : ndarray, int64
+        The group's rows.
+    value : ndarray, float64
+        The group's value.
+    total : ndarray, float64
+        The weighted sum of the uploads.
+    lam, eta : float
+        As :func:`elastic_net_center`; ``eta`` > 0.
+    w : int
+        The total weight.
+
+    Returns
+    -------
+    tuple[ndarray, ndarray]
+        Whether the solved ``k`` passes the test and its predecessor fails it,
+        and the weight sorted before the k-th row (:math:`W_{q^*-1}`).
     """
     offset = low + first_weight - 1  # the k-th row ends at offset + k
     if lam == 0:
