@@ -146,7 +146,7 @@ def _masked_weight(
 def _right_derivative(
     through: NDArray, at: NDArray, total: NDArray, lam: float, eta: float, w: int
 ) -> NDArray[np.float64]:
-    r"""Return the sorted solvers' right derivative, float operation for float operation.
+    r"""Return the sorted solvers' right derivative, rounding for rounding.
 
     Nondecreasing in ``through`` and in ``at`` (every rounding is monotone), which
     is what lets a certificate at two positions stand for the whole sorted order.
