@@ -397,9 +397,10 @@ def elastic_net_center(
         A guess of the centre (the previous round's, when few uploads changed).
         None: sort every coordinate's uploads. Given: the coordinates where the
         guess locates the solution are solved without sorting (see
-        :func:`weighted_elastic_net_center`), the others sorted; the result is
-        the same up to the order of one float sum (the uploads' total, summed
-        in row order instead of sorted order).
+        :func:`weighted_elastic_net_center`), the others sorted. The result
+        does not depend on the guess; it differs from the unhinted one by the
+        order of one float sum only (the uploads' total, summed in row order
+        instead of sorted order).
     block : int (default: 16384)
         Coordinates processed at once when ``hint`` is given.
 
@@ -429,8 +430,13 @@ def elastic_net_center(
         )
         sort = np.flatnonzero(~ok)
         if sort.size:
-            got[sort] = _sorted_center(
-                np.asarray(cols[:, sort], dtype=np.float64), lam, eta
+            # With the row-order total too: the result depends on the table only.
+            got[sort] = _sorted_weighted_center(
+                np.asarray(cols[:, sort], dtype=np.float64),
+                weight,
+                None if total is None else total[sort],
+                lam,
+                eta,
             )
         out[start : start + block] = got
     return out.reshape(z.shape[1:])
