@@ -19,10 +19,15 @@ strategy's whole server rule (:meth:`FedEPM.server_update` through the pack's
 read-only state wrapper: ``with_rows``, the centre of every tensor, the cast),
 old centre against new on the same replies.
 
-Run (about 10 minutes on 2 cores; the old centre is most of it)::
+``--adult`` runs FedEPM on Adult (``benchmarks/fedepm_adult.py``'s setting, 9
+runs) with both centres and compares F/m per round, and with the committed CSV.
+Results under ``benchmarks/results/fedepm_server/`` (``--out``). The old centre
+is most of the run (seconds a round at 10,000 clients by round 30)::
 
-    python benchmarks/fedepm_server.py
-    python benchmarks/fedepm_server.py --nodes 10000 --rounds 30 --kinds sparse
+    python benchmarks/fedepm_server.py --strategy
+    python benchmarks/fedepm_server.py --nodes 10000 --kinds sparse
+    python benchmarks/fedepm_server.py --nodes 10000 --kinds --strategy
+    python benchmarks/fedepm_server.py --nodes --adult
 """
 
 from __future__ import annotations
@@ -387,7 +392,12 @@ def main() -> None:
         help="none: only the Adult check (with --adult)",
     )
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--kinds", nargs="+", default=["sparse", "dense"])
+    parser.add_argument(
+        "--kinds",
+        nargs="*",
+        default=["sparse", "dense"],
+        help="uploads of the centre's tables; none: skip them (--strategy only)",
+    )
     parser.add_argument(
         "--dense-table-nodes",
         type=int,
@@ -418,18 +428,18 @@ def main() -> None:
     if args.adult:
         adult_rows = adult_check([0, 1, 2], [4, 10, 20])
         (args.out / "adult.json").write_text(json.dumps(adult_rows, indent=1))
-    if not rows:
-        return
-    (args.out / "centre.json").write_text(json.dumps(rows, indent=1))
     lines = ["# FedEPM's server step: sorted centre vs hinted centre", ""]
-    lines += summary(rows, ("nodes", "table", "uploads"))
+    if rows:
+        (args.out / "centre.json").write_text(json.dumps(rows, indent=1))
+        lines += summary(rows, ("nodes", "table", "uploads"))
     if strategy_rows:
         (args.out / "server_update.json").write_text(
             json.dumps(strategy_rows, indent=1)
         )
         lines += ["", "FedEPM.server_update (seen table, sparse uploads):", ""]
         lines += summary(strategy_rows, ("nodes", "uploads"))
-    (args.out / "summary.md").write_text("\n".join(lines) + "\n")
+    if rows or strategy_rows:
+        (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
