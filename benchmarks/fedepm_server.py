@@ -404,6 +404,7 @@ def main() -> None:
         default=1_000,
         help="also time the dense table at this many nodes and fewer",
     )
+    parser.add_argument("--tables", nargs="+", default=["seen", "dense"])
     parser.add_argument("--strategy", action="store_true")
     parser.add_argument(
         "--adult",
@@ -416,7 +417,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rows: list[dict] = []
     for nodes in args.nodes:
-        tables = ["seen"] + (["dense"] if nodes <= args.dense_table_nodes else [])
+        tables = [
+            t for t in args.tables if t == "seen" or nodes <= args.dense_table_nodes
+        ]
         for table in tables:
             for kind in args.kinds:
                 rows += centre_rounds(nodes, args.rounds, table, kind, args.seed)
