@@ -290,7 +290,7 @@ class FedEPM(ValidatedFedAvg):
         unseen = None if self.table == "dense" else self.num_clients - len(slots)
         for name, table in uploads.items():
             # The current model, last round's centre, spares sorting the
-            # coordinates whose optimum no new upload moved past (the same bits).
+            # coordinates whose optimum no new upload moved past (same centre).
             centre = table_center(table, self.lam, self.eta, unseen, model[name])
             model[name] = centre.astype(model[name].dtype)
         values = [
