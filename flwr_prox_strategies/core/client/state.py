@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, RecordDict
+from flwr.app import ArrayRecord, Context, RecordDict
 from flwr.common.logger import log
 from numpy.typing import NDArray
 
@@ -30,6 +30,7 @@ from ..transport.keys import (
     STATE_OUTSIDE_COMMIT_METRIC,
     STATE_ROUND_METRIC,
 )
+from ..transport.records import to_array
 from .message import accepted_round, must_reset
 
 _PENDING = "pending:"
@@ -230,7 +231,7 @@ class ClientState:
         for i, value in enumerate(arrays):
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().numpy()
-            record[str(i)] = Array(np.array(value, order="C", copy=None))
+            record[str(i)] = to_array(value)
         self.records[name] = record
 
     def scalar(self, name: str, default: float = 0.0) -> float:
