@@ -202,7 +202,7 @@ def test_sixty_clients_unmask_the_plain_mean_with_the_auto_size(dropped, caplog)
     fed.dead = set(range(1001, 1001 + N))
     fed.dead = set(sorted(fed.dead)[3 : 3 + 10 * dropped : 10])  # spread out
     wrapped = SecAggPlus(fed.strategy(accept_failures=True), clipping_range=CLIP)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="flwr"):
         _, (arrays, metrics) = fed.round(wrapped)
     state = wrapped._round
     assert (state.num_shares, state.threshold) == neighbourhood_size(N) == (15, 8)
