@@ -80,6 +80,7 @@ def test_the_ids_are_the_job_folders_submitit_made_since_the_start(
     os.utime(folder / "3_0", (old, old))  # an earlier sweep's
     (folder / "9_0").mkdir()
     (folder / "9_1").mkdir()
+    (folder / ".submission_file_0").mkdir()  # submitit's, not a job
     assert slurm.submitted_ids(str(folder / "%j"), time.time() - 60) == {"9_0", "9_1"}
     assert slurm.submitted_ids(str(folder / "fixed"), 0) == set()
     assert slurm.submitted_ids(str(tmp_path / "none" / "%j"), 0) == set()

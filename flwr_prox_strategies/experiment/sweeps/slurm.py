@@ -220,7 +220,10 @@ def submitted_ids(submitit_folder: str, since: float) -> set[str]:
     return {
         entry.name
         for entry in folder.parent.iterdir()
-        if entry.is_dir() and entry.stat().st_mtime >= since - 1
+        # submitit's own folders (.submission_file_...) are not jobs.
+        if entry.name[:1].isdigit()
+        and entry.is_dir()
+        and entry.stat().st_mtime >= since - 1
     }
 
 
