@@ -66,6 +66,12 @@ from .overview import (  # noqa: F401
     sweep_size,
     swept_keys,
 )
+from .slurm import (
+    PENDING_AFTER_S,
+    PENDING_EVERY_S,
+    PendingWatch,
+    exit_failed_after_result,
+)
 from .superlink import CONNECTION, PrivateSuperLink, started_run_id
 
 APP_DIR_ENV = "FLWR_PROX_APP_DIR"
@@ -385,6 +391,7 @@ def run_job(cfg: DictConfig) -> float:
         )
         (job_dir / JOB_SUMMARY).write_text(json.dumps(record, indent=2))
         log(ERROR, "Sweep: job %s failed: %s", job_dir.name, record["error"])
+        exit_failed_after_result()  # SLURM records it FAILED; the sweep its row
         return float("nan")
     results = json.loads(results_path.read_text())
     record.update(
@@ -603,9 +610,30 @@ class SweepSummary(Callback):
     When a job failed or never ended, it raises :class:`SweepFailed` after the
     summary is written, naming those jobs and their errors: the sweep exits
     with status 1 and that message. So it does when no job folder is there.
+
+    With submitit's SLURM launcher, it also warns while the sweep's jobs stay
+    pending, saying squeue's reason (:class:`.slurm.PendingWatch`).
+
+    Parameters
+    ----------
+    pending_after : float, default 60
+        Seconds after the sweep's start before the first look at pending jobs.
+    pending_every : float, default 300
+        Seconds between later looks while jobs stay pending.
     """
 
+    def __init__(
+        self,
+        pending_after: float = PENDING_AFTER_S,
+        pending_every: float = PENDING_EVERY_S,
+    ) -> None:
+        self._pending = PendingWatch(after=pending_after, every=pending_every)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        self._pending.start(config.hydra.launcher)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        self._pending.stop()
         sweep_dir = Path(config.hydra.sweep.dir)
         outcome = summarise_sweep(sweep_dir)
         where = where_for_sweep(config, sweep_dir)
