@@ -131,3 +131,12 @@ def test_the_server_partitions_from_the_labels_without_holding_the_images(cache)
     assert owners is None and labels.ndim == 1
     # and the clients' partitions are those sizes
     assert [len(p) for p in parts("partition=dirichlet")] == sizes
+
+
+def test_a_loader_not_cached_on_disk_is_let_go_after_partitioning(cache):
+    # The same for a data set read on every call (not cached on disk): its
+    # labels stay in the process, its features do not.
+    cfg = compose_config("dataset=synthetic")
+    sizes = data.partition_sizes(cfg, 5)
+    assert data._load.cache_info().currsize == 0
+    assert [len(p) for p in parts("dataset=synthetic")] == sizes

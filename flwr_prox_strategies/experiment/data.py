@@ -170,13 +170,16 @@ def _load(loader_yaml: str) -> TrainTest:
 def _train_labels(loader_yaml: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Return the training labels and owners: all that partitioning reads.
 
-    The ServerApp partitions (for every client's size) but never trains: read
-    from the disk cache, the images stay on disk (Fashion-MNIST's are 180 MB
-    as float32, which every ServerApp process used to hold for the run).
+    The ServerApp partitions (for every client's size) but never trains: the
+    images are read from the disk cache only when a client needs them, or
+    loaded and let go (Fashion-MNIST's are 180 MB as float32, which every
+    ServerApp process used to hold for the run).
     """
     loader = OmegaConf.create(loader_yaml)
     if not _is_cached_loader(loader):
-        data = _load(loader_yaml)
+        # Loaded outside _load's cache, so only the labels outlive this call
+        # (a process that trains loads the data set for itself, once).
+        data: TrainTest = _load.__wrapped__(loader_yaml)
         return data.train.y, data.train_owners
     arrays = _cached(
         "data", [loader_yaml], lambda: _loaded_arrays(loader), names=("train-y",)
