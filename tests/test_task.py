@@ -586,3 +586,25 @@ def test_missing_data_says_where_it_looked_and_what_a_running_superlink_keeps(
     message = str(caught.value)
     assert str(tmp_path) in message and "FLWR_PROX_DATA_DIR" in message
     assert "keeps the environment it started with" in message
+
+
+@needs_fashion
+@pytest.mark.parametrize("max_train", [None, 500])
+def test_fashion_mnist_labels_alone_are_the_loaders_labels(max_train) -> None:
+    from flwr_prox_strategies.experiment import data
+    from flwr_prox_strategies.experiment.config import compose_config
+    from flwr_prox_strategies.task.datasets import (
+        fashion_mnist_train_labels,
+        load_fashion_mnist,
+    )
+
+    labels = fashion_mnist_train_labels(max_train=max_train)
+    expected = load_fashion_mnist(max_train=max_train).train.y
+    assert labels.dtype == expected.dtype and np.array_equal(labels, expected)
+    # What the ServerApp partitions from: the labels, the images never loaded.
+    data._load.cache_clear()
+    data._train_labels.cache_clear()
+    cfg = compose_config("dataset=fashion-mnist")
+    y, owners = data._train_labels(data.OmegaConf.to_yaml(cfg.dataset.loader))
+    assert owners is None and np.array_equal(y, load_fashion_mnist().train.y)
+    assert data._load.cache_info().currsize == 0

@@ -171,14 +171,20 @@ def _train_labels(loader_yaml: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Return the training labels and owners: all that partitioning reads.
 
     The ServerApp partitions (for every client's size) but never trains: the
-    images are read from the disk cache only when a client needs them, or
-    loaded and let go (Fashion-MNIST's are 180 MB as float32, which every
-    ServerApp process used to hold for the run).
+    features stay unread where the loader can give its labels alone (the disk
+    cache, Fashion-MNIST's label file), else they are loaded and let go
+    (Fashion-MNIST's images are 180 MB as float32, which every ServerApp
+    process used to hold for the run).
     """
     loader = OmegaConf.create(loader_yaml)
     if not _is_cached_loader(loader):
-        # Loaded outside _load's cache, so only the labels outlive this call
-        # (a process that trains loads the data set for itself, once).
+        # A loader that reads its labels alone (its ``train_labels``, as
+        # Fashion-MNIST's) leaves the features unread; any other is loaded
+        # outside _load's cache, so only the labels outlive this call.
+        bound = instantiate(loader, _partial_=True)
+        reader = getattr(bound.func, "train_labels", None)
+        if reader is not None:
+            return np.asarray(reader(*bound.args, **bound.keywords)), None
         data: TrainTest = _load.__wrapped__(loader_yaml)
         return data.train.y, data.train_owners
     arrays = _cached(

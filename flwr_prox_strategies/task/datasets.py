@@ -22,11 +22,13 @@ import numpy as np
 from .._optional import require
 from .arrays import ArrayDataset, TrainTest
 from .files import (
+    _FASHION_FILES,
     ADULT_CATEGORICAL,
     ADULT_COLUMNS,
     _fashion_split,
     _has_adult_files,
     _has_fashion_files,
+    _idx_file,
     _parse_adult,
     _unit_columns,
     read_idx,
@@ -253,6 +255,46 @@ def load_fashion_mnist(
         num_features=784,
         num_classes=10,
     )
+
+
+def fashion_mnist_train_labels(
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    max_train: int | None = None,
+    max_test: int | None = None,
+    download: bool = True,
+) -> np.ndarray:
+    """Return the training labels :func:`load_fashion_mnist` gives, images unread.
+
+    What partitioning reads (a ServerApp sizes every client's partition and
+    never trains): the label file alone, 60 KB, where the images are 180 MB as
+    float32. Without the files, the whole loader's labels.
+
+    Parameters
+    ----------
+    data_dir, max_train, max_test, download
+        As :func:`load_fashion_mnist` (``max_test`` is unused).
+
+    Returns
+    -------
+    np.ndarray
+        int64 labels, in the order of ``load_fashion_mnist(...).train.y``.
+    """
+    folder, _ = _find_dir("fashion-mnist", data_dir, _has_fashion_files)
+    labels = (
+        None if folder is None else _idx_file(folder, _FASHION_FILES[("train", "y")])
+    )
+    if labels is None:
+        loaded = load_fashion_mnist(
+            data_dir=data_dir, max_train=max_train, max_test=max_test, download=download
+        )
+        return loaded.train.y
+    return read_idx(labels, max_items=max_train).astype(np.int64)
+
+
+#: Loaders that can give their training labels without their features: the
+#: experiment's ServerApp partitions from these (``train_labels``).
+load_fashion_mnist.train_labels = fashion_mnist_train_labels  # type: ignore[attr-defined]
 
 
 def _fashion_fallback(
