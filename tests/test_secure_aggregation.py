@@ -531,6 +531,29 @@ def test_masks_use_every_bit_of_the_seed_and_neighbourhoods_are_symmetric():
     assert np.abs(q.decode_sum(codes, 1) - values).max() < q.step
 
 
+@pytest.mark.parametrize("clip", [8.0, 0.1])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int32])
+def test_codes_are_stochastic_rounding_of_the_scaled_values_block_by_block(clip, dtype):
+    # The blocked coder against the formula in one piece, with the same draws:
+    # floor(s) + [u < s - floor(s)], s = (clip(x) w / T + c) / step, in float64.
+    q = Quantizer(clip, 2**22, 2**32)
+    x = (np.random.default_rng(3).standard_normal(200_003) * 4 * clip).astype(dtype)
+    for weight in (None, 1, 777, 2**22):
+        w = 2**22 if weight is None else weight
+        s = (np.clip(x.astype(np.float64), -clip, clip) * (w / 2**22) + clip) / q.step
+        u = np.random.default_rng(9).random(x.size)
+        low, high = q.code_range(w)
+        expected = np.clip(np.floor(s) + (u < s - np.floor(s)), low, high)
+        codes = q.encode(x, np.random.default_rng(9), weight)
+        assert np.array_equal(codes, expected)
+        # Two arrays one after the other into a vector: one stream of draws.
+        out = np.empty(x.size, np.uint32)
+        rng = np.random.default_rng(9)
+        q.encode(x[:70_001], rng, weight, out=out[:70_001])
+        q.encode(x[70_001:], rng, weight, out=out[70_001:])
+        assert np.array_equal(out, expected)
+
+
 def test_state_commits_only_for_clients_whose_vector_is_in_the_sum():
     recorder = Recorder(ScaffoldClient)
     recorder.tamper[(1002, Stage.COLLECT_MASKED_VECTORS)] = _short_vector

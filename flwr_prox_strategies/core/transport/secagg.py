@@ -49,6 +49,9 @@ SURVIVORS_KEY = "survivors"  # the contributors, as the server tells them
 SIGNERS_KEY = "signers"  # who signed the survivor set, beside SIGNATURE_KEY's list
 #: A masked vector starts with the weight code, then the clipped count.
 HEADER = 2
+# Values a Quantizer codes at a time: two float64 buffers of 512 KB stay in
+# cache and are reused, instead of a fresh model-sized array per operation.
+_ENCODE_BLOCK = 1 << 16
 __all__ = ["MISSING_MOD_HINT", "SECAGG_RECORD", "Key", "Stage"]
 
 
@@ -84,31 +87,53 @@ class Quantizer:
         return (self.modulus_range - 1) // self.quantization_range
 
     def encode(
-        self, values: NDArray, rng: np.random.Generator, weight_code: int | None = None
-    ) -> NDArray[np.int64]:
+        self,
+        values: NDArray,
+        rng: np.random.Generator,
+        weight_code: int | None = None,
+        *,
+        out: NDArray[np.integer] | None = None,
+    ) -> NDArray[np.integer]:
         """Return the codes of ``values`` (stochastic rounding: unbiased).
 
         Each value is clipped to ``[-c, c]``, then scaled by ``weight_code / T``
         when a weight code is given (a weighted record's ``r x``): the codes
         stay within :meth:`code_range` of that weight, so the server can check
         every sum against what honest clients could have sent.
+
+        ``values`` are taken block by block through two reused float64
+        buffers, so no model-sized temporary is allocated (each one's first
+        touch cost as much as the arithmetic); the codes go to ``out`` (the
+        masked vector's slice, when given) or a new int64 array. The random
+        draws are one stream in the values' order: encoding a record's arrays
+        one after the other gives the codes of their concatenation.
         """
         c, t = self.clipping_range, self.quantization_range
         weight = t if weight_code is None else weight_code
-        # One float buffer, updated in place: the same operations in the same
-        # order as ``(clip(x) * (w / t) + c) / step``, so the same codes.
-        scaled = np.clip(values, -c, c)  # a new array, in the values' precision
-        if not np.issubdtype(scaled.dtype, np.floating):
-            scaled = scaled.astype(np.float64)
-        scaled *= weight / t
-        scaled += c
-        scaled /= self.step
-        floor = np.floor(scaled)
-        scaled -= floor  # the fraction: rounded up with that probability
-        floor += rng.random(scaled.shape) < scaled
         low, high = self.code_range(weight)
-        np.clip(floor, low, high, out=floor)
-        return floor.astype(np.int64)
+        flat = np.asarray(values).reshape(-1)
+        codes = np.empty(flat.size, dtype=np.int64) if out is None else out
+        if codes.shape != flat.shape:
+            raise ValueError(f"out holds {codes.size} codes for {flat.size} values")
+        scaled = np.empty(min(flat.size, _ENCODE_BLOCK), dtype=np.float64)
+        draws = np.empty_like(scaled)
+        for begin in range(0, flat.size, _ENCODE_BLOCK):
+            stop = min(begin + _ENCODE_BLOCK, flat.size)
+            part, fate = scaled[: stop - begin], draws[: stop - begin]
+            part[...] = flat[begin:stop]  # float64 first: clip at c exactly
+            # The operations and their order of ``(clip(x) * (w / t) + c) /
+            # step``: the same codes as over the whole record at once.
+            np.clip(part, -c, c, out=part)
+            part *= weight / t
+            part += c
+            part /= self.step
+            whole = np.floor(part)
+            part -= whole  # the fraction: rounded up with that probability
+            rng.random(out=fate)
+            whole += fate < part
+            np.clip(whole, low, high, out=whole)
+            codes[begin:stop] = whole
+        return codes
 
     def code_range(self, weight_code: int) -> tuple[int, int]:
         """Return the least and the greatest code of ``r x``, ``|x| <= c``.

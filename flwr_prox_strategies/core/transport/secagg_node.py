@@ -600,19 +600,21 @@ def masked_vector(
             raise _not_masked(
                 f"record {name!r} holds {held} values, the server's layout {size}"
             )
-        values = np.empty(size, dtype=np.float64)  # one copy, cast on the way in
-        at = 0
-        for array in arrays:
-            values[at : at + array.size] = array.ravel()
-            at += array.size
-        if not np.isfinite(values).all():
-            bad = int((~np.isfinite(values)).sum())
+        bad = sum(int(a.size - np.count_nonzero(np.isfinite(a))) for a in arrays)
+        if bad:
             raise _not_masked(f"record {name!r} holds {bad} NaN or inf values")
-        clipped += int(np.count_nonzero(np.abs(values) > quantizer.clipping_range))
-        vector[start : start + size] = quantizer.encode(
-            values, rng, code if kind == "mean" else None
-        )
-        start += size
+        # Array by array straight into the masked vector: one stream of draws,
+        # so the same codes as the record's values concatenated.
+        c = np.float64(quantizer.clipping_range)  # compared in float64, as coded
+        for array in arrays:
+            clipped += int(np.count_nonzero((array > c) | (array < -c)))
+            quantizer.encode(
+                array,
+                rng,
+                code if kind == "mean" else None,
+                out=vector[start : start + array.size],
+            )
+            start += array.size
     # The clipped count travels masked: capped at T, the round's sum cannot wrap.
     vector[0], vector[1] = code, min(clipped, quantizer.quantization_range)
     return _masked(vector, state, node_id, quantizer.modulus_range), clipped
