@@ -365,15 +365,19 @@ def expected_bytes(expected_arrays: Mapping[str, RecordSpec]) -> int:
     )
 
 
-def check_reply_size(message: Message, max_bytes: int) -> int:
+def check_reply_size(
+    message: Message,
+    max_bytes: int,
+    array_records: Mapping[str, ArrayRecord] | None = None,
+) -> int:
     """Return the bytes of the reply's ArrayRecords; reject above ``max_bytes``.
 
     Reads only the stored payload lengths (``ArrayRecord.count_bytes``): no
-    array is decoded.
+    array is decoded. ``array_records``: the reply's, when the caller read
+    them already (Flower builds a new dict at every read).
     """
-    size = sum(
-        record.count_bytes() for record in message.content.array_records.values()
-    )
+    records = message.content.array_records if array_records is None else array_records
+    size = sum(record.count_bytes() for record in records.values())
     if size > max_bytes:
         raise ReplyRejected(
             "too-large",
@@ -422,11 +426,11 @@ def validate_reply(
             else "error-reply"
         )
         raise ReplyRejected(kind, f"error reply: {client_error_text(reason)}")
-    if max_bytes is not None:
-        check_reply_size(message, max_bytes)
     content = message.content
     # Each *_records property builds a new dict: read each once.
     array_records = content.array_records
+    if max_bytes is not None:
+        check_reply_size(message, max_bytes, array_records)
     metric_records = content.metric_records
     array_names = set(array_records.keys())
     if array_names != set(expected_arrays):
