@@ -7,7 +7,6 @@ the strategy's own round, as ``docs/explanation/secure-aggregation.md`` describe
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Iterable
 from logging import INFO, WARNING
@@ -20,6 +19,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from numpy.typing import NDArray
 
+from ...ops.checks import check_positive
 from ...ops.privacy.accounting import (
     DEFAULT_ORDERS,
     rdp_to_epsilon,
@@ -280,16 +280,8 @@ class SecAggPlus(Unmasking, StrategyWrapper):
                 f"{strategy.min_train_nodes}): no round could be unmasked; raise "
                 "min_train_nodes or lower the threshold"
             )
-        for key, value in (
-            ("max_weight", max_weight),
-            ("clipping_range", clipping_range),
-        ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value > 0)
-            ):
-                raise ValueError(f"{key} must be a finite number > 0, got {value!r}")
+        check_positive("max_weight", max_weight)
+        check_positive("clipping_range", clipping_range)
         if (
             isinstance(quantization_range, bool)
             or not isinstance(quantization_range, int)

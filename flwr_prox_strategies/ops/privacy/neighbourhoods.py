@@ -40,6 +40,8 @@ import functools
 import math
 from typing import NamedTuple
 
+from ..checks import check_positive
+
 #: Bell et al.'s statistical security parameter: privacy fails w.p. <= 2**-40.
 SECURITY_BITS = 40
 #: A round fails to unmask with probability at most 2**-20.
@@ -202,16 +204,8 @@ def check_settings(
     dropout_fraction : float
         ``delta`` in [0, 0.5).
     """
-    for name, value in (
-        ("security_bits", security_bits),
-        ("correctness_bits", correctness_bits),
-    ):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not (math.isfinite(value) and value > 0)
-        ):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    check_positive("security_bits", security_bits)
+    check_positive("correctness_bits", correctness_bits)
     # Above one half, no threshold above half a neighbourhood keeps out the
     # corrupt (or lets the survivors in), at any size.
     for name, value in (
