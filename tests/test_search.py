@@ -274,6 +274,10 @@ def test_an_extended_study_proposes_new_points(tmp_path: Path) -> None:
     assert [t["params"]["strategy.mu"] for t in first["trials"]] == mus[:3]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _kill_during_trial(sweep: Path, sig: signal.Signals, trials: int) -> None:
     """Start a search of ``trials`` and send ``sig`` while job 1 runs, after its
     first checkpoint: the search stops with trial 1 cut short."""
@@ -287,7 +291,16 @@ def _kill_during_trial(sweep: Path, sig: signal.Signals, trials: int) -> None:
     ]
     sweep.mkdir(parents=True)
     with open(sweep.parent / f"{sweep.name}-killed.log", "w") as sink:
-        proc = subprocess.Popen(command, cwd=sweep.parent, stdout=sink, stderr=sink)
+        proc = subprocess.Popen(
+            command,
+            cwd=sweep.parent,
+            stdout=sink,
+            stderr=sink,
+            # A pytest-xdist worker may ignore SIGINT, and a child inherits an
+            # ignored signal (Python then installs no KeyboardInterrupt handler):
+            # give the search the disposition a shell gives it.
+            preexec_fn=_default_sigint,
+        )
         checkpoint = sweep / "1" / "checkpoint.npz"
         deadline = time.monotonic() + 120
         while not checkpoint.exists() and proc.poll() is None:
