@@ -179,6 +179,7 @@ def instrumented() -> Iterator[None]:
         "flwr.server.workflow.secure_aggregation.secaggplus_workflow"
     )
 
+    from flwr_prox_strategies.core.transport import agreement as pack_agreement
     from flwr_prox_strategies.core.transport import secagg as pack_protocol
     from flwr_prox_strategies.core.transport import secagg_node as pack_client
     from flwr_prox_strategies.core.transport import shamir as pack_shamir
@@ -186,9 +187,9 @@ def instrumented() -> Iterator[None]:
     targets = [
         # module, attribute, label
         (pack_client, "add_masks", "client: mask expansion"),
-        (pack_client, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
+        (pack_agreement, "shared_keys", "client: key agreement (ECDH+HKDF)"),
         (pack_client, "pairwise_seeds", "client: key agreement (ECDH+HKDF)"),
-        (pack_client, "generate_key_pairs", "client: key generation"),
+        (pack_agreement, "generate_key_pair", "client: key generation"),
         (pack_shamir, "split", "client: Shamir split"),
         (pack_client, "encrypt", "client: share encryption"),
         (pack_client, "decrypt", "client: share decryption"),

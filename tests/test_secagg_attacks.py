@@ -84,15 +84,18 @@ class Federation:
             secure_aggregation=False,
             mods=[SecAggPlusMod(**(mod or {}))],
         )
-        self.tamper: dict[int, callable] = {}
+        self.tamper: dict[int, callable] = {}  # on the masked vector
+        self.tamper_keys: dict[int, callable] = {}  # on the setup's public keys
 
         def run(message, context):
             reply = app(message, context)
             node = message.metadata.dst_node_id
-            if node in self.tamper and not reply.has_error():
-                record = reply.content.config_records.get(SECAGG_RECORD)
-                if record is not None and Key.MASKED_PARAMETERS in record:
-                    self.tamper[node](record)
+            record = None if reply.has_error() else reply.content.config_records
+            record = None if record is None else record.get(SECAGG_RECORD)
+            if record is not None and Key.MASKED_PARAMETERS in record:
+                self.tamper.get(node, lambda _: None)(record)
+            if record is not None and Key.PUBLIC_KEY_1 in record:
+                self.tamper_keys.get(node, lambda _: None)(record)
             return reply
 
         self.grid = InProcessGrid(run, num_nodes=nodes, node_config=node_config)
@@ -298,6 +301,70 @@ def test_repeated_ids_in_share_keys_and_collect_are_refused():
     }
     reply = next(iter(fed.grid.send_and_receive([_stage_message(1001, collect)])))
     assert reply.has_error() and "repeated" in str(reply.error.reason)
+
+
+# ------------------------------------------------------ unusable keys
+#: X25519 public keys whose agreement with any private key is all zeros (the
+#: identity and a point of order 8, RFC 7748's curve), and one too short.
+SMALL_ORDER = [
+    bytes(32),
+    bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+]
+
+
+@pytest.mark.parametrize("position", [0, 1], ids=["mask key", "share key"])
+@pytest.mark.parametrize(
+    "bad", [*SMALL_ORDER, b"\x09" * 31], ids=["zero", "order 8", "short"]
+)
+def test_a_server_forwarding_an_unusable_key_gets_no_share(position, bad):
+    """A server replacing a neighbour's key with one of small order would know
+    the secret agreed with it (all zeros through HKDF): the mask that hides
+    the node from that neighbour, or the key its shares travel under. The
+    node refuses, naming the neighbour, before it encrypts anything."""
+    fed = Federation(5)
+    wrapped, grid = fed.wrapped, fed.grid
+    wrapped._grid = grid
+    from flwr_prox_strategies.core.privacy.secagg import _Round
+
+    state = _Round(1, {n: None for n in range(1001, 1006)})
+    wrapped._size_round(state, 5)
+    wrapped._setup(grid, state, sorted(state.messages))
+    keys = {str(n): list(state.public_keys[n]) for n in state.public_keys}
+    keys["1004"][position] = bad
+    message = _stage_message(1001, {Key.STAGE: Stage.SHARE_KEYS, **keys})
+    reply = next(iter(grid.send_and_receive([message])))
+    assert reply.has_error()
+    why = str(reply.error.reason)
+    assert "node 1004's key is not a usable X25519 public key" in why, why
+    assert ("small order" in why) == (bad in SMALL_ORDER), why
+
+
+@pytest.mark.parametrize(
+    "bad", [*SMALL_ORDER, b"\x09" * 31], ids=["zero", "order 8", "short"]
+)
+def test_a_client_sending_an_unusable_key_is_left_out_at_setup(caplog, bad):
+    """A client announcing a key of small order would let anyone compute the
+    masks its neighbours add for it; the server drops it at setup, says why,
+    and the other four aggregate their plain mean."""
+    fed = Federation(5)
+
+    def lie(record):
+        record[Key.PUBLIC_KEY_1] = bad
+
+    fed.tamper_keys[1003] = lie
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = fed.wrapped.start(
+            grid=fed.grid, initial_arrays=fed.problem.initial(), num_rounds=1
+        )
+    assert logged(caplog, "setup: malformed public keys (")
+    assert logged(caplog, "small order" if bad in SMALL_ORDER else "32-byte")
+    honest = [n for n in range(1001, 1006) if n != 1003]
+    # Every client holds 20 rows: the plain mean is unweighted.
+    expected = np.mean([fed.plain_update(n) for n in honest], axis=0)
+    got = result.arrays.to_numpy_ndarrays()[0]
+    metrics = result.train_metrics_clientapp[1]
+    assert (metrics["secagg-contributors"], metrics["secagg-dropped"]) == (4, 1)
+    assert 0 < np.abs(got - expected).max() <= metrics["secagg-error-bound"] < 1e-2
 
 
 # ------------------------------------------------------- weak thresholds

@@ -25,8 +25,8 @@ from ...ops.privacy.neighbourhoods import fraction_threshold, neighbourhood_size
 from ..contract.validation import client_error_text
 from ..server.strategy import ValidatedFedAvg
 from ..transport import signing
+from ..transport.agreement import check_public_key
 from ..transport.ddp import DDPRound
-from ..transport.flower import bytes_to_public_key
 from ..transport.records import RecordSpec
 from ..transport.secagg import (
     ACTIVE_KEY,
@@ -260,10 +260,9 @@ class KeyExchange:
         for node, record in answers.items():
             keys = (record[Key.PUBLIC_KEY_1], record[Key.PUBLIC_KEY_2])
             try:
-                for key in keys:
-                    if not isinstance(key, bytes) or key in seen:
-                        raise ValueError("a public key repeated or not bytes")
-                    bytes_to_public_key(key)
+                for key in map(check_public_key, keys):
+                    if key in seen:
+                        raise ValueError("a public key repeated")
                     seen.add(key)
                 if self.active_adversary:
                     self._check_signed_keys(state, node, record, seen)

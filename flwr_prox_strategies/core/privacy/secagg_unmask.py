@@ -22,7 +22,7 @@ from numpy.typing import NDArray
 from ...ops.privacy.encoding import decode_sum
 from ..transport import secagg as protocol
 from ..transport import shamir, signing
-from ..transport.flower import bytes_to_private_key, public_key_to_bytes
+from ..transport.agreement import public_of
 from ..transport.secagg import (
     CONSISTENCY_STAGE,
     SIGNATURE_KEY,
@@ -339,7 +339,7 @@ def _matches(
 
 def _public_of(private_key: bytes) -> bytes | None:
     try:
-        return public_key_to_bytes(bytes_to_private_key(private_key).public_key())
+        return public_of(private_key)
     except (ValueError, TypeError):
         return None
 

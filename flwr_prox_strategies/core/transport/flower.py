@@ -2,10 +2,7 @@
 
 ``Run`` and ``KEY_CLIPPING_NORM`` moved to ``flwr.supercore`` in flwr 1.32;
 ``TaskIdentity`` (which hand-built ``Message`` objects need) came in flwr 1.38;
-``ErrorCode.MOD_FAILED_PRECONDITION`` (6) in flwr 1.22. SecAgg+'s key pairs
-(``generate_key_pairs`` and the key (de)serialisers) moved from
-``flwr.common.secure_aggregation.crypto.symmetric_encryption`` to
-``flwr.supercore.primitives.asymmetric``.
+``ErrorCode.MOD_FAILED_PRECONDITION`` (6) in flwr 1.22.
 """
 
 from __future__ import annotations
@@ -23,32 +20,10 @@ except ImportError:  # flwr < 1.32
         Run,
     )
 
-try:  # recent flwr
-    from flwr.supercore.primitives.asymmetric import (
-        bytes_to_private_key,
-        bytes_to_public_key,
-        generate_key_pairs,
-        private_key_to_bytes,
-        public_key_to_bytes,
-    )
-except ImportError:  # flwr 1.21 and other releases before the move
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import (  # type: ignore[attr-defined,no-redef]
-        bytes_to_private_key,
-        bytes_to_public_key,
-        generate_key_pairs,
-        private_key_to_bytes,
-        public_key_to_bytes,
-    )
-
 __all__ = [
     "KEY_CLIPPING_NORM",
     "MOD_FAILED_PRECONDITION",
     "Run",
-    "bytes_to_private_key",
-    "bytes_to_public_key",
-    "generate_key_pairs",
-    "private_key_to_bytes",
-    "public_key_to_bytes",
     "set_task_identity",
 ]
 

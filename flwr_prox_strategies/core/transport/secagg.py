@@ -4,16 +4,16 @@ Secure aggregation (Bell et al., 2020, "SecAgg+") lets the server learn the sum
 of the round's client vectors and nothing else about any one of them: each
 client quantises what the server rule sums into one integer vector, adds a
 private mask and pairwise masks, and the masks are removed with Shamir shares
-the survivors hold. The cryptography is Flower's, except the masks
-(:func:`expand_mask`: AES-256 in counter mode over the whole seed, where
-Flower's ``pseudo_rand_gen`` keeps 32 bits) and the quantisation's rounding
-noise (a generator of its own, not numpy's global one). The protocol and these
+the survivors hold. The protocol's messages are Flower's; the key agreement is
+X25519 (:mod:`.agreement`, where Flower uses P-384), the masks AES-256 in
+counter mode over the whole seed (:func:`expand_mask`, where Flower's
+``pseudo_rand_gen`` keeps 32 bits), and the quantisation's rounding noise
+comes from a generator of its own, not numpy's global one. The protocol and these
 changes: the documentation's explanation of secure aggregation.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,13 +23,10 @@ from typing import Any, cast
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
-    generate_shared_key,
-)
 from flwr.common.secure_aggregation.secaggplus_constants import Key, Stage
 from numpy.typing import NDArray
 
-from .flower import bytes_to_private_key, bytes_to_public_key
+from .agreement import MASK_SEED, shared_keys
 from .keys import MISSING_MOD_HINT, SECAGG_RECORD
 
 #: Keys of that record beside Flower's :class:`Key` (``stage``, ``pk1``, ...).
@@ -220,19 +217,16 @@ def add_masks(vector: NDArray[np.uint32], masks: Iterable[tuple[bytes, int]]) ->
 
 
 def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
-    """Return the seed of the mask two nodes share (ECDH, then HKDF: Flower's)."""
+    """Return the seed of the mask two nodes share (X25519, then HKDF)."""
     return pairwise_seeds(own_sk1, [their_pk1])[0]
 
 
 def pairwise_seeds(own_sk1: bytes, their_pk1s: Sequence[bytes]) -> list[bytes]:
-    """Return :func:`pairwise_seed` with each of ``their_pk1s`` (the key read once)."""
-    private = bytes_to_private_key(own_sk1)  # PEM parsing costs as much as ECDH
-    return [
-        base64.urlsafe_b64decode(
-            generate_shared_key(private, bytes_to_public_key(public))
-        )
-        for public in their_pk1s
-    ]
+    """Return :func:`pairwise_seed` with each of ``their_pk1s``.
+
+    ``ValueError`` if one of them is not a usable X25519 public key.
+    """
+    return shared_keys(own_sk1, their_pk1s, MASK_SEED)
 
 
 def pairwise_sign(node: int, other: int) -> int:

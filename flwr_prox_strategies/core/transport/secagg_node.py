@@ -11,6 +11,7 @@ let the server rebuild one client's vector is refused with the rule it breaks.
 
 from __future__ import annotations
 
+import base64
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDic
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
     decrypt,
     encrypt,
-    generate_shared_key,
 )
 from flwr.common.secure_aggregation.secaggplus_utils import (
     share_keys_plaintext_concat,
@@ -30,15 +30,8 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 from numpy.typing import NDArray
 
 from ...ops.privacy.neighbourhoods import neighbourhood_size
-from . import shamir, signing
+from . import agreement, shamir, signing
 from .ddp import NODE_MIN_NOISE, DDPRound, encode_records, noise_multiplier_at
-from .flower import (
-    bytes_to_private_key,
-    bytes_to_public_key,
-    generate_key_pairs,
-    private_key_to_bytes,
-    public_key_to_bytes,
-)
 from .secagg import (
     ACTIVE_KEY,
     COMMITMENT_KEY,
@@ -192,10 +185,8 @@ def setup(
             f"config {NODE_SIGNING_KEY} and {NODE_KEY_DIRECTORY}",
         )
     state["active"] = active
-    sk1, pk1 = generate_key_pairs()
-    sk2, pk2 = generate_key_pairs()
-    state["sk1"], state["pk1"] = private_key_to_bytes(sk1), public_key_to_bytes(pk1)
-    state["sk2"], state["pk2"] = private_key_to_bytes(sk2), public_key_to_bytes(pk2)
+    state["sk1"], state["pk1"] = agreement.generate_key_pair()
+    state["sk2"], state["pk2"] = agreement.generate_key_pair()
     answer: dict[str, Any] = {
         Key.PUBLIC_KEY_1: state["pk1"],
         Key.PUBLIC_KEY_2: state["pk2"],
@@ -320,36 +311,40 @@ def send_shares(
         )
     seed = os.urandom(32)
     order = sorted(keys)
-    secrets: dict[int, bytes] = {}
+    others = [n for n in order if n != node_id]
+    try:  # a lying server could forward a key whose agreement everyone knows
+        share_keys = agreement.shared_keys(
+            state["sk2"], [keys[n][1] for n in others], agreement.SHARE_KEY
+        )
+        mask_seeds = pairwise_seeds(state["sk1"], [keys[n][0] for n in others])
+    except agreement.UnusableKey as err:
+        raise refuse(
+            "share_keys",
+            f"node {others[err.position]}'s key is {err}",
+        ) from err
+    # Each neighbour's two secrets, agreed once: the key its shares are
+    # encrypted with (Fernet's encoding of it) and its mask seed.
+    fernet_keys = {
+        n: base64.urlsafe_b64encode(key)
+        for n, key in zip(others, share_keys, strict=True)
+    }
+    seeds = dict(zip(others, mask_seeds, strict=True))
     seed_shares, sk1_shares = shamir.split([seed, state["sk1"]], threshold, len(order))
     dsts, ciphertexts = [], []
-    sk2 = bytes_to_private_key(state["sk2"])  # read once, not once a neighbour
     for index, other in enumerate(order):
         if other == node_id:
             state["own-seed-share"] = seed_shares[index]
             state["own-sk1-share"] = sk1_shares[index]
             continue
-        secret = generate_shared_key(sk2, bytes_to_public_key(keys[other][1]))
-        secrets[other] = secret
         plaintext = share_keys_plaintext_concat(
             node_id, other, seed_shares[index], sk1_shares[index]
         )
         dsts.append(other)
-        ciphertexts.append(encrypt(secret, plaintext))
+        ciphertexts.append(encrypt(fernet_keys[other], plaintext))
     state["seed"] = seed
     state["nids"] = order
     state["pk1s"] = [keys[n][0] for n in order]
-    # Each neighbour's two shared secrets, agreed once: the key its shares are
-    # encrypted with (from the second key pairs) and its mask seed (the first).
-    state["share-keys"] = [secrets.get(n, b"") for n in order]
-    others = [n for n in order if n != node_id]
-    seeds = dict(
-        zip(
-            others,
-            pairwise_seeds(state["sk1"], [keys[n][0] for n in others]),
-            strict=True,
-        )
-    )
+    state["share-keys"] = [fernet_keys.get(n, b"") for n in order]
     state["mask-seeds"] = [seeds.get(n, b"") for n in order]
     return {
         Key.DESTINATION_LIST: dsts,
