@@ -5,11 +5,13 @@ hostile replies named, bad settings refused at construction."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -50,6 +52,7 @@ from flwr_prox_strategies.core.transport.secagg import (
     Layout,
     Quantizer,
     Stage,
+    add_masks,
     expand_mask,
     neighbours,
 )
@@ -529,6 +532,28 @@ def test_masks_use_every_bit_of_the_seed_and_neighbourhoods_are_symmetric():
     values = np.linspace(-8, 8, 1001)
     codes = q.encode(values, np.random.default_rng(0))
     assert np.abs(q.decode_sum(codes, 1) - values).max() < q.step
+
+
+@pytest.mark.parametrize("size", [1, 7, 32768, 32769, 100_003])
+def test_masks_are_the_aes_ctr_keystream_added_block_by_block(size):
+    # The keystream in one piece, straight from the cipher: AES-256 (key
+    # SHA-256 of the seed), counter from zero, little-endian 32-bit words.
+    seeds = [bytes([i]) * 32 for i in range(1, 5)]
+    streams = [
+        np.frombuffer(
+            Cipher(algorithms.AES(hashlib.sha256(seed).digest()), modes.CTR(bytes(16)))
+            .encryptor()
+            .update(bytes(4 * size)),
+            "<u4",
+        )
+        for seed in seeds
+    ]
+    assert np.array_equal(expand_mask(seeds[0], size), streams[0])
+    start = np.arange(size, dtype=np.uint32)
+    vector = start.copy()
+    add_masks(vector, zip(seeds, [1, -1, 1, -1], strict=True))
+    expected = start + streams[0] - streams[1] + streams[2] - streams[3]  # mod 2**32
+    assert np.array_equal(vector, expected)
 
 
 @pytest.mark.parametrize("clip", [8.0, 0.1])

@@ -194,26 +194,42 @@ def add_mask(vector: NDArray[np.uint32], seed: bytes, sign: int) -> None:
     add_masks(vector, [(seed, sign)])
 
 
+#: Words of a vector masked at a time: the block and the keystream's buffer
+#: stay in the core's cache while every mask is added to the block.
+_MASK_BLOCK = 1 << 15
+
+
 def add_masks(vector: NDArray[np.uint32], masks: Iterable[tuple[bytes, int]]) -> None:
     """Add (sign 1) or subtract (-1) each ``(seed, sign)``'s mask, in place.
 
-    One buffer for all the masks: each is written into it by the cipher
-    (``update_into``) and added in place, so a client with ``k`` neighbours
-    (or the server unmasking a round) allocates two vectors, not ``3k``.
+    Block by block: each mask's keystream continues where it stopped, so the
+    words are those of :func:`expand_mask`, and a block of the vector is
+    read and written once while all ``k`` masks pass through it (a client
+    with ``k`` neighbours, or the server unmasking a round, allocates one
+    small buffer, not ``k`` vectors).
     """
-    size = vector.size
-    zeros = bytes(4 * size)  # the keystream is AES-CTR over zeros
-    # update_into asks for a block's slack beyond the data.
-    buffer = np.empty(size + 4, dtype="<u4")
-    mask, out = buffer[:size], memoryview(buffer.data).cast("B")
-    for seed, sign in masks:
-        key = hashlib.sha256(seed).digest()
-        stream = Cipher(algorithms.AES(key), modes.CTR(b"\0" * 16)).encryptor()
-        stream.update_into(zeros, out)
-        if sign > 0:
-            np.add(vector, mask, out=vector)
-        else:
-            np.subtract(vector, mask, out=vector)
+    streams = [
+        (
+            Cipher(
+                algorithms.AES(hashlib.sha256(seed).digest()), modes.CTR(b"\0" * 16)
+            ).encryptor(),
+            sign > 0,
+        )
+        for seed, sign in masks
+    ]
+    zeros = memoryview(bytes(4 * _MASK_BLOCK))  # the keystream is AES-CTR of zeros
+    # update_into asks for a cipher block's slack beyond the data.
+    buffer = np.empty(_MASK_BLOCK + 4, dtype="<u4")
+    out = memoryview(buffer.data).cast("B")
+    for start in range(0, vector.size, _MASK_BLOCK):
+        block = vector[start : start + _MASK_BLOCK]
+        mask, plain = buffer[: block.size], zeros[: 4 * block.size]
+        for stream, add in streams:
+            stream.update_into(plain, out)
+            if add:
+                np.add(block, mask, out=block)
+            else:
+                np.subtract(block, mask, out=block)
 
 
 def pairwise_seed(own_sk1: bytes, their_pk1: bytes) -> bytes:
