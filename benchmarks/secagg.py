@@ -187,8 +187,8 @@ def instrumented() -> Iterator[None]:
     targets = [
         # module, attribute, label
         (pack_client, "add_masks", "client: mask expansion"),
-        (pack_agreement, "shared_keys", "client: key agreement (ECDH+HKDF)"),
-        (pack_client, "pairwise_seeds", "client: key agreement (ECDH+HKDF)"),
+        (pack_agreement, "shared_keys", "client: key agreement (X25519+HKDF)"),
+        (pack_client, "pairwise_seeds", "client: key agreement (X25519+HKDF)"),
         (pack_agreement, "generate_key_pair", "client: key generation"),
         (pack_shamir, "split", "client: Shamir split"),
         (pack_client, "encrypt", "client: share encryption"),
@@ -196,9 +196,9 @@ def instrumented() -> Iterator[None]:
         (pack_protocol.Quantizer, "encode", "client: quantisation"),
         (pack_protocol, "add_masks", "server: mask expansion"),
         (pack_shamir, "recover_many", "server: Shamir combine"),
-        (pack_protocol, "pairwise_seeds", "server: key agreement (ECDH+HKDF)"),
+        (pack_protocol, "pairwise_seeds", "server: key agreement (X25519+HKDF)"),
         (flower_mod, "pseudo_rand_gen", "client: mask expansion"),
-        (flower_mod, "generate_shared_key", "client: key agreement (ECDH+HKDF)"),
+        (flower_mod, "generate_shared_key", "client: key agreement (P-384 ECDH+HKDF)"),
         (flower_mod, "generate_key_pairs", "client: key generation"),
         (flower_mod, "create_shares", "client: Shamir split"),
         (flower_mod, "encrypt", "client: share encryption"),
@@ -206,7 +206,7 @@ def instrumented() -> Iterator[None]:
         (flower_mod, "quantize", "client: quantisation"),
         (flower_workflow, "pseudo_rand_gen", "server: mask expansion"),
         (flower_workflow, "combine_shares", "server: Shamir combine"),
-        (flower_workflow, "generate_shared_key", "server: key agreement (ECDH+HKDF)"),
+        (flower_workflow, "generate_shared_key", "server: key agreement (P-384 ECDH+HKDF)"),
     ]
     saved = []
     for owner, name, label in targets:
