@@ -120,6 +120,16 @@ class Federation:
                 )
         return replies
 
+    def setup(self):
+        """Run the real wrapper's setup only: the round and the keys it forwards."""
+        from flwr_prox_strategies.core.privacy.secagg import _Round
+
+        self.wrapped._grid = self.grid
+        state = _Round(1, {n: None for n in range(1001, 1001 + self.nodes)})
+        self.wrapped._size_round(state, self.nodes)
+        self.wrapped._setup(self.grid, state, sorted(state.messages))
+        return state, {str(n): list(state.public_keys[n]) for n in state.public_keys}
+
     def ask(self, node: int, active: list, dead: list, **extra) -> Message:
         """Send ``node`` an unmask request of the liar's choice; return the reply."""
         config = {
@@ -266,15 +276,9 @@ def _stage_message(node: int, config: dict) -> Message:
 
 def test_repeated_ids_in_share_keys_and_collect_are_refused():
     fed = Federation(5)
-    wrapped, grid = fed.wrapped, fed.grid
+    grid = fed.grid
     # Run setup only, then forward the keys with node 1002 under two spellings.
-    wrapped._grid = grid
-    from flwr_prox_strategies.core.privacy.secagg import _Round
-
-    state = _Round(1, {n: None for n in range(1001, 1006)})
-    wrapped._size_round(state, 5)
-    wrapped._setup(grid, state, sorted(state.messages))
-    keys = {str(n): list(state.public_keys[n]) for n in state.public_keys}
+    _, keys = fed.setup()
     aliased = {**keys, "01002": keys["1002"]}
     reply = next(
         iter(
@@ -286,10 +290,7 @@ def test_repeated_ids_in_share_keys_and_collect_are_refused():
     assert reply.has_error() and "repeated node id '01002'" in str(reply.error.reason)
     # Collect: the same source forwarded twice would count one neighbour twice.
     fed = Federation(5)
-    fed.wrapped._grid = fed.grid
-    state = _Round(1, {n: None for n in range(1001, 1006)})
-    fed.wrapped._size_round(state, 5)
-    fed.wrapped._setup(fed.grid, state, sorted(state.messages))
+    state, _ = fed.setup()
     fed.wrapped._share_keys(fed.grid, state)
     srcs, texts = fed.wrapped._forwarded[1001]
     collect = {
@@ -322,17 +323,10 @@ def test_a_server_forwarding_an_unusable_key_gets_no_share(position, bad):
     the node from that neighbour, or the key its shares travel under. The
     node refuses, naming the neighbour, before it encrypts anything."""
     fed = Federation(5)
-    wrapped, grid = fed.wrapped, fed.grid
-    wrapped._grid = grid
-    from flwr_prox_strategies.core.privacy.secagg import _Round
-
-    state = _Round(1, {n: None for n in range(1001, 1006)})
-    wrapped._size_round(state, 5)
-    wrapped._setup(grid, state, sorted(state.messages))
-    keys = {str(n): list(state.public_keys[n]) for n in state.public_keys}
+    _, keys = fed.setup()
     keys["1004"][position] = bad
     message = _stage_message(1001, {Key.STAGE: Stage.SHARE_KEYS, **keys})
-    reply = next(iter(grid.send_and_receive([message])))
+    reply = next(iter(fed.grid.send_and_receive([message])))
     assert reply.has_error()
     why = str(reply.error.reason)
     assert "node 1004's key is not a usable X25519 public key" in why, why
