@@ -37,7 +37,7 @@ _BLOCK = 1 << 18
 # accumulator is read and written once per round instead of once per reply;
 # smaller blocks pay two numpy calls per reply and block in Python
 # (benchmarks/aggregate.py).
-_SWEEP_BYTES = 1 << 19
+_SWEEP_BYTES = 1 << 18
 
 
 class ZeroTotalWeightError(ValueError):
