@@ -158,6 +158,15 @@ def test_add_all_after_add_continues_the_same_sum() -> None:
     mean.add(contributions[0], weights[0])
     mean.add_all(contributions[1:], weights[1:])
     np.testing.assert_array_equal(mean.result()["w"], expected["w"], strict=True)
+    # Without a total, the sum is divided by the total weight, added up one
+    # weight at a time as add does (0.1 + 0.2 + 0.3 is not 0.1 + (0.2 + 0.3)).
+    thirds = [0.1, 0.2, 0.3]
+    expected = _reply_after_reply(contributions[:3], thirds)
+    mean = WeightedMean()
+    mean.add(contributions[0], thirds[0])
+    mean.add_all(contributions[1:3], thirds[1:])
+    assert mean.total_weight == 0.1 + 0.2 + 0.3
+    np.testing.assert_array_equal(mean.result()["w"], expected["w"], strict=True)
 
 
 def test_add_all_propagates_nan_and_inf() -> None:

@@ -212,19 +212,20 @@ class WeightedMean:
         ------
         ValueError
             On a bad weight, a contribution whose keys or shapes differ from
-            the first one's, or as many weights as contributions.
+            the first one's, or not as many weights as contributions.
         """
         if len(contributions) != len(weights):
             raise ValueError(
                 f"{len(contributions)} contributions for {len(weights)} weights"
             )
-        for weight in weights:
-            if not np.isfinite(weight) or weight < 0:
+        values = [float(weight) for weight in weights]
+        for weight, value in zip(weights, values, strict=True):
+            if not math.isfinite(value) or value < 0:
                 raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
         if not contributions:
             return
         columns = self._columns([_as_items(arrays) for arrays in contributions])
-        scaled = [float(weight) / self._scale for weight in weights]
+        scaled = [value / self._scale for value in values]
         first = self._acc is None
         if self._acc is None:
             self._acc = {}
@@ -236,8 +237,9 @@ class WeightedMean:
         with np.errstate(over="ignore", invalid="ignore"):
             for key, arrays in columns.items():
                 sweep_scaled_(self._acc[key], arrays, scaled, overwrite=first)
-        self.total_weight += sum(float(weight) for weight in weights)
-        self.count += len(weights)
+        for value in values:  # one at a time, as add: the same rounded total
+            self.total_weight += value
+        self.count += len(values)
 
     def _columns(
         self, rows: list[list[tuple[str, NDArray]]]
