@@ -38,11 +38,12 @@ class WeightsAtTheEnd(FedAvg):
     """The pack's average before it was overflow-safe: divide by the total last."""
 
     def weighted_mean(self, replies, record=None):
-        mean = WeightedMean()
-        for reply in replies:
-            mean.add(
-                reply.arrays[record or self.arrayrecord_key], self.reply_weight(reply)
-            )
+        name = record or self.arrayrecord_key
+        mean = WeightedMean()  # no total: the weights are applied as given
+        mean.add_all(
+            [reply.arrays[name] for reply in replies],
+            [self.reply_weight(reply) for reply in replies],
+        )
         return mean.result()
 
 

@@ -73,3 +73,137 @@ def test_dissimilarity() -> None:
     # E||g_k||^2 = (10 + 2) / 2 = 6, ||E g_k||^2 = ||(1, 1)||^2 = 2.
     assert dissimilarity(mean_sq, norm_mean) == pytest.approx(3.0)
     assert dissimilarity(1.0, 0.0) == float("inf")
+
+
+def _reply_after_reply(
+    contributions: list[dict[str, np.ndarray]],
+    weights: list[float],
+    **options: object,
+) -> dict[str, np.ndarray]:
+    mean = WeightedMean(**options)  # type: ignore[arg-type]
+    for arrays, weight in zip(contributions, weights, strict=True):
+        mean.add(arrays, weight)
+    return mean.result()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "accumulate_in"),
+    [
+        (np.float32, None),
+        (np.float64, None),
+        (np.float16, None),
+        (np.float32, np.float64),
+        (np.int64, None),
+    ],
+)
+@pytest.mark.parametrize("total", [True, False])
+def test_add_all_is_bit_identical_to_add_in_turn(
+    dtype: type, accumulate_in: type | None, total: bool
+) -> None:
+    # Sizes around the blocks of both kernels (add_scaled_'s 2**18 elements,
+    # sweep_scaled_'s 2**19 bytes), tiny, empty and multi-dimensional arrays.
+    rng = np.random.default_rng(7)
+    shapes = {
+        "big": (300_001,),
+        "exact": (1 << 17,),
+        "matrix": (513, 257),
+        "tiny": (3,),
+        "one": (),
+        "empty": (0, 4),
+    }
+    contributions = [
+        {
+            key: (rng.standard_normal(shape) * 100).astype(dtype)
+            for key, shape in shapes.items()
+        }
+        for _ in range(7)
+    ]
+    weights = [float(w) for w in rng.uniform(0.1, 50.0, size=7)]
+    weights[3] = 0.0  # a zero weight is allowed
+    options = {
+        "accumulate_in": accumulate_in,
+        "total": sum(weights) if total else None,
+    }
+    expected = _reply_after_reply(contributions, weights, **options)
+    mean = WeightedMean(**options)  # type: ignore[arg-type]
+    mean.add_all(contributions, weights)
+    got = mean.result()
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape
+        np.testing.assert_array_equal(got[key], value, strict=True)
+    assert mean.count == 7 and mean.total_weight == sum(weights)
+
+
+def test_add_all_matches_the_in_place_floor_on_float32() -> None:
+    # benchmarks/aggregate.py's floor: acc = w0 * x0; acc += w_i * x_i.
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(200_003, dtype=np.float32) for _ in range(9)]
+    weights = [100.0 + i for i in range(9)]
+    total = sum(weights)
+    floor = arrays[0] * np.float32(weights[0] / total)
+    for x, w in zip(arrays[1:], weights[1:], strict=True):
+        floor += np.float32(w / total) * x
+    mean = WeightedMean(total=total)
+    mean.add_all([[x] for x in arrays], weights)
+    np.testing.assert_array_equal(mean.result()["0"], floor, strict=True)
+
+
+def test_add_all_after_add_continues_the_same_sum() -> None:
+    rng = np.random.default_rng(5)
+    contributions = [{"w": rng.standard_normal(70_000)} for _ in range(5)]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+    expected = _reply_after_reply(contributions, weights, total=15.0)
+    mean = WeightedMean(total=15.0)
+    mean.add(contributions[0], weights[0])
+    mean.add_all(contributions[1:], weights[1:])
+    np.testing.assert_array_equal(mean.result()["w"], expected["w"], strict=True)
+    # Without a total, the sum is divided by the total weight, added up one
+    # weight at a time as add does (0.1 + 0.2 + 0.3 is not 0.1 + (0.2 + 0.3)).
+    thirds = [0.1, 0.2, 0.3]
+    expected = _reply_after_reply(contributions[:3], thirds)
+    mean = WeightedMean()
+    mean.add(contributions[0], thirds[0])
+    mean.add_all(contributions[1:3], thirds[1:])
+    assert mean.total_weight == 0.1 + 0.2 + 0.3
+    np.testing.assert_array_equal(mean.result()["w"], expected["w"], strict=True)
+
+
+def test_add_all_propagates_nan_and_inf() -> None:
+    good = [np.ones(400_000, np.float32)]
+    bad = [np.ones(400_000, np.float32)]
+    bad[0][[5, 399_999]] = [np.nan, np.inf]
+    mean = WeightedMean(total=2.0)
+    mean.add_all([good, bad], [1.0, 1.0])
+    out = mean.result()["0"]
+    assert np.isnan(out[5]) and np.isinf(out[399_999])
+    assert np.isfinite(np.delete(out, [5, 399_999])).all()
+
+
+@pytest.mark.parametrize(
+    ("contributions", "weights", "match"),
+    [
+        ([[np.ones(3)], [np.ones(2)]], [1.0, 1.0], "shape"),
+        ([{"a": np.ones(3)}, {"b": np.ones(3)}], [1.0, 1.0], "keys"),
+        ([[np.ones(3)], [np.ones(3), np.ones(1)]], [1.0, 1.0], "keys"),
+        ([[np.ones(3)], [np.ones(3)]], [1.0, -1.0], "weight"),
+        ([[np.ones(3)], [np.ones(3)]], [1.0, float("nan")], "weight"),
+        ([[np.ones(3)], [np.ones(3)]], [1.0], "weights"),
+    ],
+)
+def test_add_all_refuses_before_adding_anything(
+    contributions: list[list[np.ndarray]], weights: list[float], match: str
+) -> None:
+    mean = WeightedMean()
+    mean.add([np.full(3, 2.0)], 1.0)
+    with pytest.raises(ValueError, match=match):
+        mean.add_all(contributions, weights)
+    assert mean.count == 1
+    np.testing.assert_array_equal(mean.result()["0"], np.full(3, 2.0))
+
+
+def test_add_all_of_nothing_adds_nothing() -> None:
+    mean = WeightedMean()
+    mean.add_all([], [])
+    with pytest.raises(ZeroTotalWeightError):
+        mean.result()

@@ -76,8 +76,9 @@ def _replies(num: int, size: int) -> tuple[FedAvg, list[Message]]:
 
 
 def test_aggregation_holds_the_accumulator_and_the_result_only() -> None:
-    # Each reply is folded in as it is read (a view of its payload) and the
-    # result's payload is written in one copy: accumulator + result = 2 models.
+    # Each reply is read as a view of its payload, the views are folded into
+    # one accumulator and the result's payload is written in one copy:
+    # accumulator + result = 2 models.
     # Flower's Array(ndarray) path made it 3 (the np.save stream as well).
     size = 1_000_000
     strategy, replies = _replies(8, size)

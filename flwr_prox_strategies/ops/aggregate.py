@@ -1,9 +1,13 @@
 """Weighted averaging of model arrays, in place into one accumulator.
 
 Pure numpy: nothing here knows Flower. The strategies validate replies first and
-then stream each reply's arrays into :class:`WeightedMean`, which holds exactly
+then fold the replies' arrays into :class:`WeightedMean`, which holds exactly
 one accumulator the size of the model. No per-reply copy is kept, so memory is
-independent of the number of clients.
+independent of the number of clients. Replies arrive one at a time
+(:meth:`WeightedMean.add`) or all at once, as zero-copy views
+(:meth:`WeightedMean.add_all`, what the strategies use): then the accumulator is
+swept block by block, each block taking every reply's contribution while it is
+in cache, with the same sum, element by element, as reply after reply.
 
 Overflow. When the total weight is known in advance (``total=``, as the
 strategies know it), every contribution is added as ``(w / total) * x``: the
@@ -28,6 +32,12 @@ from numpy.typing import DTypeLike, NDArray
 # `acc += w * x` needs no model-sized temporary; smaller blocks cost Python
 # overhead, larger ones gain nothing (benchmarks/aggregate.py).
 _BLOCK = 1 << 18
+# Bytes of one accumulator block in add_all: the block and its scratch (twice
+# this) stay in a core's L2 (1-2 MB) while every reply is added to them, so the
+# accumulator is read and written once per round instead of once per reply;
+# smaller blocks pay two numpy calls per reply and block in Python
+# (benchmarks/aggregate.py).
+_SWEEP_BYTES = 1 << 18
 
 
 class ZeroTotalWeightError(ValueError):
@@ -61,6 +71,54 @@ def add_scaled_(acc: NDArray, x: NDArray, weight: float) -> None:
         part = scratch[: stop - start]
         np.multiply(flat_x[start:stop], w, out=part, casting="unsafe")
         flat_acc[start:stop] += part
+
+
+def sweep_scaled_(
+    acc: NDArray,
+    arrays: Sequence[NDArray],
+    weights: Sequence[float],
+    *,
+    overwrite: bool,
+) -> None:
+    """Accumulate ``acc += sum_i weights[i] * arrays[i]`` in place, block-outer.
+
+    Each element gets exactly the roundings of :func:`add_scaled_` called on
+    each array in turn: ``weights[i] * arrays[i]`` rounded to ``acc.dtype``,
+    then added, in the order of ``arrays``. Only the loops are swapped (blocks
+    outside, arrays inside), so a block of ``acc`` stays in cache while every
+    array is added to it.
+
+    Parameters
+    ----------
+    acc : NDArray
+        Accumulator, modified in place. Must be contiguous.
+    arrays : Sequence[NDArray]
+        Arrays of ``acc``'s shape; any dtypes castable to ``acc.dtype``.
+    weights : Sequence[float]
+        One scalar weight per array.
+    overwrite : bool
+        True: ``acc``'s contents are ignored, its value becomes
+        ``weights[0] * arrays[0]`` (rounded to ``acc.dtype``) plus the rest.
+    """
+    flat_acc = acc.reshape(-1)
+    flats = [x.reshape(-1) for x in arrays]
+    # Scalars of the accumulator's dtype, as add_scaled_: the products are
+    # computed in the same precision, hence rounded the same.
+    ws = [acc.dtype.type(weight) for weight in weights]
+    n = flat_acc.size
+    block = max(1, _SWEEP_BYTES // acc.dtype.itemsize)
+    scratch = np.empty(min(block, n), dtype=acc.dtype)
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        part = flat_acc[start:stop]
+        term = scratch[: stop - start]
+        pairs = zip(flats, ws, strict=True)
+        if overwrite:
+            x, w = next(pairs)
+            np.multiply(x[start:stop], w, out=part, casting="unsafe")
+        for x, w in pairs:
+            np.multiply(x[start:stop], w, out=term, casting="unsafe")
+            np.add(part, term, out=part)
 
 
 class WeightedMean:
@@ -127,6 +185,83 @@ class WeightedMean:
             self._fold(items, scaled)
         self.total_weight += float(weight)
         self.count += 1
+
+    def add_all(
+        self,
+        contributions: Sequence[Mapping[str, NDArray] | Sequence[NDArray]],
+        weights: Sequence[float],
+    ) -> None:
+        """Fold every ``weights[i] * contributions[i]`` into the accumulator.
+
+        The result is bit for bit that of calling :meth:`add` on each in turn
+        (the same roundings, in the same order, element by element), but the
+        accumulator is swept once, block by block, each block taking every
+        contribution while it is in cache: memory traffic is one read of each
+        contribution, where :meth:`add` also reads and writes the accumulator
+        once per contribution. Everything is checked before anything is added.
+
+        Parameters
+        ----------
+        contributions : Sequence[Mapping[str, NDArray] | Sequence[NDArray]]
+            The arrays of each contribution, all in memory (views are enough),
+            with the same keys in the same order and the same shapes.
+        weights : Sequence[float]
+            One finite weight >= 0 per contribution.
+
+        Raises
+        ------
+        ValueError
+            On a bad weight, a contribution whose keys or shapes differ from
+            the first one's, or not as many weights as contributions.
+        """
+        if len(contributions) != len(weights):
+            raise ValueError(
+                f"{len(contributions)} contributions for {len(weights)} weights"
+            )
+        values = [float(weight) for weight in weights]
+        for weight, value in zip(weights, values, strict=True):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
+        if not contributions:
+            return
+        columns = self._columns([_as_items(arrays) for arrays in contributions])
+        scaled = [value / self._scale for value in values]
+        first = self._acc is None
+        if self._acc is None:
+            self._acc = {}
+            for key, arrays in columns.items():
+                self._dtypes[key] = arrays[0].dtype
+                acc_dtype = self._acc_dtype(arrays[0].dtype)
+                self._acc[key] = np.empty(arrays[0].shape, dtype=acc_dtype)
+        # NaN, inf and overflow propagate to the result, which callers check.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for key, arrays in columns.items():
+                sweep_scaled_(self._acc[key], arrays, scaled, overwrite=first)
+        for value in values:  # one at a time, as add: the same rounded total
+            self.total_weight += value
+        self.count += len(values)
+
+    def _columns(
+        self, rows: list[list[tuple[str, NDArray]]]
+    ) -> dict[str, list[NDArray]]:
+        """Return key -> every contribution's array, after checking keys and shapes."""
+        keys = [key for key, _ in rows[0]] if self._acc is None else list(self._acc)
+        shapes = (
+            {key: x.shape for key, x in rows[0]}
+            if self._acc is None
+            else {key: acc.shape for key, acc in self._acc.items()}
+        )
+        columns: dict[str, list[NDArray]] = {key: [] for key in keys}
+        for row in rows:
+            if [key for key, _ in row] != keys:
+                raise ValueError("contribution keys differ from the first contribution")
+            for key, x in row:
+                if x.shape != shapes[key]:
+                    raise ValueError(
+                        f"shape mismatch: accumulator {shapes[key]} vs array {x.shape}"
+                    )
+                columns[key].append(x)
+        return columns
 
     def _fold(self, items: list[tuple[str, NDArray]], scaled: float) -> None:
         if self._acc is None:

@@ -365,6 +365,39 @@ def expected_bytes(expected_arrays: Mapping[str, RecordSpec]) -> int:
     )
 
 
+def split_records(
+    message: Message,
+) -> tuple[dict[str, ArrayRecord], dict[str, MetricRecord], list[str]]:
+    """Return a message's ArrayRecords, MetricRecords and the names of the others.
+
+    One pass over the content: Flower's ``array_records`` and
+    ``metric_records`` each build a new synced dict, writing every record back
+    into the ``RecordDict`` (some 5-10 us per reply and property).
+
+    Parameters
+    ----------
+    message : Message
+        A reply without an error.
+
+    Returns
+    -------
+    tuple[dict[str, ArrayRecord], dict[str, MetricRecord], list[str]]
+        Name -> ArrayRecord and name -> MetricRecord, in the content's order,
+        and the names of the other records (ConfigRecords).
+    """
+    arrays: dict[str, ArrayRecord] = {}
+    metrics: dict[str, MetricRecord] = {}
+    others: list[str] = []
+    for name, record in message.content.items():
+        if isinstance(record, ArrayRecord):
+            arrays[name] = record
+        elif isinstance(record, MetricRecord):
+            metrics[name] = record
+        else:
+            others.append(name)
+    return arrays, metrics, others
+
+
 def check_reply_size(
     message: Message,
     max_bytes: int,
@@ -426,12 +459,9 @@ def validate_reply(
             else "error-reply"
         )
         raise ReplyRejected(kind, f"error reply: {client_error_text(reason)}")
-    content = message.content
-    # Each *_records property builds a new dict: read each once.
-    array_records = content.array_records
+    array_records, metric_records, config_names = split_records(message)
     if max_bytes is not None:
         check_reply_size(message, max_bytes, array_records)
-    metric_records = content.metric_records
     array_names = set(array_records.keys())
     if array_names != set(expected_arrays):
         raise ReplyRejected(
@@ -443,10 +473,9 @@ def validate_reply(
             "records",
             f"{len(metric_records)} MetricRecords, expected exactly one",
         )
-    if len(content) != len(array_records) + len(metric_records):
+    if config_names:
         raise ReplyRejected(
-            "records",
-            f"unexpected ConfigRecords {sorted(content.config_records.keys())}",
+            "records", f"unexpected ConfigRecords {sorted(config_names)}"
         )
     metrics = next(iter(metric_records.values()))
     num_examples = check_weight(metrics, weight_key)

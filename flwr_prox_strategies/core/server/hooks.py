@@ -403,8 +403,9 @@ class AlgorithmHooks:
             }
         weights = [self.reply_weight(reply) for reply in replies]
         mean = WeightedMean(total=sum(weights), accumulate_in=self._accumulate_in)
-        for reply, weight in zip(replies, weights, strict=True):
-            mean.add(reply.arrays[name], weight)
+        # The replies' arrays are views already in memory: fold them all at
+        # once, block by block (the same sums as one reply after another).
+        mean.add_all([reply.arrays[name] for reply in replies], weights)
         return mean.result()
 
     def server_update(

@@ -52,8 +52,10 @@ def node_messages(
 
 def payload_bytes(messages: Iterable[Message]) -> int:
     """Return the bytes of the messages' ArrayRecords (Flower's ``count_bytes``)."""
+    # Not ``content.array_records``: it builds a new synced dict per message.
     return sum(
         record.count_bytes()
         for message in messages
-        for record in message.content.array_records.values()
+        for record in message.content.values()
+        if isinstance(record, ArrayRecord)
     )

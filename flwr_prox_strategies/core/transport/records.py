@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -63,14 +64,16 @@ def array_view(array: Array) -> NDArray:
     if array.stype != NUMPY_STYPE:
         raise ValueError(f"unsupported serialisation type {array.stype!r}")
     data = array.data
+    shape = tuple(array.shape)
     # Fast path: the exact header np.save writes for the declared dtype and shape.
-    header = _expected_header(array.dtype, tuple(array.shape))
-    if header is not None and data.startswith(header):
-        dtype = np.dtype(array.dtype)
-        count = int(np.prod(array.shape, dtype=np.int64))
-        if len(data) - len(header) == count * dtype.itemsize:
+    layout = _expected_layout(array.dtype, shape)
+    if layout is not None:
+        header, dtype, count = layout
+        if len(data) - len(header) == count * dtype.itemsize and data.startswith(
+            header
+        ):
             flat = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
-            return flat.reshape(tuple(array.shape))
+            return flat.reshape(shape)
     stream = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(stream)
@@ -95,6 +98,21 @@ def array_view(array: Array) -> NDArray:
         )
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
     return flat.reshape(shape, order="F" if fortran else "C")
+
+
+@functools.lru_cache(maxsize=1024)
+def _expected_layout(
+    dtype: str, shape: tuple[int, ...]
+) -> tuple[bytes, np.dtype, int] | None:
+    """Return the ``.npy`` header, the dtype and the element count of a layout.
+
+    Cached: every reply of a round has the same layouts, and ``np.dtype`` of a
+    name and ``np.prod`` of a shape cost microseconds each, per array.
+    """
+    header = _expected_header(dtype, shape)
+    if header is None:
+        return None
+    return header, np.dtype(dtype), math.prod(shape)
 
 
 @functools.lru_cache(maxsize=1024)
