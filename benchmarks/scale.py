@@ -188,7 +188,11 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
     The same ServerApp and ClientApp as the case, on
     :class:`~flwr_prox_strategies.core.transport.inprocess.InProcessGrid`, every call
     timed; the first round's calls (imports, first optimiser) are left out,
-    as each Ray actor pays them once.
+    as each Ray actor pays them once. Torch runs on one thread, as in the
+    actors (``client-resources-num-cpus=1``: Ray sets ``OMP_NUM_THREADS=1``
+    in them). With this process's default, a thread a core, the calls timed
+    here while other torch work ran on the machine took 0.43 s each, while
+    the run's own rounds (its actors' calls) were not slowed.
     """
     import sys
 
@@ -211,9 +215,12 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
             "extra-records": int(FLOWER_CASES[case].split("=")[1]),
         }
     else:
+        import torch
+
         from flwr_prox_strategies.experiment.appdir import make_client_app
         from flwr_prox_strategies.experiment.server import run_experiment
 
+        torch.set_num_threads(1)  # as the Ray actors run it
         client_app = make_client_app()
         folder = Path(tempfile.mkdtemp(prefix="scale-inprocess-"))
         run_config = {

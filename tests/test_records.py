@@ -11,7 +11,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from flwr_prox_strategies import FedAvg
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
-from flwr_prox_strategies.core.transport.records import array_view, to_array
+from flwr_prox_strategies.core.transport.records import (
+    array_view,
+    to_array,
+    to_ndarrays,
+)
 
 CASES = [
     np.zeros(0, np.float32),
@@ -42,6 +46,27 @@ def test_to_array_is_flowers_array_byte_for_byte(value: np.ndarray) -> None:
     np.testing.assert_array_equal(ours.numpy(), value)
     if value.dtype.kind != "U":
         np.testing.assert_array_equal(array_view(ours), value)
+
+
+def test_to_ndarrays_equals_flowers_numpy_and_owns_its_arrays() -> None:
+    # Flower's own Arrays (np.save, Fortran order kept) and the pack's.
+    values = [*CASES, np.asfortranarray(np.arange(6.0).reshape(2, 3))]
+    record = ArrayRecord()
+    for i, value in enumerate(values):
+        record[f"flower-{i}"] = Array(value)
+        record[f"pack-{i}"] = to_array(value)
+    ours = to_ndarrays(record)
+    flowers = [array.numpy() for array in record.values()]
+    for got, want in zip(ours, flowers, strict=True):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape)
+        assert got.flags.f_contiguous == want.flags.f_contiguous
+        np.testing.assert_array_equal(got, want)
+        assert got.flags.writeable
+    before = [array.data for array in record.values()]
+    for got in ours:
+        if got.size and got.dtype.kind in "fiub":
+            got.flat[0] = not got.flat[0] if got.dtype.kind == "b" else got.flat[0] + 1
+    assert [array.data for array in record.values()] == before
 
 
 def test_to_array_copies_so_later_writes_do_not_leak_into_the_record() -> None:

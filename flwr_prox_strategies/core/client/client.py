@@ -60,6 +60,7 @@ from .training import (
     evaluate_model,
     full_gradient,
     resolve_device,
+    seed_torch,
     train_local,
     trainable,
 )
@@ -460,7 +461,7 @@ class TorchClient(NumPyClient):
         # (A stateful rule commits or drops last round's state when it is built:
         # the two-phase commit lives in ClientRule, once for every client.)
         if self.seed is not None:
-            torch.manual_seed(self.seed * 1_000_003 + server_round)
+            seed_torch(self.seed * 1_000_003 + server_round)
         self.set_parameters(parameters)
         epochs = int(config.get(LOCAL_EPOCHS_KEY, self.local_epochs))
         steps = config.get(LOCAL_STEPS_KEY)
@@ -561,7 +562,7 @@ class TorchClient(NumPyClient):
         """Evaluate the received model (and personal ones) on local held-out data."""
         if self.seed is not None:  # fine-tuning shuffles: reproducible as fit is
             server_round = int(config.get(SERVER_ROUND_KEY, 0))
-            torch.manual_seed(self.seed * 1_000_003 + server_round + 500_009)
+            seed_torch(self.seed * 1_000_003 + server_round + 500_009)
         self.set_parameters(parameters)
         loader = self.test_loader if self.test_loader is not None else self.train_loader
         loss, accuracy, count = evaluate_model(

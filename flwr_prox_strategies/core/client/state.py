@@ -30,7 +30,7 @@ from ..transport.keys import (
     STATE_OUTSIDE_COMMIT_METRIC,
     STATE_ROUND_METRIC,
 )
-from ..transport.records import to_array
+from ..transport.records import to_array, to_ndarrays
 from .message import accepted_round, must_reset
 
 _PENDING = "pending:"
@@ -95,7 +95,7 @@ class ClientState:
         """
         if name not in self.records.array_records:
             return None
-        return [arr.numpy() for arr in self.records.array_records[name].values()]
+        return to_ndarrays(self.records.array_records[name])
 
     def resolve(self, accepted_round: int | None) -> str:
         """Commit or drop the pending state; return what happened.
