@@ -536,12 +536,15 @@ def test_masks_use_every_bit_of_the_seed_and_neighbourhoods_are_symmetric():
 
 @pytest.mark.parametrize("size", [1, 7, 32768, 32769, 100_003])
 def test_masks_are_the_aes_ctr_keystream_added_block_by_block(size):
-    # The keystream in one piece, straight from the cipher: AES-256 (key
-    # SHA-256 of the seed), counter from zero, little-endian 32-bit words.
+    # The keystream in one piece, straight from the cipher: AES-128 (key the
+    # first half of the seed's SHA-256), counter from zero, little-endian
+    # 32-bit words.
     seeds = [bytes([i]) * 32 for i in range(1, 5)]
     streams = [
         np.frombuffer(
-            Cipher(algorithms.AES(hashlib.sha256(seed).digest()), modes.CTR(bytes(16)))
+            Cipher(
+                algorithms.AES(hashlib.sha256(seed).digest()[:16]), modes.CTR(bytes(16))
+            )
             .encryptor()
             .update(bytes(4 * size)),
             "<u4",

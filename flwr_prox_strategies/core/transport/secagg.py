@@ -5,8 +5,8 @@ of the round's client vectors and nothing else about any one of them: each
 client quantises what the server rule sums into one integer vector, adds a
 private mask and pairwise masks, and the masks are removed with Shamir shares
 the survivors hold. The protocol's messages are Flower's; the key agreement is
-X25519 (:mod:`.agreement`, where Flower uses P-384), the masks AES-256 in
-counter mode over the whole seed (:func:`expand_mask`, where Flower's
+X25519 (:mod:`.agreement`, where Flower uses P-384), the masks AES-128 in
+counter mode keyed by a hash of the whole seed (:func:`expand_mask`, where Flower's
 ``pseudo_rand_gen`` keeps 32 bits), and the quantisation's rounding noise
 comes from a generator of its own, not numpy's global one. The protocol and these
 changes: the documentation's explanation of secure aggregation.
@@ -178,8 +178,11 @@ class Quantizer:
 def expand_mask(seed: bytes, size: int) -> NDArray[np.uint32]:
     """Return ``size`` pseudo-random 32-bit words from ``seed``.
 
-    AES-256 in counter mode keyed by SHA-256 of the seed: every bit of the
-    seed matters (Flower's ``pseudo_rand_gen`` keeps 32 of them). Masked
+    AES-128 in counter mode from zero, keyed by the first 16 bytes of the
+    seed's SHA-256: every bit of the seed matters (Flower's
+    ``pseudo_rand_gen`` keeps 32 of them). 128 bits, because the key
+    agreement the seeds come from (X25519) gives 128-bit security: a longer
+    key would add none and cost 14 rounds a block instead of 10. Masked
     arithmetic runs on these words modulo ``2**32`` (numpy's uint32 wraps);
     any power-of-2 modulus up to ``2**32`` divides it, so the low bits are the
     masks modulo that modulus (:func:`reduce`).
@@ -211,7 +214,8 @@ def add_masks(vector: NDArray[np.uint32], masks: Iterable[tuple[bytes, int]]) ->
     streams = [
         (
             Cipher(
-                algorithms.AES(hashlib.sha256(seed).digest()), modes.CTR(b"\0" * 16)
+                algorithms.AES(hashlib.sha256(seed).digest()[:16]),
+                modes.CTR(b"\0" * 16),
             ).encryptor(),
             sign > 0,
         )
