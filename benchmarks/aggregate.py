@@ -10,7 +10,10 @@ All three aggregate the same train replies (float32 models):
   float32 average of finite replies still overflows);
 * ``flower``: ``flwr.serverapp.strategy.FedAvg.aggregate_train``;
 * ``floor``: an in-place weighted sum ``acc += w * x`` over arrays already in
-  memory (no validation, no deserialisation): the cost of the arithmetic alone.
+  memory (no validation, no deserialisation): the cost of the arithmetic alone,
+  on one thread (numpy's). The pack sweeps a large model with the run's CPU
+  share of threads (``sweep_threads``); the row "on one thread" is the pack
+  with ``OMP_NUM_THREADS=1``.
 
 Run: ``python benchmarks/aggregate.py`` (add ``--quick`` for a small smoke run).
 Each size also checks one hostile round: a reply holding 3e38 (finite float32)
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -31,7 +35,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from flwr_prox_strategies import FedAvg
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
-from flwr_prox_strategies.ops.aggregate import WeightedMean
+from flwr_prox_strategies.ops.aggregate import WeightedMean, sweep_threads
 
 
 class WeightsAtTheEnd(FedAvg):
@@ -135,6 +139,19 @@ def hostile_check(num_clients: int, size: int) -> None:
     )
 
 
+def one_thread(call: Callable[[], object]) -> object:
+    """Return ``call()`` with the sweep confined to one thread (a run's share)."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return call()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
 def run(num_clients: int, size: int, repeats: int) -> None:
     pack, replies, arrays, weights = make_replies(num_clients, size)
     at_end = variant(WeightsAtTheEnd, num_clients, replies)
@@ -144,6 +161,9 @@ def run(num_clients: int, size: int, repeats: int) -> None:
         "floor (in-place numpy)": measure(lambda: floor(arrays, weights), repeats),
         "pack FedAvg (validated)": measure(
             lambda: pack.aggregate_train(1, replies), repeats
+        ),
+        "  on one thread": measure(
+            lambda: one_thread(lambda: pack.aggregate_train(1, replies)), repeats
         ),
         "  weights at the end": measure(
             lambda: at_end.aggregate_train(1, replies), repeats
@@ -158,7 +178,10 @@ def run(num_clients: int, size: int, repeats: int) -> None:
     reference = floor(arrays, weights)
     model_mb = size * 4 / 2**20
     base = results["floor (in-place numpy)"][0]
-    print(f"\n{num_clients} clients x {size:,} float32 (model {model_mb:.0f} MB)")
+    print(
+        f"\n{num_clients} clients x {size:,} float32 (model {model_mb:.0f} MB); "
+        f"the pack sweeps with {sweep_threads()} thread(s), the floor with one"
+    )
     print(f"{'method':<26}{'seconds':>10}{'x floor':>10}{'peak MB':>10}{'x model':>10}")
     for name, (seconds, peak) in results.items():
         ratio, per_model = seconds / base, peak / model_mb

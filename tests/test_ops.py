@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 import pytest
 
+from flwr_prox_strategies.ops import aggregate
 from flwr_prox_strategies.ops.aggregate import (
     WeightedMean,
     ZeroTotalWeightError,
     add_scaled_,
+    sweep_threads,
     weighted_average,
 )
 from flwr_prox_strategies.ops.dissimilarity import dissimilarity, sq_norm
@@ -97,14 +102,16 @@ def _reply_after_reply(
     ],
 )
 @pytest.mark.parametrize("total", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
 def test_add_all_is_bit_identical_to_add_in_turn(
-    dtype: type, accumulate_in: type | None, total: bool
+    dtype: type, accumulate_in: type | None, total: bool, threads: int
 ) -> None:
     # Sizes around the blocks of both kernels (add_scaled_'s 2**18 elements,
-    # sweep_scaled_'s 2**19 bytes), tiny, empty and multi-dimensional arrays.
+    # sweep_scaled_'s 2**18 bytes), one array large enough for three sweep
+    # threads, tiny, empty and multi-dimensional arrays.
     rng = np.random.default_rng(7)
     shapes = {
-        "big": (300_001,),
+        "big": (1_000_003,),
         "exact": (1 << 17,),
         "matrix": (513, 257),
         "tiny": (3,),
@@ -125,7 +132,7 @@ def test_add_all_is_bit_identical_to_add_in_turn(
         "total": sum(weights) if total else None,
     }
     expected = _reply_after_reply(contributions, weights, **options)
-    mean = WeightedMean(**options)  # type: ignore[arg-type]
+    mean = WeightedMean(**options, threads=threads)  # type: ignore[arg-type]
     mean.add_all(contributions, weights)
     got = mean.result()
     assert list(got) == list(expected)
@@ -169,15 +176,45 @@ def test_add_all_after_add_continues_the_same_sum() -> None:
     np.testing.assert_array_equal(mean.result()["w"], expected["w"], strict=True)
 
 
-def test_add_all_propagates_nan_and_inf() -> None:
-    good = [np.ones(400_000, np.float32)]
-    bad = [np.ones(400_000, np.float32)]
-    bad[0][[5, 399_999]] = [np.nan, np.inf]
-    mean = WeightedMean(total=2.0)
-    mean.add_all([good, bad], [1.0, 1.0])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_all_propagates_nan_and_inf(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools: list[int] = []
+
+    class Pool(aggregate.ThreadPoolExecutor):
+        def __init__(self, workers: int) -> None:
+            pools.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(aggregate, "ThreadPoolExecutor", Pool)
+    n = 1_200_000  # two sweep threads' worth of float32 blocks
+    good = [np.ones(n, np.float32)]
+    bad = [np.ones(n, np.float32)]
+    bad[0][[5, n - 2, n - 1]] = [np.nan, np.inf, np.inf]
+    good[0][n - 2] = -np.inf  # inf - inf: numpy's "invalid", silenced
+    mean = WeightedMean(total=2.0, threads=threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # also in the sweep's threads
+        mean.add_all([good, bad], [1.0, 1.0])
     out = mean.result()["0"]
-    assert np.isnan(out[5]) and np.isinf(out[399_999])
-    assert np.isfinite(np.delete(out, [5, 399_999])).all()
+    assert np.isnan(out[[5, n - 2]]).all() and np.isinf(out[n - 1])
+    assert np.isfinite(np.delete(out, [5, n - 2, n - 1])).all()
+    assert pools == ([] if threads == 1 else [2])
+
+
+def test_sweep_threads_follow_the_runs_cpu_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert sweep_threads() == 3 and WeightedMean().threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    assert sweep_threads() == 4
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert sweep_threads() == min(len(os.sched_getaffinity(0)), 4)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="threads"):
+            WeightedMean(threads=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

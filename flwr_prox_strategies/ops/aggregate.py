@@ -21,8 +21,11 @@ floats in float64 and rounds once at the end (the strategies' exact fallback).
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -73,12 +76,27 @@ def add_scaled_(acc: NDArray, x: NDArray, weight: float) -> None:
         flat_acc[start:stop] += part
 
 
+def sweep_threads() -> int:
+    """Return the threads a sweep may use: the run's CPU share, at most 4.
+
+    ``OMP_NUM_THREADS`` when set (what the pack's runs, Ray's actors and
+    Hydra's parallel sweeps set to a run's share of the CPUs; numpy's BLAS
+    reads it too), else the CPUs this process may run on. At most 4: a
+    sweep reads every reply once, and a few cores already draw what memory
+    can give.
+    """
+    share = os.environ.get("OMP_NUM_THREADS", "")
+    cpus = int(share) if share.isdigit() else len(os.sched_getaffinity(0))
+    return max(1, min(cpus, 4))
+
+
 def sweep_scaled_(
     acc: NDArray,
     arrays: Sequence[NDArray],
     weights: Sequence[float],
     *,
     overwrite: bool,
+    threads: int = 1,
 ) -> None:
     """Accumulate ``acc += sum_i weights[i] * arrays[i]`` in place, block-outer.
 
@@ -86,7 +104,10 @@ def sweep_scaled_(
     each array in turn: ``weights[i] * arrays[i]`` rounded to ``acc.dtype``,
     then added, in the order of ``arrays``. Only the loops are swapped (blocks
     outside, arrays inside), so a block of ``acc`` stays in cache while every
-    array is added to it.
+    array is added to it. With ``threads > 1`` a large accumulator is cut into
+    that many spans, swept at once (numpy releases the GIL): each element is
+    still summed by one thread in the same order, so the result is the same
+    bit for bit.
 
     Parameters
     ----------
@@ -99,6 +120,9 @@ def sweep_scaled_(
     overwrite : bool
         True: ``acc``'s contents are ignored, its value becomes
         ``weights[0] * arrays[0]`` (rounded to ``acc.dtype``) plus the rest.
+    threads : int (default: 1)
+        Threads at most; fewer when the accumulator is too small to share
+        (:func:`sweep_threads` gives the run's CPU share).
     """
     flat_acc = acc.reshape(-1)
     flats = [x.reshape(-1) for x in arrays]
@@ -107,18 +131,50 @@ def sweep_scaled_(
     ws = [acc.dtype.type(weight) for weight in weights]
     n = flat_acc.size
     block = max(1, _SWEEP_BYTES // acc.dtype.itemsize)
-    scratch = np.empty(min(block, n), dtype=acc.dtype)
-    for start in range(0, n, block):
-        stop = min(start + block, n)
-        part = flat_acc[start:stop]
-        term = scratch[: stop - start]
-        pairs = zip(flats, ws, strict=True)
-        if overwrite:
-            x, w = next(pairs)
-            np.multiply(x[start:stop], w, out=part, casting="unsafe")
-        for x, w in pairs:
-            np.multiply(x[start:stop], w, out=term, casting="unsafe")
-            np.add(part, term, out=part)
+    # A thread is worth its start (~0.1 ms) only over a few blocks each.
+    spans = max(1, min(threads, n // (_SPAN_BLOCKS * block)))
+    if spans == 1 or len(flats) < 2:
+        _sweep_span(flat_acc, flats, ws, 0, n, block, overwrite)
+        return
+    cuts = [n * i // spans // block * block for i in range(spans)] + [n]
+    with ThreadPoolExecutor(spans) as pool:
+        jobs = [
+            pool.submit(_sweep_span, flat_acc, flats, ws, a, b, block, overwrite)
+            for a, b in itertools.pairwise(cuts)
+        ]
+    for job in jobs:
+        job.result()  # re-raises a thread's exception here
+
+
+# The fewest accumulator blocks a sweep thread takes.
+_SPAN_BLOCKS = 4
+
+
+def _sweep_span(
+    flat_acc: NDArray,
+    flats: Sequence[NDArray],
+    ws: Sequence[Any],
+    begin: int,
+    end: int,
+    block: int,
+    overwrite: bool,
+) -> None:
+    """Sweep ``flat_acc[begin:end]``: see :func:`sweep_scaled_`."""
+    scratch = np.empty(min(block, end - begin), dtype=flat_acc.dtype)
+    # NaN, inf and overflow propagate to the result, which callers check
+    # (numpy's error state is per thread: set here, not by the caller).
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(begin, end, block):
+            stop = min(start + block, end)
+            part = flat_acc[start:stop]
+            term = scratch[: stop - start]
+            pairs = zip(flats, ws, strict=True)
+            if overwrite:
+                x, w = next(pairs)
+                np.multiply(x[start:stop], w, out=part, casting="unsafe")
+            for x, w in pairs:
+                np.multiply(x[start:stop], w, out=term, casting="unsafe")
+                np.add(part, term, out=part)
 
 
 class WeightedMean:
@@ -141,6 +197,10 @@ class WeightedMean:
     accumulate_in : numpy dtype | None (default: None)
         Dtype of the accumulator of float arrays (e.g. ``np.float64``: the mean
         of float32 arrays rounded once, at the end); None: each array's own.
+    threads : int | None (default: None)
+        Threads :meth:`add_all` may sweep a large array with (the result is
+        the same bit for bit); None: the run's CPU share,
+        :func:`sweep_threads`.
 
     Examples
     --------
@@ -152,10 +212,17 @@ class WeightedMean:
     """
 
     def __init__(
-        self, *, total: float | None = None, accumulate_in: DTypeLike | None = None
+        self,
+        *,
+        total: float | None = None,
+        accumulate_in: DTypeLike | None = None,
+        threads: int | None = None,
     ) -> None:
         if total is not None and (not np.isfinite(total) or total < 0):
             raise ValueError(f"total must be finite and >= 0, got {total!r}")
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self.threads = sweep_threads() if threads is None else threads
         self._acc: dict[str, NDArray] | None = None
         self._dtypes: dict[str, np.dtype] = {}
         # Weights are divided by this as they are added (1: as given).
@@ -236,7 +303,13 @@ class WeightedMean:
         # NaN, inf and overflow propagate to the result, which callers check.
         with np.errstate(over="ignore", invalid="ignore"):
             for key, arrays in columns.items():
-                sweep_scaled_(self._acc[key], arrays, scaled, overwrite=first)
+                sweep_scaled_(
+                    self._acc[key],
+                    arrays,
+                    scaled,
+                    overwrite=first,
+                    threads=self.threads,
+                )
         for value in values:  # one at a time, as add: the same rounded total
             self.total_weight += value
         self.count += len(values)
