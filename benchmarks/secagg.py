@@ -206,7 +206,11 @@ def instrumented() -> Iterator[None]:
         (flower_mod, "quantize", "client: quantisation"),
         (flower_workflow, "pseudo_rand_gen", "server: mask expansion"),
         (flower_workflow, "combine_shares", "server: Shamir combine"),
-        (flower_workflow, "generate_shared_key", "server: key agreement (P-384 ECDH+HKDF)"),
+        (
+            flower_workflow,
+            "generate_shared_key",
+            "server: key agreement (P-384 ECDH+HKDF)",
+        ),
     ]
     saved = []
     for owner, name, label in targets:
