@@ -212,6 +212,11 @@ def test_sweep_threads_follow_the_runs_cpu_share(
     assert sweep_threads() == 4
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert sweep_threads() == min(len(os.sched_getaffinity(0)), 4)
+    monkeypatch.delattr(os, "sched_getaffinity")  # as on macOS and Windows
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert sweep_threads() == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert sweep_threads() == 1
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="threads"):
             WeightedMean(threads=bad)  # type: ignore[arg-type]

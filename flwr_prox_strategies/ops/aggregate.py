@@ -86,7 +86,12 @@ def sweep_threads() -> int:
     can give.
     """
     share = os.environ.get("OMP_NUM_THREADS", "")
-    cpus = int(share) if share.isdigit() else len(os.sched_getaffinity(0))
+    if share.isdigit():
+        cpus = int(share)
+    elif hasattr(os, "sched_getaffinity"):  # Linux: the CPUs this process may use
+        cpus = len(os.sched_getaffinity(0))
+    else:  # macOS, Windows
+        cpus = os.cpu_count() or 1
     return max(1, min(cpus, 4))
 
 
