@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from .cpus import available_cpus
+
 # Blocks of this many elements bound the scaled temporary to 1-2 MB, so
 # `acc += w * x` needs no model-sized temporary; smaller blocks cost Python
 # overhead, larger ones gain nothing (benchmarks/aggregate.py).
@@ -86,12 +88,7 @@ def sweep_threads() -> int:
     can give.
     """
     share = os.environ.get("OMP_NUM_THREADS", "")
-    if share.isdigit():
-        cpus = int(share)
-    elif hasattr(os, "sched_getaffinity"):  # Linux: the CPUs this process may use
-        cpus = len(os.sched_getaffinity(0))
-    else:  # macOS, Windows
-        cpus = os.cpu_count() or 1
+    cpus = int(share) if share.isdigit() else available_cpus()
     return max(1, min(cpus, 4))
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...ops.cpus import available_cpus
+
 #: conf key: the CPUs of one job (null: from the launcher, see :func:`job_cpus`).
 CPUS_PER_JOB = "cpus_per_job"
 #: Environment variable: the user's ``OMP_NUM_THREADS`` as the sweep's own
@@ -64,14 +66,6 @@ def user_threads(launcher: Mapping[str, Any]) -> str | None:
     if name in _SETS_THREADS:
         return None
     return os.environ.get("OMP_NUM_THREADS") or None
-
-
-def available_cpus() -> int:
-    """Return the CPUs this process may run on (affinity mask, else the count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows: no affinity masks
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
