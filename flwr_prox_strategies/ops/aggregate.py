@@ -43,6 +43,9 @@ _BLOCK = 1 << 18
 # smaller blocks pay two numpy calls per reply and block in Python
 # (benchmarks/aggregate.py).
 _SWEEP_BYTES = 1 << 18
+# The fewest accumulator blocks a sweep thread takes: a thread is worth its
+# start (~0.1 ms) only over a few blocks.
+_SPAN_BLOCKS = 4
 
 
 class ZeroTotalWeightError(ValueError):
@@ -133,7 +136,6 @@ def sweep_scaled_(
     ws = [acc.dtype.type(weight) for weight in weights]
     n = flat_acc.size
     block = max(1, _SWEEP_BYTES // acc.dtype.itemsize)
-    # A thread is worth its start (~0.1 ms) only over a few blocks each.
     spans = max(1, min(threads, n // (_SPAN_BLOCKS * block)))
     if spans == 1 or len(flats) < 2:
         _sweep_span(flat_acc, flats, ws, 0, n, block, overwrite)
@@ -146,10 +148,6 @@ def sweep_scaled_(
         ]
     for job in jobs:
         job.result()  # re-raises a thread's exception here
-
-
-# The fewest accumulator blocks a sweep thread takes.
-_SPAN_BLOCKS = 4
 
 
 def _sweep_span(

@@ -192,11 +192,6 @@ def expand_mask(seed: bytes, size: int) -> NDArray[np.uint32]:
     return words
 
 
-def add_mask(vector: NDArray[np.uint32], seed: bytes, sign: int) -> None:
-    """Add (``sign=1``) or subtract (``-1``) the mask of ``seed``, mod 2**32."""
-    add_masks(vector, [(seed, sign)])
-
-
 #: Words of a vector masked at a time: the block and the keystream's buffer
 #: stay in the core's cache while every mask is added to the block.
 _MASK_BLOCK = 1 << 15
