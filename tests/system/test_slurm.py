@@ -74,6 +74,17 @@ def _sweep_env(slurm: dict[str, str]) -> dict[str, str]:
     return {**slurm, "PYTHONPATH": pythonpath}
 
 
+def _job_record(job_id: str, env: dict[str, str]) -> str:
+    """Return ``scontrol show job``'s one-line record of ``job_id``."""
+    return subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def _final_state(job_id: str, env: dict[str, str], timeout: float = 30) -> str:
     """The job's state once it has ended (SLURM's own record, ``scontrol``).
 
@@ -82,13 +93,7 @@ def _final_state(job_id: str, env: dict[str, str], timeout: float = 30) -> str:
     """
     deadline = time.monotonic() + timeout
     while True:
-        record = subprocess.run(
-            ["scontrol", "show", "job", "--oneliner", job_id],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        record = _job_record(job_id, env)
         state = re.search(r"JobState=(\S+)", record)
         assert state, record
         if state[1] not in ("PENDING", "RUNNING", "COMPLETING"):
@@ -126,13 +131,7 @@ def test_each_job_of_a_submitit_sweep_runs_as_a_slurm_job_and_is_summarised(
     assert job_ids == [f"{array}_0", f"{array}_1"]
     for job_id in job_ids:
         assert _final_state(job_id, slurm) == "COMPLETED"
-        record = subprocess.run(
-            ["scontrol", "show", "job", "--oneliner", job_id],
-            env=slurm,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        record = _job_record(job_id, slurm)
         assert "Partition=debug" in record
         log = sweep / ".submitit" / job_id / f"{job_id}_0_log.out"
         assert f"JobEnvironment(job_id={job_id}," in log.read_text()
