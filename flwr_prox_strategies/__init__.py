@@ -17,22 +17,24 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see them
-    from .algorithms.apfl import APFL, APFLClient, APFLRule
-    from .algorithms.fedavg import FedAvg, FedAvgClient
-    from .algorithms.feddc import FedDC, FedDCClient, FedDCRule
-    from .algorithms.feddyn import FedDyn, FedDynClient, FedDynRule
-    from .algorithms.fedepm import FedEPM, FedEPMClient, FedEPMRule
-    from .algorithms.fedprox import FedProx, FedProxClient, FedProxRule
+    from .algorithms.apfl import APFL
+    from .algorithms.apfl_client import APFLClient, APFLRule
+    from .algorithms.fedavg import FedAvg
+    from .algorithms.fedavg_client import FedAvgClient
+    from .algorithms.feddc import FedDC
+    from .algorithms.feddc_client import FedDCClient, FedDCRule
+    from .algorithms.feddyn import FedDyn
+    from .algorithms.feddyn_client import FedDynClient, FedDynRule
+    from .algorithms.fedepm import FedEPM
+    from .algorithms.fedepm_client import FedEPMClient, FedEPMRule
+    from .algorithms.fedprox import FedProx
+    from .algorithms.fedprox_client import FedProxClient, FedProxRule
     from .algorithms.pfedavg import PFedAvg
     from .algorithms.pfedavg_server import PFedAvgServer
-    from .algorithms.scaffold import Scaffold, ScaffoldClient, ScaffoldRule
-    from .algorithms.sfed import (
-        SFedAvg,
-        SFedAvgClient,
-        SFedProx,
-        SFedProxClient,
-        SFedRule,
-    )
+    from .algorithms.scaffold import Scaffold
+    from .algorithms.scaffold_client import ScaffoldClient, ScaffoldRule
+    from .algorithms.sfed import SFedAvg, SFedProx
+    from .algorithms.sfed_client import SFedAvgClient, SFedProxClient, SFedRule
     from .core.client.adapter import to_client_app
     from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
     from .core.client.rule import ClientRule, ProtocolError
@@ -111,27 +113,24 @@ __version__ = "0.1.0"
 # SuperNode starts a ClientApp process per message, and the key-exchange stages
 # of secure aggregation must not pay for torch and every algorithm.
 _SOURCES = {
-    ".algorithms.apfl": ("APFL", "APFLClient", "APFLRule"),
-    ".algorithms.fedavg": ("FedAvg", "FedAvgClient"),
-    ".algorithms.feddc": ("FedDC", "FedDCClient", "FedDCRule"),
-    ".algorithms.feddyn": ("FedDyn", "FedDynClient", "FedDynRule"),
-    ".algorithms.fedepm": ("FedEPM", "FedEPMClient", "FedEPMRule"),
-    ".algorithms.fedprox": (
-        "FedProx",
-        "FedProxClient",
-        "FedProxRule",
-        "PROXIMAL_MU_KEY",
-    ),
+    ".algorithms.apfl": ("APFL",),
+    ".algorithms.apfl_client": ("APFLClient", "APFLRule"),
+    ".algorithms.fedavg": ("FedAvg",),
+    ".algorithms.fedavg_client": ("FedAvgClient",),
+    ".algorithms.feddc": ("FedDC",),
+    ".algorithms.feddc_client": ("FedDCClient", "FedDCRule"),
+    ".algorithms.feddyn": ("FedDyn",),
+    ".algorithms.feddyn_client": ("FedDynClient", "FedDynRule"),
+    ".algorithms.fedepm": ("FedEPM",),
+    ".algorithms.fedepm_client": ("FedEPMClient", "FedEPMRule"),
+    ".algorithms.fedprox": ("FedProx", "PROXIMAL_MU_KEY"),
+    ".algorithms.fedprox_client": ("FedProxClient", "FedProxRule"),
     ".algorithms.pfedavg": ("PFedAvg",),
     ".algorithms.pfedavg_server": ("PFedAvgServer",),
-    ".algorithms.scaffold": ("Scaffold", "ScaffoldClient", "ScaffoldRule"),
-    ".algorithms.sfed": (
-        "SFedAvg",
-        "SFedAvgClient",
-        "SFedProx",
-        "SFedProxClient",
-        "SFedRule",
-    ),
+    ".algorithms.scaffold": ("Scaffold",),
+    ".algorithms.scaffold_client": ("ScaffoldClient", "ScaffoldRule"),
+    ".algorithms.sfed": ("SFedAvg", "SFedProx"),
+    ".algorithms.sfed_client": ("SFedAvgClient", "SFedProxClient", "SFedRule"),
     ".core.client.adapter": ("to_client_app",),
     ".core.client.dp": ("DPSGD", "PrivacyBudgetExhausted", "make_private_model"),
     ".core.client.rule": ("ClientRule", "ProtocolError"),

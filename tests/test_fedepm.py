@@ -26,13 +26,13 @@ from flwr_prox_strategies import (
     to_client_app,
 )
 from flwr_prox_strategies.algorithms.fedepm import (
-    PaperLogistic,
     default_eta,
     official_partition,
     official_stop,
 )
 from flwr_prox_strategies.algorithms.sfed import step_size
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+from flwr_prox_strategies.task.models import PaperLogistic
 
 from .helpers import run_app
 

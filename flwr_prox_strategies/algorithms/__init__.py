@@ -12,19 +12,17 @@ plus theirs (:mod:`.plugins`).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule
 from . import apfl, fedavg, feddc, feddyn, fedepm, fedprox, pfedavg, scaffold, sfed
-from .apfl import APFL, APFLClient, APFLRule
-from .fedavg import FedAvg, FedAvgClient
-from .feddc import FedDC, FedDCClient, FedDCRule
-from .feddyn import FedDyn, FedDynClient, FedDynRule
-from .fedepm import FedEPM, FedEPMClient, FedEPMRule
-from .fedprox import FedProx, FedProxClient, FedProxRule
+from .apfl import APFL
+from .fedavg import FedAvg
+from .feddc import FedDC
+from .feddyn import FedDyn
+from .fedepm import FedEPM
+from .fedprox import FedProx
 from .pfedavg import PFedAvg
 from .pfedavg_server import PFedAvgServer
 from .plugins import (
@@ -33,11 +31,60 @@ from .plugins import (
     registered_algorithm,
     registered_algorithms,
 )
-from .scaffold import Scaffold, ScaffoldClient, ScaffoldRule
-from .sfed import SFedAvg, SFedAvgClient, SFedProx, SFedProxClient, SFedRule
+from .scaffold import Scaffold
+from .sfed import SFedAvg, SFedProx
+
+if TYPE_CHECKING:  # the client halves import torch: loaded on first use
+    from ..core.client.client import TorchClient
+    from ..core.client.rule import ClientRule
+    from .apfl_client import APFLClient, APFLRule
+    from .fedavg_client import FedAvgClient
+    from .feddc_client import FedDCClient, FedDCRule
+    from .feddyn_client import FedDynClient, FedDynRule
+    from .fedepm_client import FedEPMClient, FedEPMRule
+    from .fedprox_client import FedProxClient, FedProxRule
+    from .scaffold_client import ScaffoldClient, ScaffoldRule
+    from .sfed_client import SFedAvgClient, SFedProxClient, SFedRule
+
+# The client classes by the module that defines them (PEP 562, :func:`__getattr__`).
+_CLIENT_SOURCES = {
+    "APFLClient": "apfl_client",
+    "APFLRule": "apfl_client",
+    "FedAvgClient": "fedavg_client",
+    "FedDCClient": "feddc_client",
+    "FedDCRule": "feddc_client",
+    "FedDynClient": "feddyn_client",
+    "FedDynRule": "feddyn_client",
+    "FedEPMClient": "fedepm_client",
+    "FedEPMRule": "fedepm_client",
+    "FedProxClient": "fedprox_client",
+    "FedProxRule": "fedprox_client",
+    "ScaffoldClient": "scaffold_client",
+    "ScaffoldRule": "scaffold_client",
+    "SFedAvgClient": "sfed_client",
+    "SFedProxClient": "sfed_client",
+    "SFedRule": "sfed_client",
+}
 
 
-@dataclass(frozen=True)
+def __getattr__(name: str) -> Any:
+    """Load a client class on first use: a ServerApp never imports torch."""
+    if name not in _CLIENT_SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(
+        importlib.import_module(f".{_CLIENT_SOURCES[name]}", __name__), name
+    )
+    globals()[name] = value
+    return value
+
+
+def _resolved(piece: type | str | None) -> Any:
+    if not isinstance(piece, str):
+        return piece
+    module, _, name = piece.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 class Algorithm:
     """An algorithm's pieces: its strategy, and the client and rule that match it.
 
@@ -46,11 +93,14 @@ class Algorithm:
     strategy : type
         The strategy class (a :class:`~flwr_prox_strategies.extend.ValidatedFedAvg`
         subclass, or a composite such as P-FedAvg).
-    client : type[TorchClient] | None
-        The matching ``NumPyClient`` class; None for a strategy that composes
-        others (P-FedAvg: its clients are those of its inner strategy).
-    rule : type[ClientRule] | None
-        The matching client rule class; None as ``client``.
+    client : type[TorchClient] | str | None
+        The matching ``NumPyClient`` class, or its dotted path
+        (``"package.module.Class"``), imported when :attr:`client` is first
+        read: the pack names its own so, so that a ServerApp never imports the
+        clients' torch code. None for a strategy that composes others (P-FedAvg:
+        its clients are those of its inner strategy).
+    rule : type[ClientRule] | str | None
+        The matching client rule class, or its dotted path; None as ``client``.
     deployed : type | None (default: None)
         The strategy that runs one of its servers as a deployment of its own,
         when the algorithm has one (P-FedAvg's
@@ -68,26 +118,103 @@ class Algorithm:
         (``"my_plugin.conf"``). None for the pack's own (its ``conf/``).
     """
 
-    strategy: type
-    client: type[TorchClient] | None
-    rule: type[ClientRule] | None
-    deployed: type | None = None
-    cases: Mapping[str, Callable[[int], Any]] = field(default_factory=dict)
-    conf: str | None = None
+    __slots__ = ("_client", "_rule", "cases", "conf", "deployed", "strategy")
 
+    def __init__(
+        self,
+        strategy: type,
+        client: type[TorchClient] | str | None,
+        rule: type[ClientRule] | str | None,
+        deployed: type | None = None,
+        cases: Mapping[str, Callable[[int], Any]] | None = None,
+        conf: str | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self._client = client
+        self._rule = rule
+        self.deployed = deployed
+        self.cases: Mapping[str, Callable[[int], Any]] = dict(cases or {})
+        self.conf = conf
+
+    @property
+    def client(self) -> type[TorchClient] | None:
+        """The matching ``NumPyClient`` class (imported on first read)."""
+        cls = _resolved(self._client)
+        self._client = cls
+        return cls  # type: ignore[no-any-return]
+
+    @property
+    def rule(self) -> type[ClientRule] | None:
+        """The matching client rule class (imported on first read)."""
+        cls = _resolved(self._rule)
+        self._rule = cls
+        return cls  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return (
+            f"Algorithm(strategy={self.strategy.__name__}, client={self._client!r}, "
+            f"rule={self._rule!r}, conf={self.conf!r})"
+        )
+
+
+def _here(name: str) -> str:
+    return f"{__name__}.{name}"
+
+
+_RULE = "flwr_prox_strategies.core.client.rule.ClientRule"
 
 #: Every algorithm of the pack, by its conf name (``strategy=<name>``).
 ALGORITHMS: dict[str, Algorithm] = {
-    "fedavg": Algorithm(FedAvg, FedAvgClient, ClientRule, cases=fedavg.CASES),
-    "fedprox": Algorithm(FedProx, FedProxClient, FedProxRule, cases=fedprox.CASES),
-    "feddyn": Algorithm(FedDyn, FedDynClient, FedDynRule, cases=feddyn.CASES),
-    "feddc": Algorithm(FedDC, FedDCClient, FedDCRule, cases=feddc.CASES),
-    "scaffold": Algorithm(Scaffold, ScaffoldClient, ScaffoldRule, cases=scaffold.CASES),
-    "apfl": Algorithm(APFL, APFLClient, APFLRule, cases=apfl.CASES),
-    "fedepm": Algorithm(FedEPM, FedEPMClient, FedEPMRule, cases=fedepm.CASES),
-    "sfedavg": Algorithm(SFedAvg, SFedAvgClient, SFedRule, cases=sfed.SFEDAVG_CASES),
+    "fedavg": Algorithm(
+        FedAvg, _here("fedavg_client.FedAvgClient"), _RULE, cases=fedavg.CASES
+    ),
+    "fedprox": Algorithm(
+        FedProx,
+        _here("fedprox_client.FedProxClient"),
+        _here("fedprox_client.FedProxRule"),
+        cases=fedprox.CASES,
+    ),
+    "feddyn": Algorithm(
+        FedDyn,
+        _here("feddyn_client.FedDynClient"),
+        _here("feddyn_client.FedDynRule"),
+        cases=feddyn.CASES,
+    ),
+    "feddc": Algorithm(
+        FedDC,
+        _here("feddc_client.FedDCClient"),
+        _here("feddc_client.FedDCRule"),
+        cases=feddc.CASES,
+    ),
+    "scaffold": Algorithm(
+        Scaffold,
+        _here("scaffold_client.ScaffoldClient"),
+        _here("scaffold_client.ScaffoldRule"),
+        cases=scaffold.CASES,
+    ),
+    "apfl": Algorithm(
+        APFL,
+        _here("apfl_client.APFLClient"),
+        _here("apfl_client.APFLRule"),
+        cases=apfl.CASES,
+    ),
+    "fedepm": Algorithm(
+        FedEPM,
+        _here("fedepm_client.FedEPMClient"),
+        _here("fedepm_client.FedEPMRule"),
+        cases=fedepm.CASES,
+    ),
+    "sfedavg": Algorithm(
+        SFedAvg,
+        _here("sfed_client.SFedAvgClient"),
+        _here("sfed_client.SFedRule"),
+        cases=sfed.SFEDAVG_CASES,
+    ),
     "sfedprox": Algorithm(
-        SFedProx, SFedProxClient, SFedRule, cases=sfed.SFEDPROX_CASES
+        SFedProx,
+        _here("sfed_client.SFedProxClient"),
+        _here("sfed_client.SFedRule"),
+        cases=sfed.SFEDPROX_CASES,
     ),
     "pfedavg": Algorithm(
         PFedAvg, None, None, deployed=PFedAvgServer, cases=pfedavg.CASES
@@ -96,9 +223,36 @@ ALGORITHMS: dict[str, Algorithm] = {
 
 __all__ = [
     "ALGORITHMS",
+    "APFL",
     "ENTRY_POINT_GROUP",
+    "APFLClient",
+    "APFLRule",
     "Algorithm",
+    "FedAvg",
+    "FedAvgClient",
+    "FedDC",
+    "FedDCClient",
+    "FedDCRule",
+    "FedDyn",
+    "FedDynClient",
+    "FedDynRule",
+    "FedEPM",
+    "FedEPMClient",
+    "FedEPMRule",
+    "FedProx",
+    "FedProxClient",
+    "FedProxRule",
+    "PFedAvg",
+    "PFedAvgServer",
     "PluginError",
+    "SFedAvg",
+    "SFedAvgClient",
+    "SFedProx",
+    "SFedProxClient",
+    "SFedRule",
+    "Scaffold",
+    "ScaffoldClient",
+    "ScaffoldRule",
     "registered_algorithm",
     "registered_algorithms",
 ]

@@ -26,39 +26,32 @@ from ..core.contract.fields import RoundUpdate
 from ..core.contract.validation import ValidReply
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
-from ..ops import apfl as maths
+from ..ops import apfl_average as maths
 from ..ops.aggregate import divided_like
-from ..ops.apfl import OutputMixture as OutputMixture  # its home before ops.apfl
-from ..ops.apfl import averaging_weight_sum as averaging_weight_sum
+from ..ops.apfl_average import averaging_weight_sum as averaging_weight_sum
 from ..ops.checks import check_choice, check_fraction, check_int, check_positive
 
-# The client side, and the wire keys both sides read (re-exported here).
-from .apfl_client import (  # noqa: F401
-    ALPHA_STATE,
-    APFL_ADAPTIVE_KEY,
-    APFL_ALPHA_KEY,
-    APFL_APPLIED_KEY,
-    APFL_AVERAGE_A_KEY,
-    APFL_FIRST_STEP_KEY,
-    APFL_GRADIENT_KEY,
-    APFL_LR_A_KEY,
-    APFL_LR_MU_KEY,
-    APFL_MIXING_KEY,
-    APFL_STEP_KEY,
-    AVERAGE_MODEL_RECORD,
-    LAST_STEP_STATE,
-    MIXINGS,
-    PERSONAL_GRADIENTS,
-    PERSONAL_STATE,
-    PERSONAL_SUM_STATE,
-    WEIGHTED_THETA_RECORD,
-    APFLClient,
-    APFLRule,
-    caught_up_personal_sum,
-    current_alpha,
-    personal_params,
-)
+APFL_ALPHA_KEY = "apfl-alpha"
+APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"
+APFL_MIXING_KEY = "apfl-mixing"
+APFL_GRADIENT_KEY = "apfl-personal-gradient"
+APFL_FIRST_STEP_KEY = "apfl-first-step"
+APFL_AVERAGE_A_KEY = "apfl-average-a"
+APFL_LR_MU_KEY = "apfl-lr-mu"
+APFL_LR_A_KEY = "apfl-lr-a"
+APFL_STEP_KEY = "apfl-step"
+#: Reported by clients that apply APFL's rule (APFLRule).
+APFL_APPLIED_KEY = "apfl-applied"
+WEIGHTED_THETA_RECORD = "apfl-weighted-theta"
+AVERAGE_MODEL_RECORD = "apfl-average-model"
 
+MIXINGS = ("parameters", "outputs")
+PERSONAL_GRADIENTS = ("mixture", "chain")
+
+PERSONAL_STATE = "apfl-personal"
+PERSONAL_SUM_STATE = "apfl-personal-sum"
+ALPHA_STATE = "apfl-alpha"
+LAST_STEP_STATE = "apfl-last-step"
 LR_SCHEDULES = ("constant", "decay")
 
 

@@ -29,28 +29,26 @@ from ..core.docstrings import inherit_parameters
 from ..core.transport.keys import LOCAL_STEPS_KEY
 from ..ops import apfl as maths
 from ..ops.apfl import averaging_weight_sum
-
-APFL_ALPHA_KEY = "apfl-alpha"
-APFL_ADAPTIVE_KEY = "apfl-adaptive-alpha"
-APFL_MIXING_KEY = "apfl-mixing"
-APFL_GRADIENT_KEY = "apfl-personal-gradient"
-APFL_FIRST_STEP_KEY = "apfl-first-step"
-APFL_AVERAGE_A_KEY = "apfl-average-a"
-APFL_LR_MU_KEY = "apfl-lr-mu"
-APFL_LR_A_KEY = "apfl-lr-a"
-APFL_STEP_KEY = "apfl-step"
-#: Reported by clients that apply APFL's rule (APFLRule).
-APFL_APPLIED_KEY = "apfl-applied"
-WEIGHTED_THETA_RECORD = "apfl-weighted-theta"
-AVERAGE_MODEL_RECORD = "apfl-average-model"
-
-MIXINGS = ("parameters", "outputs")
-PERSONAL_GRADIENTS = ("mixture", "chain")
-
-PERSONAL_STATE = "apfl-personal"
-PERSONAL_SUM_STATE = "apfl-personal-sum"
-ALPHA_STATE = "apfl-alpha"
-LAST_STEP_STATE = "apfl-last-step"
+from .apfl import (
+    ALPHA_STATE,
+    APFL_ADAPTIVE_KEY,
+    APFL_ALPHA_KEY,
+    APFL_APPLIED_KEY,
+    APFL_AVERAGE_A_KEY,
+    APFL_FIRST_STEP_KEY,
+    APFL_GRADIENT_KEY,
+    APFL_LR_A_KEY,
+    APFL_LR_MU_KEY,
+    APFL_MIXING_KEY,
+    APFL_STEP_KEY,
+    AVERAGE_MODEL_RECORD,
+    LAST_STEP_STATE,
+    MIXINGS,
+    PERSONAL_GRADIENTS,
+    PERSONAL_STATE,
+    PERSONAL_SUM_STATE,
+    WEIGHTED_THETA_RECORD,
+)
 
 
 def current_alpha(config: Mapping[str, Any], state: ClientState, require: Any) -> float:

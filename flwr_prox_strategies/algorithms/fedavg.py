@@ -17,7 +17,6 @@ with the same seeded draws).
 
 from __future__ import annotations
 
-from ..core.client.client import TorchClient
 from ..core.docstrings import inherit_parameters
 from ..core.server.strategy import ValidatedFedAvg
 
@@ -43,17 +42,6 @@ class FedAvg(ValidatedFedAvg):
     """
 
     straggler_policy = "drop"
-
-
-@inherit_parameters(TorchClient)
-class FedAvgClient(TorchClient):
-    """FedAvg client: plain local SGD on your model and data.
-
-    The :class:`~flwr_prox_strategies.extend.TorchClient` base with FedAvg's
-    rule (:class:`ClientRule`: no extra gradient term, no state); it works with
-    every strategy that needs nothing more of its clients (:class:`FedAvg`,
-    Flower's own strategies).
-    """
 
 
 #: The configurations the conformance checks run (``flwr_prox_strategies.testing``),

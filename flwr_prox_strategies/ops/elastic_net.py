@@ -3,9 +3,10 @@ r"""FedEPM's maths: the elastic-net centre, the clients' steps, the official set
 The coordinate-wise elastic-net centre of the uploads, exact by sorting (its
 derivation, weighted too: ``docs/algorithms/fedepm.md``); the server's table of
 uploads (:func:`with_rows`, :func:`table_center`), the clients' closed-form
-prox-linear steps (:func:`prox_linear_steps`), the paper's default :math:`\eta`,
-model (:class:`PaperLogistic`) and the official code's partition and stopping
-rules (:func:`official_partition`, :func:`official_stop`).
+prox-linear steps (:func:`prox_linear_steps`), the paper's default :math:`\eta`
+and the official code's partition and stopping rules (:func:`official_partition`,
+:func:`official_stop`). The paper's model is
+:class:`~flwr_prox_strategies.task.models.PaperLogistic`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
-from torch import nn
 
 from .checks import check_int
 
@@ -705,49 +704,3 @@ def table_center(
         weights[0] = unseen
         return weighted_elastic_net_center(table, weights, lam, eta, hint=hint)
     return elastic_net_center(table[1:], lam, eta, hint=hint)
-
-
-class PaperLogistic(nn.Module):
-    r"""The FedEPM paper's model: binary logistic regression without an intercept.
-
-    One weight vector :math:`x \in \mathbb{R}^n`, no bias, started at 0 (the
-    official code's :math:`x^0`). The forward pass returns the two logits
-    :math:`(0, \langle a, x\rangle)`, so the pack's cross-entropy is exactly the
-    paper's loss :math:`\ln(1 + e^{\langle a, x\rangle}) - b\langle a,
-    x\rangle` and the argmax is its sign rule.
-
-    Why not ``model=logreg``
-    (:class:`~flwr_prox_strategies.task.models.LogisticRegression`) for FedEPM
-    on Adult: FedEPM's default :math:`\eta` (about :math:`10^{-5}`) and
-    :math:`r_0` make a local step :math:`1/(\mu_i/d_i + \eta)` of order
-    :math:`10^4`-:math:`10^5` on the mean loss, tuned for these unit-length
-    feature columns, whose curvature is of order :math:`1/d`. The intercept's
-    feature is the constant 1 (curvature about 0.2, thousands of times more), so
-    the bias jumps by thousands and the model is a constant predictor flipping
-    sign every round. Without the bias, the two-logit softmax still
-    doubles the step on the logit difference (and its noise by :math:`2\sqrt2`),
-    which alone makes the iterates oscillate.
-
-    Parameters
-    ----------
-    in_features : int
-        :math:`n` (14 on Adult).
-    num_classes : int (default: 2)
-        Must be 2 (accepted so that the ``model=logreg`` keys compose).
-    """
-
-    def __init__(self, *, in_features: int, num_classes: int = 2) -> None:
-        super().__init__()
-        check_int("in_features", in_features, 1)
-        if num_classes != 2:
-            raise ValueError(
-                f"PaperLogistic is a binary classifier: num_classes must be 2, "
-                f"got {num_classes!r}"
-            )
-        self.in_features = int(in_features)
-        self.weight = nn.Parameter(torch.zeros(1, self.in_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r"""Return the logits :math:`(0, \langle a, x\rangle)`, shape ``(N, 2)``."""
-        z = x.flatten(1) @ self.weight.T
-        return torch.cat([torch.zeros_like(z), z], dim=1)

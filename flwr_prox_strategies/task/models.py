@@ -18,7 +18,7 @@ from torch import nn
 
 from ..ops.checks import check_int
 
-__all__ = ["CNN", "MLP", "LogisticRegression"]
+__all__ = ["CNN", "MLP", "LogisticRegression", "PaperLogistic"]
 
 _DTYPE = torch.float32
 
@@ -177,3 +177,49 @@ class CNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits of shape ``(N, num_classes)``."""
         return self.classifier(self.features(self._as_images(x)).flatten(1))
+
+
+class PaperLogistic(nn.Module):
+    r"""The FedEPM paper's model: binary logistic regression without an intercept.
+
+    One weight vector :math:`x \in \mathbb{R}^n`, no bias, started at 0 (the
+    official code's :math:`x^0`). The forward pass returns the two logits
+    :math:`(0, \langle a, x\rangle)`, so the pack's cross-entropy is exactly the
+    paper's loss :math:`\ln(1 + e^{\langle a, x\rangle}) - b\langle a,
+    x\rangle` and the argmax is its sign rule.
+
+    Why not ``model=logreg``
+    (:class:`~flwr_prox_strategies.task.models.LogisticRegression`) for FedEPM
+    on Adult: FedEPM's default :math:`\eta` (about :math:`10^{-5}`) and
+    :math:`r_0` make a local step :math:`1/(\mu_i/d_i + \eta)` of order
+    :math:`10^4`-:math:`10^5` on the mean loss, tuned for these unit-length
+    feature columns, whose curvature is of order :math:`1/d`. The intercept's
+    feature is the constant 1 (curvature about 0.2, thousands of times more), so
+    the bias jumps by thousands and the model is a constant predictor flipping
+    sign every round. Without the bias, the two-logit softmax still
+    doubles the step on the logit difference (and its noise by :math:`2\sqrt2`),
+    which alone makes the iterates oscillate.
+
+    Parameters
+    ----------
+    in_features : int
+        :math:`n` (14 on Adult).
+    num_classes : int (default: 2)
+        Must be 2 (accepted so that the ``model=logreg`` keys compose).
+    """
+
+    def __init__(self, *, in_features: int, num_classes: int = 2) -> None:
+        super().__init__()
+        check_int("in_features", in_features, 1)
+        if num_classes != 2:
+            raise ValueError(
+                f"PaperLogistic is a binary classifier: num_classes must be 2, "
+                f"got {num_classes!r}"
+            )
+        self.in_features = int(in_features)
+        self.weight = nn.Parameter(torch.zeros(1, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r"""Return the logits :math:`(0, \langle a, x\rangle)`, shape ``(N, 2)``."""
+        z = x.flatten(1) @ self.weight.T
+        return torch.cat([torch.zeros_like(z), z], dim=1)

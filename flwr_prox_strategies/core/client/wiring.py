@@ -17,8 +17,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 from flwr.common.logger import log
 
+from ..contract.steps import shortfall_text
 from .layout import rule_precision
-from .steps import StepCounts, StepWatch, innermost_optimizer, shortfall_text
+from .steps import StepCounts, StepWatch, innermost_optimizer
 from .training import FederatedPart, GradientTerm, trainable
 
 

@@ -2,5 +2,6 @@
 
 What a valid reply is (:mod:`.validation`), what a private reply reports
 (:mod:`.ledger`), the state a strategy declares (:mod:`.fields`) and its rule
-reads read-only (:mod:`.frozen`). Knows Flower's records, neither side's code.
+reads read-only (:mod:`.frozen`), the words for steps that lacked a rule's
+term (:mod:`.steps`). Knows Flower's records, neither side's code.
 """

@@ -28,6 +28,7 @@ from ..transport.records import RecordSpec, dict_to_record
 from .commit import held_state
 from .pieces import RoundPiece
 from .rule_report import (
+    DeclaresRule,
     RuleNames,
     protocol_problem,
     reports_rule,
@@ -36,7 +37,7 @@ from .rule_report import (
 )
 
 
-class AlgorithmHooks:
+class AlgorithmHooks(DeclaresRule):
     """The class attributes and hooks an algorithm of the pack sets and overrides.
 
     A mixin of :class:`~flwr_prox_strategies.extend.ValidatedFedAvg`: every

@@ -16,7 +16,6 @@ from flwr.common.logger import log
 
 from ...ops.aggregate import WeightedMean
 from ...ops.dissimilarity import dissimilarity, sq_norm
-from ..client.rule import pack_rules
 from ..contract.validation import ValidReply
 from ..transport.keys import (
     CLIENT_KEY_METRIC,
@@ -30,6 +29,7 @@ from ..transport.keys import (
     node_key,
 )
 from ..transport.messages import payload_bytes
+from .rule_report import declared_rules
 
 
 def rule_bookkeeping() -> set[str]:
@@ -39,8 +39,7 @@ def rule_bookkeeping() -> set[str]:
     ``term-missing-steps`` and ``local-steps`` (``client-key`` and
     ``state-round`` are never averaged).
     """
-    applied = {rule.applied_metric for rule in pack_rules()}
-    return {name for name in applied if name is not None} | {
+    return set().union(*declared_rules().values()) | {
         LOCAL_STEPS_METRIC,
         TERM_LOST_METRIC,
         TERM_MISSING_METRIC,

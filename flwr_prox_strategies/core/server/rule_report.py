@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.app import Message
 from flwr.common.logger import log
 
-from ..client.rule import pack_rules
-from ..client.steps import shortfall_text
+from ..contract.steps import shortfall_text
 from ..contract.validation import ValidReply
 from ..transport.keys import LOCAL_STEPS_METRIC, TERM_LOST_METRIC, TERM_MISSING_METRIC
 
@@ -161,15 +160,47 @@ def shortfall_problem(
     )
 
 
+class DeclaresRule:
+    """A strategy that names the client rule its clients run.
+
+    :class:`~.hooks.AlgorithmHooks` documents the two attributes; they live
+    here so that :func:`declared_rules` finds every strategy that declares them.
+    """
+
+    rule_metric: ClassVar[str | None] = None
+    rule_pieces: ClassVar[tuple[str, str] | None] = None
+
+
+def declared_rules() -> dict[str, set[str]]:
+    """Return the pack's client rules by name, each with its ``*-applied`` metrics.
+
+    As the pack's strategies declare them (``rule_metric``, and the rule's name
+    from ``rule_pieces``), so that a ServerApp knows every rule without
+    importing the clients' torch code. SFedAvg and SFedProx share
+    ``SFedRule``, which reports both metrics.
+    """
+    rules: dict[str, set[str]] = {}
+    pending = list(DeclaresRule.__subclasses__())
+    while pending:
+        strategy = pending.pop(0)
+        pending.extend(strategy.__subclasses__())
+        metric = strategy.rule_metric
+        if metric is None or not strategy.__module__.startswith(
+            "flwr_prox_strategies."
+        ):
+            continue
+        pieces = strategy.rule_pieces
+        rule = pieces[1] if pieces else f"{strategy.__name__}Rule"
+        rules.setdefault(rule, set()).add(metric)
+    return rules
+
+
 def rules_applied(metrics: Mapping[str, Any]) -> list[str]:
     """Return the pack's rules a reply's metrics say were run (their ``*-applied``)."""
     return sorted(
-        {
-            rule.__name__
-            for rule in pack_rules()
-            if rule.applied_metric is not None
-            and reports_rule(metrics, rule.applied_metric)
-        }
+        rule
+        for rule, applied in declared_rules().items()
+        if any(reports_rule(metrics, metric) for metric in applied)
     )
 
 
