@@ -58,6 +58,10 @@ def test_client_rule_and_strategy_belong_together(name: str) -> None:
         assert getattr(pack, rule) is entry.rule
         if name != "sfedprox":  # SFedRule serves both; it reports both metrics
             assert entry.rule.applied_metric == entry.strategy.rule_metric
+    # What the server reads of its clients without importing them (checkpoints).
+    assert entry.rule.stateful == entry.strategy.stateful_clients
+    assert entry.rule.keeps_privacy_ledger == entry.strategy.ledger_clients
+
 
 
 def test_the_package_exports_exactly_the_tables_pieces() -> None:

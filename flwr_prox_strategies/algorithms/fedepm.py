@@ -131,6 +131,7 @@ class FedEPM(ValidatedFedAvg):
     """
 
     stateful_clients = True
+    ledger_clients = True
     requires_num_clients = True
     model_linear_in_replies = False  # see Notes
     rule_metric = FEDEPM_APPLIED_KEY

@@ -98,6 +98,7 @@ class SFedAvg(ValidatedFedAvg):
     default_mu = 0.0
     requires_num_clients = True
     default_weighting = "uniform"
+    ledger_clients = True  # SFedRule spends epsilon as FedEPMRule does
     rule_metric = SFEDAVG_APPLIED_KEY
     rule_pieces = ("SFedAvgClient", "SFedRule")
     rule_name = "SFedAvg's full-gradient local steps and noisy upload"

@@ -18,10 +18,9 @@ import time
 from collections.abc import Callable, Mapping
 from logging import INFO
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -29,9 +28,6 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ..algorithms import registered_algorithms
-from ..core.client.client import ProtocolError
-from ..core.client.dp import make_private_model
-from ..core.client.training import evaluate_model
 from ..core.privacy.central import central_dp
 from ..core.privacy.distributed import DistributedDP
 from ..core.privacy.secagg import SecAggPlus
@@ -59,8 +55,12 @@ from .data import (
     split_held_out,
     to_loader,
 )
+from .initial import initial_arrays
 from .results import PARTITION_SIZES_FILE, RunRecorder, sizes_entry  # noqa: F401
 from .track import open_tracker
+
+if TYPE_CHECKING:  # the clients' side and central evaluation import it when used
+    import torch
 
 # Keys only Hydra's own machinery or the sweep use; stripped before building.
 _UNUSED = "_unused_"
@@ -113,6 +113,8 @@ def build_model(cfg: DictConfig) -> Any:
     Server and clients both build their model here, so opacus' fix (when
     ``privacy.dp.fix_model``) gives both the same ``state_dict``.
     """
+    from ..core.client.dp import make_private_model  # torch, for those who build
+
     return make_private_model(instantiate(cfg.model), build_dp(cfg))
 
 
@@ -291,13 +293,13 @@ def build_experiment(
 ) -> Experiment:
     """Build the run that ``cfg`` describes, on ``grid``'s federation.
 
-    In this order (torch's generator is seeded before the model is built, so a
-    run's initial model depends on ``seed`` only): the federation is checked
-    against ``num_clients``; the strategy is built; the run's folder is chosen,
-    its checkpoint policy checked and a resumed run's state loaded
-    (:func:`.checkpoint.checkpointing`); the model, the record
-    (``results.json``, ``config.yaml``), the tracker and the central evaluation
-    are built; the strategy is wrapped.
+    In this order (the initial model depends on ``seed`` only, and is built in a
+    child process when this one has not loaded torch: :mod:`.initial`): the
+    federation is checked against ``num_clients``; the strategy is built; the run's
+    folder is chosen, its checkpoint policy checked and a resumed run's state loaded
+    (:func:`.checkpoint.checkpointing`); the model, the record (``results.json``,
+    ``config.yaml``), the tracker and the central evaluation are built; the strategy
+    is wrapped.
 
     Raises
     ------
@@ -315,8 +317,6 @@ def build_experiment(
         cfg, strategy, run_config, new_folder=lambda: output_dir_for(cfg, run_config)
     )
     output_dir = kept.folder
-    torch.manual_seed(int(cfg.seed))
-    model = build_model(cfg)
     sizes = partition_sizes(cfg, num_clients)
     recorder = open_record(cfg, strategy, output_dir, sizes, kept.every, kept.resume)
     log(
@@ -332,7 +332,7 @@ def build_experiment(
     if kept.resume is not None:
         initial, done = kept.resume.arrays, kept.resume.round
     else:
-        initial, done = ArrayRecord(model.state_dict()), 0
+        initial, done = initial_arrays(cfg), 0
     rejoin = getattr(strategy, "rejoin", None)  # one P-FedAvg server of many
     if rejoin is not None and done < num_rounds:
         initial, caught_up = rejoin(initial, done)
@@ -443,8 +443,13 @@ def central_evaluation(
     mean of all clients' models, APFL's weighted average) are evaluated too, each
     under its own section of ``results.json``. With ``evaluate.central_train``
     the global model's loss and accuracy on the whole training set (the FedProx
-    paper's training loss) go under ``central-train``.
+    paper's training loss) go under ``central-train``. It loads torch into the
+    ServerApp's process.
     """
+    import torch
+
+    from ..core.client.training import evaluate_model
+
     data = load_data(cfg)
     loader = to_loader(data.test, batch_size=1024, shuffle=False)
     train_loader = (
@@ -541,6 +546,8 @@ class ClientRecipe:
             When ``node_config`` lacks ``partition-id`` or ``num-partitions``,
             or splits the data another way than the configuration.
         """
+        from ..core.client.message import ProtocolError  # the clients' side: torch
+
         cfg = self.cfg
         try:
             partition_id = int(node_config["partition-id"])

@@ -9,6 +9,7 @@ import dataclasses
 import datetime as dt
 import os
 import random
+import sys
 from collections.abc import Callable, Mapping
 from logging import INFO, WARNING
 from pathlib import Path
@@ -16,7 +17,6 @@ from typing import Any
 
 import hydra
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord
 from flwr.common.logger import log
 from omegaconf import DictConfig, OmegaConf
@@ -90,18 +90,27 @@ def client_class(cfg: DictConfig) -> type:
     return cls
 
 
-def mirrors_client_state(cfg: DictConfig) -> bool:
+def mirrors_client_state(cfg: DictConfig, strategy: Any = None) -> bool:
     """Return True when the app's clients keep state a resumed run needs on disk.
 
     Stateful clients (two-phase state: SCAFFOLD, FedDyn, FedDC, FedEPM), clients
     whose rule keeps a privacy ledger (FedEPM's and SFedAvg's noisy uploads) and
-    DP-SGD clients, when checkpoints are written.
+    DP-SGD clients, when checkpoints are written. The server reads what its
+    ``strategy`` declares (``stateful_clients``, ``ledger_clients``), so that
+    it never imports the clients' torch code; a client (``strategy=None``)
+    reads its own class's rule. The contract checks hold the two to agree.
     """
     if checkpoint_every(cfg) == 0:
         return False
-    dp = cfg.get("privacy", {}).get("dp")
-    client = client_class(cfg)
-    return keeps_state(client) or keeps_ledger(client) or dp is not None
+    if cfg.get("privacy", {}).get("dp") is not None:
+        return True
+    if strategy is None:
+        client = client_class(cfg)
+        return keeps_state(client) or keeps_ledger(client)
+    return any(
+        getattr(s, "stateful_clients", False) or getattr(s, "ledger_clients", False)
+        for s in _inner_strategies(strategy)
+    )
 
 
 def keeps_state(client: Any) -> bool:
@@ -115,15 +124,18 @@ def keeps_ledger(client: Any) -> bool:
     return bool(getattr(rule, "keeps_privacy_ledger", False))
 
 
-def client_state_dir(cfg: DictConfig, run_config: Mapping[str, Any]) -> str | None:
+def client_state_dir(
+    cfg: DictConfig, run_config: Mapping[str, Any], strategy: Any = None
+) -> str | None:
     """Return where this run's clients mirror their state, or None.
 
     ``<folder>/client-state`` of the folder the run config names (``resume``,
-    else ``output-dir``), when :func:`mirrors_client_state`. A run that lets
-    the ServerApp name its folder (a timestamp) has none: the clients cannot
-    know that name.
+    else ``output-dir``), when :func:`mirrors_client_state` (given the
+    server's ``strategy``; a client passes none). A run that lets the
+    ServerApp name its folder (a timestamp) has none: the clients cannot know
+    that name.
     """
-    if not mirrors_client_state(cfg):
+    if not mirrors_client_state(cfg, strategy):
         return None
     folder = resume_folder(run_config)
     if folder is None:
@@ -146,7 +158,7 @@ def check_checkpointing(cfg: DictConfig, strategy: Any) -> int:
     after the last checkpoint, which a resume cannot undo.
     """
     every = checkpoint_every(cfg)
-    stateful = keeps_state(client_class(cfg)) or any(
+    stateful = any(
         getattr(s, "stateful_clients", False) for s in _inner_strategies(strategy)
     )
     if every > 1 and stateful:
@@ -231,20 +243,27 @@ def rng_state() -> dict[str, Any]:
     """Return the ServerApp process's global RNG states (Python, numpy, torch).
 
     The pack's sampling is seeded per round and needs none of them; Flower's
-    central-DP wrappers draw their noise from numpy's global generator.
+    central-DP wrappers draw their noise from numpy's global generator. Torch's
+    only when the process has loaded torch (a ServerApp without central
+    evaluation never does), as a numpy array.
     """
-    return {
+    state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
     }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state().numpy()
+    return state
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`rng_state` returned (torch's where torch is loaded)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch = sys.modules.get("torch")
+    if torch is not None and state.get("torch") is not None:
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
 
 
 def record_to_saved(arrays: ArrayRecord) -> dict[str, Any]:
@@ -322,7 +341,7 @@ def load_resume(
             f"{num_rounds}"
         )
     reasons = resume_blockers(cfg, strategy)
-    if mirrors_client_state(cfg) and saved.get("client-state") is None:
+    if mirrors_client_state(cfg, strategy) and saved.get("client-state") is None:
         reasons.append(
             "its clients kept their state in memory only (the run had no "
             "output-dir, so they could not mirror it to <output-dir>/client-state)"
@@ -406,7 +425,7 @@ def checkpointing(
     else:
         output_dir = new_folder()
         refuse_used_folder(output_dir)
-    states = client_state_dir(cfg, run_config)
+    states = client_state_dir(cfg, run_config, strategy)
     if every:
         log(
             INFO,
@@ -415,7 +434,7 @@ def checkpointing(
             output_dir / CHECKPOINT_FILE,
             states or "in memory only",
         )
-        if mirrors_client_state(cfg) and states is None:
+        if mirrors_client_state(cfg, strategy) and states is None:
             log(
                 WARNING,
                 "%s's clients keep their state in memory only (no output-dir in the "

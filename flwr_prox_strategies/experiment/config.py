@@ -225,13 +225,17 @@ def _how_to_allow(target: str) -> str:
     )
 
 
-def check_target(target: object, where: str = "_target_") -> None:
+def check_target(
+    target: object, where: str = "_target_", *, locate: bool = True
+) -> None:
     """Refuse a ``_target_`` that is not on the allow-list (nothing is imported first).
 
     The dotted name must be allowed, and, unless it is listed exactly, so must
     the module and name the object really has once located (so that
     ``flwr_prox_strategies.task.datasets.os.system`` is not ``os.system``
     in disguise). Names with a ``_private`` part must be listed exactly.
+    ``locate=False`` checks the name only and imports nothing: the object is
+    located when :func:`instantiate` builds it.
 
     Raises
     ------
@@ -250,6 +254,8 @@ def check_target(target: object, where: str = "_target_") -> None:
         raise ConfigNotAllowedError(
             f"{where}={target!r} is not allowed. {_how_to_allow(target)}"
         )
+    if not locate:
+        return
     try:
         obj = hydra.utils.get_object(target)
     except Exception as err:  # Hydra raises ImportError or ValueError
@@ -271,11 +277,11 @@ def check_target(target: object, where: str = "_target_") -> None:
         )
 
 
-def check_targets(node: Any, where: str = "") -> None:
+def check_targets(node: Any, where: str = "", *, locate: bool = True) -> None:
     """Check every ``_target_`` in a config (any depth, lists and ``_args_`` too).
 
     ``node`` is a ``DictConfig``/``ListConfig`` (read as it is, not resolved) or
-    plain containers.
+    plain containers; ``locate`` as :func:`check_target`.
     """
     if isinstance(node, (DictConfig, ListConfig)):
         node = OmegaConf.to_container(node, resolve=False)
@@ -283,12 +289,12 @@ def check_targets(node: Any, where: str = "") -> None:
         for key, value in node.items():
             path = f"{where}.{key}" if where else str(key)
             if key == "_target_":
-                check_target(value, path)
+                check_target(value, path, locate=locate)
             else:
-                check_targets(value, path)
+                check_targets(value, path, locate=locate)
     elif isinstance(node, (list, tuple)):
         for index, value in enumerate(node):
-            check_targets(value, f"{where}[{index}]")
+            check_targets(value, f"{where}[{index}]", locate=locate)
 
 
 def _check_no_resolvers(node: Any, where: str = "") -> None:
@@ -474,13 +480,20 @@ def _compose_cached(
     return cfg
 
 
-def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
+def compose_config(
+    overrides: str | Sequence[str] = (), *, locate: bool = True
+) -> DictConfig:
     """Compose ``conf/config.yaml`` with Hydra overrides (read-only result).
 
     Parameters
     ----------
     overrides : str | Sequence[str]
         E.g. ``"strategy=fedavg partition=iid num_rounds=30"`` or a list.
+    locate : bool (default: True)
+        Import every ``_target_`` to check what it really is. False checks
+        the names only (a ServerApp, which must not import the clients' and
+        the model's torch code: each target is located when it is
+        instantiated, and the initial model's child process checks them all).
 
     Raises
     ------
@@ -503,7 +516,7 @@ def compose_config(overrides: str | Sequence[str] = ()) -> DictConfig:
             f"cannot compose conf/ with overrides {overrides!r}: {err}"
         ) from err
     # Outside the cache: the allow-list may change between calls.
-    check_targets(cfg)
+    check_targets(cfg, locate=locate)
     return cfg
 
 
@@ -513,6 +526,11 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     return hydra.utils.instantiate(node, *args, **kwargs)
 
 
-def config_from_run_config(run_config: Mapping[str, Any]) -> DictConfig:
-    """Compose ``conf/`` from Flower's run config (overrides, num-rounds, seed)."""
-    return compose_config(overrides_from_run_config(run_config))
+def config_from_run_config(
+    run_config: Mapping[str, Any], *, locate: bool = True
+) -> DictConfig:
+    """Compose ``conf/`` from Flower's run config (overrides, num-rounds, seed).
+
+    ``locate`` as :func:`compose_config`.
+    """
+    return compose_config(overrides_from_run_config(run_config), locate=locate)

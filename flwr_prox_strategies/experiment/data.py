@@ -23,15 +23,16 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import DataLoader, TensorDataset
 
 from ..task.datasets import ArrayDataset, TrainTest
 from .config import instantiate
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
 CACHE_DIR_ENV = "FLWR_PROX_CACHE_DIR"
 # Loaders whose data ships inside a library (its version is in the key); loaders
@@ -257,6 +258,9 @@ def to_loader(
     data: ArrayDataset, *, batch_size: int, shuffle: bool, **kwargs: Any
 ) -> DataLoader:
     """Wrap arrays in a ``DataLoader`` (float32 inputs, int64 labels)."""
+    import torch  # the clients' and central evaluation's: the server needs none
+    from torch.utils.data import DataLoader, TensorDataset
+
     dataset = TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y))
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
 

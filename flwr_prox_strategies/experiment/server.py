@@ -49,7 +49,8 @@ def run_experiment(
     tuple[Result, Path]
         Flower's ``Result`` and the output folder.
     """
-    cfg = cfg if cfg is not None else config_from_run_config(run_config)
+    if cfg is None:  # names checked here; each target located as it is built
+        cfg = config_from_run_config(run_config, locate=False)
     experiment = build_experiment(grid, cfg, run_config)
     outcome = run_rounds(grid, experiment)
     return record_run(experiment, outcome)

@@ -7,6 +7,8 @@ federations and ``partition`` the splitting of a data set among clients
 a data set was generated for).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .datasets import (
     ArrayDataset,
     TrainTest,
@@ -16,7 +18,6 @@ from .datasets import (
     load_digits,
     load_fashion_mnist,
 )
-from .models import CNN, MLP, LogisticRegression
 from .partition import SCHEMES as _SCHEMES
 from .partition import (
     file_partition,
@@ -29,6 +30,9 @@ from .partition import (
 )
 from .synthetic import load_synthetic
 
+if TYPE_CHECKING:  # torch: loaded on first use (__getattr__ below)
+    from .models import CNN, MLP, LogisticRegression
+
 SCHEMES = _SCHEMES
 """The partition schemes :func:`partition_dataset` knows, by name.
 
@@ -39,6 +43,18 @@ class prior per client, partition sizes equal or lognormal) and
 ``"pathological"`` (``classes_per_partition`` classes per client), all by
 flwr-datasets' partitioners.
 """
+
+_MODELS = ("CNN", "MLP", "LogisticRegression")
+
+
+def __getattr__(name: str) -> Any:
+    """Load the models (and torch) on first use: a ServerApp needs neither."""
+    if name not in _MODELS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import models
+
+    return getattr(models, name)
+
 
 __all__ = [
     "CNN",

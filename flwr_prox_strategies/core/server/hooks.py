@@ -64,6 +64,11 @@ class AlgorithmHooks(DeclaresRule):
     #: client commits its pending state once told its reply was aggregated)
     #: and rejects replies without an integer ``client-key`` metric.
     stateful_clients: ClassVar[bool] = False
+    #: Whether clients keep a privacy ledger in ``context.state`` (their
+    #: rule's ``keeps_privacy_ledger``: FedEPM's and SFedAvg's noisy
+    #: uploads, each spending epsilon). A checkpointed run then has its
+    #: clients mirror their state, so that a resume finds the epsilon spent.
+    ledger_clients: ClassVar[bool] = False
     #: The metric a client reports when it runs this algorithm's
     #: client rule (the rule's :attr:`ClientRule.applied_metric
     #: <flwr_prox_strategies.extend.ClientRule.applied_metric>`): the count

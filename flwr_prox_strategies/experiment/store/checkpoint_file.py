@@ -19,13 +19,13 @@ import hashlib
 import json
 import math
 import os
+import sys
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT = "flwr-prox-strategies checkpoint"
@@ -49,7 +49,8 @@ def _encode(value: Any, arrays: dict[str, np.ndarray], where: str) -> Any:
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {"$float": repr(value)}
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only where torch is loaded
+    if torch is not None and isinstance(value, torch.Tensor):
         ref = f"a{len(arrays)}"
         arrays[ref] = _plain(value.detach().cpu().numpy(), where)
         return {"$tensor": ref}
@@ -101,6 +102,8 @@ def _decode(value: Any, arrays: Mapping[str, np.ndarray]) -> Any:
         if tag == "$scalar":
             return np.array(arrays[body])[()]
         if tag == "$tensor":
+            import torch  # only a checkpoint that holds a tensor needs it
+
             return torch.from_numpy(np.array(arrays[body]))
         if tag == "$float":
             return float(body)

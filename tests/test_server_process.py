@@ -1,0 +1,110 @@
+"""The ServerApp's process holds no torch: strategies, rule texts, initial model.
+
+Torch takes about 180 MB of a process; at thousands of simulated SuperNodes
+that is a fifth of the simulation's. The server's half of the pack never
+imports it: the strategies live apart from their clients, the server knows the
+client rules by what the strategies declare, and the initial model is built in
+a child process, to the same bits as in a process that has torch.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flwr_prox_strategies.experiment import initial
+from flwr_prox_strategies.experiment.config import compose_config
+
+SMALL = "num_clients=4 num_rounds=1 train.local_epochs=1 evaluate.central=false"
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, check=False
+    )
+
+
+def test_the_server_s_modules_and_every_strategy_load_without_torch() -> None:
+    out = run_python(
+        """
+        import sys
+        import flwr_prox_strategies.experiment.server
+        from flwr_prox_strategies.algorithms import registered_algorithms
+        from flwr_prox_strategies.core.server.rule_report import declared_rules
+        from flwr_prox_strategies.core.server.metrics import rule_bookkeeping
+        assert len(registered_algorithms()) >= 10
+        assert len(declared_rules()) == 7, declared_rules()
+        assert "scaffold-applied" in rule_bookkeeping()
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+        """
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        f"{SMALL} strategy=scaffold model=mlp",
+        f"{SMALL} strategy=feddc model=logreg seed=7 checkpoint_every=1",
+    ],
+)
+def test_a_server_builds_its_run_without_torch_to_the_same_initial_model(
+    overrides: str, tmp_path: Path
+) -> None:
+    """``build_experiment`` in a fresh process: no torch, the same bits as here."""
+    out = run_python(
+        f"""
+        import pickle, sys
+        from flwr_prox_strategies.experiment.build import build_experiment
+        from flwr_prox_strategies.experiment.config import compose_config
+
+        class Grid:  # four connected nodes; building sends no message
+            def get_node_ids(self):
+                return [1, 2, 3, 4]
+
+        cfg = compose_config({overrides!r}.split(), locate=False)  # as a ServerApp
+        run = build_experiment(Grid(), cfg, {{"output-dir": {str(tmp_path)!r}}})
+        assert "torch" not in sys.modules, "the server loaded torch"
+        assert run.client_states is not None or cfg.checkpoint_every == 0
+        arrays = [(k, v.dtype, v.shape, v.data) for k, v in run.initial.items()]
+        sys.stdout.buffer.write(pickle.dumps(arrays))
+        """
+    )
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    served = pickle.loads(out.stdout)
+    here = initial.built_here(compose_config(overrides.split()))  # torch loaded here
+    assert [(k, v.dtype, v.shape, v.data) for k, v in here.items()] == served
+    assert any(np.abs(v.numpy()).sum() > 0 for v in here.values())  # not all zeros
+
+
+def test_the_child_s_failure_is_the_server_s_error_with_its_reason() -> None:
+    cfg = compose_config([*SMALL.split(), "model=mlp", "model.hidden=[-3]"])
+    with pytest.raises(RuntimeError, match="child process failed") as caught:
+        initial.built_in_child(cfg)
+    assert "hidden" in str(caught.value)
+
+
+def test_the_child_builds_what_this_process_builds() -> None:
+    cfg = compose_config(f"{SMALL} model=cnn seed=3".split())
+    child, here = initial.built_in_child(cfg), initial.built_here(cfg)
+    assert list(child.keys()) == list(here.keys())
+    for name in here:
+        assert child[name].data == here[name].data, name
+
+
+def test_a_wrong_client_target_fails_the_server_s_start_not_its_round() -> None:
+    """The server checks names only; the child locates every target."""
+    cfg = compose_config(
+        [*SMALL.split(), "client._target_=flwr_prox_strategies.NoSuchClient"],
+        locate=False,
+    )
+    with pytest.raises(RuntimeError, match="NoSuchClient"):
+        initial.built_in_child(cfg)
+
