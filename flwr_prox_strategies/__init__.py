@@ -18,23 +18,23 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see them
     from .algorithms.apfl import APFL
-    from .algorithms.apfl_client import APFLClient, APFLRule
+    from .algorithms.clients.apfl import APFLClient, APFLRule
+    from .algorithms.clients.fedavg import FedAvgClient
+    from .algorithms.clients.feddc import FedDCClient, FedDCRule
+    from .algorithms.clients.feddyn import FedDynClient, FedDynRule
+    from .algorithms.clients.fedepm import FedEPMClient, FedEPMRule
+    from .algorithms.clients.fedprox import FedProxClient, FedProxRule
+    from .algorithms.clients.scaffold import ScaffoldClient, ScaffoldRule
+    from .algorithms.clients.sfed import SFedAvgClient, SFedProxClient, SFedRule
     from .algorithms.fedavg import FedAvg
-    from .algorithms.fedavg_client import FedAvgClient
     from .algorithms.feddc import FedDC
-    from .algorithms.feddc_client import FedDCClient, FedDCRule
     from .algorithms.feddyn import FedDyn
-    from .algorithms.feddyn_client import FedDynClient, FedDynRule
     from .algorithms.fedepm import FedEPM
-    from .algorithms.fedepm_client import FedEPMClient, FedEPMRule
     from .algorithms.fedprox import FedProx
-    from .algorithms.fedprox_client import FedProxClient, FedProxRule
     from .algorithms.pfedavg import PFedAvg
     from .algorithms.pfedavg_server import PFedAvgServer
     from .algorithms.scaffold import Scaffold
-    from .algorithms.scaffold_client import ScaffoldClient, ScaffoldRule
     from .algorithms.sfed import SFedAvg, SFedProx
-    from .algorithms.sfed_client import SFedAvgClient, SFedProxClient, SFedRule
     from .core.client.adapter import to_client_app
     from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
     from .core.client.rule import ClientRule, ProtocolError
@@ -114,23 +114,23 @@ __version__ = "0.1.0"
 # of secure aggregation must not pay for torch and every algorithm.
 _SOURCES = {
     ".algorithms.apfl": ("APFL",),
-    ".algorithms.apfl_client": ("APFLClient", "APFLRule"),
+    ".algorithms.clients.apfl": ("APFLClient", "APFLRule"),
     ".algorithms.fedavg": ("FedAvg",),
-    ".algorithms.fedavg_client": ("FedAvgClient",),
+    ".algorithms.clients.fedavg": ("FedAvgClient",),
     ".algorithms.feddc": ("FedDC",),
-    ".algorithms.feddc_client": ("FedDCClient", "FedDCRule"),
+    ".algorithms.clients.feddc": ("FedDCClient", "FedDCRule"),
     ".algorithms.feddyn": ("FedDyn",),
-    ".algorithms.feddyn_client": ("FedDynClient", "FedDynRule"),
+    ".algorithms.clients.feddyn": ("FedDynClient", "FedDynRule"),
     ".algorithms.fedepm": ("FedEPM",),
-    ".algorithms.fedepm_client": ("FedEPMClient", "FedEPMRule"),
+    ".algorithms.clients.fedepm": ("FedEPMClient", "FedEPMRule"),
     ".algorithms.fedprox": ("FedProx", "PROXIMAL_MU_KEY"),
-    ".algorithms.fedprox_client": ("FedProxClient", "FedProxRule"),
+    ".algorithms.clients.fedprox": ("FedProxClient", "FedProxRule"),
     ".algorithms.pfedavg": ("PFedAvg",),
     ".algorithms.pfedavg_server": ("PFedAvgServer",),
     ".algorithms.scaffold": ("Scaffold",),
-    ".algorithms.scaffold_client": ("ScaffoldClient", "ScaffoldRule"),
+    ".algorithms.clients.scaffold": ("ScaffoldClient", "ScaffoldRule"),
     ".algorithms.sfed": ("SFedAvg", "SFedProx"),
-    ".algorithms.sfed_client": ("SFedAvgClient", "SFedProxClient", "SFedRule"),
+    ".algorithms.clients.sfed": ("SFedAvgClient", "SFedProxClient", "SFedRule"),
     ".core.client.adapter": ("to_client_app",),
     ".core.client.dp": ("DPSGD", "PrivacyBudgetExhausted", "make_private_model"),
     ".core.client.rule": ("ClientRule", "ProtocolError"),

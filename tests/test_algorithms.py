@@ -63,7 +63,6 @@ def test_client_rule_and_strategy_belong_together(name: str) -> None:
     assert entry.rule.keeps_privacy_ledger == entry.strategy.ledger_clients
 
 
-
 def test_the_package_exports_exactly_the_tables_pieces() -> None:
     exported = {getattr(pack, name) for name in pack.__all__}
     pieces = {

@@ -18,8 +18,11 @@ from flwr.app import MetricRecord
 
 from flwr_prox_strategies import testing
 from flwr_prox_strategies.algorithms import Algorithm
+from flwr_prox_strategies.algorithms.clients.scaffold import (
+    ScaffoldClient,
+    ScaffoldRule,
+)
 from flwr_prox_strategies.algorithms.scaffold import CONTROL_DELTA_RECORD, Scaffold
-from flwr_prox_strategies.algorithms.scaffold_client import ScaffoldClient, ScaffoldRule
 from flwr_prox_strategies.core.client.layout import ReplyLayout
 from flwr_prox_strategies.core.contract.validation import ValidReply
 from flwr_prox_strategies.core.server.commit import ClientBook

@@ -15,14 +15,14 @@ import torch
 from flwr.app import Message
 
 from flwr_prox_strategies import to_client_app
+from flwr_prox_strategies.algorithms.clients.fedavg import FedAvgClient
+from flwr_prox_strategies.algorithms.clients.feddc import FedDCClient
+from flwr_prox_strategies.algorithms.clients.feddyn import FedDynClient
+from flwr_prox_strategies.algorithms.clients.scaffold import ScaffoldClient
 from flwr_prox_strategies.algorithms.fedavg import FedAvg
-from flwr_prox_strategies.algorithms.fedavg_client import FedAvgClient
 from flwr_prox_strategies.algorithms.feddc import FedDC
-from flwr_prox_strategies.algorithms.feddc_client import FedDCClient
 from flwr_prox_strategies.algorithms.feddyn import FedDyn
-from flwr_prox_strategies.algorithms.feddyn_client import FedDynClient
 from flwr_prox_strategies.algorithms.scaffold import Scaffold
-from flwr_prox_strategies.algorithms.scaffold_client import ScaffoldClient
 from flwr_prox_strategies.core.client.state import ClientState
 from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flwr_prox_strategies.experiment import initial
+from flwr_prox_strategies.experiment import build
 from flwr_prox_strategies.experiment.config import compose_config
 
 SMALL = "num_clients=4 num_rounds=1 train.local_epochs=1 evaluate.central=false"
@@ -79,7 +79,7 @@ def test_a_server_builds_its_run_without_torch_to_the_same_initial_model(
     )
     assert out.returncode == 0, out.stderr.decode()[-3000:]
     served = pickle.loads(out.stdout)
-    here = initial.built_here(compose_config(overrides.split()))  # torch loaded here
+    here = build.built_here(compose_config(overrides.split()))  # torch loaded here
     assert [(k, v.dtype, v.shape, v.data) for k, v in here.items()] == served
     assert any(np.abs(v.numpy()).sum() > 0 for v in here.values())  # not all zeros
 
@@ -87,13 +87,13 @@ def test_a_server_builds_its_run_without_torch_to_the_same_initial_model(
 def test_the_child_s_failure_is_the_server_s_error_with_its_reason() -> None:
     cfg = compose_config([*SMALL.split(), "model=mlp", "model.hidden=[-3]"])
     with pytest.raises(RuntimeError, match="child process failed") as caught:
-        initial.built_in_child(cfg)
+        build.built_in_child(cfg)
     assert "hidden" in str(caught.value)
 
 
 def test_the_child_builds_what_this_process_builds() -> None:
     cfg = compose_config(f"{SMALL} model=cnn seed=3".split())
-    child, here = initial.built_in_child(cfg), initial.built_here(cfg)
+    child, here = build.built_in_child(cfg), build.built_here(cfg)
     assert list(child.keys()) == list(here.keys())
     for name in here:
         assert child[name].data == here[name].data, name
@@ -106,5 +106,4 @@ def test_a_wrong_client_target_fails_the_server_s_start_not_its_round() -> None:
         locate=False,
     )
     with pytest.raises(RuntimeError, match="NoSuchClient"):
-        initial.built_in_child(cfg)
-
+        build.built_in_child(cfg)

@@ -37,33 +37,33 @@ from .sfed import SFedAvg, SFedProx
 if TYPE_CHECKING:  # the client halves import torch: loaded on first use
     from ..core.client.client import TorchClient
     from ..core.client.rule import ClientRule
-    from .apfl_client import APFLClient, APFLRule
-    from .fedavg_client import FedAvgClient
-    from .feddc_client import FedDCClient, FedDCRule
-    from .feddyn_client import FedDynClient, FedDynRule
-    from .fedepm_client import FedEPMClient, FedEPMRule
-    from .fedprox_client import FedProxClient, FedProxRule
-    from .scaffold_client import ScaffoldClient, ScaffoldRule
-    from .sfed_client import SFedAvgClient, SFedProxClient, SFedRule
+    from .clients.apfl import APFLClient, APFLRule
+    from .clients.fedavg import FedAvgClient
+    from .clients.feddc import FedDCClient, FedDCRule
+    from .clients.feddyn import FedDynClient, FedDynRule
+    from .clients.fedepm import FedEPMClient, FedEPMRule
+    from .clients.fedprox import FedProxClient, FedProxRule
+    from .clients.scaffold import ScaffoldClient, ScaffoldRule
+    from .clients.sfed import SFedAvgClient, SFedProxClient, SFedRule
 
 # The client classes by the module that defines them (PEP 562, :func:`__getattr__`).
 _CLIENT_SOURCES = {
-    "APFLClient": "apfl_client",
-    "APFLRule": "apfl_client",
-    "FedAvgClient": "fedavg_client",
-    "FedDCClient": "feddc_client",
-    "FedDCRule": "feddc_client",
-    "FedDynClient": "feddyn_client",
-    "FedDynRule": "feddyn_client",
-    "FedEPMClient": "fedepm_client",
-    "FedEPMRule": "fedepm_client",
-    "FedProxClient": "fedprox_client",
-    "FedProxRule": "fedprox_client",
-    "ScaffoldClient": "scaffold_client",
-    "ScaffoldRule": "scaffold_client",
-    "SFedAvgClient": "sfed_client",
-    "SFedProxClient": "sfed_client",
-    "SFedRule": "sfed_client",
+    "APFLClient": "clients.apfl",
+    "APFLRule": "clients.apfl",
+    "FedAvgClient": "clients.fedavg",
+    "FedDCClient": "clients.feddc",
+    "FedDCRule": "clients.feddc",
+    "FedDynClient": "clients.feddyn",
+    "FedDynRule": "clients.feddyn",
+    "FedEPMClient": "clients.fedepm",
+    "FedEPMRule": "clients.fedepm",
+    "FedProxClient": "clients.fedprox",
+    "FedProxRule": "clients.fedprox",
+    "ScaffoldClient": "clients.scaffold",
+    "ScaffoldRule": "clients.scaffold",
+    "SFedAvgClient": "clients.sfed",
+    "SFedProxClient": "clients.sfed",
+    "SFedRule": "clients.sfed",
 }
 
 
@@ -166,54 +166,54 @@ _RULE = "flwr_prox_strategies.core.client.rule.ClientRule"
 #: Every algorithm of the pack, by its conf name (``strategy=<name>``).
 ALGORITHMS: dict[str, Algorithm] = {
     "fedavg": Algorithm(
-        FedAvg, _here("fedavg_client.FedAvgClient"), _RULE, cases=fedavg.CASES
+        FedAvg, _here("clients.fedavg.FedAvgClient"), _RULE, cases=fedavg.CASES
     ),
     "fedprox": Algorithm(
         FedProx,
-        _here("fedprox_client.FedProxClient"),
-        _here("fedprox_client.FedProxRule"),
+        _here("clients.fedprox.FedProxClient"),
+        _here("clients.fedprox.FedProxRule"),
         cases=fedprox.CASES,
     ),
     "feddyn": Algorithm(
         FedDyn,
-        _here("feddyn_client.FedDynClient"),
-        _here("feddyn_client.FedDynRule"),
+        _here("clients.feddyn.FedDynClient"),
+        _here("clients.feddyn.FedDynRule"),
         cases=feddyn.CASES,
     ),
     "feddc": Algorithm(
         FedDC,
-        _here("feddc_client.FedDCClient"),
-        _here("feddc_client.FedDCRule"),
+        _here("clients.feddc.FedDCClient"),
+        _here("clients.feddc.FedDCRule"),
         cases=feddc.CASES,
     ),
     "scaffold": Algorithm(
         Scaffold,
-        _here("scaffold_client.ScaffoldClient"),
-        _here("scaffold_client.ScaffoldRule"),
+        _here("clients.scaffold.ScaffoldClient"),
+        _here("clients.scaffold.ScaffoldRule"),
         cases=scaffold.CASES,
     ),
     "apfl": Algorithm(
         APFL,
-        _here("apfl_client.APFLClient"),
-        _here("apfl_client.APFLRule"),
+        _here("clients.apfl.APFLClient"),
+        _here("clients.apfl.APFLRule"),
         cases=apfl.CASES,
     ),
     "fedepm": Algorithm(
         FedEPM,
-        _here("fedepm_client.FedEPMClient"),
-        _here("fedepm_client.FedEPMRule"),
+        _here("clients.fedepm.FedEPMClient"),
+        _here("clients.fedepm.FedEPMRule"),
         cases=fedepm.CASES,
     ),
     "sfedavg": Algorithm(
         SFedAvg,
-        _here("sfed_client.SFedAvgClient"),
-        _here("sfed_client.SFedRule"),
+        _here("clients.sfed.SFedAvgClient"),
+        _here("clients.sfed.SFedRule"),
         cases=sfed.SFEDAVG_CASES,
     ),
     "sfedprox": Algorithm(
         SFedProx,
-        _here("sfed_client.SFedProxClient"),
-        _here("sfed_client.SFedRule"),
+        _here("clients.sfed.SFedProxClient"),
+        _here("clients.sfed.SFedRule"),
         cases=sfed.SFEDPROX_CASES,
     ),
     "pfedavg": Algorithm(

@@ -26,9 +26,9 @@ from ..core.contract.fields import RoundUpdate
 from ..core.contract.validation import ValidReply
 from ..core.server.strategy import ValidatedFedAvg
 from ..core.transport.records import RecordSpec, dict_to_record, record_to_dict
-from ..ops import apfl_average as maths
+from ..ops import apfl as maths
 from ..ops.aggregate import divided_like
-from ..ops.apfl_average import averaging_weight_sum as averaging_weight_sum
+from ..ops.apfl import averaging_weight_sum as averaging_weight_sum
 from ..ops.checks import check_choice, check_fraction, check_int, check_positive
 
 APFL_ALPHA_KEY = "apfl-alpha"

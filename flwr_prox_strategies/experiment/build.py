@@ -14,6 +14,10 @@ import copy
 import dataclasses
 import datetime as dt
 import functools
+import os
+import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from logging import INFO
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from hydra.utils import get_class
@@ -41,7 +45,9 @@ from .checkpoint import (  # noqa: F401
     output_dir_for,
 )
 from .config import (
+    ALLOWED_TARGETS_ENV,
     allowed_targets,
+    check_targets,
     config_from_run_config,
     instantiate,
     overrides_from_run_config,
@@ -55,7 +61,6 @@ from .data import (
     split_held_out,
     to_loader,
 )
-from .initial import initial_arrays
 from .results import PARTITION_SIZES_FILE, RunRecorder, sizes_entry  # noqa: F401
 from .track import open_tracker
 
@@ -232,6 +237,69 @@ def client_factory(cfg: DictConfig) -> Callable[..., Any]:
 def build_client(cfg: DictConfig, **runtime: Any) -> Any:
     """Instantiate ``cfg.client`` with the ``train`` settings and runtime objects."""
     return client_factory(cfg)(**runtime)
+
+
+# ------------------------------------------------------------- the initial model
+# A ServerApp needs the initial model's arrays, not torch: torch takes about
+# 180 MB of a process, which at thousands of SuperNodes is a fifth of the
+# simulation's. When its process has not loaded torch, the model is built in a
+# child process, which sends the arrays back; a process that has torch already
+# (the in-process engine, a test, a ServerApp with central evaluation) builds it
+# itself. Both build it the same way, so the arrays are the same bits.
+def initial_arrays(cfg: DictConfig) -> ArrayRecord:
+    """Return the arrays of ``cfg.model`` as a new run starts it.
+
+    In this process when it has loaded torch, else in a child process.
+
+    Raises
+    ------
+    RuntimeError
+        When the child process fails; its error is in the message.
+    """
+    if "torch" in sys.modules:
+        return built_here(cfg)
+    return built_in_child(cfg)
+
+
+def built_here(cfg: DictConfig) -> ArrayRecord:
+    """Seed torch's generator with ``cfg.seed``, build the model, return its arrays."""
+    import torch
+
+    torch.manual_seed(int(cfg.seed))
+    return ArrayRecord(build_model(cfg).state_dict())
+
+
+def built_in_child(cfg: DictConfig) -> ArrayRecord:
+    """Return :func:`built_here`'s arrays, built by a child process."""
+    env = dict(os.environ)
+    # The child imports what this process imports: the app's folder (a flwr
+    # run's FAB) and a plugin's package may be on sys.path only.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env[ALLOWED_TARGETS_ENV] = ",".join(allowed_targets())
+    done = subprocess.run(
+        [sys.executable, "-c", f"from {__name__} import _child; _child()"],
+        input=OmegaConf.to_yaml(cfg, resolve=True).encode(),
+        capture_output=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            "building the initial model in a child process failed "
+            f"(exit {done.returncode}):\n{done.stderr.decode(errors='replace')[-3000:]}"
+        )
+    pieces: list[tuple[str, Array]] = pickle.loads(done.stdout)
+    return ArrayRecord(array_dict=dict(pieces))
+
+
+def _child() -> None:
+    """Build the initial model of the configuration on stdin; pickle its arrays out."""
+    cfg = OmegaConf.create(sys.stdin.buffer.read().decode())
+    assert isinstance(cfg, DictConfig)
+    # The server checked the targets' names only; every one is located here,
+    # so a wrong client or model fails the run's start, not its first round.
+    check_targets(cfg)
+    sys.stdout.buffer.write(pickle.dumps(list(built_here(cfg).items())))
 
 
 # ------------------------------------------------------------------ the server's run

@@ -2,26 +2,74 @@ r"""APFL's maths (Deng et al., 2020): mixture, personal step, alpha, averages.
 
 The update and the weighted final models: ``docs/algorithms/apfl.md``. Pure
 functions on tensors (or numpy arrays on the server): they return new values and
-leave their arguments untouched.
+leave their arguments untouched. Torch is imported by the functions that need it,
+so that the server's averages load without it.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-from torch import nn
+import numpy as np
+from numpy.typing import NDArray
 
-# The server's half, re-exported: APFL's maths read as one module.
-from .apfl_average import add_weighted as add_weighted
-from .apfl_average import average_offset as average_offset
-from .apfl_average import averaging_weight as averaging_weight
-from .apfl_average import averaging_weight_sum as averaging_weight_sum
+if TYPE_CHECKING:  # the server's averages need no torch: imported where used
+    import torch
+    from torch import nn
 
-T = TypeVar("T", float, torch.Tensor)
+T = TypeVar("T", float, "torch.Tensor")
+
+
+def averaging_weight(step: int, a: float) -> float:
+    r"""Return :math:`p_t = (t + a)^2`, the weight of step :math:`t` (from 1)."""
+    return (step + a) ** 2
+
+
+def averaging_weight_sum(first: int, last: int, a: float) -> float:
+    r"""Return :math:`\sum_{t=first}^{last}(t + a)^2` (0 when ``last < first``)."""
+    if last < first:
+        return 0.0
+    if first < 1:
+        raise ValueError(f"steps are counted from 1, got first={first}")
+
+    def squares(n: int) -> int:  # 1^2 + ... + n^2, exact in integers
+        return n * (n + 1) * (2 * n + 1) // 6
+
+    def naturals(n: int) -> int:
+        return n * (n + 1) // 2
+
+    count = last - first + 1
+    return float(
+        squares(last)
+        - squares(first - 1)
+        + 2 * a * (naturals(last) - naturals(first - 1))
+        + count * a * a
+    )
+
+
+def average_offset(condition_number: float, sync_gap: int) -> float:
+    r"""Return :math:`a = \max(128\kappa, \tau)`, the offset in :math:`\eta_t, p_t`."""
+    return max(128.0 * condition_number, float(sync_gap))
+
+
+def add_weighted(
+    total: Mapping[str, NDArray] | None, mean: Mapping[str, NDArray], weight: float
+) -> dict[str, NDArray]:
+    r"""Return ``total + weight * mean`` in float64 (``total=None``: from zero).
+
+    The server's :math:`\sum_t p_t\,\mathrm{mean}_S\theta_k^t`, one round's
+    :math:`p`-weighted mean (``mean``, weighted by the round's
+    :math:`\sum p_t`) at a time.
+    """
+    if total is None:
+        new = {key: np.zeros(value.shape, np.float64) for key, value in mean.items()}
+    else:
+        new = {key: np.array(value, copy=True) for key, value in total.items()}
+    for key, value in mean.items():
+        new[key] += weight * value
+    return new
 
 
 def decay_rate(step: int, mu: float, a: float) -> float:
@@ -74,6 +122,8 @@ def gradient_at_mixture(
     ``point`` (:math:`\bar\omega`, which is made to require grad), inside
     ``untracked()`` (no per-sample gradients under DP-SGD).
     """
+    import torch  # a client's maths: the server's averages above need none
+
     mixed = {name: p.requires_grad_() for name, p in zip(names, point, strict=True)}
     with untracked():
         out = torch.func.functional_call(model, mixed, (inputs,))
@@ -133,49 +183,10 @@ def personal_sum(
     ``saved=None``: from zero (``last`` is then 0); the steps after ``last``
     count with the unchanged :math:`\omega` (:func:`caught_up`).
     """
+    import torch
+
     if saved is None:
         total = [torch.zeros_like(w, dtype=torch.float64) for w in omega]
     else:
         total = [torch.as_tensor(s, dtype=torch.float64) for s in saved]
     return caught_up(total, omega, averaging_weight_sum(last + 1, up_to, a))
-
-
-def _trainable(model: nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def module_with(model: nn.Module, params: Sequence[torch.Tensor]) -> nn.Module:
-    """Return a copy of ``model`` whose trainable parameters are ``params``."""
-    module = copy.deepcopy(model)
-    with torch.no_grad():
-        for p, value in zip(_trainable(module), params, strict=True):
-            p.copy_(value)
-    return module
-
-
-class OutputMixture(nn.Module):
-    r"""Predict :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (FedTorch)."""
-
-    def __init__(self, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
-        super().__init__()
-        self.personal = personal
-        self.shared = shared
-        self.alpha = alpha
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Mix the two models' outputs."""
-        return mix(self.alpha, self.personal(inputs), self.shared(inputs))
-
-
-def mixed_model(
-    personal: nn.Module, shared: nn.Module, alpha: float, mixing: str
-) -> nn.Module:
-    r"""Return the personalised model: the parameters' mixture, or the outputs'.
-
-    ``mixing="parameters"``: a copy of ``shared`` at :math:`\bar\omega`;
-    ``"outputs"``: :class:`OutputMixture` of the two models.
-    """
-    if mixing == "outputs":
-        return OutputMixture(personal, shared, alpha)
-    point = mixture(alpha, _trainable(personal), _trainable(shared))
-    return module_with(shared, point)

@@ -1,7 +1,7 @@
 """FedDC: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.feddc`; this half imports torch, which a ServerApp never needs.
+:mod:`..feddc`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from numpy.typing import NDArray
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule, ProtocolError, arrays_from_params
-from ..core.client.training import GradientTerm
-from ..core.transport.keys import LOCAL_EPOCHS_KEY
-from ..ops.proximal import ProximalTerm
-from .feddc import (
+from ...core.client.client import TorchClient
+from ...core.client.rule import ClientRule, ProtocolError, arrays_from_params
+from ...core.client.training import GradientTerm
+from ...core.transport.keys import LOCAL_EPOCHS_KEY
+from ...ops.proximal import ProximalTerm
+from ..feddc import (
     CONTROL_STATE,
     CORRECTIONS,
     DRIFT_STATE,
@@ -27,7 +27,7 @@ from .feddc import (
     LOCAL_UPDATE_RECORD,
     UPDATE_STATE,
 )
-from .scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD
+from ..scaffold import CONTROL_DELTA_RECORD, CONTROL_RECORD
 
 
 class FedDCRule(ClientRule):

@@ -6,8 +6,9 @@ The strategy, the paper and the pointer to the pack's APFL page are in
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -15,21 +16,21 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule, ProtocolError, arrays_from_params
-from ..core.client.state import ClientState
-from ..core.client.training import (
+from ...core.client.client import TorchClient
+from ...core.client.rule import ClientRule, ProtocolError, arrays_from_params
+from ...core.client.state import ClientState
+from ...core.client.training import (
     FederatedPart,
     LossFn,
     TrainReport,
     cycle_batches,
     trainable,
 )
-from ..core.docstrings import inherit_parameters
-from ..core.transport.keys import LOCAL_STEPS_KEY
-from ..ops import apfl as maths
-from ..ops.apfl import averaging_weight_sum
-from .apfl import (
+from ...core.docstrings import inherit_parameters
+from ...core.transport.keys import LOCAL_STEPS_KEY
+from ...ops import apfl as maths
+from ...ops.apfl import averaging_weight_sum
+from ..apfl import (
     ALPHA_STATE,
     APFL_ADAPTIVE_KEY,
     APFL_ALPHA_KEY,
@@ -160,7 +161,7 @@ class APFLRule(ClientRule):
         )
         self.lr_mu = self.config.get(APFL_LR_MU_KEY)
         self.lr_a = self.config.get(APFL_LR_A_KEY)
-        self.personal = maths.module_with(
+        self.personal = module_with(
             self.model, personal_params(self.state, self.params)
         )
         self.personal.train()
@@ -422,8 +423,8 @@ class APFLClient(TorchClient):
         mixing = str(self.required(config, APFL_MIXING_KEY))
         omega = self._personal_params()
         models = {
-            "personal": maths.mixed_model(
-                maths.module_with(self.model, omega), self.model, alpha, mixing
+            "personal": mixed_model(
+                module_with(self.model, omega), self.model, alpha, mixing
             )
         }
         average = self.received_arrays.get(AVERAGE_MODEL_RECORD)
@@ -433,12 +434,53 @@ class APFLClient(TorchClient):
         total_steps = int(self.required(config, APFL_STEP_KEY))
         personal_sum = caught_up_personal_sum(self.state, omega, total_steps, a)
         normaliser = averaging_weight_sum(1, total_steps, a)
-        personal_average = maths.module_with(
+        personal_average = module_with(
             self.model, maths.normalised(personal_sum, normaliser, omega)
         )
-        global_average = maths.module_with(self.model, self.from_state_order(average))
-        models["personal-avg"] = maths.mixed_model(
+        global_average = module_with(self.model, self.from_state_order(average))
+        models["personal-avg"] = mixed_model(
             personal_average, global_average, alpha, mixing
         )
         models["global-avg"] = global_average
         return models
+
+
+def _trainable(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def module_with(model: nn.Module, params: Sequence[torch.Tensor]) -> nn.Module:
+    """Return a copy of ``model`` whose trainable parameters are ``params``."""
+    module = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, value in zip(_trainable(module), params, strict=True):
+            p.copy_(value)
+    return module
+
+
+class OutputMixture(nn.Module):
+    r"""Predict :math:`\alpha f(x;\omega) + (1-\alpha) f(x;\theta)` (FedTorch)."""
+
+    def __init__(self, personal: nn.Module, shared: nn.Module, alpha: float) -> None:
+        super().__init__()
+        self.personal = personal
+        self.shared = shared
+        self.alpha = alpha
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Mix the two models' outputs."""
+        return maths.mix(self.alpha, self.personal(inputs), self.shared(inputs))
+
+
+def mixed_model(
+    personal: nn.Module, shared: nn.Module, alpha: float, mixing: str
+) -> nn.Module:
+    r"""Return the personalised model: the parameters' mixture, or the outputs'.
+
+    ``mixing="parameters"``: a copy of ``shared`` at :math:`\bar\omega`;
+    ``"outputs"``: :class:`OutputMixture` of the two models.
+    """
+    if mixing == "outputs":
+        return OutputMixture(personal, shared, alpha)
+    point = maths.mixture(alpha, _trainable(personal), _trainable(shared))
+    return module_with(shared, point)

@@ -1,7 +1,7 @@
 """SFedAvg and SFedProx: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.sfed`; this half imports torch, which a ServerApp never needs.
+:mod:`..sfed`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from typing import Any
 
 import torch
 
-from ..core.client.training import TrainReport
-from ..core.docstrings import inherit_parameters
-from .fedepm_client import FedEPMClient, FedEPMRule, Objective
-from .sfed import (
+from ...core.client.training import TrainReport
+from ...core.docstrings import inherit_parameters
+from ..sfed import (
     INNER_STEPS_KEY,
     PROX_MU_KEY,
     SFEDAVG_APPLIED_KEY,
     SFEDPROX_APPLIED_KEY,
     step_size,
 )
+from .fedepm import FedEPMClient, FedEPMRule, Objective
 
 
 class SFedRule(FedEPMRule):

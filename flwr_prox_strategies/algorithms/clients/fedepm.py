@@ -1,7 +1,7 @@
 """FedEPM: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.fedepm`; this half imports torch, which a ServerApp never needs.
+:mod:`..fedepm`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
@@ -14,22 +14,27 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule
-from ..core.client.training import TrainReport, evaluate_model, full_gradient, trainable
-from ..core.contract.ledger import (
+from ...core.client.client import TorchClient
+from ...core.client.rule import ClientRule
+from ...core.client.training import (
+    TrainReport,
+    evaluate_model,
+    full_gradient,
+    trainable,
+)
+from ...core.contract.ledger import (
     DELTA_METRIC,
     EPSILON_METRIC,
     EPSILON_TOTAL_METRIC,
     spend_epsilon,
 )
-from ..ops.checks import (
+from ...ops.checks import (
     check_int,
     check_non_negative,
 )
-from ..ops.elastic_net import prox_linear_steps
-from ..ops.privacy import add_laplace_noise
-from .fedepm import (
+from ...ops.elastic_net import prox_linear_steps
+from ...ops.privacy import add_laplace_noise
+from ..fedepm import (
     ETA_KEY,
     FEDEPM_APPLIED_KEY,
     GROWTH_KEY,

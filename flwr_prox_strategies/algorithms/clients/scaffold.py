@@ -1,7 +1,7 @@
 """SCAFFOLD: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.scaffold`; this half imports torch, which a ServerApp never needs.
+:mod:`..scaffold`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from numpy.typing import NDArray
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule, arrays_from_params
-from ..core.client.training import GradientTerm
-from ..core.docstrings import inherit_parameters
-from ..ops.proximal import ProximalTerm
-from .scaffold import (
+from ...core.client.client import TorchClient
+from ...core.client.rule import ClientRule, arrays_from_params
+from ...core.client.training import GradientTerm
+from ...core.docstrings import inherit_parameters
+from ...ops.proximal import ProximalTerm
+from ..scaffold import (
     CONTROL_DELTA_RECORD,
     CONTROL_LR_KEY,
     CONTROL_RECORD,

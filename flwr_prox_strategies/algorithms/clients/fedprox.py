@@ -1,7 +1,7 @@
 """FedProx: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.fedprox`; this half imports torch, which a ServerApp never needs.
+:mod:`..fedprox`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule
-from ..core.client.training import GradientTerm, full_gradient, grad_norm
-from ..core.docstrings import inherit_parameters
-from ..ops.proximal import ProximalTerm
-from .fedprox import (
+from ...core.client.client import TorchClient
+from ...core.client.rule import ClientRule
+from ...core.client.training import GradientTerm, full_gradient, grad_norm
+from ...core.docstrings import inherit_parameters
+from ...ops.proximal import ProximalTerm
+from ..fedprox import (
     PROXIMAL_MU_APPLIED_KEY,
     PROXIMAL_MU_KEY,
 )

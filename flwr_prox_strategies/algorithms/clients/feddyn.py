@@ -1,7 +1,7 @@
 """FedDyn: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.feddyn`; this half imports torch, which a ServerApp never needs.
+:mod:`..feddyn`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from ..core.client.client import TorchClient
-from ..core.client.rule import ClientRule, arrays_from_params
-from ..core.client.training import GradientTerm
-from ..ops.proximal import ProximalTerm
-from .feddyn import (
+from ...core.client.client import TorchClient
+from ...core.client.rule import ClientRule, arrays_from_params
+from ...core.client.training import GradientTerm
+from ...ops.proximal import ProximalTerm
+from ..feddyn import (
     DRIFT_STATE,
     FEDDYN_ALPHA_KEY,
     FEDDYN_APPLIED_KEY,

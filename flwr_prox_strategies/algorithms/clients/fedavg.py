@@ -1,13 +1,13 @@
 """FedAvg: the client side, the rule and the ``NumPyClient``.
 
 The strategy, the wire keys and the docs of the algorithm are in
-:mod:`.fedavg`; this half imports torch, which a ServerApp never needs.
+:mod:`..fedavg`; this half imports torch, which a ServerApp never needs.
 """
 
 from __future__ import annotations
 
-from ..core.client.client import TorchClient
-from ..core.docstrings import inherit_parameters
+from ...core.client.client import TorchClient
+from ...core.docstrings import inherit_parameters
 
 
 @inherit_parameters(TorchClient)
