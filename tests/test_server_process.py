@@ -107,3 +107,28 @@ def test_a_wrong_client_target_fails_the_server_s_start_not_its_round() -> None:
     )
     with pytest.raises(RuntimeError, match="NoSuchClient"):
         build.built_in_child(cfg)
+
+
+def test_torch_s_rng_state_is_kept_as_an_array_and_a_tensor_still_restores(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from flwr_prox_strategies.experiment.checkpoint import restore_rng, rng_state
+    from flwr_prox_strategies.experiment.store.checkpoint_file import (
+        read_checkpoint,
+        write_checkpoint,
+    )
+
+    torch.manual_seed(5)
+    state = rng_state()
+    assert isinstance(state["torch"], np.ndarray)  # no tensor: readable without torch
+    expected = torch.rand(3)
+    older = {**state, "torch": torch.from_numpy(state["torch"].copy())}  # as before
+    write_checkpoint(tmp_path, {"rng": older})
+    saved = read_checkpoint(tmp_path)["rng"]
+    assert isinstance(saved["torch"], torch.Tensor)
+    for kept in (saved, state):
+        torch.rand(7)  # move on, then come back
+        restore_rng(kept)
+        assert torch.equal(torch.rand(3), expected)

@@ -31,7 +31,7 @@ from .partition import (
 from .synthetic import load_synthetic
 
 if TYPE_CHECKING:  # torch: loaded on first use (__getattr__ below)
-    from .models import CNN, MLP, LogisticRegression
+    from .models import CNN, MLP, LogisticRegression, PaperLogistic
 
 SCHEMES = _SCHEMES
 """The partition schemes :func:`partition_dataset` knows, by name.
@@ -44,7 +44,7 @@ class prior per client, partition sizes equal or lognormal) and
 flwr-datasets' partitioners.
 """
 
-_MODELS = ("CNN", "MLP", "LogisticRegression")
+_MODELS = ("CNN", "MLP", "LogisticRegression", "PaperLogistic")
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +62,7 @@ __all__ = [
     "SCHEMES",
     "ArrayDataset",
     "LogisticRegression",
+    "PaperLogistic",
     "TrainTest",
     "adult_matrix",
     "file_partition",
