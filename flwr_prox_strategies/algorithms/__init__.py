@@ -95,7 +95,7 @@ class Algorithm:
         subclass, or a composite such as P-FedAvg).
     client : type[TorchClient] | str | None
         The matching ``NumPyClient`` class, or its dotted path
-        (``"package.module.Class"``), imported when :attr:`client` is first
+        (``"package.module.Class"``), imported when ``client`` is first
         read: the pack names its own so, so that a ServerApp never imports the
         clients' torch code. None for a strategy that composes others (P-FedAvg:
         its clients are those of its inner strategy).
