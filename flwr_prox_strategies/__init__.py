@@ -17,24 +17,35 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see them
-    from .algorithms.apfl import APFL
-    from .algorithms.clients.apfl import APFLClient, APFLRule
-    from .algorithms.clients.fedavg import FedAvgClient
-    from .algorithms.clients.feddc import FedDCClient, FedDCRule
-    from .algorithms.clients.feddyn import FedDynClient, FedDynRule
-    from .algorithms.clients.fedepm import FedEPMClient, FedEPMRule
-    from .algorithms.clients.fedprox import FedProxClient, FedProxRule
-    from .algorithms.clients.scaffold import ScaffoldClient, ScaffoldRule
-    from .algorithms.clients.sfed import SFedAvgClient, SFedProxClient, SFedRule
-    from .algorithms.fedavg import FedAvg
-    from .algorithms.feddc import FedDC
-    from .algorithms.feddyn import FedDyn
-    from .algorithms.fedepm import FedEPM
-    from .algorithms.fedprox import FedProx
-    from .algorithms.pfedavg import PFedAvg
-    from .algorithms.pfedavg_server import PFedAvgServer
-    from .algorithms.scaffold import Scaffold
-    from .algorithms.sfed import SFedAvg, SFedProx
+    from .algorithms import (
+        APFL,
+        APFLClient,
+        APFLRule,
+        FedAvg,
+        FedAvgClient,
+        FedDC,
+        FedDCClient,
+        FedDCRule,
+        FedDyn,
+        FedDynClient,
+        FedDynRule,
+        FedEPM,
+        FedEPMClient,
+        FedEPMRule,
+        FedProx,
+        FedProxClient,
+        FedProxRule,
+        PFedAvg,
+        PFedAvgServer,
+        Scaffold,
+        ScaffoldClient,
+        ScaffoldRule,
+        SFedAvg,
+        SFedAvgClient,
+        SFedProx,
+        SFedProxClient,
+        SFedRule,
+    )
     from .core.client.adapter import to_client_app
     from .core.client.dp import DPSGD, PrivacyBudgetExhausted, make_private_model
     from .core.client.rule import ClientRule, ProtocolError
@@ -113,24 +124,37 @@ __version__ = "0.1.0"
 # SuperNode starts a ClientApp process per message, and the key-exchange stages
 # of secure aggregation must not pay for torch and every algorithm.
 _SOURCES = {
-    ".algorithms.apfl": ("APFL",),
-    ".algorithms.clients.apfl": ("APFLClient", "APFLRule"),
-    ".algorithms.fedavg": ("FedAvg",),
-    ".algorithms.clients.fedavg": ("FedAvgClient",),
-    ".algorithms.feddc": ("FedDC",),
-    ".algorithms.clients.feddc": ("FedDCClient", "FedDCRule"),
-    ".algorithms.feddyn": ("FedDyn",),
-    ".algorithms.clients.feddyn": ("FedDynClient", "FedDynRule"),
-    ".algorithms.fedepm": ("FedEPM",),
-    ".algorithms.clients.fedepm": ("FedEPMClient", "FedEPMRule"),
-    ".algorithms.fedprox": ("FedProx", "PROXIMAL_MU_KEY"),
-    ".algorithms.clients.fedprox": ("FedProxClient", "FedProxRule"),
-    ".algorithms.pfedavg": ("PFedAvg",),
-    ".algorithms.pfedavg_server": ("PFedAvgServer",),
-    ".algorithms.scaffold": ("Scaffold",),
-    ".algorithms.clients.scaffold": ("ScaffoldClient", "ScaffoldRule"),
-    ".algorithms.sfed": ("SFedAvg", "SFedProx"),
-    ".algorithms.clients.sfed": ("SFedAvgClient", "SFedProxClient", "SFedRule"),
+    # The algorithms' package loads each client half on first use itself.
+    ".algorithms": (
+        "APFL",
+        "APFLClient",
+        "APFLRule",
+        "FedAvg",
+        "FedAvgClient",
+        "FedDC",
+        "FedDCClient",
+        "FedDCRule",
+        "FedDyn",
+        "FedDynClient",
+        "FedDynRule",
+        "FedEPM",
+        "FedEPMClient",
+        "FedEPMRule",
+        "FedProx",
+        "FedProxClient",
+        "FedProxRule",
+        "PFedAvg",
+        "PFedAvgServer",
+        "SFedAvg",
+        "SFedAvgClient",
+        "SFedProx",
+        "SFedProxClient",
+        "SFedRule",
+        "Scaffold",
+        "ScaffoldClient",
+        "ScaffoldRule",
+    ),
+    ".algorithms.fedprox": ("PROXIMAL_MU_KEY",),
     ".core.client.adapter": ("to_client_app",),
     ".core.client.dp": ("DPSGD", "PrivacyBudgetExhausted", "make_private_model"),
     ".core.client.rule": ("ClientRule", "ProtocolError"),

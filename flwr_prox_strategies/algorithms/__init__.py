@@ -157,64 +157,40 @@ class Algorithm:
         )
 
 
-def _here(name: str) -> str:
-    return f"{__name__}.{name}"
+def _lazy(name: str) -> str:
+    """Return the dotted path of the client half's class ``name``."""
+    return f"{__name__}.{_CLIENT_SOURCES[name]}.{name}"
 
-
-_RULE = "flwr_prox_strategies.core.client.rule.ClientRule"
 
 #: Every algorithm of the pack, by its conf name (``strategy=<name>``).
 ALGORITHMS: dict[str, Algorithm] = {
     "fedavg": Algorithm(
-        FedAvg, _here("clients.fedavg.FedAvgClient"), _RULE, cases=fedavg.CASES
+        FedAvg,
+        _lazy("FedAvgClient"),
+        "flwr_prox_strategies.core.client.rule.ClientRule",
+        cases=fedavg.CASES,
     ),
     "fedprox": Algorithm(
-        FedProx,
-        _here("clients.fedprox.FedProxClient"),
-        _here("clients.fedprox.FedProxRule"),
-        cases=fedprox.CASES,
+        FedProx, _lazy("FedProxClient"), _lazy("FedProxRule"), cases=fedprox.CASES
     ),
     "feddyn": Algorithm(
-        FedDyn,
-        _here("clients.feddyn.FedDynClient"),
-        _here("clients.feddyn.FedDynRule"),
-        cases=feddyn.CASES,
+        FedDyn, _lazy("FedDynClient"), _lazy("FedDynRule"), cases=feddyn.CASES
     ),
     "feddc": Algorithm(
-        FedDC,
-        _here("clients.feddc.FedDCClient"),
-        _here("clients.feddc.FedDCRule"),
-        cases=feddc.CASES,
+        FedDC, _lazy("FedDCClient"), _lazy("FedDCRule"), cases=feddc.CASES
     ),
     "scaffold": Algorithm(
-        Scaffold,
-        _here("clients.scaffold.ScaffoldClient"),
-        _here("clients.scaffold.ScaffoldRule"),
-        cases=scaffold.CASES,
+        Scaffold, _lazy("ScaffoldClient"), _lazy("ScaffoldRule"), cases=scaffold.CASES
     ),
-    "apfl": Algorithm(
-        APFL,
-        _here("clients.apfl.APFLClient"),
-        _here("clients.apfl.APFLRule"),
-        cases=apfl.CASES,
-    ),
+    "apfl": Algorithm(APFL, _lazy("APFLClient"), _lazy("APFLRule"), cases=apfl.CASES),
     "fedepm": Algorithm(
-        FedEPM,
-        _here("clients.fedepm.FedEPMClient"),
-        _here("clients.fedepm.FedEPMRule"),
-        cases=fedepm.CASES,
+        FedEPM, _lazy("FedEPMClient"), _lazy("FedEPMRule"), cases=fedepm.CASES
     ),
     "sfedavg": Algorithm(
-        SFedAvg,
-        _here("clients.sfed.SFedAvgClient"),
-        _here("clients.sfed.SFedRule"),
-        cases=sfed.SFEDAVG_CASES,
+        SFedAvg, _lazy("SFedAvgClient"), _lazy("SFedRule"), cases=sfed.SFEDAVG_CASES
     ),
     "sfedprox": Algorithm(
-        SFedProx,
-        _here("clients.sfed.SFedProxClient"),
-        _here("clients.sfed.SFedRule"),
-        cases=sfed.SFEDPROX_CASES,
+        SFedProx, _lazy("SFedProxClient"), _lazy("SFedRule"), cases=sfed.SFEDPROX_CASES
     ),
     "pfedavg": Algorithm(
         PFedAvg, None, None, deployed=PFedAvgServer, cases=pfedavg.CASES
