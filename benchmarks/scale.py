@@ -114,16 +114,17 @@ def processes_of(home: str) -> dict[int, str]:
     return found
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident size (``VmRSS``) or its peak so far (``VmHWM``), MB."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
 
 class Memory(threading.Thread):
-    """Peak RSS of the simulation process and of all the run's processes."""
+    """Peak RSS of the simulation process (its high-water mark) and of all the run's."""
 
     def __init__(self, home: str) -> None:
         super().__init__(daemon=True)
@@ -135,7 +136,10 @@ class Memory(threading.Thread):
             procs = processes_of(self.home)
             sizes = {pid: rss_mb(pid) for pid in procs}
             self.peak_all = max(self.peak_all, sum(sizes.values()))
-            server = [s for pid, s in sizes.items() if "flwr-simulation" in procs[pid]]
+            # The kernel's high-water mark: a spike between two samples counts.
+            server = [
+                rss_mb(p, "VmHWM") for p in procs if "flwr-simulation" in procs[p]
+            ]
             self.peak_server = max(self.peak_server, max(server, default=0.0))
             time.sleep(0.5)
 
