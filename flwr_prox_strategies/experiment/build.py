@@ -294,12 +294,15 @@ def built_in_child(cfg: DictConfig) -> ArrayRecord:
 
 def _child() -> None:
     """Build the initial model of the configuration on stdin; pickle its arrays out."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else writes to stdout (a library's print) goes to stderr
     cfg = OmegaConf.create(sys.stdin.buffer.read().decode())
     assert isinstance(cfg, DictConfig)
     # The server checked the targets' names only; every one is located here,
     # so a wrong client or model fails the run's start, not its first round.
     check_targets(cfg)
-    sys.stdout.buffer.write(pickle.dumps(list(built_here(cfg).items())))
+    with out:
+        out.write(pickle.dumps(list(built_here(cfg).items())))
 
 
 # ------------------------------------------------------------------ the server's run
