@@ -35,10 +35,10 @@ def test_the_server_s_modules_and_every_strategy_load_without_torch() -> None:
         """
         import sys
         import flwr_prox_strategies.experiment.server
-        from flwr_prox_strategies.algorithms import registered_algorithms
+        from flwr_prox_strategies.algorithms import ALGORITHMS
         from flwr_prox_strategies.core.server.rule_report import declared_rules
         from flwr_prox_strategies.core.server.metrics import rule_bookkeeping
-        assert len(registered_algorithms()) >= 10
+        assert len(ALGORITHMS) == 10 and all(a.strategy for a in ALGORITHMS.values())
         assert len(declared_rules()) == 7, declared_rules()
         assert "scaffold-applied" in rule_bookkeeping()
         print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
