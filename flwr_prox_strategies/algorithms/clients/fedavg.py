@@ -1,7 +1,7 @@
-"""FedAvg: the client side, the rule and the ``NumPyClient``.
+"""FedAvg: the client side, the pack's ``NumPyClient`` with no rule of its own.
 
-The strategy, the wire keys and the docs of the algorithm are in
-:mod:`..fedavg`; this half imports torch, which a ServerApp never needs.
+The strategy is in :mod:`..fedavg`; this half imports torch, which a ServerApp
+never needs. Its rule is the base ``ClientRule``: plain local training.
 """
 
 from __future__ import annotations
