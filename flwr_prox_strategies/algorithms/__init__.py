@@ -12,7 +12,7 @@ plus theirs (:mod:`.plugins`).
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -71,18 +71,18 @@ def __getattr__(name: str) -> Any:
     """Load a client class on first use: a ServerApp never imports torch."""
     if name not in _CLIENT_SOURCES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(
-        importlib.import_module(f".{_CLIENT_SOURCES[name]}", __name__), name
-    )
+    value = pkgutil.resolve_name(_lazy(name))
     globals()[name] = value
     return value
 
 
+def _lazy(name: str) -> str:
+    """Return the dotted path of the client half's class ``name``."""
+    return f"{__name__}.{_CLIENT_SOURCES[name]}.{name}"
+
+
 def _resolved(piece: type | str | None) -> Any:
-    if not isinstance(piece, str):
-        return piece
-    module, _, name = piece.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return pkgutil.resolve_name(piece) if isinstance(piece, str) else piece
 
 
 class Algorithm:
@@ -155,11 +155,6 @@ class Algorithm:
             f"Algorithm(strategy={self.strategy.__name__}, client={self._client!r}, "
             f"rule={self._rule!r}, conf={self.conf!r})"
         )
-
-
-def _lazy(name: str) -> str:
-    """Return the dotted path of the client half's class ``name``."""
-    return f"{__name__}.{_CLIENT_SOURCES[name]}.{name}"
 
 
 #: Every algorithm of the pack, by its conf name (``strategy=<name>``).
