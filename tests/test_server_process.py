@@ -132,3 +132,13 @@ def test_torch_s_rng_state_is_kept_as_an_array_and_a_tensor_still_restores(
         torch.rand(7)  # move on, then come back
         restore_rng(kept)
         assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_target_in_disguise_passes_the_server_s_name_check_but_never_runs() -> None:
+    """``os.system`` behind a pack module's name: the child locates it and refuses."""
+    disguised = "flwr_prox_strategies.task.datasets.os.system"
+    cfg = compose_config([*SMALL.split(), f"model._target_={disguised}"], locate=False)
+    with pytest.raises(RuntimeError, match="which is not allowed"):
+        build.built_in_child(cfg)
+    with pytest.raises(Exception, match="which is not allowed"):
+        compose_config([*SMALL.split(), f"model._target_={disguised}"])
