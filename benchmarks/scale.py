@@ -14,6 +14,13 @@ actors on 2 cores), side by side in one run:
     averaged by Flower's own ``aggregate_arrayrecords``. The pack's SCAFFOLD
     and FedDC are priced against it (``x payload``): what moving their
     payload costs on Flower's engine, apart from the pack's own work.
+``flower+payload+train``
+    The same, with each client training the MLP as Flower's PyTorch
+    quickstart does: the same local epoch, batch size and learning rate as the
+    pack's cases, on the node's iid share of the same Fashion-MNIST. The pack's
+    SCAFFOLD and FedDC are priced against it too (``x trained``): the payload
+    and the computation any real client pays, so that what is left is the
+    pack's own machinery (its rule, its state, its checks).
 ``pack:<strategy>``
     The pack's app (``flwr run .``) on Fashion-MNIST (iid), the same MLP, each
     client one local epoch in batches of 64 (``train.local_epochs=1
@@ -26,7 +33,9 @@ actors on 2 cores), side by side in one run:
 
 Printed per case: seconds per round (mean over rounds 2..R, from the time each
 round ended: ``elapsed-s`` in the pack's ``results.json``, the evaluate
-callback's clock in Flower's app), the first round, the peak memory (RSS) of the
+callback's clock in Flower's app) and its standard error (``se``: a round lasts
+a whole number of the grid's 0.1 s polls, so 30 rounds know their mean to about
+4%; ``--rounds 200`` to about 1.5%), the first round, the peak memory (RSS) of the
 simulation process (ServerApp, Ray driver and Flower's node contexts) and of all
 the run's processes (sampled every 0.5 s), and the size of ``results.json``.
 
@@ -77,12 +86,15 @@ PARTS = ("grid-s", "strategy-s", "central-s", "write-s")
 FEDEPM = "strategy.k0=1 strategy.eta=10 strategy.noise=0"
 # case -> pack overrides (None: Flower's app)
 # Flower's app cases -> its extra run config
-FLOWER_CASES = {"flower": "extra-records=0", "flower+payload": "extra-records=1"}
-# the pack's cases priced against the payload case (two model-sized records each way)
+FLOWER_CASES: dict[str, dict[str, int]] = {
+    "flower": {"extra-records": 0, "train": 0},
+    "flower+payload": {"extra-records": 1, "train": 0},
+    "flower+payload+train": {"extra-records": 1, "train": 1},
+}
+# the pack's cases priced against the payload cases (two model-sized records each way)
 PAYLOAD_CASES = ("pack:scaffold", "pack:feddc")
 CASES: dict[str, str | None] = {
-    "flower": None,
-    "flower+payload": None,
+    **dict.fromkeys(FLOWER_CASES),
     "pack:fedavg": "strategy=fedavg",
     "pack:fedavg+checkpoint": "strategy=fedavg checkpoint_every=1",
     "pack:fedavg+central": "strategy=fedavg evaluate.central=true",
@@ -98,6 +110,28 @@ CASES: dict[str, str | None] = {
     "pack:fedepm": f"strategy=fedepm {FEDEPM}",
     "pack:fedepm+seen": f"strategy=fedepm {FEDEPM} strategy.table=seen",
 }
+
+
+def fashion_dir() -> Path:
+    """The Fashion-MNIST folder the pack reads (Flower's trained client reads it too)."""
+    from flwr_prox_strategies.task.datasets import candidate_dirs
+
+    for folder in candidate_dirs("fashion-mnist"):
+        if (folder / "train-images-idx3-ubyte.gz").is_file():
+            return folder
+    raise FileNotFoundError("Fashion-MNIST not found (see shared/data/README.md)")
+
+
+def flower_config(case: str, nodes: int, rounds: int, times: Path | str) -> dict:
+    """Flower's app's run config for ``case``."""
+    return {
+        "num-rounds": rounds,
+        "per-round": PER_ROUND,
+        "num-nodes": nodes,
+        "times-file": str(times),
+        "data-dir": str(fashion_dir()),
+        **FLOWER_CASES[case],
+    }
 
 
 def processes_of(home: str) -> dict[int, str]:
@@ -152,18 +186,20 @@ def stop_processes(home: str) -> None:
         time.sleep(2)
 
 
-def round_seconds(ended: dict[int, float]) -> tuple[float, float]:
-    """(mean seconds per round over rounds 2..R, seconds of round 1).
+def round_seconds(ended: dict[int, float]) -> tuple[float, float, float]:
+    """(mean seconds per round over rounds 2..R, its standard error, round 1's).
 
     The mean, not the median: Flower's simulation grid polls for replies every
-    0.1 s, so a round lasts a whole number of polls (0.33, 0.44, 0.55 s at
-    1,000 nodes); a median jumps a poll when half the rounds cross one, the
-    mean moves with the share of rounds that do.
+    0.1 s, so a round lasts about a whole number of polls; a median jumps a
+    poll when half the rounds cross one, the mean moves with the share of
+    rounds that do. That share is what the standard error measures.
     """
     rounds = sorted(r for r in ended if r >= 1)
     gaps = [ended[r] - ended[r - 1] for r in rounds if r >= 2 and r - 1 in ended]
     first = ended[1] - ended.get(0, 0.0) if 1 in ended else float("nan")
-    return (statistics.mean(gaps) if gaps else float("nan")), first
+    mean = statistics.mean(gaps) if gaps else float("nan")
+    error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else nan
+    return mean, error, first
 
 
 def pack_overrides(overrides: str, nodes: int, rounds: int) -> str:
@@ -200,10 +236,12 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
     """
     import sys
 
+    import torch
     from flwr.app import Context, RecordDict
 
     from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
 
+    torch.set_num_threads(1)  # as the Ray actors run it
     overrides = CASES[case]
     times: list[float] = []
     if overrides is None:
@@ -211,20 +249,11 @@ def client_call_ms(case: str, nodes: int, rounds: int) -> tuple[float, float]:
         from flowerscale.client_app import app as client_app
         from flowerscale.server_app import main as server_main
 
-        run_config: dict[str, Any] = {
-            "num-rounds": rounds,
-            "per-round": PER_ROUND,
-            "num-nodes": nodes,
-            "times-file": os.devnull,
-            "extra-records": int(FLOWER_CASES[case].split("=")[1]),
-        }
+        run_config: dict[str, Any] = flower_config(case, nodes, rounds, os.devnull)
     else:
-        import torch
-
         from flwr_prox_strategies.experiment.appdir import make_client_app
         from flwr_prox_strategies.experiment.server import run_experiment
 
-        torch.set_num_threads(1)  # as the Ray actors run it
         client_app = make_client_app()
         folder = Path(tempfile.mkdtemp(prefix="scale-inprocess-"))
         run_config = {
@@ -278,12 +307,15 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     federation = f"num-supernodes={nodes} client-resources-num-cpus=1"
     if overrides is None:
         times = folder / "times.json"
+        config = flower_config(case, nodes, rounds, times)
         command = [
             *(flower_executable("flwr"), "run", str(FLOWER_APP), "--stream"),
             *("--federation-config", federation),
             "--run-config",
-            f"num-rounds={rounds} per-round={PER_ROUND} num-nodes={nodes} "
-            f"times-file='{times}' {FLOWER_CASES[case]}",
+            " ".join(
+                f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}"
+                for k, v in config.items()
+            ),
         ]
     else:
         everything = pack_overrides(overrides, nodes, rounds)
@@ -331,11 +363,12 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
             parts[part] = statistics.mean(values) if values else float("nan")
     if max(ended, default=0) < rounds:
         raise RuntimeError(f"{case} at {nodes}: {max(ended, default=0)} rounds")
-    per_round, first = round_seconds(ended)
+    per_round, error, first = round_seconds(ended)
     return {
         "case": case,
         "nodes": nodes,
         "s-per-round": per_round,
+        "s-per-round-se": error,
         "first-round-s": first,
         "wall-s": wall,
         "server-peak-mb": memory.peak_server,
@@ -396,9 +429,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     header = (
-        f"{'case':24}{'nodes':>7}{'s/round':>9}{'x flower':>9}{'round 1 s':>10}"
-        f"{'server MB':>10}{'all MB':>9}{'results KB':>11}{'x payload':>10}"
-        f"{'MB x payload':>13}"
+        f"{'case':24}{'nodes':>7}{'s/round':>9}{'se':>7}{'x flower':>9}"
+        f"{'round 1 s':>10}{'server MB':>10}{'all MB':>9}{'results KB':>11}"
+        f"{'x payload':>10}{'MB x payload':>13}{'x trained':>10}{'MB x trained':>13}"
     )
     print(header, flush=True)
     for nodes in args.nodes:
@@ -421,19 +454,27 @@ def main() -> None:
                 base[case] = row
             flower = base.get("flower")
             row["ratio"] = row["s-per-round"] / flower["s-per-round"] if flower else nan
-            payload = base.get("flower+payload") if case in PAYLOAD_CASES else None
-            row["x-payload"] = (
-                row["s-per-round"] / payload["s-per-round"] if payload else nan
-            )
-            row["server-mb-x-payload"] = (
-                row["server-peak-mb"] / payload["server-peak-mb"] if payload else nan
-            )
+            for key, reference in (
+                ("payload", "flower+payload"),
+                ("trained", "flower+payload+train"),
+            ):
+                payload = base.get(reference) if case in PAYLOAD_CASES else None
+                row[f"x-{key}"] = (
+                    row["s-per-round"] / payload["s-per-round"] if payload else nan
+                )
+                row[f"server-mb-x-{key}"] = (
+                    row["server-peak-mb"] / payload["server-peak-mb"]
+                    if payload
+                    else nan
+                )
             rows.append(row)
             print(
-                f"{case:24}{nodes:>7}{row['s-per-round']:9.3f}{row['ratio']:9.2f}"
+                f"{case:24}{nodes:>7}{row['s-per-round']:9.3f}"
+                f"{row['s-per-round-se']:7.3f}{row['ratio']:9.2f}"
                 f"{row['first-round-s']:10.1f}{row['server-peak-mb']:10.0f}"
                 f"{row['all-peak-mb']:9.0f}{row['results-kb']:11.1f}"
-                f"{row['x-payload']:10.2f}{row['server-mb-x-payload']:13.2f}",
+                f"{row['x-payload']:10.2f}{row['server-mb-x-payload']:13.2f}"
+                f"{row['x-trained']:10.2f}{row['server-mb-x-trained']:13.2f}",
                 flush=True,
             )
     if args.breakdown:

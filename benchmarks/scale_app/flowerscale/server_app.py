@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Context,
@@ -28,7 +29,16 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 app = ServerApp()
-SHAPES = [(784, 200), (200,), (200, 200), (200,), (200, 10), (10,)]
+# The MLP 784-200-200-10 as torch names and shapes its state dict (the client's
+# ``train=1`` loads it into ``nn.Sequential``).
+SHAPES = {
+    "0.weight": (200, 784),
+    "0.bias": (200,),
+    "2.weight": (200, 200),
+    "2.bias": (200,),
+    "4.weight": (10, 200),
+    "4.bias": (10,),
+}
 CONTROL = "control"
 
 
@@ -89,9 +99,20 @@ def main(grid: Grid, context: Context) -> None:
         "min_train_nodes": per_round,
     }
     rng = np.random.default_rng(0)
-    arrays = ArrayRecord([rng.standard_normal(s).astype(np.float32) for s in SHAPES])
+    arrays = ArrayRecord(
+        {
+            name: Array(
+                (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
+                if len(s) == 2
+                else np.zeros(s, np.float32)
+            )
+            for name, s in SHAPES.items()
+        }
+    )
     if int(config.get("extra-records", 0)):
-        zeros = ArrayRecord([np.zeros(s, np.float32) for s in SHAPES])
+        zeros = ArrayRecord(
+            {n: Array(np.zeros(s, np.float32)) for n, s in SHAPES.items()}
+        )
         strategy: FedAvg = FedAvgWithControl(zeros, **settings)
     else:
         strategy = FedAvg(**settings)  # type: ignore[arg-type]
