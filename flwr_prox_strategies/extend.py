@@ -148,13 +148,11 @@ in its tests: the strategy's checks and its own client's against it.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .algorithms import ALGORITHMS as _ALGORITHMS
 from .algorithms import Algorithm
-from .core.client.client import TorchClient
-from .core.client.rule import ClientRule
-from .core.client.state import ClientState
-from .core.client.steps import StepCounts
-from .core.client.training import GradientTerm
 from .core.contract.fields import RoundUpdate
 from .core.contract.validation import MetricSpec, ReplyRejected, ValidReply
 from .core.server.outcome import NoRoundAggregatedError, ReplyTally
@@ -172,6 +170,41 @@ from .ops.checks import (
     check_non_negative,
     check_positive,
 )
+
+if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see them
+    from .core.client.client import TorchClient
+    from .core.client.rule import ClientRule
+    from .core.client.state import ClientState
+    from .core.client.steps import StepCounts
+    from .core.client.training import GradientTerm
+
+# The client half's names need torch. A plugin's strategy module imports this
+# namespace inside the ServerApp, which loads no torch unless it evaluates
+# centrally: these load the first time they are read.
+_CLIENT_SOURCES = {
+    "TorchClient": ".core.client.client",
+    "ClientRule": ".core.client.rule",
+    "ClientState": ".core.client.state",
+    "StepCounts": ".core.client.steps",
+    "GradientTerm": ".core.client.training",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a client-side name from its module on first use."""
+    if name in _CLIENT_SOURCES:
+        value = getattr(
+            importlib.import_module(_CLIENT_SOURCES[name], __package__), name
+        )
+        globals()[name] = value  # the next lookup finds it without this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Return the module's names, the client-side ones not yet loaded included."""
+    return sorted({*globals(), *__all__})
+
 
 ALGORITHMS = _ALGORITHMS
 """Every algorithm of the pack by its configuration name, name -> :class:`Algorithm`.

@@ -48,6 +48,39 @@ def test_the_server_s_modules_and_every_strategy_load_without_torch() -> None:
     assert out.stdout.decode().strip() == "[]"
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("folder", "package", "name"),
+    [
+        ("plugin-fednova", "flwr_fednova", "FEDNOVA"),
+        ("plugin-fedadmm", "flwr_fedadmm", "FEDADMM"),
+    ],
+)
+def test_a_plugin_s_server_half_loads_without_torch_its_client_on_first_read(
+    folder: str, package: str, name: str
+) -> None:
+    """The example plugins, written on ``extend``, keep the ServerApp torch-free."""
+    out = run_python(
+        f"""
+        import sys
+        sys.path.insert(0, {str(EXAMPLES / folder)!r})
+        from flwr_prox_strategies.extend import ValidatedFedAvg, RoundUpdate, check_int
+        from {package} import {name} as algorithm
+        strategy = algorithm.cases["default"](4)
+        assert isinstance(strategy, ValidatedFedAvg)
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+        client = algorithm.client  # the client half: torch, now
+        assert client.__module__ == "{package}.client", client.__module__
+        assert algorithm.rule.__module__ == "{package}.client"
+        print("torch" in sys.modules)
+        """
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().split("\n")[:2] == ["[]", "True"]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

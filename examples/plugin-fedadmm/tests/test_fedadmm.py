@@ -27,9 +27,8 @@ from flwr_fedadmm import (  # noqa: E402
     FEDADMM_FRESH_METRIC,
     FEDADMM_RHO_KEY,
     FedADMM,
-    FedADMMClient,
-    FedADMMRule,
 )
+from flwr_fedadmm.client import FedADMMClient, FedADMMRule  # noqa: E402
 from flwr_fedadmm.fedadmm import mean_over  # noqa: E402
 
 from flwr_prox_strategies import (  # noqa: E402

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr_fednova import FEDNOVA, FedNova, FedNovaClient, normaliser
+from flwr_fednova import FEDNOVA, FedNova, normaliser
+from flwr_fednova.client import FedNovaClient
 
 from flwr_prox_strategies import FedAvg, FedAvgClient, testing
 
