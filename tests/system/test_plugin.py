@@ -109,4 +109,6 @@ def test_fednova_plugin_through_flwr_run(tmp_path: Path) -> None:
     assert last["replies-term-incomplete"] == 0
     assert last["fednova-tau-eff"] >= 1.0
     assert results["config"]["strategy"]["_target_"] == "flwr_fednova.FedNova"
-    assert results["config"]["client"]["_target_"] == "flwr_fednova.client.FedNovaClient"
+    assert (
+        results["config"]["client"]["_target_"] == "flwr_fednova.client.FedNovaClient"
+    )
