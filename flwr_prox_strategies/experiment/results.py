@@ -6,11 +6,12 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..core.contract.ledger import PER_CLIENT_LIMIT
+from ..ops.checks import check_fraction
 
 RESULTS_FILE = "results.json"
 # Beyond PER_CLIENT_LIMIT clients, where every client's partition size goes.
@@ -128,7 +129,7 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 def sizes_entry(sizes: list[int], output_dir: Path) -> dict[str, Any]:
     """Return the partition sizes for ``results.json``: all, or a summary.
 
-    ``results.json`` is rewritten every round, so beyond
+    ``results.json`` is rewritten as rounds end, so beyond
     :data:`~..core.privacy.PER_CLIENT_LIMIT` clients it keeps the min, mean and
     max, and every client's size goes once to ``partition-sizes.json``.
     """
@@ -215,27 +216,65 @@ def summarise_clients(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 class RunRecorder:
     """Collects per-round metrics and keeps ``results.json`` current.
 
-    The file is rewritten as every round ends (:meth:`end_round`), so a long
-    or interrupted run can be inspected while it goes. A round's
-    ``elapsed-s`` is the time at which it ended, counted from the start of
-    the run (a resumed run goes on from the time its checkpoint recorded).
+    The file is rewritten as rounds end (:meth:`end_round`), so a long or
+    interrupted run can be inspected while it goes: after every round while
+    writing it takes at most ``write_share`` of the run's time, and as often
+    as that allows once it grows (each write holds every round so far, so
+    writing after every round would cost a run of R rounds R^2/2 rounds'
+    worth of writing). :meth:`flush` always writes: the run's end, a failure
+    and a resume call it. A round's ``elapsed-s`` is the time at which it
+    ended, counted from the start of the run (a resumed run goes on from the
+    time its checkpoint recorded).
+
+    Parameters
+    ----------
+    output_dir : Path
+        Where ``results.json`` goes (created if missing).
+    meta : Mapping[str, Any]
+        The document's top-level entries (strategy, dataset, config, ...).
+    target : float
+        The accuracy the summary's ``rounds-to-target`` counts to.
+    write_share : float, default 0.02
+        The largest share of the run's time that rewriting the file after a
+        round may take, in [0, 1]: a write that took ``w`` seconds is followed
+        by the next one no sooner than ``w * (1 - write_share) / write_share``
+        seconds later. 1 writes after every round; 0 only when :meth:`flush`
+        is called.
+    clock : Callable[[], float], default time.monotonic
+        The run's clock, in seconds (a benchmark's or a test's own).
+
+    Raises
+    ------
+    ValueError
+        If ``write_share`` is not in [0, 1].
     """
 
     def __init__(
-        self, output_dir: Path, *, meta: Mapping[str, Any], target: float
+        self,
+        output_dir: Path,
+        *,
+        meta: Mapping[str, Any],
+        target: float,
+        write_share: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.output_dir = output_dir
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.meta = dict(meta)
         self.target = target
-        self.start = time.monotonic()
+        self.write_share = check_fraction("write_share", write_share)
+        self.clock = clock
+        self.start = clock()
         self.elapsed_before = 0.0  # run time before a resume
         self.rounds: dict[int, dict[str, Any]] = {}
         self.complete = False  # set when the last round's results are in
+        self.writes = 0  # times results.json was written
+        self._written_at: float | None = None  # the clock when the last write ended
+        self._write_s = 0.0  # how long the last write took
 
     def elapsed(self) -> float:
         """Return the run's time so far (before a resume included)."""
-        return self.elapsed_before + time.monotonic() - self.start
+        return self.elapsed_before + self.clock() - self.start
 
     def record(
         self, server_round: int, section: str, metrics: Mapping[str, Any]
@@ -244,12 +283,30 @@ class RunRecorder:
         entry = self.rounds.setdefault(server_round, {"round": server_round})
         entry[section] = dict(metrics)
 
-    def end_round(self, server_round: int) -> Path:
-        """Stamp the round's ``elapsed-s`` (when it has results); rewrite the file."""
+    def end_round(self, server_round: int) -> bool:
+        """Stamp the round's ``elapsed-s``; rewrite the file if it is due.
+
+        Returns
+        -------
+        bool
+            Whether ``results.json`` was rewritten (:meth:`write_due`).
+        """
         entry = self.rounds.get(server_round)
         if entry is not None:
             entry["elapsed-s"] = self.elapsed()
-        return self.flush()
+        if not self.write_due():
+            return False
+        self.flush()
+        return True
+
+    def write_due(self) -> bool:
+        """Whether rewriting the file now keeps writing within ``write_share``."""
+        if self.write_share == 0.0:
+            return False
+        if self._written_at is None:
+            return True
+        since = self.clock() - self._written_at
+        return self._write_s * (1.0 - self.write_share) <= self.write_share * since
 
     def state(self) -> dict[str, Any]:
         """Return what a checkpoint keeps: meta, rounds so far, time so far."""
@@ -272,7 +329,7 @@ class RunRecorder:
             if int(entry["round"]) <= up_to
         }
         self.elapsed_before = float(state.get("elapsed-s", 0.0))
-        self.start = time.monotonic()
+        self.start = self.clock()
 
     def as_dict(self) -> dict[str, Any]:
         """Return the whole results document."""
@@ -290,7 +347,11 @@ class RunRecorder:
     def flush(self) -> Path:
         """Rewrite ``results.json``; return its path."""
         path = self.output_dir / RESULTS_FILE
+        started = self.clock()
         write_json(path, self.as_dict())
+        self._written_at = self.clock()
+        self._write_s = self._written_at - started
+        self.writes += 1
         return path
 
 
