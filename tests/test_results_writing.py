@@ -1,24 +1,32 @@
-"""``results.json`` is rewritten as rounds end, within a share of the run's time.
+"""A long run's record: ``results.json`` and the checkpoint's rounds.
 
-Each write holds every round so far, so a write after every round would make
-a run of R rounds spend R^2/2 rounds' worth of writing. The recorder writes
-after every round while that is cheap and as often as ``write_share`` allows
-once it is not; a flush (the run's end, a failure, a resume) always writes.
-The clock here is the test's own: a round lasts what the test says, and a
-write lasts what the file's size says.
+Each holds every round so far, so writing it as every round ends would make
+a run of R rounds spend R^2/2 rounds' worth of writing. ``results.json`` is
+rewritten after every round while that is cheap and as often as
+``write_share`` allows once it is not; a flush (the run's end, a failure, a
+resume) always writes. The clock here is the test's own: a round lasts what
+the test says, and a write lasts what the file's size says. A checkpoint
+holds the rounds as one JSON text, each round encoded once, and gives back
+every value.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from flwr_prox_strategies.experiment import results as results_module
 from flwr_prox_strategies.experiment.results import RESULTS_FILE, RunRecorder
+from flwr_prox_strategies.experiment.store.checkpoint_file import (
+    read_checkpoint,
+    write_checkpoint,
+)
 
 
 class Clock:
@@ -112,3 +120,67 @@ def test_every_write_and_no_write_are_the_two_ends_of_the_share(
 def test_a_share_outside_0_1_is_refused_by_name(tmp_path: Path, share: float) -> None:
     with pytest.raises(ValueError, match="write_share"):
         RunRecorder(tmp_path, meta={}, target=0.9, write_share=share)
+
+
+def restored(state: Mapping[str, Any], tmp_path: Path, up_to: int) -> RunRecorder:
+    """A new recorder restored from ``state`` through a real checkpoint file."""
+    write_checkpoint(tmp_path / "ckpt", {"results": dict(state)})
+    saved = read_checkpoint(tmp_path / "ckpt")["results"]
+    again = RunRecorder(tmp_path / "again", meta={}, target=0.9)
+    again.restore(saved, up_to=up_to)
+    return again
+
+
+def test_a_checkpoint_keeps_every_value_of_every_round(tmp_path: Path) -> None:
+    recorder = RunRecorder(tmp_path, meta={"strategy": "FedDC"}, target=0.9)
+    values = {
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "float32": np.float32(0.1),
+        "int64": np.int64(7),
+        "list": [1, 2.5, None],
+        "text": "ok",
+    }
+    for rnd in (1, 2, 3):
+        recorder.record(rnd, "train", values)
+        recorder.end_round(rnd)
+    again = restored(recorder.state(), tmp_path, up_to=2)
+    assert sorted(again.rounds) == [1, 2]
+    train = again.rounds[2]["train"]
+    assert math.isnan(train["nan"]) and train["inf"] == math.inf
+    assert train["float32"] == float(np.float32(0.1))  # the float32's exact value
+    assert train["int64"] == 7 and isinstance(train["int64"], int)
+    assert train["list"] == [1, 2.5, None] and train["text"] == "ok"
+    assert again.rounds[2]["elapsed-s"] == recorder.rounds[2]["elapsed-s"]
+
+
+def test_a_round_recorded_again_is_encoded_again(tmp_path: Path) -> None:
+    clock = Clock()
+    recorder = RunRecorder(tmp_path, meta={}, target=0.9, clock=clock)
+    recorder.record(1, "train", {"loss": 1.0})
+    clock.now = 1.0
+    recorder.end_round(1)
+    recorder.state()  # round 1 encoded
+    recorder.record(1, "evaluate", {"accuracy": 0.5})
+    assert restored(recorder.state(), tmp_path / "a", 1).rounds[1]["evaluate"] == {
+        "accuracy": 0.5
+    }
+    clock.now = 2.0
+    recorder.end_round(1)  # stamped again
+    assert restored(recorder.state(), tmp_path / "b", 1).rounds[1]["elapsed-s"] == 2.0
+
+
+def test_a_checkpoint_that_holds_its_rounds_as_a_list_still_restores(
+    tmp_path: Path,
+) -> None:
+    # Checkpoints written before the rounds were kept as one JSON text.
+    old = {
+        "meta": {"strategy": "FedAvg"},
+        "rounds": [
+            {"round": r, "train": {"loss": np.float64(1.0 / r)}} for r in (1, 2)
+        ],
+        "elapsed-s": 3.0,
+    }
+    again = restored(old, tmp_path, up_to=2)
+    assert [again.rounds[r]["train"]["loss"] for r in (1, 2)] == [1.0, 0.5]
+    assert again.elapsed_before == 3.0

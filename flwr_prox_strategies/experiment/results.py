@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..core.contract.ledger import PER_CLIENT_LIMIT
 from ..ops.checks import check_fraction
 
@@ -116,6 +118,22 @@ def _clean(value: Any) -> Any:
         return value if math.isfinite(value) else None
     if hasattr(value, "item"):
         return _clean(value.item())
+    return value
+
+
+def _exact(value: Any) -> Any:
+    """Return a JSON-ready copy that keeps every value.
+
+    NaN and infinities stay (JSON's ``NaN``/``Infinity``, which
+    :func:`json.loads` reads back); numpy scalars become the Python numbers
+    they equal.
+    """
+    if isinstance(value, Mapping):
+        return {str(k): _exact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_exact(v) for v in value]
+    if hasattr(value, "item"):
+        return value.item()
     return value
 
 
@@ -269,6 +287,9 @@ class RunRecorder:
         self.rounds: dict[int, dict[str, Any]] = {}
         self.complete = False  # set when the last round's results are in
         self.writes = 0  # times results.json was written
+        # Each ended round's entry as JSON text, made once: a checkpoint holds
+        # every round, and encoding them all again each round grows with the run.
+        self._round_text: dict[int, str] = {}
         self._written_at: float | None = None  # the clock when the last write ended
         self._write_s = 0.0  # how long the last write took
 
@@ -282,6 +303,7 @@ class RunRecorder:
         """Store ``metrics`` of ``section`` (central, train, evaluate) for a round."""
         entry = self.rounds.setdefault(server_round, {"round": server_round})
         entry[section] = dict(metrics)
+        self._round_text.pop(server_round, None)
 
     def end_round(self, server_round: int) -> bool:
         """Stamp the round's ``elapsed-s``; rewrite the file if it is due.
@@ -294,6 +316,7 @@ class RunRecorder:
         entry = self.rounds.get(server_round)
         if entry is not None:
             entry["elapsed-s"] = self.elapsed()
+            self._round_text.pop(server_round, None)
         if not self.write_due():
             return False
         self.flush()
@@ -309,10 +332,24 @@ class RunRecorder:
         return self._write_s * (1.0 - self.write_share) <= self.write_share * since
 
     def state(self) -> dict[str, Any]:
-        """Return what a checkpoint keeps: meta, rounds so far, time so far."""
+        """Return what a checkpoint keeps: meta, rounds so far, time so far.
+
+        The rounds are one JSON text (``rounds-json``, UTF-8 bytes as a uint8
+        array) joined from each round's text, encoded once when the round has
+        ended: a checkpoint then costs the bytes of the rounds so far, not
+        their encoding. Every value is kept (NaN and infinities included);
+        numpy scalars come back as the Python numbers they equal.
+        """
+        texts = []
+        for rnd in sorted(self.rounds):
+            text = self._round_text.get(rnd)
+            if text is None:
+                text = self._round_text[rnd] = json.dumps(_exact(self.rounds[rnd]))
+            texts.append(text)
+        encoded = ("[" + ",".join(texts) + "]").encode()
         return {
             "meta": dict(self.meta),
-            "rounds": [self.rounds[r] for r in sorted(self.rounds)],
+            "rounds-json": np.frombuffer(encoded, dtype=np.uint8),
             "elapsed-s": self.elapsed(),
         }
 
@@ -323,11 +360,17 @@ class RunRecorder:
         run's ``num-rounds``, say); saved keys it lacks are kept.
         """
         self.meta = {**dict(state.get("meta", {})), **self.meta}
+        if "rounds-json" in state:
+            text = np.asarray(state["rounds-json"], dtype=np.uint8).tobytes()
+            saved = json.loads(text.decode())
+        else:  # a checkpoint written before the rounds were kept as text
+            saved = state.get("rounds", [])
         self.rounds = {
             int(entry["round"]): dict(entry)
-            for entry in state.get("rounds", [])
+            for entry in saved
             if int(entry["round"]) <= up_to
         }
+        self._round_text = {}
         self.elapsed_before = float(state.get("elapsed-s", 0.0))
         self.start = self.clock()
 
