@@ -108,32 +108,23 @@ def _zero_note(zeros: Sequence[Any], xs: Sequence[Any]) -> str:
     return "0 at rounds " + ", ".join(str(z) for z in zeros)
 
 
-def _clean(value: Any) -> Any:
-    """JSON-safe copy: NaN/inf become None, records become dicts."""
-    if isinstance(value, Mapping):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if hasattr(value, "item"):
-        return _clean(value.item())
-    return value
+def _clean(value: Any, *, keep_non_finite: bool = False) -> Any:
+    """JSON-ready copy: records become dicts, numpy scalars Python numbers.
 
-
-def _exact(value: Any) -> Any:
-    """Return a JSON-ready copy that keeps every value.
-
-    NaN and infinities stay (JSON's ``NaN``/``Infinity``, which
-    :func:`json.loads` reads back); numpy scalars become the Python numbers
-    they equal.
+    NaN and infinities become None (``results.json`` is read by any JSON
+    reader), or with ``keep_non_finite`` stay (JSON's ``NaN``/``Infinity``,
+    which :func:`json.loads` reads back: a checkpoint keeps every value).
     """
     if isinstance(value, Mapping):
-        return {str(k): _exact(v) for k, v in value.items()}
+        return {
+            str(k): _clean(v, keep_non_finite=keep_non_finite) for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
-        return [_exact(v) for v in value]
+        return [_clean(v, keep_non_finite=keep_non_finite) for v in value]
+    if isinstance(value, float):
+        return value if keep_non_finite or math.isfinite(value) else None
     if hasattr(value, "item"):
-        return value.item()
+        return _clean(value.item(), keep_non_finite=keep_non_finite)
     return value
 
 
@@ -344,7 +335,9 @@ class RunRecorder:
         for rnd in sorted(self.rounds):
             text = self._round_text.get(rnd)
             if text is None:
-                text = self._round_text[rnd] = json.dumps(_exact(self.rounds[rnd]))
+                text = self._round_text[rnd] = json.dumps(
+                    _clean(self.rounds[rnd], keep_non_finite=True)
+                )
             texts.append(text)
         encoded = ("[" + ",".join(texts) + "]").encode()
         return {
