@@ -42,6 +42,7 @@ from .checkpoint import (  # noqa: F401
     Resume,
     checkpointing,
     client_state_dir,
+    client_state_on_disk,
     output_dir_for,
 )
 from .config import (
@@ -607,6 +608,7 @@ class ClientRecipe:
     parts: tuple[np.ndarray, ...]
     mean_size: float
     state_dir: str | None
+    state_on_disk: bool
 
     def client(self, node_config: Mapping[str, Any]) -> Any:
         """Build the client of the node whose ``node_config`` names its partition.
@@ -655,6 +657,8 @@ class ClientRecipe:
             relative_size=len(data) / self.mean_size,
             seed=seed,
             state_dir=self.state_dir,
+            # Only when asked: a client class of the user's may not know it.
+            **({"state_in_memory": False} if self.state_on_disk else {}),
         )
 
 
@@ -683,4 +687,5 @@ def _client_recipe(
         # Stateful clients mirror their state into the run's output folder, so
         # a resumed run (a new Flower run: empty context.state) gets it back.
         state_dir=client_state_dir(cfg, settings),
+        state_on_disk=client_state_on_disk(cfg),
     )

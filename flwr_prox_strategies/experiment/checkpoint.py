@@ -39,12 +39,18 @@ OUTPUT_ROOT_ENV = "FLWR_PROX_OUTPUT_ROOT"
 CHECKPOINT_EVERY = "checkpoint_every"
 #: Sub-folder of the output folder where the app's clients mirror their state.
 CLIENT_STATE_DIR = "client-state"
+#: conf key: where stateful clients keep their cross-round state, ``memory``
+#: (``context.state``, mirrored to CLIENT_STATE_DIR for resumes) or ``disk``
+#: (in CLIENT_STATE_DIR only).
+CLIENT_STATE = "client_state"
+CLIENT_STATE_PLACES = ("memory", "disk")
 #: conf keys that may differ between a run and its resume: they change neither
 #: the model nor a round's results (``num_rounds`` may grow: extend a run).
 RESUME_FREE_KEYS = frozenset(
     {
         "num_rounds",
         CHECKPOINT_EVERY,
+        CLIENT_STATE,
         "node_wait_timeout",
         "round_timeout",
         "engine",
@@ -124,18 +130,35 @@ def keeps_ledger(client: Any) -> bool:
     return bool(getattr(rule, "keeps_privacy_ledger", False))
 
 
+def client_state_on_disk(cfg: DictConfig) -> bool:
+    """Return True when ``client_state=disk``: clients keep their state in files only.
+
+    Raises
+    ------
+    ValueError
+        If ``client_state`` is neither ``memory`` nor ``disk``.
+    """
+    place = cfg.get(CLIENT_STATE, "memory")
+    if place not in CLIENT_STATE_PLACES:
+        raise ValueError(
+            f"{CLIENT_STATE} must be one of {', '.join(CLIENT_STATE_PLACES)}, "
+            f"got {place!r}"
+        )
+    return bool(place == "disk")
+
+
 def client_state_dir(
     cfg: DictConfig, run_config: Mapping[str, Any], strategy: Any = None
 ) -> str | None:
-    """Return where this run's clients mirror their state, or None.
+    """Return where this run's clients keep or mirror their state, or None.
 
     ``<folder>/client-state`` of the folder the run config names (``resume``,
     else ``output-dir``), when :func:`mirrors_client_state` (given the
-    server's ``strategy``; a client passes none). A run that lets the
-    ServerApp name its folder (a timestamp) has none: the clients cannot know
-    that name.
+    server's ``strategy``; a client passes none) or ``client_state=disk``. A
+    run that lets the ServerApp name its folder (a timestamp) has none: the
+    clients cannot know that name.
     """
-    if not mirrors_client_state(cfg, strategy):
+    if not (client_state_on_disk(cfg) or mirrors_client_state(cfg, strategy)):
         return None
     folder = resume_folder(run_config)
     if folder is None:
@@ -426,6 +449,14 @@ def checkpointing(
         output_dir = new_folder()
         refuse_used_folder(output_dir)
     states = client_state_dir(cfg, run_config, strategy)
+    if client_state_on_disk(cfg):
+        if states is None:
+            raise ValueError(
+                f"{CLIENT_STATE}=disk keeps the clients' state in <output-dir>/"
+                f"{CLIENT_STATE_DIR}, and this run names no folder its clients "
+                "can know: give the run config output-dir (or resume)"
+            )
+        log(INFO, "Clients keep their state on disk only: %s", states)
     if every:
         log(
             INFO,
@@ -478,6 +509,7 @@ __all__ = [
     "check_checkpointing",
     "checkpointing",
     "client_state_dir",
+    "client_state_on_disk",
     "load_resume",
     "output_dir_for",
     "read_checkpoint",

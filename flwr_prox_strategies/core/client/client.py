@@ -118,6 +118,10 @@ class TorchClient(NumPyClient):
         Mirror this client's cross-round state to ``<state_dir>/<partition>.npz``
         so a later run can resume it (see
         :class:`~flwr_prox_strategies.extend.ClientState`).
+    state_in_memory : bool (default: True)
+        False keeps that state in ``state_dir`` only, not in
+        ``context.state``: a simulation of thousands of stateful nodes then
+        holds one client's state at a time (needs ``state_dir``).
     relative_size : float (default: 1.0)
         This client's data size over the mean client's, ``n_k / mean_j n_j``.
         The FedDyn and FedDC official codes divide their penalty by it; 1.0
@@ -194,6 +198,7 @@ class TorchClient(NumPyClient):
         loss_fn: LossFn | None = None,
         max_grad_norm: float | None = None,
         state_dir: str | None = None,
+        state_in_memory: bool = True,
         relative_size: float = 1.0,
         seed: int | None = None,
         finetune_steps: int = 0,
@@ -250,7 +255,13 @@ class TorchClient(NumPyClient):
         if not (math.isfinite(relative_size) and relative_size > 0):
             raise ValueError(f"relative_size must be > 0, got {relative_size!r}")
         self.relative_size = float(relative_size)
+        if not state_in_memory and not state_dir:
+            raise ValueError(
+                "state_in_memory=False keeps the client state in files only: it "
+                "needs a state_dir"
+            )
         self.state_dir = state_dir
+        self.state_in_memory = bool(state_in_memory)
         self.seed = seed
         self.finetune_steps = finetune_steps
         self.context: Context | None = None
@@ -284,7 +295,10 @@ class TorchClient(NumPyClient):
         """Return the cross-round state (``context.state``, see ``state_dir``)."""
         if self._state is None:
             self._state = ClientState(
-                self.context, state_dir=self.state_dir, client_key=str(self.client_key)
+                self.context,
+                state_dir=self.state_dir,
+                client_key=str(self.client_key),
+                in_memory=self.state_in_memory,
             )
         return self._state
 
@@ -454,6 +468,20 @@ class TorchClient(NumPyClient):
         self, parameters: list[NDArray], config: dict[str, Any]
     ) -> tuple[list[NDArray], int, dict[str, Any]]:
         """Train from the global model; return the local model and metrics."""
+        try:
+            return self._fit(parameters, config)
+        finally:
+            self._close_state()
+
+    def _close_state(self) -> None:
+        # A state kept on disk only writes what a failed call did, as
+        # context.state keeps it in memory.
+        if self._state is not None:
+            self._state.close()
+
+    def _fit(
+        self, parameters: list[NDArray], config: dict[str, Any]
+    ) -> tuple[list[NDArray], int, dict[str, Any]]:
         self.reply_arrays = {}
         self.rule = None
         server_round = int(config.get(SERVER_ROUND_KEY, 0))
@@ -560,6 +588,14 @@ class TorchClient(NumPyClient):
         self, parameters: list[NDArray], config: dict[str, Any]
     ) -> tuple[float, int, dict[str, Any]]:
         """Evaluate the received model (and personal ones) on local held-out data."""
+        try:
+            return self._evaluate(parameters, config)
+        finally:
+            self._close_state()
+
+    def _evaluate(
+        self, parameters: list[NDArray], config: dict[str, Any]
+    ) -> tuple[float, int, dict[str, Any]]:
         if self.seed is not None:  # fine-tuning shuffles: reproducible as fit is
             server_round = int(config.get(SERVER_ROUND_KEY, 0))
             seed_torch(self.seed * 1_000_003 + server_round + 500_009)

@@ -7,8 +7,9 @@ server's sums over client states stay equal to the sums of what the clients
 hold. With a ``state_dir`` the state is also written to
 ``<state_dir>/<client_key>.npz`` after each fit and read back into an empty
 ``context.state``, stamped with the run's tag (:meth:`ClientState.bind`: another
-run's is ignored). The protocol: the documentation's explanation of the
-two-phase commit.
+run's is ignored); with ``in_memory=False`` it lives in that file only, so a
+simulation of thousands of nodes holds one client's state at a time, not every
+node's. The protocol: the documentation's explanation of the two-phase commit.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ClientState:
     A client rule's ``self.state``: it lives in the node's ``context.state``
     (kept by Flower for the whole run, in simulation and on a SuperNode), and
     optionally in ``<state_dir>/<client_key>.npz`` so that a later run can
-    resume it. Writes are two-phase: what a rule saves with
+    resume it, or in that file only (``in_memory=False``). Writes are two-phase: what a rule saves with
     :meth:`set_pending` during round ``r`` becomes the state the next round
     reads (:meth:`get`, :meth:`get_tensors`) only once the server confirms
     that the reply of round ``r`` was aggregated, so a rejected reply or a
@@ -60,6 +61,19 @@ class ClientState:
         ``context.state`` is empty (a fresh run).
     client_key : str (default: "client")
         File name stem for this client in ``state_dir`` (its partition id).
+    in_memory : bool (default: True)
+        False keeps the state in ``state_dir`` only: it is read from the file
+        when the call opens it and written back by :meth:`flush` (or
+        :meth:`close`), and ``context.state`` holds none of it. In a
+        simulation, Flower keeps every node's ``context.state`` in the
+        simulation's process and sends it to the Ray actor and back at every
+        call; on disk, memory stays at one client's state whatever the number
+        of nodes, for a file read and write per call.
+
+    Raises
+    ------
+    ValueError
+        If ``in_memory`` is False without a ``state_dir``.
     """
 
     def __init__(
@@ -68,9 +82,16 @@ class ClientState:
         *,
         state_dir: str | None = None,
         client_key: str = "client",
+        in_memory: bool = True,
     ) -> None:
+        if not in_memory and not state_dir:
+            raise ValueError(
+                "in_memory=False keeps the client state in files only: it needs "
+                "a state_dir"
+            )
+        self.in_memory = in_memory
         self.records: RecordDict = (
-            context.state if context is not None else RecordDict()
+            context.state if context is not None and in_memory else RecordDict()
         )
         self.path = Path(state_dir) / f"{client_key}.npz" if state_dir else None
         if (
@@ -79,6 +100,8 @@ class ClientState:
             and self.path.is_file()
         ):
             self._load_file(self.path)
+        # Changed since read or written: what close() must still write.
+        self._unwritten = False
 
     def get(self, name: str) -> list[NDArray] | None:
         """Return the committed arrays saved under ``name`` (copies), or None.
@@ -109,6 +132,7 @@ class ClientState:
         if not names:
             return "nothing pending"
         keep = accepted_round is None or int(pending_round) == accepted_round
+        self._unwritten = True
         for name in names:
             record = self.records.array_records[name]
             del self.records[name]
@@ -135,6 +159,7 @@ class ClientState:
         }
         for name in [n for n in self.records.array_records if n in doomed]:
             del self.records[name]
+            self._unwritten = True
 
     def bind(self, run_tag: str | None, names: Sequence[str]) -> str | None:
         """Tie the state to the run ``run_tag``; drop ``names`` if another run's.
@@ -233,6 +258,7 @@ class ClientState:
                 value = value.detach().cpu().numpy()
             record[str(i)] = to_array(value)
         self.records[name] = record
+        self._unwritten = True
 
     def scalar(self, name: str, default: float = 0.0) -> float:
         """Return a scalar saved with :meth:`set_scalar`."""
@@ -244,8 +270,12 @@ class ClientState:
         self.set(f"scalar:{name}", [np.asarray(value, dtype=np.float64)])
 
     def flush(self) -> None:
-        """Write the state to ``state_dir`` (atomically) when one is set."""
-        if self.path is None:
+        """Write the state to ``state_dir`` (atomically) when one is set.
+
+        With ``in_memory=False``, only when it changed since it was read or
+        last written.
+        """
+        if self.path is None or (not self.in_memory and not self._unwritten):
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         payload: dict[str, NDArray] = {}
@@ -255,6 +285,16 @@ class ClientState:
         tmp = self.path.with_suffix(".tmp.npz")
         np.savez(tmp, **payload)  # type: ignore[arg-type]
         os.replace(tmp, self.path)
+        self._unwritten = False
+
+    def close(self) -> None:
+        """End a call: with ``in_memory=False``, write what is not written yet.
+
+        A call that fails midway keeps what it did (a commit, a privacy
+        ledger's spending), as ``context.state`` would keep it in memory.
+        """
+        if not self.in_memory:
+            self.flush()
 
     def _load_file(self, path: Path) -> None:
         grouped: dict[str, dict[str, NDArray]] = {}

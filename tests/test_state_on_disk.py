@@ -1,0 +1,222 @@
+"""Client state kept on disk only (``client_state=disk``): the same rounds, no memory.
+
+A simulation holds every node's ``context.state`` in its process; with the
+state in ``<state_dir>/<client>.npz`` only, it holds none. These tests check
+that nothing else changes: the same models, the same state in the files as in
+memory (committed, pending, run tag, privacy ledger), a failed call keeping
+what it did as ``context.state`` would, and the configuration refusing a disk
+it cannot name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+from omegaconf import OmegaConf
+
+from flwr_prox_strategies import DPSGD, to_client_app
+from flwr_prox_strategies.algorithms.clients.fedavg import FedAvgClient
+from flwr_prox_strategies.algorithms.clients.feddc import FedDCClient
+from flwr_prox_strategies.algorithms.clients.feddyn import FedDynClient
+from flwr_prox_strategies.algorithms.clients.scaffold import ScaffoldClient
+from flwr_prox_strategies.algorithms.fedavg import FedAvg
+from flwr_prox_strategies.algorithms.feddc import FedDC
+from flwr_prox_strategies.algorithms.feddyn import FedDyn
+from flwr_prox_strategies.algorithms.scaffold import Scaffold
+from flwr_prox_strategies.core.client.state import ClientState
+from flwr_prox_strategies.core.transport.inprocess import InProcessGrid
+from flwr_prox_strategies.experiment.checkpoint import (
+    checkpointing,
+    client_state_on_disk,
+)
+
+from .lsq import LeastSquares
+
+LOCAL = {"local_epochs": 3, "learning_rate": 0.1, "seed": 0}
+DP = DPSGD(noise_multiplier=1.0, clipping_norm=1.0, poisson_sampling=False)
+# name -> (strategy, client class, client options)
+CASES: dict[str, tuple[Any, type, dict[str, Any]]] = {
+    "feddyn": (
+        lambda: FedDyn(alpha=0.5, num_clients=4, fraction_train=0.5, seed=1),
+        FedDynClient,
+        {},
+    ),
+    "scaffold": (
+        lambda: Scaffold(num_clients=4, fraction_train=0.5, seed=1),
+        ScaffoldClient,
+        {},
+    ),
+    "feddc": (
+        lambda: FedDC(alpha=0.1, num_clients=4, fraction_train=0.5, seed=1),
+        FedDCClient,
+        {},
+    ),
+    # DP-SGD's privacy ledger lives in the same state, outside the commit.
+    "fedavg+dp-sgd": (
+        lambda: FedAvg(fraction_train=0.5, min_available_nodes=4),
+        FedAvgClient,
+        {"dp": DP},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def problem() -> LeastSquares:
+    return LeastSquares()
+
+
+def grid_of(problem: LeastSquares, case: str, state_dir: Path, *, in_memory: bool):
+    _, client_cls, options = CASES[case]
+    client_fn = problem.client_fn(
+        client_cls,
+        state_dir=str(state_dir),
+        state_in_memory=in_memory,
+        **LOCAL,
+        **options,
+    )
+    return InProcessGrid(to_client_app(client_fn), num_nodes=4)
+
+
+def held(records: RecordDict) -> dict[str, list[bytes]]:
+    """Every array record, as bytes: what a client holds (each run's tag is its own)."""
+    return {
+        name: [array.numpy().tobytes() for array in record.values()]
+        for name, record in records.array_records.items()
+        if name != "run-tag"
+    }
+
+
+def on_disk(state_dir: Path, key: int) -> dict[str, list[bytes]]:
+    state = ClientState(None, state_dir=str(state_dir), client_key=str(key))
+    return held(state.records)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rounds_with_the_state_on_disk_equal_rounds_in_memory(
+    problem: LeastSquares, tmp_path: Path, case: str
+) -> None:
+    make = CASES[case][0]
+    memory_grid = grid_of(problem, case, tmp_path / "mirror", in_memory=True)
+    disk_grid = grid_of(problem, case, tmp_path / "disk", in_memory=False)
+    memory = make().start(
+        grid=memory_grid, initial_arrays=problem.initial(), num_rounds=6
+    )
+    disk = make().start(grid=disk_grid, initial_arrays=problem.initial(), num_rounds=6)
+    for a, b in zip(
+        memory.arrays.to_numpy_ndarrays(), disk.arrays.to_numpy_ndarrays(), strict=True
+    ):
+        assert a.tobytes() == b.tobytes()
+    # The nodes' contexts hold none of the state; the files hold all of it,
+    # exactly what the in-memory nodes hold (the last round's pending included).
+    assert all(not c.state.array_records for c in disk_grid.contexts.values())
+    trained = 0
+    for context in memory_grid.contexts.values():
+        key = int(context.node_config["partition-id"])
+        if context.state.array_records:
+            trained += 1
+            assert on_disk(tmp_path / "disk", key) == held(context.state)
+    assert trained >= 3  # 6 rounds of 2 clients out of 4
+    if case == "fedavg+dp-sgd":  # every trained client's ledger is in its file
+        files = sorted((tmp_path / "disk").glob("*.npz"))
+        assert len(files) >= 3
+        for path in files:
+            ledger = on_disk(tmp_path / "disk", int(path.stem))
+            assert {"dp-accountant-history", "scalar:dp-sgd-epsilon"} <= set(ledger)
+
+
+class FailsInRoundTwo(ScaffoldClient):
+    """Partition 0 fails in round 2 after training (its commit of round 1 done)."""
+
+    def after_training(self, config, report):  # type: ignore[no-untyped-def]
+        if self.server_round == 2 and self.client_key == 0:
+            raise RuntimeError("the node crashed before its reply")
+        return super().after_training(config, report)
+
+
+def test_a_call_that_fails_keeps_on_disk_what_it_did_as_memory_would(
+    problem: LeastSquares, tmp_path: Path
+) -> None:
+    grids = {}
+    for name, in_memory in (("memory", True), ("disk", False)):
+        client_fn = problem.client_fn(
+            FailsInRoundTwo,
+            state_dir=str(tmp_path / name),
+            state_in_memory=in_memory,
+            **LOCAL,
+        )
+        grids[name] = InProcessGrid(to_client_app(client_fn), num_nodes=2)
+        strategy = Scaffold(num_clients=2, min_round_nodes=1, seed=1)
+        strategy.start(grid=grids[name], initial_arrays=problem.initial(), num_rounds=2)
+        assert strategy.book.accepted[0] == 1  # round 2's reply was an error
+    memory = next(
+        c
+        for c in grids["memory"].contexts.values()
+        if int(c.node_config["partition-id"]) == 0
+    )
+    # Round 2 committed round 1's state before training crashed: the file says so.
+    assert memory.state.array_records["scalar:committed-round"]["0"].numpy() == 1.0
+    assert not any(n.startswith("pending:") for n in memory.state.array_records)
+    assert on_disk(tmp_path / "disk", 0) == held(memory.state)
+
+
+def test_a_call_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
+    context = Context(
+        run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}
+    )
+    state = ClientState(context, state_dir=str(tmp_path), in_memory=False)
+    state.set_pending("h", [np.ones(3)], 1)
+    state.close()
+    path = tmp_path / "client.npz"
+    written = path.stat().st_mtime_ns
+    reader = ClientState(context, state_dir=str(tmp_path), in_memory=False)
+    assert reader.resolve(None) == "committed"
+    np.testing.assert_array_equal(reader.get("h")[0], np.ones(3))  # type: ignore[index]
+    untouched = ClientState(context, state_dir=str(tmp_path), in_memory=False)
+    assert untouched.get("h") is None  # the commit above was never written
+    untouched.close()
+    assert path.stat().st_mtime_ns == written
+    reader.close()
+    assert ClientState(context, state_dir=str(tmp_path), in_memory=False).get("h")
+    assert not context.state.array_records
+
+
+def test_the_state_on_disk_needs_a_folder(problem: LeastSquares, tmp_path) -> None:
+    with pytest.raises(ValueError, match="in_memory=False .* needs a state_dir"):
+        ClientState(None, in_memory=False)
+    with pytest.raises(ValueError, match="state_in_memory=False .* needs a state_dir"):
+        ScaffoldClient(problem.model(), problem.loader(0), state_in_memory=False)
+    with pytest.raises(ValueError, match="client_state must be one of memory, disk"):
+        client_state_on_disk(OmegaConf.create({"client_state": "tape"}))
+    cfg = OmegaConf.create({"client_state": "disk", "checkpoint_every": 0})
+    with pytest.raises(ValueError, match="client_state=disk .* give the run config"):
+        checkpointing(cfg, Scaffold(num_clients=2), {}, lambda: tmp_path / "run")
+
+
+def test_the_app_runs_with_its_clients_state_on_disk(tmp_path: Path) -> None:
+    from flwr_prox_strategies.experiment.sweeps.sweep import run_inprocess
+
+    common = [
+        "strategy=feddc",
+        "num_clients=3",
+        "num_rounds=3",
+        "model=logreg",
+        "train.local_epochs=1",
+    ]
+    runs = {}
+    for place in ("memory", "disk"):
+        out = tmp_path / place
+        results = run_inprocess([*common, f"client_state={place}"], out, 3)
+        runs[place] = json.loads(results.read_text())
+    central = [
+        [r["central"] for r in runs[place]["rounds"]] for place in ("memory", "disk")
+    ]
+    assert central[0] == central[1]
+    for k in range(3):
+        assert on_disk(tmp_path / "disk" / "client-state", k) == on_disk(
+            tmp_path / "memory" / "client-state", k
+        )
