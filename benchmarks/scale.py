@@ -30,6 +30,11 @@ actors on 2 cores), side by side in one run:
     client-state handling. No central evaluation and no checkpoint unless the
     case says ``+central`` / ``+checkpoint``, so that the differences between
     cases split the pack's round into its parts.
+``pack:<strategy>+disk``
+    The same with ``client_state=disk``: the clients keep their state in
+    ``<output-dir>/client-state`` only, not in Flower's ``context.state``, so
+    the simulation process holds no node's state (a file read and written per
+    call instead).
 
 Printed per case: seconds per round (mean over rounds 2..R, from the time each
 round ended: ``elapsed-s`` in the pack's ``results.json``, the evaluate
@@ -92,7 +97,12 @@ FLOWER_CASES: dict[str, dict[str, int]] = {
     "flower+payload+train": {"extra-records": 1, "train": 1},
 }
 # the pack's cases priced against the payload cases (two model-sized records each way)
-PAYLOAD_CASES = ("pack:scaffold", "pack:feddc")
+PAYLOAD_CASES = (
+    "pack:scaffold",
+    "pack:feddc",
+    "pack:scaffold+disk",
+    "pack:feddc+disk",
+)
 CASES: dict[str, str | None] = {
     **dict.fromkeys(FLOWER_CASES),
     "pack:fedavg": "strategy=fedavg",
@@ -102,6 +112,9 @@ CASES: dict[str, str | None] = {
     "pack:feddyn": "strategy=feddyn",
     "pack:feddyn+track": "strategy=feddyn strategy.track_all_clients=true",
     "pack:feddc": "strategy=feddc",
+    # The clients' state in <output-dir>/client-state only, not in context.state.
+    "pack:scaffold+disk": "strategy=scaffold client_state=disk",
+    "pack:feddc+disk": "strategy=feddc client_state=disk",
     # APFL and FedEPM count local steps in their own keys (tau, k0): one step.
     # FedEPM's paper eta, r0 and noise (tuned for logistic regression) make
     # the MLP's loss 1e12 by round 2 and NaN after, every reply then refused:

@@ -186,14 +186,14 @@ def test_a_call_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_the_state_on_disk_needs_a_folder(problem: LeastSquares, tmp_path) -> None:
-    with pytest.raises(ValueError, match="in_memory=False .* needs a state_dir"):
+    with pytest.raises(ValueError, match=r"in_memory=False .* needs a state_dir"):
         ClientState(None, in_memory=False)
-    with pytest.raises(ValueError, match="state_in_memory=False .* needs a state_dir"):
+    with pytest.raises(ValueError, match=r"state_in_memory=False .* needs a state_dir"):
         ScaffoldClient(problem.model(), problem.loader(0), state_in_memory=False)
     with pytest.raises(ValueError, match="client_state must be one of memory, disk"):
         client_state_on_disk(OmegaConf.create({"client_state": "tape"}))
     cfg = OmegaConf.create({"client_state": "disk", "checkpoint_every": 0})
-    with pytest.raises(ValueError, match="client_state=disk .* give the run config"):
+    with pytest.raises(ValueError, match=r"client_state=disk .* give the run config"):
         checkpointing(cfg, Scaffold(num_clients=2), {}, lambda: tmp_path / "run")
 
 

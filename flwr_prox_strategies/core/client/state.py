@@ -44,11 +44,12 @@ class ClientState:
     A client rule's ``self.state``: it lives in the node's ``context.state``
     (kept by Flower for the whole run, in simulation and on a SuperNode), and
     optionally in ``<state_dir>/<client_key>.npz`` so that a later run can
-    resume it, or in that file only (``in_memory=False``). Writes are two-phase: what a rule saves with
-    :meth:`set_pending` during round ``r`` becomes the state the next round
-    reads (:meth:`get`, :meth:`get_tensors`) only once the server confirms
-    that the reply of round ``r`` was aggregated, so a rejected reply or a
-    round not aggregated leaves the client as it was. Saved state is stamped
+    resume it, or in that file only (``in_memory=False``). Writes are
+    two-phase: what a rule saves with :meth:`set_pending` during round ``r``
+    becomes the state the next round reads (:meth:`get`,
+    :meth:`get_tensors`) only once the server confirms that the reply of
+    round ``r`` was aggregated, so a rejected reply or a round not aggregated
+    leaves the client as it was. Saved state is stamped
     with the run's tag: another run's file is ignored.
 
     Parameters
