@@ -164,6 +164,39 @@ def test_a_call_that_fails_keeps_on_disk_what_it_did_as_memory_would(
     assert on_disk(tmp_path / "disk", 0) == held(memory.state)
 
 
+def committed_control(state_dir: Path, key: int, strategy: Scaffold) -> np.ndarray:
+    """Client ``key``'s c_i as the server counts it (its file, resolved)."""
+    state = ClientState(None, state_dir=str(state_dir), client_key=str(key))
+    state.resolve(strategy.book.accepted.get(key, -1))
+    control = state.get("scaffold-control")
+    return np.zeros(0) if control is None else np.ravel(control[0])
+
+
+def test_a_lost_state_file_is_a_client_restarted_and_the_sums_stay_true(
+    problem: LeastSquares, tmp_path: Path
+) -> None:
+    client_fn = problem.client_fn(
+        ScaffoldClient, state_dir=str(tmp_path), state_in_memory=False, **LOCAL
+    )
+    grid = InProcessGrid(to_client_app(client_fn), num_nodes=4)
+    strategy = Scaffold(num_clients=4, fraction_evaluate=0.0, min_round_nodes=1)
+    arrays = strategy.start(
+        grid=grid, initial_arrays=problem.initial(), num_rounds=2
+    ).arrays
+    lost = committed_control(tmp_path, 1, strategy)
+    (tmp_path / "1.npz").unlink()  # the node's disk is wiped between rounds
+    strategy.round_offset = strategy.rounds_completed
+    strategy.start(grid=grid, initial_arrays=arrays, num_rounds=2)
+    # The client came back with no state: its last c_i stays in the server's
+    # sum (retired), it goes on from zero as a new client, N grows by one.
+    assert strategy.book.retired_states == 1 and strategy.num_clients == 5
+    assert not strategy.rejections
+    held_now = sum(committed_control(tmp_path, k, strategy) for k in range(4))
+    assert strategy.control is not None
+    server = strategy.num_clients * np.ravel(next(iter(strategy.control.values())))
+    np.testing.assert_allclose(server, held_now + lost, rtol=1e-5, atol=1e-6)
+
+
 def test_a_call_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
     context = Context(
         run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}
