@@ -108,6 +108,9 @@ CASES = {
         if name not in NOT_RESUMED
     },
     "central-dp": "strategy=fedprox privacy=central privacy.central.noise_multiplier=0.1",
+    # The clients' state in <output-dir>/client-state only (not in context.state).
+    "scaffold+disk": f"strategy=scaffold {EXTRA['scaffold']} client_state=disk",
+    "feddc+disk": "strategy=feddc client_state=disk",
 }
 
 
@@ -131,7 +134,7 @@ def test_four_rounds_equal_two_plus_crash_plus_resume(tmp_path: Path, name) -> N
     assert "SimulatedCrash" in partial["failure"]
     # each round's client metrics were written as the round ended
     assert [r["round"] for r in partial["rounds"] if "train" in r] == [1, 2]
-    if name in ("scaffold", "feddyn", "feddc"):
+    if name.split("+")[0] in ("scaffold", "feddyn", "feddc"):
         assert sorted(p.name for p in (crashed / "client-state").iterdir())
 
     np.random.seed(12345)  # the checkpoint's RNG state must win over this
