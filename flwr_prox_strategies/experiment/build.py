@@ -36,6 +36,7 @@ from ..core.privacy.central import central_dp
 from ..core.privacy.distributed import DistributedDP
 from ..core.privacy.secagg import SecAggPlus
 from ..core.server.strategy import ValidatedFedAvg
+from ..core.transport.grid import PromptGrid
 from ..tracking import Tracker
 from .checkpoint import (  # noqa: F401
     OUTPUT_ROOT_ENV,
@@ -313,6 +314,8 @@ class Experiment:
 
     Attributes
     ----------
+    grid : Grid
+        The grid the rounds use (:func:`rounds_grid`).
     cfg : DictConfig
         The composed configuration.
     output_dir : Path
@@ -341,6 +344,7 @@ class Experiment:
         A resumed run's RNG states, restored right before its rounds start.
     """
 
+    grid: Grid
     cfg: DictConfig
     output_dir: Path
     strategy: Any
@@ -361,7 +365,11 @@ class Experiment:
 
 
 def build_experiment(
-    grid: Grid, cfg: DictConfig, run_config: Mapping[str, Any]
+    grid: Grid,
+    cfg: DictConfig,
+    run_config: Mapping[str, Any],
+    *,
+    flower_grid: bool = False,
 ) -> Experiment:
     """Build the run that ``cfg`` describes, on ``grid``'s federation.
 
@@ -383,6 +391,7 @@ def build_experiment(
     """
     num_clients = int(cfg["num_clients"])
     num_rounds = int(cfg["num_rounds"])
+    grid = rounds_grid(grid, cfg, flower_grid=flower_grid)
     wait_for_clients(grid, num_clients, float(cfg["node_wait_timeout"]))
     strategy = build_run_strategy(cfg)
     kept = checkpointing(
@@ -422,6 +431,7 @@ def build_experiment(
         else None
     )
     return Experiment(
+        grid=grid,
         cfg=cfg,
         output_dir=output_dir,
         strategy=strategy,
@@ -586,6 +596,37 @@ def wrapped(cfg: DictConfig, strategy: Any, recorder: RunRecorder) -> Any:
     if isinstance(released, SecAggPlus):
         recorder.meta["secure-aggregation"] = repr(released)
     return released
+
+
+def rounds_grid(grid: Grid, cfg: DictConfig, *, flower_grid: bool) -> Grid:
+    """Return the grid the rounds use: ``grid``, its replies pulled as they arrive.
+
+    Flower's grids pull replies at a fixed cadence (0.1 s in simulation, 3 s in
+    a deployment); with ``prompt_replies`` (default true), the grid Flower gave
+    the ServerApp (``flower_grid``) is wrapped in a
+    :class:`~flwr_prox_strategies.core.transport.grid.PromptGrid`. Other grids
+    (the in-process engine's) hand replies over at once already.
+
+    Raises
+    ------
+    ValueError
+        If ``prompt_replies`` is not true or false.
+    """
+    prompt = cfg.get("prompt_replies", True)
+    if not isinstance(prompt, bool):
+        raise ValueError(f"prompt_replies must be true or false, got {prompt!r}")
+    if not (prompt and flower_grid):
+        return grid
+    view = PromptGrid(grid)
+    log(
+        INFO,
+        "Replies are pulled as they arrive: each wait %g of the time waited, "
+        "%g to %g s (prompt_replies=false: Flower's fixed cadence)",
+        view.share,
+        view.first_wait,
+        view.max_wait,
+    )
+    return view
 
 
 # ----------------------------------------------------------------- the clients' side

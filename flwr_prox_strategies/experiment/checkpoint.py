@@ -53,6 +53,7 @@ RESUME_FREE_KEYS = frozenset(
         CLIENT_STATE,
         "node_wait_timeout",
         "round_timeout",
+        "prompt_replies",
         "engine",
         "num_cpus_per_client",
         "cpus_per_job",

@@ -36,6 +36,8 @@ UNNAMED = (
     "cpus_per_job",
     "ray_address",
     "node_wait_timeout",
+    "prompt_replies",
+    "client_state",
 )
 
 

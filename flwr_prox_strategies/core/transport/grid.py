@@ -1,27 +1,155 @@
-"""A view of a Flower ``Grid`` that shows a strategy only its own group of nodes.
+"""Views of a Flower ``Grid``: replies handed over as they arrive, a group's nodes.
 
-P-FedAvg runs one inner strategy per logical parameter server inside one
-ServerApp. Each inner strategy samples through a :class:`GroupGrid`, which
-reports only its group's node ids; every other call goes to the real grid, so
-messages are created and sent exactly as Flower would. The outer strategy sends
+:class:`PromptGrid` waits for replies by pulling them at a cadence that grows
+with the wait, instead of the grid's fixed one. P-FedAvg runs one inner strategy
+per logical parameter server inside one ServerApp. Each inner strategy samples
+through a :class:`GroupGrid`, which reports only its group's node ids; every
+other call goes to the real grid, so messages are created and sent exactly as
+Flower would. The outer strategy sends
 all groups' messages in one ``send_and_receive`` per round. The groups come
 from :func:`assign_groups`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
+from flwr.proto.node_pb2 import NodeInfo  # type: ignore[attr-defined]
 from flwr.serverapp import Grid
 
 from .flower import Run
 
 SERVER_ID_KEY = "server-id"
 PARTITION_ID_KEY = "partition-id"
+
+
+class PromptGrid(Grid):
+    """``parent``, with replies handed over as soon as they arrive.
+
+    Flower's grids pull replies at a fixed cadence: every 0.1 s in simulation
+    (``InMemoryGrid``), every 3 s in a deployment (the ServerApp's
+    ``HttpGrid``), so a round phase whose replies arrive in 50 ms lasts 0.1 s
+    or 3 s. This view pushes the messages and pulls at once, then again
+    after waits that grow with the time waited so far (``share`` of it, at
+    least ``first_wait``), up to ``max_wait``: a phase ends at most about
+    ``share`` later than its last reply arrives (and ``first_wait``), and a
+    long one pulls as seldom as ``max_wait`` allows. Everything else goes to
+    ``parent`` unchanged.
+
+    Parameters
+    ----------
+    parent : Grid
+        The grid the ServerApp received; its ``push_messages`` returns the
+        ids the replies' ``reply_to_message_id`` name (as Flower's grids do).
+    first_wait : float (default: 0.005)
+        The shortest wait between two pulls, in seconds.
+    share : float (default: 0.1)
+        Each wait as a share of the time waited so far.
+    max_wait : float (default: 3.0)
+        The longest wait between two pulls (Flower's deployment cadence).
+    clock : Callable[[], float] (default: time.monotonic)
+        The clock the waits are measured on.
+    sleep : Callable[[float], None] (default: time.sleep)
+        How a wait is spent.
+
+    Raises
+    ------
+    ValueError
+        If a wait is not > 0, or ``share`` not in (0, 1].
+    """
+
+    def __init__(
+        self,
+        parent: Grid,
+        *,
+        first_wait: float = 0.005,
+        share: float = 0.1,
+        max_wait: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not first_wait > 0:
+            raise ValueError(f"first_wait must be > 0, got {first_wait!r}")
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share!r}")
+        if not max_wait >= first_wait:
+            raise ValueError(
+                f"max_wait must be >= first_wait ({first_wait}), got {max_wait!r}"
+            )
+        self.parent = parent
+        self.first_wait, self.share, self.max_wait = first_wait, share, max_wait
+        self.clock, self.sleep = clock, sleep
+        #: Pulls made by :meth:`send_and_receive` (what the cadence costs).
+        self.pulls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # What this view does not change is the parent's (``get_nodes``, a
+        # grid's own attributes).
+        if name == "parent":  # not set yet (copy, unpickling): not the parent's
+            raise AttributeError(name)
+        return getattr(self.parent, name)
+
+    def set_run(self, run: Run) -> None:  # noqa: D102
+        self.parent.set_run(run)
+
+    @property
+    def run(self) -> Run:  # noqa: D102
+        return self.parent.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:  # noqa: D102
+        return self.parent.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+        return self.parent.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:  # noqa: D102
+        return self.parent.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
+        return self.parent.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
+        return self.parent.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push ``messages``; return the replies once all arrived or ``timeout`` passed.
+
+        Parameters
+        ----------
+        messages : Iterable[Message]
+            The messages to send.
+        timeout : float | None (default: None)
+            Seconds to wait for replies (None: until all arrived), as Flower's
+            ``Grid.send_and_receive``.
+
+        Returns
+        -------
+        Iterable[Message]
+            The replies that arrived, in the order they were pulled.
+        """
+        waiting = set(self.parent.push_messages(messages))
+        started = self.clock()
+        deadline = None if timeout is None else started + timeout
+        replies: list[Message] = []
+        while waiting:
+            arrived = list(self.parent.pull_messages(waiting))
+            self.pulls += 1
+            replies.extend(arrived)
+            waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
+            now = self.clock()
+            if not waiting or (deadline is not None and now >= deadline):
+                break
+            wait = self.share * (now - started)
+            wait = min(self.max_wait, max(self.first_wait, wait))
+            self.sleep(wait if deadline is None else min(wait, deadline - now))
+        return replies
 
 
 class GroupGrid(Grid):

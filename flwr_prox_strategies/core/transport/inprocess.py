@@ -9,7 +9,6 @@ strategy in a debugger. Runs that must prove the engine use ``flwr run``.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable
 from uuid import uuid4
 
@@ -103,7 +102,6 @@ class InProcessGrid(Grid):
         }
         self._run = Run.create_empty(run_id)
         self._pending: dict[str, Message] = {}
-        self._ids = itertools.count(1)
         self.messages_sent = 0
         self.dead_nodes: set[int] = set()
 
@@ -154,8 +152,10 @@ class InProcessGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
         ids = []
         for message in messages:
-            message_id = str(next(self._ids))
-            self._pending[message_id] = self._deliver(message)
+            reply = self._deliver(message)
+            # The id its reply answers, as Flower's grids return.
+            message_id = reply.metadata.reply_to_message_id
+            self._pending[message_id] = reply
             ids.append(message_id)
         return ids
 
