@@ -102,6 +102,8 @@ PAYLOAD_CASES = (
     "pack:feddc",
     "pack:scaffold+disk",
     "pack:feddc+disk",
+    "pack:scaffold+fixed-poll",
+    "pack:feddc+disk+fixed-poll",
 )
 CASES: dict[str, str | None] = {
     **dict.fromkeys(FLOWER_CASES),
@@ -115,6 +117,9 @@ CASES: dict[str, str | None] = {
     # The clients' state in <output-dir>/client-state only, not in context.state.
     "pack:scaffold+disk": "strategy=scaffold client_state=disk",
     "pack:feddc+disk": "strategy=feddc client_state=disk",
+    # Replies pulled at Flower's fixed cadence (the app pulls them as they arrive).
+    "pack:scaffold+fixed-poll": "strategy=scaffold prompt_replies=false",
+    "pack:feddc+disk+fixed-poll": "strategy=feddc client_state=disk prompt_replies=false",
     # APFL and FedEPM count local steps in their own keys (tau, k0): one step.
     # FedEPM's paper eta, r0 and noise (tuned for logistic regression) make
     # the MLP's loss 1e12 by round 2 and NaN after, every reply then refused:
