@@ -3,8 +3,8 @@
 The public API: strategies (server side), their clients (a ``NumPyClient`` each,
 taking your ``torch.nn.Module`` and data loaders) and client rules (the same
 client side, for your own training loop), the adapter that mounts a
-``NumPyClient`` on a Message-API ``ClientApp``, the privacy pieces and the
-errors a run raises.
+``NumPyClient`` on a Message-API ``ClientApp``, the privacy pieces, a grid
+view that hands replies over as they arrive, and the errors a run raises.
 
 >>> from flwr_prox_strategies import FedProx, FedProxClient, to_client_app
 
@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # loaded on first use (__getattr__ below); type checkers see 
         EveryClientRetiredError,
         NoRoundAggregatedError,
     )
+    from .core.transport.grid import PromptGrid
 
 PROXIMAL_MU_KEY: str
 """The train-config key of FedProx's :math:`\\mu`, ``"proximal-mu"``.
@@ -101,6 +102,7 @@ __all__ = [
     "PFedAvgServer",
     "PrivacyBudgetExhausted",
     "PrivacyBudgetSpentError",
+    "PromptGrid",
     "ProtocolError",
     "SFedAvg",
     "SFedAvgClient",
@@ -164,6 +166,7 @@ _SOURCES = {
     ".core.privacy.distributed": ("DistributedDP", "PrivacyBudgetSpentError"),
     ".core.privacy.secagg": ("SecAggPlus",),
     ".core.privacy.uploads": ("LaplaceUploadMod",),
+    ".core.transport.grid": ("PromptGrid",),
     ".core.server.outcome": (
         "AggregationStalledError",
         "EveryClientRetiredError",

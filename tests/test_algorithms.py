@@ -96,7 +96,7 @@ USER_API = {
     "EveryClientRetiredError", "AggregationStalledError",
     "DPSGD", "make_private_model", "PrivacyBudgetExhausted", "LaplaceUploadMod", "SecAggPlus", "SecAggPlusMod",
     "DistributedDP", "PrivacyBudgetSpentError", "FederatedPart", "federated_part",
-    "ClientSideFixedClipping", "ServerSideFixedClipping",
+    "ClientSideFixedClipping", "ServerSideFixedClipping", "PromptGrid",
 }  # fmt: skip
 
 EXTEND_API = {
