@@ -407,7 +407,7 @@ def print_breakdown(rows: list[dict[str, Any]], rounds: int) -> None:
     of it engine and client work.
     """
     print(
-        f"\n{'case':24}{'nodes':>7}{'s/round':>9}{'call ms':>9}{'clients':>9}"
+        f"\n{'case':28}{'nodes':>7}{'s/round':>9}{'call ms':>9}{'clients':>9}"
         f"{'engine':>8}{'strategy':>9}{'central':>8}{'write':>7}{'state MB':>9}",
         flush=True,
     )
@@ -424,7 +424,7 @@ def print_breakdown(rows: list[dict[str, Any]], rounds: int) -> None:
             }
         )
         print(
-            f"{row['case']:24}{row['nodes']:>7}{row['s-per-round']:9.3f}{ms:9.1f}"
+            f"{row['case']:28}{row['nodes']:>7}{row['s-per-round']:9.3f}{ms:9.1f}"
             f"{clients:9.3f}{grid - clients:8.3f}{row.get('strategy-s', 0):9.3f}"
             f"{row.get('central-s', 0):8.3f}{row.get('write-s', 0):7.3f}"
             f"{state_mb:9.2f}",
@@ -447,7 +447,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     header = (
-        f"{'case':24}{'nodes':>7}{'s/round':>9}{'se':>7}{'x flower':>9}"
+        f"{'case':28}{'nodes':>7}{'s/round':>9}{'se':>7}{'x flower':>9}"
         f"{'round 1 s':>10}{'server MB':>10}{'all MB':>9}{'results KB':>11}"
         f"{'x payload':>10}{'MB x payload':>13}{'x trained':>10}{'MB x trained':>13}"
     )
@@ -457,7 +457,7 @@ def main() -> None:
         for case in args.cases:
             if case == "pack:fedepm" and nodes > DENSE_FEDEPM_NODES:
                 print(
-                    f"{case:24}{nodes:>7}  not run: the dense table is one model a "
+                    f"{case:28}{nodes:>7}  not run: the dense table is one model a "
                     "client (10,000 x 0.8 MB = 8 GB, and its round sorts float64 "
                     "copies of it); use strategy.table=seen (next line)",
                     flush=True,
@@ -466,7 +466,7 @@ def main() -> None:
             try:
                 row = run_case(case, nodes, args.rounds)
             except (RuntimeError, OSError, ValueError, KeyError) as err:
-                print(f"{case:24}{nodes:>7}  FAILED: {err}", flush=True)
+                print(f"{case:28}{nodes:>7}  FAILED: {err}", flush=True)
                 continue
             if case in FLOWER_CASES:
                 base[case] = row
@@ -487,7 +487,7 @@ def main() -> None:
                 )
             rows.append(row)
             print(
-                f"{case:24}{nodes:>7}{row['s-per-round']:9.3f}"
+                f"{case:28}{nodes:>7}{row['s-per-round']:9.3f}"
                 f"{row['s-per-round-se']:7.3f}{row['ratio']:9.2f}"
                 f"{row['first-round-s']:10.1f}{row['server-peak-mb']:10.0f}"
                 f"{row['all-peak-mb']:9.0f}{row['results-kb']:11.1f}"
