@@ -154,7 +154,13 @@ def test_bad_waits_are_refused_by_name(option: str, value: float) -> None:
         PromptGrid(TimedGrid(Clock(), []), **{option: value})
 
 
-def test_the_app_pulls_flowers_grid_promptly_and_runs_the_same(
+class PollingGrid(InProcessGrid):
+    """Replies at once, and a fixed cadence of its own, as Flower's simulation grid."""
+
+    pull_interval = 0.1
+
+
+def test_the_app_pulls_a_polling_grid_promptly_and_runs_the_same(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from apps.client_app import app as client_app
@@ -162,27 +168,52 @@ def test_the_app_pulls_flowers_grid_promptly_and_runs_the_same(
 
     overrides = "strategy=scaffold num_clients=3 num_rounds=2 model=logreg"
     central = {}
-    for prompt_replies in ("true", "false"):
+    for prompt_replies in ("auto", "false"):
         out = tmp_path / prompt_replies
         run_config = {
             "overrides": f"{overrides} prompt_replies={prompt_replies}",
             "output-dir": str(out),
         }
-        grid = InProcessGrid(client_app, num_nodes=3, run_config=run_config)
+        grid = PollingGrid(client_app, num_nodes=3, run_config=run_config)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="flwr"):
-            run_experiment(grid, run_config, flower_grid=True)
+            run_experiment(grid, run_config)
         said = "Replies are pulled as they arrive" in caplog.text
-        assert said == (prompt_replies == "true")
+        assert said == (prompt_replies == "auto")
+        assert "0.005 to 0.1 s" in caplog.text or prompt_replies == "false"
         rounds = json.loads((out / "results.json").read_text())["rounds"]
         central[prompt_replies] = [r["central"] for r in rounds]
-    assert central["true"] == central["false"]
+    assert central["auto"] == central["false"]
     run_config = {
         "overrides": f"{overrides} prompt_replies=3",
         "output-dir": str(tmp_path / "refused"),
     }
-    with pytest.raises(ValueError, match="prompt_replies must be true or false"):
+    with pytest.raises(ValueError, match="prompt_replies must be auto, true or false"):
         run_experiment(
             InProcessGrid(client_app, num_nodes=3, run_config=run_config), run_config
         )
     assert not (tmp_path / "refused").exists()
+
+
+def test_only_a_grid_with_a_fixed_cadence_is_wrapped() -> None:
+    from omegaconf import OmegaConf
+
+    from flwr_prox_strategies.experiment.build import rounds_grid
+
+    auto, on, off = (
+        OmegaConf.create({"prompt_replies": v}) for v in ("auto", True, False)
+    )
+    polling = PollingGrid(lambda message, context: message, num_nodes=1)
+    for setting in (auto, on):
+        view = rounds_grid(polling, setting)
+        assert isinstance(view, PromptGrid)
+        assert view.max_wait == polling.pull_interval
+    assert rounds_grid(polling, off) is polling
+    # Replies at once (the in-process engine), or a deployment's HttpGrid,
+    # whose SuperNodes' own 3 s polling sets the pace: as they are, unless true.
+    instant = InProcessGrid(lambda message, context: message, num_nodes=1)
+    assert rounds_grid(instant, auto) is instant
+    view = rounds_grid(instant, on)
+    assert isinstance(view, PromptGrid) and view.max_wait == 3.0
+    polling.pull_interval = 0.001  # already as prompt as the view would be
+    assert rounds_grid(polling, auto) is polling

@@ -28,4 +28,4 @@ def main(grid: Grid, context: Context) -> None:
     # server's pipeline (Hydra, torch, every algorithm) is not for it to load.
     from .server import run_experiment
 
-    run_experiment(grid, context.run_config, flower_grid=True)
+    run_experiment(grid, context.run_config)

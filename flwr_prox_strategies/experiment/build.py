@@ -36,7 +36,7 @@ from ..core.privacy.central import central_dp
 from ..core.privacy.distributed import DistributedDP
 from ..core.privacy.secagg import SecAggPlus
 from ..core.server.strategy import ValidatedFedAvg
-from ..core.transport.grid import PromptGrid
+from ..core.transport.grid import FIRST_WAIT, PromptGrid
 from ..tracking import Tracker
 from .checkpoint import (  # noqa: F401
     OUTPUT_ROOT_ENV,
@@ -365,11 +365,7 @@ class Experiment:
 
 
 def build_experiment(
-    grid: Grid,
-    cfg: DictConfig,
-    run_config: Mapping[str, Any],
-    *,
-    flower_grid: bool = False,
+    grid: Grid, cfg: DictConfig, run_config: Mapping[str, Any]
 ) -> Experiment:
     """Build the run that ``cfg`` describes, on ``grid``'s federation.
 
@@ -391,7 +387,7 @@ def build_experiment(
     """
     num_clients = int(cfg["num_clients"])
     num_rounds = int(cfg["num_rounds"])
-    grid = rounds_grid(grid, cfg, flower_grid=flower_grid)
+    grid = rounds_grid(grid, cfg)
     wait_for_clients(grid, num_clients, float(cfg["node_wait_timeout"]))
     strategy = build_run_strategy(cfg)
     kept = checkpointing(
@@ -598,30 +594,38 @@ def wrapped(cfg: DictConfig, strategy: Any, recorder: RunRecorder) -> Any:
     return released
 
 
-def rounds_grid(grid: Grid, cfg: DictConfig, *, flower_grid: bool) -> Grid:
+def rounds_grid(grid: Grid, cfg: DictConfig) -> Grid:
     """Return the grid the rounds use: ``grid``, its replies pulled as they arrive.
 
-    Flower's grids pull replies at a fixed cadence (0.1 s in simulation, 3 s in
-    a deployment); with ``prompt_replies`` (default true), the grid Flower gave
-    the ServerApp (``flower_grid``) is wrapped in a
-    :class:`~flwr_prox_strategies.core.transport.grid.PromptGrid`. Other grids
-    (the in-process engine's) hand replies over at once already.
+    Flower's simulation grid pulls replies every ``pull_interval`` (0.1 s), so
+    a round lasts a whole number of pulls. ``prompt_replies``:
+
+    * ``auto`` (default): a grid with such a cadence is wrapped in a
+      :class:`~flwr_prox_strategies.core.transport.grid.PromptGrid` that
+      pulls at most that far apart. Other grids are used as they are: the
+      in-process engine's hands replies over at once, and in a deployment the
+      SuperNodes' own 3 s polling sets the pace (pulling promptly there
+      gained nothing: ``benchmarks/prompt_replies.py``);
+    * ``true``: any grid is wrapped (waits up to its cadence, else 3 s);
+    * ``false``: none is.
 
     Raises
     ------
     ValueError
-        If ``prompt_replies`` is not true or false.
+        If ``prompt_replies`` is none of ``auto``, true, false.
     """
-    prompt = cfg.get("prompt_replies", True)
-    if not isinstance(prompt, bool):
-        raise ValueError(f"prompt_replies must be true or false, got {prompt!r}")
-    if not (prompt and flower_grid):
+    prompt = cfg.get("prompt_replies", "auto")
+    if not (prompt == "auto" or isinstance(prompt, bool)):
+        raise ValueError(f"prompt_replies must be auto, true or false, got {prompt!r}")
+    cadence: Any = getattr(grid, "pull_interval", None)
+    fixed = isinstance(cadence, int | float) and cadence > FIRST_WAIT
+    if prompt is False or (prompt == "auto" and not fixed):
         return grid
-    view = PromptGrid(grid)
+    view = PromptGrid(grid, max_wait=float(cadence)) if fixed else PromptGrid(grid)
     log(
         INFO,
         "Replies are pulled as they arrive: each wait %g of the time waited, "
-        "%g to %g s (prompt_replies=false: Flower's fixed cadence)",
+        "%g to %g s (prompt_replies=false: the grid's own cadence)",
         view.share,
         view.first_wait,
         view.max_wait,

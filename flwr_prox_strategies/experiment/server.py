@@ -30,7 +30,6 @@ def run_experiment(
     run_config: Mapping[str, Any],
     *,
     cfg: DictConfig | None = None,
-    flower_grid: bool = False,
 ) -> tuple[Result, Path]:
     """Run the composed experiment on ``grid``; write results and plots.
 
@@ -47,9 +46,6 @@ def run_experiment(
         ``output-dir``, ``output-root``, ``resume``.
     cfg : DictConfig | None (default: None)
         The composed configuration, when the caller composed it already.
-    flower_grid : bool (default: False)
-        ``grid`` is the one Flower gave the ServerApp (see
-        :func:`.build.rounds_grid`).
 
     Returns
     -------
@@ -58,7 +54,7 @@ def run_experiment(
     """
     if cfg is None:  # names checked here; each target located as it is built
         cfg = config_from_run_config(run_config, locate=False)
-    experiment = build_experiment(grid, cfg, run_config, flower_grid=flower_grid)
+    experiment = build_experiment(grid, cfg, run_config)
     outcome = run_rounds(experiment.grid, experiment)
     return record_run(experiment, outcome)
 

@@ -24,6 +24,8 @@ from flwr.serverapp import Grid
 
 from .flower import Run
 
+#: PromptGrid's shortest wait between two pulls, in seconds.
+FIRST_WAIT = 0.005
 SERVER_ID_KEY = "server-id"
 PARTITION_ID_KEY = "partition-id"
 
@@ -67,7 +69,7 @@ class PromptGrid(Grid):
         self,
         parent: Grid,
         *,
-        first_wait: float = 0.005,
+        first_wait: float = FIRST_WAIT,
         share: float = 0.1,
         max_wait: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
