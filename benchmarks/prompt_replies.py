@@ -1,8 +1,10 @@
 """Seconds a round on a real loopback deployment, replies pulled promptly or not.
 
-The pack's app pulls replies as they arrive (``prompt_replies=true``, the
-default) instead of at Flower's fixed cadence (the ServerApp's ``HttpGrid``
-sleeps 3 s between pulls). Side by side in one run: the same SCAFFOLD run
+The pack's app pulls replies as they arrive in simulation
+(``prompt_replies=auto``, the default), where Flower's grid pulls every 0.1 s.
+In a deployment, the ServerApp's ``HttpGrid`` sleeps 3 s between pulls, and
+``auto`` leaves it so; ``true`` pulls promptly there too. This measures what
+that would gain. Side by side in one run: the same SCAFFOLD run
 (2 SuperNodes, logistic regression on the digits, one local epoch, federated
 evaluation on every node, 5 rounds) on a fresh insecure loopback deployment
 (SuperLink and SuperNodes as separate processes), once with each setting.
