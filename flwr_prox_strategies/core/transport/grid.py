@@ -1,11 +1,12 @@
 """Views of a Flower ``Grid``: replies handed over as they arrive, a group's nodes.
 
 :class:`PromptGrid` waits for replies by pulling them at a cadence that grows
-with the wait, instead of the grid's fixed one. P-FedAvg runs one inner strategy
-per logical parameter server inside one ServerApp. Each inner strategy samples
-through a :class:`GroupGrid`, which reports only its group's node ids; every
-other call goes to the real grid, so messages are created and sent exactly as
-Flower would. The outer strategy sends
+with the wait, instead of the grid's fixed one.
+
+P-FedAvg runs one inner strategy per logical parameter server inside one
+ServerApp. Each inner strategy samples through a :class:`GroupGrid`, which
+reports only its group's node ids; every other call goes to the real grid, so
+messages are created and sent exactly as Flower would. The outer strategy sends
 all groups' messages in one ``send_and_receive`` per round. The groups come
 from :func:`assign_groups`.
 """
@@ -15,14 +16,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
-from flwr.proto.node_pb2 import NodeInfo  # type: ignore[attr-defined]
 from flwr.serverapp import Grid
 
 from .flower import Run
+
+if TYPE_CHECKING:  # Flower 1.42's; 1.21 has no NodeInfo (nor Grid.get_nodes)
+    from flwr.proto.node_pb2 import NodeInfo  # type: ignore[attr-defined]
 
 #: PromptGrid's shortest wait between two pulls, in seconds.
 FIRST_WAIT = 0.005
