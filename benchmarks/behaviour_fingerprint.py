@@ -66,6 +66,8 @@ RUNS: dict[str, list[str]] = {
     # The same FedProx run through `flwr run` (Ray simulation, SuperNodes).
     "fedprox-flwr-run": ["strategy=fedprox", "engine=flwr"],
 }
+# The checkpoint's rounds: one JSON text (a uint8 array) holding their timings too.
+ROUNDS_JSON = "rounds-json"
 # Keys whose values are wall-clock readings, not computed results.
 CLOCK = ("timing", "elapsed-s", "wall-time-s", "round-s", "seconds", "time-s")
 
@@ -82,6 +84,12 @@ def without_clock(value: object) -> object:
     return value
 
 
+def clock_free(array: np.ndarray) -> np.ndarray:
+    """The checkpoint's rounds (one JSON text) without their wall-clock readings."""
+    rounds = without_clock(json.loads(array.tobytes().decode()))
+    return np.frombuffer(json.dumps(rounds, sort_keys=True).encode(), dtype=np.uint8)
+
+
 def digest(folder: Path) -> tuple[str, str]:
     results = json.loads((folder / "results.json").read_text())
     results.pop("config", None)  # the composed config: same overrides, same config
@@ -95,16 +103,18 @@ def digest(folder: Path) -> tuple[str, str]:
         document.pop(volatile)
     document.pop("config", None)
 
-    def resolve(value: object) -> object:
+    def resolve(value: object, key: str = "") -> object:
         if isinstance(value, dict) and set(value) == {"$array"}:
             array = arrays[value["$array"]]
+            if key == ROUNDS_JSON:
+                array = clock_free(array)
             return [
                 str(array.dtype),
                 list(array.shape),
                 hashlib.sha256(array).hexdigest(),
             ]
         if isinstance(value, dict):  # a run's random tag (P-FedAvg: one per server)
-            return {k: resolve(v) for k, v in value.items() if k != "run-tag"}
+            return {k: resolve(v, k) for k, v in value.items() if k != "run-tag"}
         if isinstance(value, list):
             return [resolve(v) for v in value]
         if isinstance(value, str):  # the client-state folder: where --out put it
@@ -127,7 +137,8 @@ def arrays_of(folder: Path) -> dict[str, np.ndarray]:
 
     def walk(value: object, path: str) -> None:
         if isinstance(value, dict) and set(value) == {"$array"}:
-            found[path] = arrays[value["$array"]]
+            array = arrays[value["$array"]]
+            found[path] = clock_free(array) if path.endswith(ROUNDS_JSON) else array
         elif isinstance(value, dict):
             for key, item in value.items():
                 if key not in ("rng", "saved-at"):
