@@ -37,14 +37,14 @@ class PromptGrid(Grid):
     """``parent``, with replies handed over as soon as they arrive.
 
     Flower's grids pull replies at a fixed cadence: every 0.1 s in simulation
-    (``InMemoryGrid``), every 3 s in a deployment (the ServerApp's
-    ``HttpGrid``), so a round phase whose replies arrive in 50 ms lasts 0.1 s
-    or 3 s. This view pushes the messages and pulls at once, then again
-    after waits that grow with the time waited so far (``share`` of it, at
-    least ``first_wait``), up to ``max_wait``: a phase ends at most about
-    ``share`` later than its last reply arrives (and ``first_wait``), and a
-    long one pulls as seldom as ``max_wait`` allows. Everything else goes to
-    ``parent`` unchanged.
+    (``InMemoryGrid``), so a round phase whose replies arrive in 50 ms lasts
+    0.1 s, and every 3 s in a deployment (the ServerApp's ``HttpGrid``, whose
+    SuperNodes poll every 3 s too and set the pace there). This view pushes
+    the messages and pulls at once, then again after waits that grow with the
+    time waited so far (``share`` of it, at least ``first_wait``), up to
+    ``max_wait``: a phase ends at most about ``share`` later than its last
+    reply arrives (and ``first_wait``), and a long one pulls as seldom as
+    ``max_wait`` allows. Everything else goes to ``parent`` unchanged.
 
     Parameters
     ----------
