@@ -33,7 +33,41 @@ SERVER_ID_KEY = "server-id"
 PARTITION_ID_KEY = "partition-id"
 
 
-class PromptGrid(Grid):
+class GridView(Grid):
+    """A Flower ``Grid`` that passes every call on to ``parent``.
+
+    The views below subclass it and override only what they change.
+    """
+
+    def __init__(self, parent: Grid) -> None:
+        self.parent = parent
+
+    def set_run(self, run: Run) -> None:  # noqa: D102
+        self.parent.set_run(run)
+
+    @property
+    def run(self) -> Run:  # noqa: D102
+        return self.parent.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:  # noqa: D102
+        return self.parent.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+        return self.parent.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
+        return self.parent.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
+        return self.parent.pull_messages(message_ids)
+
+    def send_and_receive(  # noqa: D102
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self.parent.send_and_receive(messages, timeout=timeout)
+
+
+class PromptGrid(GridView):
     """``parent``, with replies handed over as soon as they arrive.
 
     Flower's grids pull replies at a fixed cadence: every 0.1 s in simulation
@@ -86,7 +120,7 @@ class PromptGrid(Grid):
             raise ValueError(
                 f"max_wait must be >= first_wait ({first_wait}), got {max_wait!r}"
             )
-        self.parent = parent
+        super().__init__(parent)
         self.first_wait, self.share, self.max_wait = first_wait, share, max_wait
         self.clock, self.sleep = clock, sleep
         #: Pulls made by :meth:`send_and_receive` (what the cadence costs).
@@ -99,27 +133,8 @@ class PromptGrid(Grid):
             raise AttributeError(name)
         return getattr(self.parent, name)
 
-    def set_run(self, run: Run) -> None:  # noqa: D102
-        self.parent.set_run(run)
-
-    @property
-    def run(self) -> Run:  # noqa: D102
-        return self.parent.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:  # noqa: D102
-        return self.parent.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return self.parent.get_node_ids()
-
     def get_nodes(self) -> Iterable[NodeInfo]:  # noqa: D102
         return self.parent.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
-        return self.parent.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
-        return self.parent.pull_messages(message_ids)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -157,38 +172,16 @@ class PromptGrid(Grid):
         return replies
 
 
-class GroupGrid(Grid):
+class GroupGrid(GridView):
     """The ``parent`` grid restricted to the node ids in ``group``."""
 
     def __init__(self, parent: Grid, group: Iterable[int]) -> None:
-        self.parent = parent
+        super().__init__(parent)
         self.group = frozenset(int(n) for n in group)
-
-    def set_run(self, run: Run) -> None:  # noqa: D102
-        self.parent.set_run(run)
-
-    @property
-    def run(self) -> Run:  # noqa: D102
-        return self.parent.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:  # noqa: D102
-        # Passed on as given: the view adds nothing to what the parent builds.
-        return self.parent.create_message(*args, **kwargs)
 
     def get_node_ids(self) -> list[int]:
         """Return the connected nodes of this group (sorted)."""
         return sorted(n for n in self.parent.get_node_ids() if n in self.group)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
-        return self.parent.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:  # noqa: D102
-        return self.parent.pull_messages(message_ids)
-
-    def send_and_receive(  # noqa: D102
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return self.parent.send_and_receive(messages, timeout=timeout)
 
 
 def query_node_configs(grid: Grid, nodes: list[int]) -> dict[int, dict[str, Any]]:
