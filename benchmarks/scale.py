@@ -35,6 +35,9 @@ actors on 2 cores), side by side in one run:
     ``<output-dir>/client-state`` only, not in Flower's ``context.state``, so
     the simulation process holds no node's state (a file read and written per
     call instead).
+``pack:<strategy>...+fixed-poll``
+    The same with ``prompt_replies=false``: replies pulled at the simulation
+    grid's fixed 0.1 s cadence, as Flower's cases are, not as they arrive.
 
 Printed per case: seconds per round (mean over rounds 2..R, from the time each
 round ended: ``elapsed-s`` in the pack's ``results.json``, the evaluate
@@ -96,15 +99,6 @@ FLOWER_CASES: dict[str, dict[str, int]] = {
     "flower+payload": {"extra-records": 1, "train": 0},
     "flower+payload+train": {"extra-records": 1, "train": 1},
 }
-# the pack's cases priced against the payload cases (two model-sized records each way)
-PAYLOAD_CASES = (
-    "pack:scaffold",
-    "pack:feddc",
-    "pack:scaffold+disk",
-    "pack:feddc+disk",
-    "pack:scaffold+fixed-poll",
-    "pack:feddc+disk+fixed-poll",
-)
 CASES: dict[str, str | None] = {
     **dict.fromkeys(FLOWER_CASES),
     "pack:fedavg": "strategy=fedavg",
@@ -128,6 +122,13 @@ CASES: dict[str, str | None] = {
     "pack:fedepm": f"strategy=fedepm {FEDEPM}",
     "pack:fedepm+seen": f"strategy=fedepm {FEDEPM} strategy.table=seen",
 }
+# the pack's cases priced against the payload cases (two model-sized records each
+# way): every SCAFFOLD and FedDC case
+PAYLOAD_CASES = tuple(
+    case
+    for case, overrides in CASES.items()
+    if overrides and overrides.split()[0] in ("strategy=scaffold", "strategy=feddc")
+)
 
 
 def fashion_dir() -> Path:

@@ -26,10 +26,7 @@ from .run import run_rounds
 
 
 def run_experiment(
-    grid: Grid,
-    run_config: Mapping[str, Any],
-    *,
-    cfg: DictConfig | None = None,
+    grid: Grid, run_config: Mapping[str, Any], *, cfg: DictConfig | None = None
 ) -> tuple[Result, Path]:
     """Run the composed experiment on ``grid``; write results and plots.
 
