@@ -11,6 +11,7 @@ it cannot name.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,101 @@ def test_a_call_that_changes_nothing_writes_nothing(tmp_path: Path) -> None:
     reader.close()
     assert ClientState(context, state_dir=str(tmp_path), in_memory=False).get("h")
     assert not context.state.array_records
+
+
+def _disk_state(folder: Path) -> ClientState:
+    """A state on disk holding a committed and a pending record of two arrays."""
+    state = ClientState(None, state_dir=str(folder), in_memory=False)
+    state.set("h", [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4)])
+    state.set_pending("h", [np.full((2, 3), 2, np.float32), np.zeros(4)], 3)
+    state.close()
+    return state
+
+
+def _arrays(state: ClientState) -> dict[str, list[np.ndarray]]:
+    return {name: state.get(name) or [] for name in state.records.array_records}
+
+
+def test_the_state_file_is_numpys_npz_and_reads_back_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    written = _disk_state(tmp_path)
+    path = tmp_path / "client.npz"
+    with np.load(path) as data:  # users can open it with numpy
+        assert sorted(data.files) == sorted(
+            f"{name}\x1f{key}"
+            for name, record in written.records.array_records.items()
+            for key in record
+        )
+        np.testing.assert_array_equal(data["h\x1f0"], np.arange(6).reshape(2, 3))
+    read = ClientState(None, state_dir=str(tmp_path), in_memory=False)
+    for name, record in written.records.array_records.items():
+        assert list(read.records[name].keys()) == list(record.keys())
+        assert all(read.records[name][k].data == a.data for k, a in record.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["client.npz"]
+
+
+def test_a_state_file_numpy_wrote_reads_the_same(tmp_path: Path) -> None:
+    """Files of earlier versions (``np.savez`` of every array) resume as they were."""
+    written = _disk_state(tmp_path / "pack")
+    payload = {
+        f"{name}\x1f{key}": array.numpy()
+        for name, record in written.records.array_records.items()
+        for key, array in record.items()
+    }
+    (tmp_path / "numpy").mkdir()
+    np.savez(tmp_path / "numpy" / "client.npz", **payload)  # type: ignore[arg-type]
+    read = ClientState(None, state_dir=str(tmp_path / "numpy"), in_memory=False)
+    assert read.records.array_records.keys() == written.records.array_records.keys()
+    for name, arrays in _arrays(written).items():
+        for ours, theirs in zip(_arrays(read)[name], arrays, strict=True):
+            assert ours.dtype == theirs.dtype
+            np.testing.assert_array_equal(ours, theirs)
+
+
+def test_a_write_cut_short_leaves_the_state_before_it(tmp_path: Path) -> None:
+    """A crash between the write's two moves: ``<stem>.old.npz`` is read, then replaced.
+
+    The call that crashed never replied, so the state before it is the one
+    the server's sums count; a leftover ``.tmp.npz`` is never read.
+    """
+    before = _arrays(_disk_state(tmp_path))
+    path = tmp_path / "client.npz"
+    path.replace(tmp_path / "client.old.npz")  # the first move done, not the second
+    (tmp_path / "client.tmp.npz").write_bytes(b"half a zip")
+    state = ClientState(None, state_dir=str(tmp_path), in_memory=False)
+    assert set(_arrays(state)) == set(before)
+    for name, arrays in before.items():
+        for ours, theirs in zip(_arrays(state)[name], arrays, strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+    assert state.resolve(None) == "committed"
+    state.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["client.npz"]
+    again = ClientState(None, state_dir=str(tmp_path), in_memory=False)
+    np.testing.assert_array_equal(again.get("h")[0], np.full((2, 3), 2))  # type: ignore[index]
+
+
+def test_a_corrupt_state_file_is_refused_not_read(tmp_path: Path) -> None:
+    _disk_state(tmp_path)
+    path = tmp_path / "client.npz"
+    data = bytearray(path.read_bytes())
+    # the last float of the first array: the zip still parses, its CRC fails
+    at = data.index(np.arange(6, dtype=np.float32).tobytes()) + 20
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(zipfile.BadZipFile, match="bad CRC"):
+        ClientState(None, state_dir=str(tmp_path), in_memory=False)
+    path.write_bytes(b"not a zip at all")
+    with pytest.raises(zipfile.BadZipFile):
+        ClientState(None, state_dir=str(tmp_path), in_memory=False)
+
+
+def test_a_state_file_holding_objects_is_refused(tmp_path: Path) -> None:
+    archive = zipfile.ZipFile(tmp_path / "client.npz", "w")
+    with archive, archive.open("h\x1f0.npy", "w") as member:
+        np.save(member, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="allow_pickle"):
+        ClientState(None, state_dir=str(tmp_path), in_memory=False)
 
 
 def test_the_state_on_disk_needs_a_folder(problem: LeastSquares, tmp_path) -> None:

@@ -160,6 +160,47 @@ def to_array(value: NDArray) -> Array:
     )
 
 
+def array_of_npy(data: bytes) -> Array:
+    """Return the ``Array`` whose payload is the ``.npy`` bytes ``data``.
+
+    The bytes np.save writes for a C-ordered array become the payload as they
+    are (what :func:`to_array` builds); any other ``.npy`` is read and rebuilt.
+
+    Raises
+    ------
+    ValueError
+        If ``data`` is not a ``.npy`` payload, or holds objects.
+    """
+    # The header np.save writes, up to its newline (version 1.0: a 2-byte size).
+    size = 10 + int.from_bytes(data[8:10], "little") if len(data) >= 10 else 0
+    layout = _npy_layout(data[:size]) if data[:8] == b"\x93NUMPY\x01\x00" else None
+    if layout is not None:
+        dtype, shape, count = layout
+        if len(data) == size + count * dtype.itemsize:
+            return Array(dtype=str(dtype), shape=shape, stype=NUMPY_STYPE, data=data)
+    return to_array(np.lib.format.read_array(io.BytesIO(data), allow_pickle=False))
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_layout(header: bytes) -> tuple[np.dtype, tuple[int, ...], int] | None:
+    """Return (dtype, shape, count) of a ``.npy`` header :func:`to_array` writes.
+
+    None for any other header (version, order or spacing).
+
+    Cached: parsing a header evaluates its text, and a model's state files
+    hold the same dozen headers at every read.
+    """
+    try:
+        stream = io.BytesIO(header[8:])  # after the magic
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+    except ValueError:
+        return None
+    layout = None if fortran else _expected_layout(str(dtype), tuple(shape))
+    if layout is None or layout[0] != header:
+        return None
+    return layout[1], tuple(shape), layout[2]
+
+
 def to_ndarrays(record: ArrayRecord) -> list[NDArray]:
     """Return the record's arrays as writable numpy arrays, in key order.
 
