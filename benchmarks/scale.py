@@ -54,7 +54,7 @@ process, which splits the wait into client work and engine; and the MB of
 ``context.state`` a trained node holds is printed.
 
 Run: ``python benchmarks/scale.py [--nodes 1000 10000] [--rounds 30]
-[--cases ...] [--breakdown]`` (nothing else running: it times rounds). Figures:
+[--cases ...] [--repeats N] [--breakdown]`` (nothing else running: it times rounds). Figures:
 ``benchmarks/README.md``, "Thousands of clients".
 """
 
@@ -71,6 +71,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from math import nan
 from pathlib import Path
 from typing import Any
@@ -397,6 +398,51 @@ def run_case(case: str, nodes: int, rounds: int) -> dict[str, Any]:
     }
 
 
+def add_ratios(row: dict[str, Any], ran: Mapping[str, dict[str, Any]]) -> None:
+    """Add a case's ratios to the Flower cases run beside it (NaN: none, not priced)."""
+    flower = ran.get("flower")
+    row["ratio"] = row["s-per-round"] / flower["s-per-round"] if flower else nan
+    for key, reference in (
+        ("payload", "flower+payload"),
+        ("trained", "flower+payload+train"),
+    ):
+        payload = ran.get(reference) if row["case"] in PAYLOAD_CASES else None
+        row[f"x-{key}"] = (
+            row["s-per-round"] / payload["s-per-round"] if payload else nan
+        )
+        row[f"server-mb-x-{key}"] = (
+            row["server-peak-mb"] / payload["server-peak-mb"] if payload else nan
+        )
+
+
+def print_repeats(rows: list[dict[str, Any]]) -> None:
+    """Each case's mean seconds a round over the repeats, and its paired ratios.
+
+    A ratio is taken within a repeat (the pack's case over the payload case
+    run beside it), then averaged, with the lowest and highest of the
+    repeats: on a machine whose speed drifts, a case run ten minutes later
+    can be a fifth faster or slower, more than any difference measured.
+    """
+    print(
+        f"\n{'case':28}{'nodes':>7}{'repeats':>8}{'s/round':>9}{'x payload':>10}"
+        f"{'min-max':>12}{'x trained':>10}{'min-max':>12}",
+        flush=True,
+    )
+    cases = dict.fromkeys((row["case"], row["nodes"]) for row in rows)
+    for case, nodes in cases:
+        runs = [r for r in rows if r["case"] == case and r["nodes"] == nodes]
+        seconds = statistics.mean(r["s-per-round"] for r in runs)
+        line = f"{case:28}{nodes:>7}{len(runs):>8}{seconds:9.3f}"
+        for key in ("x-payload", "x-trained"):
+            ratios = [r[key] for r in runs if r[key] == r[key]]  # not NaN
+            if ratios:
+                spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+                line += f"{statistics.mean(ratios):10.2f}{spread:>12}"
+            else:
+                line += f"{'':10}{'':12}"
+        print(line, flush=True)
+
+
 def print_breakdown(rows: list[dict[str, Any]], rounds: int) -> None:
     """Split each case's round: engine, client work, strategy, central, writing.
 
@@ -439,6 +485,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the list of cases this many times, every other time in "
+        "reverse, and print each case's mean over the repeats and its ratios "
+        "to the payload cases of the same repeat (the machine drifts between runs)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also time one ClientApp call of each case in this process and "
@@ -453,9 +507,11 @@ def main() -> None:
         f"{'x payload':>10}{'MB x payload':>13}{'x trained':>10}{'MB x trained':>13}"
     )
     print(header, flush=True)
-    for nodes in args.nodes:
-        base: dict[str, Any] = {}
-        for case in args.cases:
+    for nodes, repeat in [(n, r) for n in args.nodes for r in range(args.repeats)]:
+        ran: dict[str, dict[str, Any]] = {}
+        # Every other repeat in reverse: a machine that drifts during the run
+        # weighs on both ends of the list alike.
+        for case in args.cases if repeat % 2 == 0 else args.cases[::-1]:
             if case == "pack:fedepm" and nodes > DENSE_FEDEPM_NODES:
                 print(
                     f"{case:28}{nodes:>7}  not run: the dense table is one model a "
@@ -469,23 +525,14 @@ def main() -> None:
             except (RuntimeError, OSError, ValueError, KeyError) as err:
                 print(f"{case:28}{nodes:>7}  FAILED: {err}", flush=True)
                 continue
-            if case in FLOWER_CASES:
-                base[case] = row
-            flower = base.get("flower")
-            row["ratio"] = row["s-per-round"] / flower["s-per-round"] if flower else nan
-            for key, reference in (
-                ("payload", "flower+payload"),
-                ("trained", "flower+payload+train"),
-            ):
-                payload = base.get(reference) if case in PAYLOAD_CASES else None
-                row[f"x-{key}"] = (
-                    row["s-per-round"] / payload["s-per-round"] if payload else nan
-                )
-                row[f"server-mb-x-{key}"] = (
-                    row["server-peak-mb"] / payload["server-peak-mb"]
-                    if payload
-                    else nan
-                )
+            row["repeat"] = repeat
+            ran[case] = row
+            # The table waits for the last case (the ratios); progress meanwhile.
+            done = f"{row['s-per-round']:.3f} s a round"
+            print(f"  {case} at {nodes} (repeat {repeat + 1}): {done}", flush=True)
+        for case in (c for c in args.cases if c in ran):
+            row = ran[case]
+            add_ratios(row, ran)
             rows.append(row)
             print(
                 f"{case:28}{nodes:>7}{row['s-per-round']:9.3f}"
@@ -496,6 +543,8 @@ def main() -> None:
                 f"{row['x-trained']:10.2f}{row['server-mb-x-trained']:13.2f}",
                 flush=True,
             )
+    if args.repeats > 1:
+        print_repeats(rows)
     if args.breakdown:
         print_breakdown(rows, args.rounds)
     OUT.mkdir(parents=True, exist_ok=True)
