@@ -306,6 +306,19 @@ def test_a_corrupt_state_file_is_refused_not_read(tmp_path: Path) -> None:
         ClientState(None, state_dir=str(tmp_path), in_memory=False)
 
 
+def test_a_state_file_claiming_more_than_it_holds_is_refused(tmp_path: Path) -> None:
+    """A member whose declared size overruns the file is refused before it is read."""
+    _disk_state(tmp_path)
+    path = tmp_path / "client.npz"
+    data = bytearray(path.read_bytes())
+    directory = data.index(b"PK\x01\x02")  # the first central directory entry
+    # its uncompressed size (bytes 24-27), and compressed size (20-23), to 2 GB
+    data[directory + 20 : directory + 28] = (2**31 - 1).to_bytes(4, "little") * 2
+    path.write_bytes(bytes(data))
+    with pytest.raises(zipfile.BadZipFile, match="overruns"):
+        ClientState(None, state_dir=str(tmp_path), in_memory=False)
+
+
 def test_a_state_file_holding_objects_is_refused(tmp_path: Path) -> None:
     archive = zipfile.ZipFile(tmp_path / "client.npz", "w")
     with archive, archive.open("h\x1f0.npy", "w") as member:

@@ -360,9 +360,12 @@ def read_state_file(path: Path) -> dict[str, ArrayRecord]:
 def _member(fd: int, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
     """Return a stored member's bytes, read in one ``pread`` (others: zipfile's read).
 
-    zipfile reads a member through buffers of its own and takes a quarter
-    longer (``benchmarks/state_files.py``).
+    zipfile reads a member through buffers of its own and takes about a fifth
+    longer (``benchmarks/state_files.py``). A size the file cannot hold is
+    refused before anything is allocated for it.
     """
+    if info.header_offset + info.file_size > os.fstat(fd).st_size:
+        raise zipfile.BadZipFile(f"{info.filename!r} overruns {archive.filename}")
     local = os.pread(fd, _LOCAL_HEADER_SIZE, info.header_offset)
     stored = info.compress_type == zipfile.ZIP_STORED
     if not stored or local[:4] != _LOCAL_HEADER_SIGNATURE:
