@@ -126,7 +126,8 @@ def zipfile_members(path: Path) -> list[bytes]:
 
 def pread_members(path: Path) -> list[bytes]:
     with path.open("rb") as file, zipfile.ZipFile(file) as archive:
-        return [_member(file.fileno(), archive, info) for info in archive.infolist()]
+        size = os.fstat(file.fileno()).st_size
+        return [_member(file.fileno(), size, archive, i) for i in archive.infolist()]
 
 
 def median_ms(action: Callable[[], object]) -> float:

@@ -347,9 +347,10 @@ def read_state_file(path: Path) -> dict[str, ArrayRecord]:
             return {}
     grouped: dict[str, dict[str, Array]] = {}
     with path.open("rb") as file, zipfile.ZipFile(file) as archive:
+        size = os.fstat(file.fileno()).st_size
         for info in archive.infolist():
             name, key = info.filename.removesuffix(".npy").split("\x1f", 1)
-            payload = _member(file.fileno(), archive, info)
+            payload = _member(file.fileno(), size, archive, info)
             grouped.setdefault(name, {})[key] = array_of_npy(payload)
     return {
         name: ArrayRecord({key: arrays[key] for key in sorted(arrays, key=int)})
@@ -357,14 +358,16 @@ def read_state_file(path: Path) -> dict[str, ArrayRecord]:
     }
 
 
-def _member(fd: int, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+def _member(
+    fd: int, size: int, archive: zipfile.ZipFile, info: zipfile.ZipInfo
+) -> bytes:
     """Return a stored member's bytes, read in one ``pread`` (others: zipfile's read).
 
     zipfile reads a member through buffers of its own and takes about a fifth
-    longer (``benchmarks/state_files.py``). A size the file cannot hold is
-    refused before anything is allocated for it.
+    longer (``benchmarks/state_files.py``). A member the file's ``size``
+    (bytes) cannot hold is refused before anything is allocated for it.
     """
-    if info.header_offset + info.file_size > os.fstat(fd).st_size:
+    if info.header_offset + info.file_size > size:
         raise zipfile.BadZipFile(f"{info.filename!r} overruns {archive.filename}")
     local = os.pread(fd, _LOCAL_HEADER_SIZE, info.header_offset)
     stored = info.compress_type == zipfile.ZIP_STORED
