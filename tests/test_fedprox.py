@@ -60,6 +60,23 @@ def test_proximal_term_is_the_gradient_of_the_squared_penalty() -> None:
     assert torch.dot(p.grad, (p - anchor).detach()) > 0
 
 
+def test_proximal_term_keeps_copies_unless_told_not_to() -> None:
+    p = torch.zeros(3, requires_grad=True)
+    anchor, shift = torch.ones(3), torch.full((3,), 0.5)
+    copied = ProximalTerm(1.0, [anchor], [shift])
+    kept = ProximalTerm(1.0, [anchor], [shift], copy=False)
+    assert copied.anchor[0].data_ptr() != anchor.data_ptr()
+    assert copied.shift is not None and copied.shift[0].data_ptr() != shift.data_ptr()
+    assert kept.anchor[0].data_ptr() == anchor.data_ptr()
+    assert kept.shift is not None and kept.shift[0].data_ptr() == shift.data_ptr()
+    anchor.fill_(3.0)  # the caller breaks its promise: only the kept term sees it
+    copied.add_([p])
+    torch.testing.assert_close(p.grad, torch.full((3,), -0.5))
+    p.grad = None
+    kept.add_([p])
+    torch.testing.assert_close(p.grad, torch.full((3,), -2.5))
+
+
 def test_two_hand_computed_steps() -> None:
     x, y = least_squares()
     w_t = np.array([0.5, -1.0, 2.0])

@@ -420,6 +420,15 @@ def test_the_rule_follows_a_device_move_before_the_first_step(problem):
     assert rule.params[0] is model.weight
 
 
+def test_the_rules_term_shares_the_rules_anchor(problem):
+    """One copy of the global model a client, not two (the term's is the rule's)."""
+    model, rule = fedprox_rule(problem, np.linspace(-1, 1, problem.dim), 0.5)
+    assert [a.data_ptr() for a in rule.term.anchor] == [
+        a.data_ptr() for a in rule.anchor
+    ]
+    assert rule.anchor[0].data_ptr() != model.weight.data_ptr()
+
+
 def test_innermost_optimizer_unwraps_wrappers():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
 

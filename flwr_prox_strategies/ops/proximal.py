@@ -24,6 +24,10 @@ def proximal_value(
     return 0.5 * mu * total
 
 
+def _kept(tensors: Sequence[torch.Tensor], copy: bool) -> list[torch.Tensor]:
+    return [t.detach().clone() if copy else t.detach() for t in tensors]
+
+
 class ProximalTerm:
     r"""Gradient of :math:`\frac{\mu}{2}\lVert w - a\rVert^2 + \langle s, w\rangle`.
 
@@ -44,6 +48,11 @@ class ProximalTerm:
         When True the :math:`\mu w` part is left out because the optimiser's
         weight decay carries it (the official FedDyn code does this; it keeps that
         part out of gradient clipping).
+    copy : bool (default: True)
+        Keep copies of ``anchor`` and ``shift``. False keeps the tensors
+        given, detached, and saves two model-sized copies: for a caller that
+        never changes them in place afterwards (the pack's rules, whose anchor
+        and shift are their own, computed once a round).
     """
 
     def __init__(
@@ -53,12 +62,13 @@ class ProximalTerm:
         shift: Sequence[torch.Tensor] | None = None,
         *,
         decoupled: bool = False,
+        copy: bool = True,
     ) -> None:
         if not mu >= 0:
             raise ValueError(f"mu must be >= 0, got {mu!r}")
         self.mu = float(mu)
-        self.anchor = [a.detach().clone() for a in anchor]
-        self.shift = None if shift is None else [s.detach().clone() for s in shift]
+        self.anchor = _kept(anchor, copy)
+        self.shift = None if shift is None else _kept(shift, copy)
         self.decoupled = decoupled
 
     def add_(self, params: Sequence[torch.Tensor]) -> None:

@@ -91,7 +91,7 @@ class FedDCRule(ClientRule):
             self.c = self.received_params(CONTROL_RECORD)
             self.ci = self.state.get_tensors(CONTROL_STATE, self.anchor)
             shift = [c / rho - ci for c, ci in zip(self.c, self.ci, strict=True)]
-            return ProximalTerm(alpha / rho, anchor, shift)
+            return ProximalTerm(alpha / rho, anchor, shift, copy=False)
         if self.planned_steps is None or self.planned_lr is None:
             raise ProtocolError(
                 "FedDC's paper form needs the round's planned steps and step "
@@ -102,7 +102,7 @@ class FedDCRule(ClientRule):
         g_i = self.state.get_tensors(UPDATE_STATE, self.anchor)
         scale = 1.0 / (self.planned_steps * self.planned_lr)
         shift = [(gi - gg) * scale for gi, gg in zip(g_i, g, strict=True)]
-        return ProximalTerm(alpha, anchor, shift)
+        return ProximalTerm(alpha, anchor, shift, copy=False)
 
     def finish(
         self, steps: int, lr: float

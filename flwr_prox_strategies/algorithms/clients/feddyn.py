@@ -74,7 +74,9 @@ class FedDynRule(ClientRule):
         self.alpha = alpha / self.relative_size
         self.drift = self.state.get_tensors(DRIFT_STATE, self.anchor)
         shift = [self.alpha * d for d in self.drift]
-        return ProximalTerm(self.alpha, self.anchor, shift, decoupled=self.decoupled)
+        return ProximalTerm(
+            self.alpha, self.anchor, shift, decoupled=self.decoupled, copy=False
+        )
 
     def finish(
         self, steps: int, lr: float

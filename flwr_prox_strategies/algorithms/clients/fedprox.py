@@ -58,7 +58,7 @@ class FedProxRule(ClientRule):
         if not math.isfinite(mu) or mu < 0:
             raise ValueError(f"received proximal-mu={mu!r}; it must be finite and >= 0")
         self.mu = mu
-        return ProximalTerm(mu, self.anchor)
+        return ProximalTerm(mu, self.anchor, copy=False)
 
 
 class FedProxClient(TorchClient):

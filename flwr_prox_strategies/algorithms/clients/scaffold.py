@@ -58,7 +58,7 @@ class ScaffoldRule(ClientRule):
         self.c = self.received_params(CONTROL_RECORD)
         self.ci = self.state.get_tensors(CONTROL_STATE, self.anchor)
         shift = [c - ci for c, ci in zip(self.c, self.ci, strict=True)]
-        return ProximalTerm(0.0, self.anchor, shift)
+        return ProximalTerm(0.0, self.anchor, shift, copy=False)
 
     def finish(
         self, steps: int, lr: float
