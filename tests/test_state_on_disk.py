@@ -17,14 +17,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
+import torch
+from flwr.app import Context, Message, RecordDict
 from omegaconf import OmegaConf
 
 from flwr_prox_strategies import DPSGD, to_client_app
 from flwr_prox_strategies.algorithms.clients.fedavg import FedAvgClient
 from flwr_prox_strategies.algorithms.clients.feddc import FedDCClient
 from flwr_prox_strategies.algorithms.clients.feddyn import FedDynClient
-from flwr_prox_strategies.algorithms.clients.scaffold import ScaffoldClient
+from flwr_prox_strategies.algorithms.clients.scaffold import (
+    ScaffoldClient,
+    ScaffoldRule,
+)
 from flwr_prox_strategies.algorithms.fedavg import FedAvg
 from flwr_prox_strategies.algorithms.feddc import FedDC
 from flwr_prox_strategies.algorithms.feddyn import FedDyn
@@ -36,7 +40,7 @@ from flwr_prox_strategies.experiment.checkpoint import (
     client_state_on_disk,
 )
 
-from .lsq import LeastSquares
+from .lsq import LeastSquares, half_sse
 
 LOCAL = {"local_epochs": 3, "learning_rate": 0.1, "seed": 0}
 DP = DPSGD(noise_multiplier=1.0, clipping_norm=1.0, poisson_sampling=False)
@@ -163,6 +167,95 @@ def test_a_call_that_fails_keeps_on_disk_what_it_did_as_memory_would(
     assert memory.state.array_records["scalar:committed-round"]["0"].numpy() == 1.0
     assert not any(n.startswith("pending:") for n in memory.state.array_records)
     assert on_disk(tmp_path / "disk", 0) == held(memory.state)
+
+
+def rule_loop_app(
+    problem: LeastSquares, state_dir: Path, *, in_memory: bool, fail_round: int = 0
+):
+    """A user's Message-API loop on SCAFFOLD's rule; partition 0 may raise mid-round."""
+
+    def app(message: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        model = torch.nn.Linear(problem.dim, 1, bias=False)
+        rule = ScaffoldRule.from_message(
+            message,
+            context,
+            model,
+            state_dir=str(state_dir),
+            state_in_memory=in_memory,
+        )
+        if rule.server_round == fail_round and k == 0:
+            raise RuntimeError("the node crashed before its reply")
+        optimizer = rule.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(3):
+            for x, y in problem.loader(k):
+                optimizer.zero_grad()
+                half_sse(model(x), y).backward()
+                optimizer.step()
+        return rule.reply(num_examples=len(problem.a[k]))
+
+    return app
+
+
+def test_a_rule_in_ones_own_loop_keeps_its_state_on_disk_only(
+    problem: LeastSquares, tmp_path: Path
+) -> None:
+    grids, results = {}, {}
+    for name, in_memory in (("memory", True), ("disk", False)):
+        app = rule_loop_app(problem, tmp_path / name, in_memory=in_memory)
+        grids[name] = InProcessGrid(app, num_nodes=4)
+        strategy = Scaffold(
+            num_clients=4, fraction_train=0.5, fraction_evaluate=0.0, seed=1
+        )
+        results[name] = strategy.start(
+            grid=grids[name], initial_arrays=problem.initial(), num_rounds=6
+        )
+        assert not strategy.rejections
+    for a, b in zip(
+        results["memory"].arrays.to_numpy_ndarrays(),
+        results["disk"].arrays.to_numpy_ndarrays(),
+        strict=True,
+    ):
+        assert a.tobytes() == b.tobytes()
+    assert all(not c.state.array_records for c in grids["disk"].contexts.values())
+    trained = [c for c in grids["memory"].contexts.values() if c.state.array_records]
+    assert len(trained) >= 3
+    for context in trained:
+        key = int(context.node_config["partition-id"])
+        assert on_disk(tmp_path / "disk", key) == held(context.state)
+
+
+def test_a_loop_that_raises_after_from_message_keeps_on_disk_what_memory_would(
+    problem: LeastSquares, tmp_path: Path
+) -> None:
+    grids = {}
+    for name, in_memory in (("memory", True), ("disk", False)):
+        app = rule_loop_app(problem, tmp_path / name, in_memory=in_memory, fail_round=2)
+        grids[name] = InProcessGrid(app, num_nodes=2)
+        strategy = Scaffold(
+            num_clients=2, min_round_nodes=1, fraction_evaluate=0.0, seed=1
+        )
+        strategy.start(grid=grids[name], initial_arrays=problem.initial(), num_rounds=2)
+        assert strategy.book.accepted[0] == 1  # round 2's reply was an error
+    memory = next(
+        c
+        for c in grids["memory"].contexts.values()
+        if int(c.node_config["partition-id"]) == 0
+    )
+    # Building round 2's rule committed round 1's state; the loop then raised.
+    assert memory.state.array_records["scalar:committed-round"]["0"].numpy() == 1.0
+    assert not any(n.startswith("pending:") for n in memory.state.array_records)
+    assert on_disk(tmp_path / "disk", 0) == held(memory.state)
+
+
+def test_a_rule_with_its_state_on_disk_only_needs_a_folder() -> None:
+    with pytest.raises(ValueError, match=r"state_in_memory=False .* needs a state_dir"):
+        ScaffoldRule.from_message(
+            Message(RecordDict(), dst_node_id=1, message_type="train"),
+            Context(1, 1, {}, RecordDict(), {}),
+            torch.nn.Linear(2, 1),
+            state_in_memory=False,
+        )
 
 
 def committed_control(state_dir: Path, key: int, strategy: Scaffold) -> np.ndarray:

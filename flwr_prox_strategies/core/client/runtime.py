@@ -153,6 +153,7 @@ class RuleRuntime:
         model: nn.Module,
         *,
         state_dir: str | None = None,
+        state_in_memory: bool = True,
         **options: Any,
     ) -> Self:
         """Read a train message: load its model into ``model``, build the rule.
@@ -169,6 +170,12 @@ class RuleRuntime:
         state_dir : str | None (default: None)
             Mirror the rule's state to ``<state_dir>/<client key>.npz`` so a
             restarted node resumes it.
+        state_in_memory : bool (default: True)
+            False keeps the rule's state in ``state_dir`` only, none of it in
+            ``context.state``: a simulation of thousands of nodes then holds no
+            node's state in memory. The file is read when the rule is built,
+            and written then (a commit, a reset: what the server's message
+            changed, before your loop runs) and when the reply is built.
         **options
             The rule's own options (``relative_size``, ``base_lr``, and those
             of the subclass, e.g. FedDyn's ``decoupled``).
@@ -179,8 +186,14 @@ class RuleRuntime:
             If the message's arrays do not fit ``model``, or it lacks what
             the algorithm's strategy sends (naming the strategy needed).
         ValueError
-            If an option or a received value is out of range.
+            If an option or a received value is out of range, or
+            ``state_in_memory`` is False without a ``state_dir``.
         """
+        if not state_in_memory and not state_dir:
+            raise ValueError(
+                "state_in_memory=False keeps the rule's state in files only: it "
+                "needs a state_dir"
+            )
         received = read_message(message)
         load_arrays(model, received.arrays)
         key = client_key_of(context)
@@ -189,10 +202,19 @@ class RuleRuntime:
             model,
             received.config,
             received=received.extra,
-            state=ClientState(context, state_dir=state_dir, client_key=str(key)),
+            state=ClientState(
+                context,
+                state_dir=state_dir,
+                client_key=str(key),
+                in_memory=state_in_memory,
+            ),
             client_key=key,
             **options,
         )
+        if not state_in_memory:
+            # Memory would keep what building the rule changed if the user's
+            # loop then raised; on disk only, the file must.
+            rule.state.flush()
         rule._message = message
         rule.layout = ReplyLayout(
             model,
