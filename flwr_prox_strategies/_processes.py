@@ -76,8 +76,20 @@ def kill_groups(groups: set[int]) -> None:
 
 
 def _alive(group: int) -> bool:
+    """Return whether a process of ``group`` still runs.
+
+    An exited one its parent has not reaped yet (a zombie, as the caller's own
+    children are until it waits for them) does not count, or each stop of one's
+    own children would wait out both 5 s deadlines.
+    """
     try:
         os.killpg(group, 0)
     except ProcessLookupError:
         return False
-    return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # After the command's ")": state, parent pid, process group, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                return True
+    return False

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,10 +48,16 @@ SERVERS, CLIENTS_PER_SERVER, ROUNDS, KILLED, KILL_AFTER = 3, 1, 6, 2, 2
 CLIENTS = SERVERS * CLIENTS_PER_SERVER
 
 
-def launch_and_watch(output: Path, *extra: str, timeout: float = 1200):
+def launch_and_watch(
+    output: Path,
+    *extra: str,
+    timeout: float = 1200,
+    once_seen: tuple[int, Callable[[], object]] | None = None,
+):
     """Run the launcher to its end; meanwhile keep every server's model of every
-    round seen in its checkpoint. Return (completed process, {(server, round):
-    {name: array}})."""
+    round seen in its checkpoint. ``once_seen=(rnd, call)``: ``call()`` once
+    every server's round ``rnd`` has been seen. Return (completed process,
+    {(server, round): {name: array}})."""
     env = {k: v for k, v in os.environ.items() if k != "FLWR_HOME"}
     log = output.parent / f"{output.name}.launcher.log"
     command = [
@@ -78,6 +85,11 @@ def launch_and_watch(output: Path, *extra: str, timeout: float = 1200):
                         (i, int(checkpoint["round"])),
                         dict(zip(model["names"], model["arrays"], strict=True)),
                     )
+                if once_seen is not None and all(
+                    (i, once_seen[0]) in seen for i in range(SERVERS)
+                ):
+                    once_seen[1]()
+                    once_seen = None
                 time.sleep(0.1)
         finally:
             if proc.poll() is None:
@@ -91,10 +103,9 @@ def server_results(output: Path, i: int) -> dict:
     return json.loads((output / f"server-{i}" / "results.json").read_text())
 
 
-def logical_p_fedavg(folder: Path, rounds: int) -> tuple[dict, dict[int, dict]]:
+def logical_p_fedavg(folder: Path, rounds: int) -> None:
     """The same app, seeds and W, all the clients on one grid (partition-id
-    modulo 3 gives each server the same clients): the servers' models after
-    ``rounds`` and each round's record."""
+    modulo 3 gives each server the same clients), its output in ``folder``."""
     from apps.client_app import app as client_app
 
     run_config = {
@@ -106,6 +117,31 @@ def logical_p_fedavg(folder: Path, rounds: int) -> tuple[dict, dict[int, dict]]:
     run_experiment(
         InProcessGrid(client_app, num_nodes=CLIENTS, run_config=run_config), run_config
     )
+
+
+def start_logical_p_fedavg(folder: Path, rounds: int) -> subprocess.Popen:
+    """:func:`logical_p_fedavg` in a process of its own, its output in ``folder``.
+
+    Started once the deployments' rounds to compare are seen: it then runs while
+    they wait on their killed server (exchange timeouts, the restart), not after.
+    """
+    code = (
+        "import sys; from pathlib import Path; "
+        "from tests.system.test_pfedavg_deploy import logical_p_fedavg; "
+        "logical_p_fedavg(Path(sys.argv[1]), int(sys.argv[2]))"
+    )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.log", "w") as sink:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, str(folder), str(rounds)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+
+
+def read_logical_p_fedavg(folder: Path) -> tuple[dict, dict[int, dict]]:
+    """The logical run's servers' models after its last round, each round's record."""
     models = read_checkpoint(folder)["strategy"]["models"]
     records = json.loads((folder / "results.json").read_text())["rounds"]
     return models, {r["round"]: r for r in records}
@@ -115,11 +151,24 @@ def test_three_deployments_equal_the_logical_p_fedavg_and_survive_a_killed_serve
     tmp_path: Path,
 ) -> None:
     folder = tmp_path / "deploy"
+    logical_folder = tmp_path / "logical"
+    logical: list[subprocess.Popen] = []
     out, seen = launch_and_watch(
         folder,
         *("--kill-server", str(KILLED), "--kill-after", str(KILL_AFTER)),
         *("--restart-after", "3", "--exchange-timeout", "60", "--rejoin-grace", "4"),
+        once_seen=(
+            KILL_AFTER,
+            lambda: logical.append(start_logical_p_fedavg(logical_folder, KILL_AFTER)),
+        ),
     )
+    if not logical:  # (the launch ended before its rounds were seen)
+        logical.append(start_logical_p_fedavg(logical_folder, KILL_AFTER))
+    try:
+        logical_code = logical[0].wait(600)
+    finally:
+        if logical[0].poll() is None:
+            logical[0].kill()
     assert out.returncode == 0, out.stdout[-6000:]
     assert f"killing server {KILLED}" in out.stdout
     assert f"restarting server {KILLED}" in out.stdout
@@ -128,7 +177,9 @@ def test_three_deployments_equal_the_logical_p_fedavg_and_survive_a_killed_serve
     assert (folder / "pfedavg-deploy.png").stat().st_size > 10_000
 
     # Equivalence, until the kill.
-    logical_models, logical_rounds = logical_p_fedavg(tmp_path / "logical", KILL_AFTER)
+    logical_log = (tmp_path / "logical.log").read_text()
+    assert logical_code == 0, logical_log[-6000:]
+    logical_models, logical_rounds = read_logical_p_fedavg(logical_folder)
     worst = 0.0
     for i in range(SERVERS):
         assert (i, KILL_AFTER) in seen, f"server {i}'s round {KILL_AFTER} not seen"
