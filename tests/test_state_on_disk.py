@@ -134,6 +134,24 @@ def test_rounds_with_the_state_on_disk_equal_rounds_in_memory(
             assert {"dp-accountant-history", "scalar:dp-sgd-epsilon"} <= set(ledger)
 
 
+def assert_round_one_committed_on_disk_as_in_memory(
+    grids: dict[str, InProcessGrid], disk: Path
+) -> None:
+    """Partition 0 failed in round 2 after its rule committed round 1's state.
+
+    In memory, ``context.state`` keeps that commit; on disk, the file must hold
+    exactly the same records.
+    """
+    memory = next(
+        c
+        for c in grids["memory"].contexts.values()
+        if int(c.node_config["partition-id"]) == 0
+    )
+    assert memory.state.array_records["scalar:committed-round"]["0"].numpy() == 1.0
+    assert not any(n.startswith("pending:") for n in memory.state.array_records)
+    assert on_disk(disk, 0) == held(memory.state)
+
+
 class FailsInRoundTwo(ScaffoldClient):
     """Partition 0 fails in round 2 after training (its commit of round 1 done)."""
 
@@ -158,15 +176,7 @@ def test_a_call_that_fails_keeps_on_disk_what_it_did_as_memory_would(
         strategy = Scaffold(num_clients=2, min_round_nodes=1, seed=1)
         strategy.start(grid=grids[name], initial_arrays=problem.initial(), num_rounds=2)
         assert strategy.book.accepted[0] == 1  # round 2's reply was an error
-    memory = next(
-        c
-        for c in grids["memory"].contexts.values()
-        if int(c.node_config["partition-id"]) == 0
-    )
-    # Round 2 committed round 1's state before training crashed: the file says so.
-    assert memory.state.array_records["scalar:committed-round"]["0"].numpy() == 1.0
-    assert not any(n.startswith("pending:") for n in memory.state.array_records)
-    assert on_disk(tmp_path / "disk", 0) == held(memory.state)
+    assert_round_one_committed_on_disk_as_in_memory(grids, tmp_path / "disk")
 
 
 def rule_loop_app(
@@ -237,15 +247,7 @@ def test_a_loop_that_raises_after_from_message_keeps_on_disk_what_memory_would(
         )
         strategy.start(grid=grids[name], initial_arrays=problem.initial(), num_rounds=2)
         assert strategy.book.accepted[0] == 1  # round 2's reply was an error
-    memory = next(
-        c
-        for c in grids["memory"].contexts.values()
-        if int(c.node_config["partition-id"]) == 0
-    )
-    # Building round 2's rule committed round 1's state; the loop then raised.
-    assert memory.state.array_records["scalar:committed-round"]["0"].numpy() == 1.0
-    assert not any(n.startswith("pending:") for n in memory.state.array_records)
-    assert on_disk(tmp_path / "disk", 0) == held(memory.state)
+    assert_round_one_committed_on_disk_as_in_memory(grids, tmp_path / "disk")
 
 
 def test_a_rule_with_its_state_on_disk_only_needs_a_folder() -> None:
